@@ -1,0 +1,82 @@
+"""qosmq: qualities of service beside RabbitMQ.
+
+Entry points: :func:`connect` (asyncio core) and :func:`connect_sync` (pika face),
+both configured by one :class:`Settings` object.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    AccessRefused,
+    BrokerUnreachable,
+    ConfigurationError,
+    ConfirmTimeout,
+    ConnectionLost,
+    DeadLetter,
+    EntityNotFound,
+    MiddlewareError,
+    NotConnected,
+    PreconditionFailed,
+    PublishError,
+    PublishNacked,
+    Reject,
+    Requeue,
+    Unroutable,
+    WindowFull,
+)
+from .settings import Settings
+from .transport import (
+    AsyncClient,
+    BindingSpec,
+    Delivery,
+    ExchangeSpec,
+    ExchangeType,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessRefused",
+    "AsyncClient",
+    "BindingSpec",
+    "BrokerUnreachable",
+    "ConfigurationError",
+    "ConfirmTimeout",
+    "ConnectionLost",
+    "DeadLetter",
+    "Delivery",
+    "EntityNotFound",
+    "ExchangeSpec",
+    "ExchangeType",
+    "MiddlewareError",
+    "NotConnected",
+    "OutgoingMessage",
+    "PreconditionFailed",
+    "PublishError",
+    "PublishNacked",
+    "QueueKind",
+    "QueueSpec",
+    "Reject",
+    "Requeue",
+    "Settings",
+    "SyncClient",
+    "Unroutable",
+    "WindowFull",
+    "__version__",
+    "connect",
+    "connect_sync",
+]
+
+
+async def connect(settings: Settings | None = None) -> AsyncClient:
+    """Connect the asyncio client to the cluster (settings from the environment by default)."""
+    return await AsyncClient(settings=settings or Settings.load()).connect()
+
+
+def connect_sync(settings: Settings | None = None) -> SyncClient:
+    """Connect the blocking (pika) client to the cluster."""
+    return SyncClient(settings=settings or Settings.load()).connect()

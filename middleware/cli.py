@@ -1,0 +1,141 @@
+"""``qosmq``: the command line.  Parses arguments and starts things; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import MiddlewareError
+from .observability import configure_logging
+from .settings import Settings
+
+__all__ = ["main"]
+
+log = logging.getLogger("qosmq")
+DEFAULT_STATE_DIR = Path(os.environ.get("QOSMQ_STATE_DIR", ".qosmq"))
+Handler = Callable[[argparse.Namespace], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qosmq`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        settings = Settings.load(args.config)
+        configure_logging(settings.log_level, settings.log_format)
+        args.settings = settings
+        result: int = args.run(args)
+        return result
+    except MiddlewareError as exc:
+        print(f"qosmq: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qosmq: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qosmq", description=__doc__)
+    parser.add_argument("--config", type=Path, help="TOML settings file (env QOSMQ_* wins)")
+    sub = parser.add_subparsers(title="commands")
+    _cluster_commands(sub)
+    for register in _feature_commands():
+        register(sub)
+    return parser
+
+
+def _feature_commands() -> list[Callable[[Any], None]]:
+    """Commands contributed by feature packages (imported lazily to keep start-up fast)."""
+    from .bench import register as bench
+
+    return [bench]
+
+
+# ------------------------------------------------------------------ cluster
+def _cluster_commands(sub: Any) -> None:
+    cluster = sub.add_parser("cluster", help="a local RabbitMQ cluster (the embedded default)")
+    cmds = cluster.add_subparsers(title="cluster commands", required=True)
+
+    def add(name: str, run: Handler, help_: str, node: bool = False) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = cmds.add_parser(name, help=help_)
+        p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                       help="where nodes keep data, logs and PIDs (default .qosmq)")
+        if node:
+            p.add_argument("node", help="node: qosmq-2, its full name, or its number 2")
+        p.set_defaults(run=run)
+        return p
+
+    up = add("up", _cluster_up, "start N nodes on 127.0.0.1 and join them (idempotent)")
+    up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    up.add_argument("--base-port", type=int, default=5672, help="AMQP port of node 1")
+    status = add("status", _cluster_status, "nodes, PIDs, ports, members")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    add("stop", _cluster_node("stop"), "stop one node gracefully", node=True)
+    add("kill", _cluster_node("kill"), "SIGKILL one node (failure drill)", node=True)
+    add("start", _cluster_node("start"), "start one stopped node", node=True)
+    down = add("down", _cluster_down, "stop every node and epmd")
+    down.add_argument("--purge", action="store_true", help="also delete the state directory")
+
+
+def _open_cluster(args: argparse.Namespace) -> Any:
+    from .localcluster import LocalCluster
+
+    return LocalCluster.open(
+        args.state_dir, size=getattr(args, "nodes", 3), base_port=getattr(args, "base_port", 5672)
+    )
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    cluster = _open_cluster(args)
+    was_running = {n["name"] for n in cluster.status()["nodes"] if n["pid"]}
+    started = time.monotonic()
+    status = cluster.up()
+    elapsed = time.monotonic() - started
+    for node in status["nodes"]:
+        state = "already running" if node["name"] in was_running else "started"
+        print(f"{node['name']:10} {node['amqp_url']:28} pid {node['pid']:<8} {state}")
+    print(f"members: {', '.join(status['members'])}  ({elapsed:.1f} s)")
+    print(f"export QOSMQ_AMQP_URLS={','.join(status['amqp_urls'])}")
+    return 0
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    status = _open_cluster(args).status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    for node in status["nodes"]:
+        running = "running" if node["running"] else "stopped"
+        print(f"{node['name']:10} {node['amqp_url']:28} pid {node['pid'] or '-':<8} {running}")
+    print(f"members: {', '.join(status['members']) or '-'}")
+    return 0
+
+
+def _cluster_node(action: str) -> Handler:
+    def run(args: argparse.Namespace) -> int:
+        cluster = _open_cluster(args)
+        getattr(cluster, action)(args.node)
+        print(f"{action}: {args.node}")
+        return 0
+
+    return run
+
+
+def _cluster_down(args: argparse.Namespace) -> int:
+    _open_cluster(args).down(purge=args.purge)
+    print("cluster down")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

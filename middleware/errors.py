@@ -1,0 +1,144 @@
+"""The one error tree of qosmq.
+
+Every exception the public API raises derives from :class:`MiddlewareError`.
+pika and aiormq exceptions are translated at the transport boundary
+(``middleware.transport.translate``) and never escape.
+
+::
+
+    MiddlewareError
+    ├── ConfigurationError (ValueError)        permanent: fix the named setting
+    ├── NotConnected (RuntimeError)            permanent: call connect() first
+    ├── RetryableError                         the same call may succeed later
+    │   ├── BrokerUnreachable (ConnectionError)   no node of the cluster answered
+    │   │   └── ConnectionLost                    a live connection died mid-call
+    │   ├── WindowFull                            the in-flight window is full (non-blocking call)
+    │   └── ConfirmTimeout (TimeoutError)         no broker confirm in time
+    ├── PublishError                           the broker refused a publish
+    │   ├── PublishNacked                         basic.nack from the broker
+    │   └── Unroutable                            mandatory publish returned: no queue bound
+    ├── TopologyError                          a declaration the broker refused
+    │   ├── EntityNotFound (LookupError)          queue or exchange does not exist
+    │   ├── PreconditionFailed                    redeclared with other arguments
+    │   └── AccessRefused (PermissionError)       the user may not touch it
+    └── HandlerInstruction                     raised by a consumer handler to steer the ack
+        ├── Reject                                basic.reject, no requeue (queue's DLX if any)
+        ├── Requeue                               basic.nack with requeue
+        └── DeadLetter                            copy to the layer's dead-letter queue with a reason
+
+Feature packages add leaves under these branches (e.g. the confirms package's
+``NegativeReceipt`` under ``PublishError``), never new roots.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccessRefused",
+    "BrokerUnreachable",
+    "ConfigurationError",
+    "ConfirmTimeout",
+    "ConnectionLost",
+    "DeadLetter",
+    "EntityNotFound",
+    "HandlerInstruction",
+    "MiddlewareError",
+    "NotConnected",
+    "PreconditionFailed",
+    "PublishError",
+    "PublishNacked",
+    "Reject",
+    "Requeue",
+    "RetryableError",
+    "TopologyError",
+    "Unroutable",
+    "WindowFull",
+]
+
+
+class MiddlewareError(Exception):
+    """Base of every error qosmq raises."""
+
+
+class ConfigurationError(MiddlewareError, ValueError):
+    """A setting is missing or malformed; the message names the field and the fix."""
+
+
+class NotConnected(MiddlewareError, RuntimeError):
+    """The client was used before ``connect()`` or after ``close()``."""
+
+
+class RetryableError(MiddlewareError):
+    """The operation failed for a reason that may pass; retrying may succeed."""
+
+
+class BrokerUnreachable(RetryableError, ConnectionError):
+    """No node of the cluster accepted a connection within the retry policy."""
+
+    def __init__(self, message: str, *, attempts: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.attempts: dict[str, str] = dict(attempts or {})
+
+
+class ConnectionLost(BrokerUnreachable):
+    """The connection died while a call was in progress."""
+
+
+class WindowFull(RetryableError):
+    """The in-flight window is full and the caller asked not to wait."""
+
+
+class ConfirmTimeout(RetryableError, TimeoutError):
+    """The broker did not confirm a publish within the timeout."""
+
+
+class PublishError(MiddlewareError):
+    """The broker refused a publish."""
+
+
+class PublishNacked(PublishError):
+    """The broker answered basic.nack (e.g. a quorum queue could not reach a majority)."""
+
+
+class Unroutable(PublishError):
+    """A mandatory publish was returned: no queue is bound for its routing key."""
+
+    def __init__(self, message: str, *, exchange: str = "", routing_key: str = "") -> None:
+        super().__init__(message)
+        self.exchange = exchange
+        self.routing_key = routing_key
+
+
+class TopologyError(MiddlewareError):
+    """The broker refused a declaration, binding or consume."""
+
+
+class EntityNotFound(TopologyError, LookupError):
+    """The queue or exchange does not exist."""
+
+
+class PreconditionFailed(TopologyError):
+    """An entity exists with other arguments than the ones declared."""
+
+
+class AccessRefused(TopologyError, PermissionError):
+    """The user is not allowed to use this entity or vhost."""
+
+
+class HandlerInstruction(MiddlewareError):
+    """Raised by a consumer handler to say what to do with the delivery."""
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Reject(HandlerInstruction):
+    """Reject without requeue: the queue's own dead-letter exchange gets it, if it has one."""
+
+
+class Requeue(HandlerInstruction):
+    """Give the message back to the queue for another delivery."""
+
+
+class DeadLetter(HandlerInstruction):
+    """Move the message to the layer's dead-letter queue with this reason, then ack it."""

@@ -1,0 +1,164 @@
+"""Where each node of a local cluster lives: names, ports, directories, environment.
+
+Pure: no process is started here.  Ports derive from one base port so several
+clusters (a developer's demo, the test session) can run side by side, each with
+its own epmd:
+
+=================  ======================  ============================
+port               node ``i`` (0-based)     default cluster (base 5672)
+=================  ======================  ============================
+AMQP               base + i                 5672, 5673, 5674
+management HTTP    base + 10000 + i         15672, 15673, 15674
+Prometheus         base + 10020 + i         15692, 15693, 15694
+Erlang dist        base + 20000 + i         25672, 25673, 25674
+epmd (cluster)     base + 30000             35672
+=================  ======================  ============================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ClusterLayout", "NodeLayout", "RABBITMQ_BIN"]
+
+RABBITMQ_BIN = Path(os.environ.get("QOSMQ_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
+MAX_NODES = 9
+PLUGINS = (
+    "rabbitmq_management",
+    "rabbitmq_prometheus",
+    "rabbitmq_consistent_hash_exchange",
+)
+_LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLayout:
+    """One node's name, ports and directories."""
+
+    index: int
+    short_name: str
+    node_name: str
+    amqp_port: int
+    management_port: int
+    prometheus_port: int
+    dist_port: int
+    directory: Path
+
+    @property
+    def amqp_url(self) -> str:
+        return f"amqp://127.0.0.1:{self.amqp_port}/"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.directory / "beam.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.directory / "stdout.log"
+
+    @property
+    def config_file(self) -> Path:
+        return self.directory / "rabbitmq.conf"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterLayout:
+    """N nodes on 127.0.0.1 under one state directory."""
+
+    state_dir: Path
+    size: int = 3
+    base_port: int = 5672
+    prefix: str = "qosmq"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size <= MAX_NODES:
+            raise ValueError(f"--nodes must be between 1 and {MAX_NODES}, got {self.size}")
+        if not 1024 <= self.base_port <= 65535 - 30000:
+            raise ValueError(f"--base-port must be between 1024 and 35535, got {self.base_port}")
+
+    @property
+    def epmd_port(self) -> int:
+        return self.base_port + 30000
+
+    @property
+    def cookie_file(self) -> Path:
+        # HOME is the state dir for server and CLI alike, so both read this cookie.
+        return self.state_dir / ".erlang.cookie"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    @property
+    def nodes(self) -> tuple[NodeLayout, ...]:
+        return tuple(self.node(i) for i in range(self.size))
+
+    def node(self, index: int) -> NodeLayout:
+        short = f"{self.prefix}-{index + 1}"
+        return NodeLayout(
+            index=index,
+            short_name=short,
+            node_name=f"{short}@localhost",
+            amqp_port=self.base_port + index,
+            management_port=self.base_port + 10000 + index,
+            prometheus_port=self.base_port + 10020 + index,
+            dist_port=self.base_port + 20000 + index,
+            directory=self.state_dir / short,
+        )
+
+    def find(self, name: str) -> NodeLayout:
+        """A node by short name (``qosmq-2``), node name, or 1-based number."""
+        for node in self.nodes:
+            if name in (node.short_name, node.node_name, str(node.index + 1)):
+                return node
+        known = ", ".join(n.short_name for n in self.nodes)
+        raise KeyError(f"no node {name!r} in this cluster (nodes: {known})")
+
+    def base_env(self) -> dict[str, str]:
+        """Environment shared by the nodes and the CLI tools (cookie, epmd)."""
+        return {
+            "HOME": str(self.state_dir),
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "RABBITMQ_CTL_ERL_ARGS": _LOOPBACK_DIST,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+        }
+
+    def node_env(self, node: NodeLayout) -> dict[str, str]:
+        return {
+            **self.base_env(),
+            "RABBITMQ_NODENAME": node.node_name,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(node.amqp_port),
+            "RABBITMQ_DIST_PORT": str(node.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(node.directory / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(node.directory / "log"),
+            "RABBITMQ_CONFIG_FILE": str(node.config_file),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(node.directory / "enabled_plugins"),
+            "RABBITMQ_PID_FILE": str(node.pid_file),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": _LOOPBACK_DIST,
+        }
+
+    def rabbitmq_conf(self, node: NodeLayout) -> str:
+        """The node's rabbitmq.conf: loopback listeners, and classic peer discovery."""
+        lines = [
+            f"listeners.tcp.default = 127.0.0.1:{node.amqp_port}",
+            f"management.tcp.port = {node.management_port}",
+            "management.tcp.ip = 127.0.0.1",
+            f"prometheus.tcp.port = {node.prometheus_port}",
+            "prometheus.tcp.ip = 127.0.0.1",
+            "cluster_formation.peer_discovery_backend = classic_config",
+            "log.file.level = info",
+        ]
+        lines += [
+            f"cluster_formation.classic_config.nodes.{peer.index + 1} = {peer.node_name}"
+            for peer in self.nodes
+        ]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def enabled_plugins() -> str:
+        return "[" + ",".join(PLUGINS) + "].\n"

@@ -1,0 +1,352 @@
+"""Start, stop, kill and inspect a local RabbitMQ cluster as plain processes.
+
+Every process is tracked by PID in ``<state-dir>/cluster.json``; nothing is
+found by name, and ``down`` leaves no process behind (epmd included).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+
+from ..errors import MiddlewareError
+from .layout import RABBITMQ_BIN, ClusterLayout, NodeLayout
+
+__all__ = ["ClusterError", "LocalCluster", "RabbitMQMissing", "pid_alive"]
+
+log = logging.getLogger(__name__)
+START_TIMEOUT = 90.0
+STOP_TIMEOUT = 60.0
+
+
+class ClusterError(MiddlewareError):
+    """The local cluster could not be started, stopped or inspected."""
+
+
+class RabbitMQMissing(ClusterError):
+    """rabbitmq-server is not installed where the layer looks for it."""
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True if ``pid`` is a live (not zombie) process."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _reap() -> None:
+    """Collect exited children (node wrappers we started) so they do not linger as zombies."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+class LocalCluster:
+    """A local RabbitMQ cluster described by a :class:`ClusterLayout`."""
+
+    def __init__(self, layout: ClusterLayout) -> None:
+        self.layout = layout
+
+    # ----------------------------------------------------------------- state
+    @classmethod
+    def open(cls, state_dir: Path | str, *, size: int = 3, base_port: int = 5672) -> LocalCluster:
+        """The cluster in ``state_dir``: its recorded layout if there is one, else a new one."""
+        state_dir = Path(state_dir).resolve()
+        state_file = state_dir / "cluster.json"
+        if state_file.is_file():
+            saved = json.loads(state_file.read_text())
+            size, base_port = saved["size"], saved["base_port"]
+        return cls(ClusterLayout(state_dir=state_dir, size=size, base_port=base_port))
+
+    def _load(self) -> dict[str, Any]:
+        if self.layout.state_file.is_file():
+            data: dict[str, Any] = json.loads(self.layout.state_file.read_text())
+            return data
+        return {"size": self.layout.size, "base_port": self.layout.base_port, "pids": {}}
+
+    def _save(self, state: dict[str, Any]) -> None:
+        tmp = self.layout.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.layout.state_file)
+
+    def _pids(self, node: NodeLayout) -> dict[str, int]:
+        pids: dict[str, int] = self._load()["pids"].get(node.short_name, {})
+        return pids
+
+    def beam_pid(self, node: NodeLayout) -> int | None:
+        pid = self._pids(node).get("beam")
+        return pid if pid_alive(pid) else None
+
+    @property
+    def epmd_pid(self) -> int | None:
+        pid = self._load().get("epmd")
+        return pid if pid_alive(pid) else None
+
+    # ------------------------------------------------------------- lifecycle
+    def up(self, *, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        """Start every node that is not running, join them, return :meth:`status`."""
+        _check_installed()
+        self._prepare_dirs()
+        self._ensure_epmd()
+        down = [n for n in self.layout.nodes if self.beam_pid(n) is None]
+        fresh = [n for n in down if not (n.directory / "mnesia").exists()]
+        started = time.monotonic()
+        if fresh and len(fresh) == len(self.layout.nodes):
+            # A new cluster: the first node forms it, the others join it at first boot.
+            self._start_nodes(fresh[:1], timeout)
+            self._start_nodes(fresh[1:], timeout)
+        else:
+            # Restarting nodes with data: they wait for their peers, so start them together.
+            self._start_nodes(down, timeout)
+        self._await_members(timeout)
+        if down:
+            log.info("cluster up in %.1f s", time.monotonic() - started)
+        return self.status()
+
+    def start(self, name: str, *, timeout: float = START_TIMEOUT) -> None:
+        """Start one stopped node (it rejoins the cluster from its data directory)."""
+        _check_installed()
+        node = self.layout.find(name)
+        if self.beam_pid(node) is not None:
+            return
+        self._ensure_epmd()
+        self._start_nodes([node], timeout)
+
+    def stop(self, name: str, *, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop one node gracefully (SIGTERM, then SIGKILL after ``timeout``)."""
+        self._terminate([self.layout.find(name)], timeout)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one node: the failure drill for a crashed broker."""
+        node = self.layout.find(name)
+        pids = self._pids(node)
+        for key in ("beam", "wrapper"):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                if pid_alive(pids.get(key)):
+                    os.kill(pids[key], signal.SIGKILL)
+        self._wait_dead([pids.get("beam")], 10.0)
+        _reap()
+
+    def down(self, *, purge: bool = False, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop every node and epmd by PID; with ``purge`` also delete the state directory."""
+        self._terminate(list(self.layout.nodes), timeout)
+        epmd = self.epmd_pid
+        if epmd is not None:
+            os.kill(epmd, signal.SIGTERM)
+            self._wait_dead([epmd], 5.0)
+        _reap()
+        if self.layout.state_dir.exists():
+            state = self._load()
+            state["pids"], state["epmd"] = {}, None
+            self._save(state)
+        if purge:
+            shutil.rmtree(self.layout.state_dir, ignore_errors=True)
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict[str, Any]:
+        """Nodes, PIDs, ports, whether each runs, and the members the cluster reports."""
+        nodes = []
+        for node in self.layout.nodes:
+            pid = self.beam_pid(node)
+            nodes.append(
+                {
+                    "name": node.short_name,
+                    "node": node.node_name,
+                    "pid": pid,
+                    "running": pid is not None and _amqp_handshake(node.amqp_port, 2.0),
+                    "amqp_url": node.amqp_url,
+                    "amqp_port": node.amqp_port,
+                    "management_port": node.management_port,
+                    "prometheus_port": node.prometheus_port,
+                }
+            )
+        return {
+            "state_dir": str(self.layout.state_dir),
+            "epmd_pid": self.epmd_pid,
+            "nodes": nodes,
+            "members": sorted(self.running_members()),
+            "amqp_urls": [n.amqp_url for n in self.layout.nodes],
+        }
+
+    def running_members(self) -> set[str]:
+        """Running cluster members as seen by the first node that answers its management API."""
+        for node in self.layout.nodes:
+            if self.beam_pid(node) is None:
+                continue
+            try:
+                listed = _management_get(node.management_port, "/api/nodes")
+            except OSError:
+                continue
+            return {n["name"] for n in listed if n.get("running")}
+        return set()
+
+    # -------------------------------------------------------------- internal
+    def _prepare_dirs(self) -> None:
+        self.layout.state_dir.mkdir(parents=True, exist_ok=True)
+        cookie = self.layout.cookie_file
+        if not cookie.exists():
+            cookie.write_text(base64.b32encode(secrets.token_bytes(20)).decode().rstrip("="))
+            cookie.chmod(0o400)
+        for node in self.layout.nodes:
+            (node.directory / "log").mkdir(parents=True, exist_ok=True)
+            node.config_file.write_text(self.layout.rabbitmq_conf(node))
+            (node.directory / "enabled_plugins").write_text(self.layout.enabled_plugins())
+        if not self.layout.state_file.exists():
+            self._save(self._load())
+
+    def _ensure_epmd(self) -> None:
+        if self.epmd_pid is not None:
+            return
+        epmd = shutil.which("epmd") or "/usr/lib/erlang/bin/epmd"
+        log_file = open(self.layout.state_dir / "epmd.log", "ab")  # noqa: SIM115 - child keeps it
+        proc = subprocess.Popen(
+            [epmd, "-port", str(self.layout.epmd_port), "-address", "127.0.0.1"],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log_file.close()
+        state = self._load()
+        state["epmd"] = proc.pid
+        self._save(state)
+
+    def _start_nodes(self, nodes: list[NodeLayout], timeout: float) -> None:
+        if not nodes:
+            return
+        state = self._load()
+        for node in nodes:
+            node.pid_file.unlink(missing_ok=True)
+            env = {**os.environ, **self.layout.node_env(node)}
+            with open(node.log_file, "ab") as out:
+                proc = subprocess.Popen(
+                    [str(RABBITMQ_BIN / "rabbitmq-server")],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            state["pids"][node.short_name] = {"wrapper": proc.pid}
+            log.info("starting %s (AMQP 127.0.0.1:%d)", node.node_name, node.amqp_port)
+        self._save(state)
+        with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+            beams = list(pool.map(lambda n: self._await_node(n, timeout), nodes))
+        state = self._load()
+        for node, beam in zip(nodes, beams, strict=True):
+            state["pids"][node.short_name]["beam"] = beam
+        self._save(state)
+
+    def _await_node(self, node: NodeLayout, timeout: float) -> int:
+        """Wait for the node's PID file and a full AMQP handshake on its port."""
+        wrapper = self._pids(node).get("wrapper")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _reap()
+            if not pid_alive(wrapper):
+                raise ClusterError(f"{node.node_name} exited during start-up:\n{_tail(node)}")
+            if node.pid_file.is_file() and _amqp_handshake(node.amqp_port, 2.0):
+                return int(node.pid_file.read_text().strip())
+            time.sleep(0.25)
+        raise ClusterError(f"{node.node_name} did not accept AMQP within {timeout:.0f} s:\n"
+                           f"{_tail(node)}")
+
+    def _await_members(self, timeout: float) -> None:
+        expected = {n.node_name for n in self.layout.nodes if self.beam_pid(n)}
+        deadline = time.monotonic() + timeout
+        members: set[str] = set()
+        while time.monotonic() < deadline:
+            members = self.running_members()
+            if expected <= members:
+                return
+            time.sleep(0.5)
+        raise ClusterError(f"nodes did not join one cluster: expected {sorted(expected)}, "
+                           f"members {sorted(members)}")
+
+    def _terminate(self, nodes: list[NodeLayout], timeout: float) -> None:
+        beams = [self.beam_pid(n) for n in nodes]
+        for pid in beams:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        if not self._wait_dead(beams, timeout):
+            for pid in beams:
+                if pid_alive(pid):
+                    log.warning("node pid %s ignored SIGTERM for %.0f s; killing", pid, timeout)
+                    with contextlib.suppress(ProcessLookupError, TypeError):
+                        os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+            self._wait_dead(beams, 10.0)
+        for node in nodes:
+            wrapper = self._pids(node).get("wrapper")
+            if pid_alive(wrapper):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(wrapper, signal.SIGKILL)  # type: ignore[arg-type]
+        _reap()
+
+    @staticmethod
+    def _wait_dead(pids: Iterable[int | None], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _reap()
+            if not any(pid_alive(p) for p in pids):
+                return True
+            time.sleep(0.1)
+        return False
+
+
+def _check_installed() -> None:
+    if not (RABBITMQ_BIN / "rabbitmq-server").is_file():
+        raise RabbitMQMissing(
+            f"rabbitmq-server is not installed (looked in {RABBITMQ_BIN}). "
+            "Install it with: sudo apt-get install -y rabbitmq-server "
+            "(or run `make setup`, which does it), or set QOSMQ_RABBITMQ_BIN to its bin folder."
+        )
+
+
+def _amqp_handshake(port: int, timeout: float) -> bool:
+    """True once a full AMQP handshake (connection.open) succeeds on 127.0.0.1:port."""
+    params = pika.ConnectionParameters(
+        host="127.0.0.1", port=port, socket_timeout=timeout, blocked_connection_timeout=timeout,
+        connection_attempts=1, stack_timeout=timeout,
+    )
+    try:
+        pika.BlockingConnection(params).close()
+    except (pika.exceptions.AMQPError, OSError):
+        return False
+    return True
+
+
+def _management_get(port: int, path: str) -> Any:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    token = base64.b64encode(b"guest:guest").decode()
+    request.add_header("Authorization", f"Basic {token}")
+    with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 - loopback only
+        return json.loads(response.read())
+
+
+def _tail(node: NodeLayout, lines: int = 15) -> str:
+    try:
+        return "\n".join(node.log_file.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

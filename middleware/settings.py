@@ -1,0 +1,226 @@
+"""One pydantic settings object per process.
+
+Read once in ``main()`` (or by the caller) with :meth:`Settings.load`; every
+component takes the frozen object, keyword-only.  Sources, strongest first:
+keyword arguments, environment (``QOSMQ_*``, nested with ``__``), the TOML file
+given with ``--config``, defaults.  A bad value fails at start-up with a
+:class:`~middleware.errors.ConfigurationError` that names the field, the
+environment variable that sets it, and the expected form.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from .errors import ConfigurationError
+
+__all__ = ["LOCAL_CLUSTER_URLS", "RetrySettings", "Settings", "TLSSettings"]
+
+ENV_PREFIX = "QOSMQ_"
+#: The URLs of the embedded default: ``qosmq cluster up`` with its default ports.
+LOCAL_CLUSTER_URLS = (
+    "amqp://127.0.0.1:5672/",
+    "amqp://127.0.0.1:5673/",
+    "amqp://127.0.0.1:5674/",
+)
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "qosmq_config_file", default=None
+)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RetrySettings(_Frozen):
+    """The one reconnect/republish policy (tenacity), per resource."""
+
+    attempts: int = Field(8, ge=1, le=1000, description="tries before giving up (>= 1)")
+    initial_delay: float = Field(0.1, ge=0, description="first backoff in seconds (>= 0)")
+    max_delay: float = Field(3.0, gt=0, description="longest backoff in seconds (> 0)")
+    multiplier: float = Field(2.0, ge=1, description="backoff growth factor (>= 1)")
+    jitter: float = Field(0.1, ge=0, description="random extra delay in seconds (>= 0)")
+
+
+class TLSSettings(_Frozen):
+    """TLS for ``amqps://`` URLs."""
+
+    ca_file: Path | None = Field(None, description="PEM file of the CA that signed the broker")
+    cert_file: Path | None = Field(None, description="client certificate (PEM), for mutual TLS")
+    key_file: Path | None = Field(None, description="client private key (PEM), for mutual TLS")
+    verify: bool = Field(True, description="check the broker's certificate and host name")
+
+    @model_validator(mode="after")
+    def _files_exist(self) -> Self:
+        for name in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"tls.{name}: file {path} does not exist")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls.cert_file and tls.key_file go together: give both or neither")
+        return self
+
+
+class Settings(BaseSettings):
+    """Settings of a qosmq process (client, sidecar, benchmark)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+    )
+
+    amqp_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        LOCAL_CLUSTER_URLS,
+        description="the cluster's nodes: comma-separated amqp:// or amqps:// URLs",
+    )
+    vhost: str = Field("/", min_length=1, description="virtual host, e.g. / or /orders")
+    username: str = Field("guest", min_length=1, description="AMQP user name")
+    password: SecretStr = Field(SecretStr("guest"), description="AMQP password (never logged)")
+    tls: TLSSettings = Field(default_factory=TLSSettings)  # type: ignore[arg-type]
+    client_name: str = Field("qosmq", description="connection name shown in the management UI")
+    connect_timeout: float = Field(5.0, gt=0, le=300, description="seconds per node (> 0)")
+    heartbeat: int = Field(10, ge=0, le=600, description="AMQP heartbeat in seconds (0 = off)")
+    retry: RetrySettings = Field(default_factory=RetrySettings)  # type: ignore[arg-type]
+    publish_window: int = Field(256, ge=1, le=65535, description="unconfirmed publishes (>= 1)")
+    publish_timeout: float = Field(30.0, gt=0, description="seconds to wait for a broker confirm")
+    prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
+    management_port_offset: int = Field(
+        10000, ge=0, description="management API port = AMQP port + this (local clusters: 10000)"
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    metrics_host: str = Field("127.0.0.1", description="address of the Prometheus endpoint")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="0 = any free port")
+
+    @field_validator("amqp_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("amqp_urls")
+    @classmethod
+    def _check_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        if not urls:
+            raise ValueError("give at least one URL, e.g. amqp://127.0.0.1:5672/")
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
+                raise ValueError(f"{_mask(url)!r} is not amqp://HOST[:PORT]/ or amqps://...")
+            try:
+                parts.port  # noqa: B018 - raises ValueError on a bad port
+            except ValueError as exc:
+                raise ValueError(f"{_mask(url)!r} has a bad port") from exc
+        return urls
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_urls(cls, data: Any) -> Any:
+        """Move user:password out of URLs into the secret fields, so no URL holds a secret."""
+        if not isinstance(data, dict) or "amqp_urls" not in data:
+            return data
+        urls = cls._split_urls(data["amqp_urls"])
+        if not isinstance(urls, list | tuple):
+            return data
+        clean = []
+        for url in urls:
+            parts = urlsplit(str(url))
+            if parts.username is not None:
+                data.setdefault("username", unquote(parts.username))
+                if parts.password is not None:
+                    data.setdefault("password", unquote(parts.password))
+                netloc = parts.hostname or ""
+                netloc += f":{parts.port}" if parts.port else ""
+                url = urlunsplit(parts._replace(netloc=netloc))
+            clean.append(url)
+        return {**data, "amqp_urls": tuple(clean)}
+
+    @property
+    def nodes(self) -> tuple[tuple[str, int, bool], ...]:
+        """``(host, port, tls)`` of every node, in the configured order."""
+        out = []
+        for url in self.amqp_urls:
+            parts = urlsplit(url)
+            tls = parts.scheme == "amqps"
+            out.append((parts.hostname or "", parts.port or (5671 if tls else 5672), tls))
+        return tuple(out)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config: Path | str | None = None, **overrides: Any) -> Self:
+        """Read the settings once; raise :class:`ConfigurationError` naming bad fields."""
+        path = Path(config) if config is not None else None
+        if path is not None and not path.is_file():
+            raise ConfigurationError(f"--config: file {path} does not exist")
+        token = _config_file.set(path)
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise ConfigurationError(_explain(cls, exc)) from None
+        finally:
+            _config_file.reset(token)
+
+
+def _mask(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
+
+
+def _explain(cls: type[BaseModel], exc: ValidationError) -> str:
+    lines = [f"invalid configuration ({exc.error_count()} problem(s)):"]
+    for err in exc.errors(include_input=False, include_url=False):
+        loc = [str(part) for part in err["loc"]]
+        field = ".".join(loc) or "(settings)"
+        env = ENV_PREFIX + "__".join(loc).upper() if loc else ""
+        expected = _describe(cls, loc)
+        line = f"  - {field}: {err['msg']}"
+        if env:
+            line += f" (set by {env} or [{loc[0]}] in the --config file)"
+        if expected:
+            line += f"; expected: {expected}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _describe(cls: type[BaseModel], loc: list[str]) -> str:
+    model: Any = cls
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            break
+        info = fields[part]
+        model = info.annotation
+    return (info.description or "") if info is not None else ""

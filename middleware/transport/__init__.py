@@ -1,0 +1,34 @@
+"""AMQP transport: the asyncio core (aio-pika), the sync face (pika), and the logic they share."""
+
+from .aio import AsyncClient, AsyncHandler
+from .delivery import DEAD_LETTER_QUEUE, Action, Delivery, Outcome
+from .message import OutgoingMessage
+from .sync import SyncClient, SyncHandler
+from .topology import (
+    BindingSpec,
+    ConsumerSpec,
+    ExchangeSpec,
+    ExchangeType,
+    QueueKind,
+    QueueSpec,
+    TopologyRecord,
+)
+
+__all__ = [
+    "DEAD_LETTER_QUEUE",
+    "Action",
+    "AsyncClient",
+    "AsyncHandler",
+    "BindingSpec",
+    "ConsumerSpec",
+    "Delivery",
+    "ExchangeSpec",
+    "ExchangeType",
+    "OutgoingMessage",
+    "Outcome",
+    "QueueKind",
+    "QueueSpec",
+    "SyncClient",
+    "SyncHandler",
+    "TopologyRecord",
+]

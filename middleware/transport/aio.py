@@ -1,0 +1,543 @@
+"""The asyncio core: one connection to any node of the cluster, failover, record and replay.
+
+:class:`AsyncClient` connects to one node; when that connection dies it
+fails over to the next node (tenacity backoff from settings), replays every
+recorded exchange, queue, binding and consumer, and lets waiting publishes
+through again.  Publishes carry a message id, wait for the broker's confirm
+inside an in-flight window, and are retried on connection loss (at least
+once: a consumer may see a duplicate, which the confirms layer suppresses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractExchange,
+    AbstractIncomingMessage,
+)
+from tenacity import AsyncRetrying, retry_if_exception_type
+
+from ..errors import (
+    AccessRefused,
+    BrokerUnreachable,
+    MiddlewareError,
+    NotConnected,
+    TopologyError,
+    WindowFull,
+)
+from ..settings import Settings
+from . import metrics
+from .delivery import (
+    DEAD_LETTER_EXCHANGE,
+    DEAD_LETTER_QUEUE,
+    Action,
+    Delivery,
+    Outcome,
+    dead_letter_headers,
+    outcome_of,
+)
+from .message import OutgoingMessage, new_message_id, tls_context
+from .policy import Node, NodeRotation, async_retrying, backoff
+from .topology import (
+    BindingSpec,
+    ConsumerSpec,
+    ExchangeSpec,
+    ExchangeType,
+    QueueSpec,
+    TopologyRecord,
+)
+from .translate import translate_aio
+
+__all__ = ["AsyncClient", "AsyncHandler", "SettleHook"]
+
+log = logging.getLogger(__name__)
+AsyncHandler = Callable[[Delivery], Awaitable[None]]
+SettleHook = Callable[[Delivery, Outcome], Awaitable[None]]
+
+
+@dataclass
+class _Live:
+    node: Node
+    connection: AbstractConnection
+    confirm_channel: AbstractChannel
+    plain_channel: AbstractChannel
+    consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
+    exchanges: dict[tuple[bool, str], AbstractExchange] = field(default_factory=dict)
+
+
+class _Down:
+    """No live connection: every use says what to do."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotConnected("not connected: await client.connect() first")
+
+
+@dataclass(frozen=True)
+class _Consumer:
+    spec: ConsumerSpec
+    handler: AsyncHandler
+    on_settled: SettleHook | None
+
+
+class AsyncClient:
+    """The asyncio client: failover, record-and-replay, confirms with an in-flight window."""
+
+    def __init__(self, *, settings: Settings) -> None:
+        self.settings = settings
+        self.topology = TopologyRecord()
+        self.reconnects = 0
+        self._rotation = NodeRotation(settings)
+        self._live: _Live | _Down = _Down()
+        self._ready = asyncio.Event()
+        self._window = asyncio.Semaphore(settings.publish_window)
+        self._consumers: dict[str, _Consumer] = {}
+        self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._fatal: MiddlewareError | None = None
+        self._tag_seq = 0
+
+    # ------------------------------------------------------------ lifecycle
+    async def connect(self) -> Self:
+        """Connect to the first node that answers; fail fast (one try per node)."""
+        self._closing = False
+        errors: dict[str, str] = {}
+        for _ in self._rotation.nodes:
+            node = self._rotation.take()
+            try:
+                await self._open(node)
+                return self
+            except AccessRefused:
+                raise
+            except MiddlewareError as exc:
+                errors[str(node)] = str(exc)
+        raise BrokerUnreachable(
+            "no node of the cluster accepted a connection: "
+            + "; ".join(f"{n}: {e}" for n, e in errors.items())
+            + " (is the cluster up? `qosmq cluster status`; check QOSMQ_AMQP_URLS)",
+            attempts=errors,
+        )
+
+    async def close(self) -> None:
+        """Close the connection and stop failing over."""
+        self._closing = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnect_task
+        live, self._live = self._live, _Down()
+        self._ready.clear()
+        if isinstance(live, _Live):
+            with contextlib.suppress(Exception):
+                await live.connection.close()
+
+    async def __aenter__(self) -> Self:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def connected_node(self) -> str | None:
+        """``amqp://host:port`` of the node in use, or None while failing over."""
+        return str(self._live.node) if isinstance(self._live, _Live) else None
+
+    def on_reconnect(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run ``hook`` after every successful failover (after topology replay)."""
+        self._reconnect_hooks.append(hook)
+
+    # ------------------------------------------------------------- topology
+    async def declare_exchange(self, spec: ExchangeSpec) -> None:
+        await self._apply_with_retry(spec)
+
+    async def declare_queue(self, spec: QueueSpec) -> int:
+        """Declare (and record) a queue; return its message count."""
+        result: int = await self._apply_with_retry(spec)
+        return result
+
+    async def bind(self, spec: BindingSpec) -> None:
+        await self._apply_with_retry(spec)
+
+    async def delete_queue(self, name: str) -> None:
+        self.topology.forget_queue(name)
+        await self._on_temp_channel(lambda ch: ch.queue_delete(name))
+
+    async def delete_exchange(self, name: str) -> None:
+        self.topology.forget_exchange(name)
+        await self._on_temp_channel(lambda ch: ch.exchange_delete(name))
+
+    async def queue_length(self, name: str) -> int:
+        """Messages ready in the queue (passive declare: raises EntityNotFound if missing)."""
+
+        async def passive(ch: AbstractChannel) -> int:
+            queue = await ch.declare_queue(name, passive=True)
+            return int(queue.declaration_result.message_count or 0)
+
+        result: int = await self._on_temp_channel(passive)
+        return result
+
+    # ------------------------------------------------------------ consuming
+    async def consume(
+        self,
+        queue: str,
+        handler: AsyncHandler,
+        *,
+        prefetch: int | None = None,
+        tag: str | None = None,
+        on_settled: SettleHook | None = None,
+    ) -> str:
+        """Consume ``queue`` with ``handler``; the consumer is replayed after failover.
+
+        The handler's end decides the ack: return = ack; raise ``Reject``,
+        ``Requeue`` or ``DeadLetter``; any other exception dead-letters the
+        message with the exception as reason.  ``on_settled`` runs after the
+        ack/reject was sent (the confirms layer sends receipts there).
+        """
+        self._tag_seq += 1
+        spec = ConsumerSpec(queue=queue, tag=tag or f"qosmq-{id(self):x}-{self._tag_seq}",
+                            prefetch=prefetch or self.settings.prefetch)
+        self._consumers[spec.tag] = _Consumer(spec, handler, on_settled)
+        try:
+            await self._apply_with_retry(spec)
+        except BaseException:
+            self._consumers.pop(spec.tag, None)
+            raise
+        return spec.tag
+
+    async def cancel(self, tag: str) -> None:
+        """Stop a consumer (and forget it for replay)."""
+        self.topology.forget_consumer(tag)
+        self._consumers.pop(tag, None)
+        if isinstance(self._live, _Live):
+            channel = self._live.consumer_channels.pop(tag, None)
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+
+    async def get(self, queue: str) -> Delivery | None:
+        """Take one message (basic.get, acked on receipt), or None if the queue is empty."""
+
+        async def take(ch: AbstractChannel) -> Delivery | None:
+            q = await ch.get_queue(queue, ensure=False)
+            msg = await q.get(no_ack=True, fail=False)
+            return None if msg is None else _to_delivery(msg, queue)
+
+        result: Delivery | None = await self._on_temp_channel(take)
+        return result
+
+    # ----------------------------------------------------------- publishing
+    async def publish(self, message: OutgoingMessage, *, confirm: bool = True,
+                      block: bool = True) -> None:
+        """Publish and, with ``confirm``, return once the broker confirmed it.
+
+        Retries on connection loss (same message id) under the settings'
+        retry policy.  Raises ``Unroutable`` (mandatory and no queue bound),
+        ``PublishNacked``, ``BrokerUnreachable`` after the last attempt, or
+        ``WindowFull`` when ``block`` is false and the window is full.
+        """
+        async for attempt in async_retrying(self.settings.retry):
+            with attempt:
+                await self._publish_once(message, confirm=confirm, block=block)
+
+    def publish_nowait(self, message: OutgoingMessage, *, confirm: bool = True
+                       ) -> asyncio.Future[None]:
+        """Start a publish; the returned future resolves on the broker's confirm."""
+        return asyncio.ensure_future(self.publish(message, confirm=confirm))
+
+    async def _publish_once(self, message: OutgoingMessage, *, confirm: bool, block: bool) -> None:
+        if not block and self._window.locked():
+            raise WindowFull(f"{self.settings.publish_window} publishes already in flight")
+        async with self._window:
+            live = await self._await_live()
+            try:
+                exchange = await self._exchange(live, message.exchange, confirm)
+                await exchange.publish(
+                    _to_aio_message(message), message.routing_key,
+                    mandatory=message.mandatory and confirm,
+                    timeout=self.settings.publish_timeout if confirm else None,
+                )
+            except Exception as exc:
+                error = translate_aio(exc)
+                if isinstance(error, TopologyError):
+                    # the broker closed the channel (e.g. 404 exchange): give the next one a new one
+                    await self._reopen_publish_channels(live)
+                raise error from exc
+        metrics.PUBLISHED.labels("confirmed" if confirm else "unconfirmed").inc()
+
+    async def _exchange(self, live: _Live, name: str, confirm: bool) -> AbstractExchange:
+        channel = live.confirm_channel if confirm else live.plain_channel
+        if channel.is_closed:
+            await self._reopen_publish_channels(live)
+            channel = live.confirm_channel if confirm else live.plain_channel
+        key = (confirm, name)
+        exchange = live.exchanges.get(key)
+        if exchange is None:
+            exchange = (channel.default_exchange if name == ""
+                        else await channel.get_exchange(name, ensure=False))
+            live.exchanges[key] = exchange
+        return exchange
+
+    async def _reopen_publish_channels(self, live: _Live) -> None:
+        live.exchanges.clear()
+        if live.connection.is_closed:
+            return
+        if live.confirm_channel.is_closed:
+            live.confirm_channel = await live.connection.channel(
+                publisher_confirms=True, on_return_raises=True)
+        if live.plain_channel.is_closed:
+            live.plain_channel = await live.connection.channel(publisher_confirms=False)
+
+    # ------------------------------------------------------------- internal
+    async def _open(self, node: Node) -> None:
+        """Connect to ``node``, open channels, replay the topology; raise translated errors."""
+        try:
+            connection = await aio_pika.connect(
+                host=node.host, port=node.port, login=self.settings.username,
+                password=self.settings.password.get_secret_value(),
+                virtualhost=self.settings.vhost, ssl=node.tls,
+                ssl_context=tls_context(self.settings) if node.tls else None,
+                timeout=self.settings.connect_timeout, heartbeat=self.settings.heartbeat,
+                client_properties={"connection_name": self.settings.client_name},
+            )
+        except Exception as exc:
+            raise translate_aio(exc) from exc
+        try:
+            live = _Live(
+                node=node, connection=connection,
+                confirm_channel=await connection.channel(publisher_confirms=True,
+                                                         on_return_raises=True),
+                plain_channel=await connection.channel(publisher_confirms=False),
+            )
+            self._live = live
+            for spec in list(self.topology.replay_plan()):
+                await self._apply(live, spec)
+        except BaseException as exc:
+            self._live = _Down()
+            with contextlib.suppress(Exception):
+                await connection.close()
+            if isinstance(exc, Exception):
+                raise translate_aio(exc) from exc
+            raise
+        connection.close_callbacks.add(self._on_connection_closed)
+        self._fatal = None
+        self._ready.set()
+        log.info("connected to %s", node)
+
+    def _on_connection_closed(self, connection: object, exc: BaseException | None) -> None:
+        live = self._live
+        if self._closing or not isinstance(live, _Live) or live.connection is not connection:
+            return
+        self._live = _Down()
+        self._ready.clear()
+        log.warning("connection to %s lost (%s); failing over", live.node, exc or "closed")
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.ensure_future(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Try the nodes in turn with backoff until one accepts and the replay succeeds."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(MiddlewareError),
+            wait=backoff(self.settings.retry),
+            stop=lambda _state: self._closing,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    node = self._rotation.take()
+                    try:
+                        await self._open(node)
+                    except AccessRefused as exc:
+                        self._fatal = exc
+                        raise
+                    except MiddlewareError as exc:
+                        log.info("failover to %s failed: %s", node, exc)
+                        raise
+        except MiddlewareError:
+            return
+        self.reconnects += 1
+        metrics.RECONNECTS.inc()
+        log.info("failed over to %s; topology replayed", self.connected_node)
+        for hook in self._reconnect_hooks:
+            try:
+                await hook()
+            except Exception:
+                log.exception("reconnect hook failed")
+
+    async def _await_live(self) -> _Live:
+        if self._closing:
+            raise NotConnected("client is closed")
+        if self._fatal is not None:
+            raise self._fatal
+        if not self._ready.is_set():
+            if self._reconnect_task is None and not isinstance(self._live, _Live):
+                raise NotConnected("not connected: await client.connect() first")
+            wait = self.settings.connect_timeout
+            try:
+                await asyncio.wait_for(self._ready.wait(), wait)
+            except TimeoutError:
+                raise BrokerUnreachable(f"no node reachable for {wait:.1f} s "
+                                        "(failover still in progress)") from None
+        live = self._live
+        if not isinstance(live, _Live):
+            raise BrokerUnreachable("connection lost while waiting")
+        return live
+
+    async def _apply_with_retry(self, spec: Any) -> Any:
+        async for attempt in async_retrying(self.settings.retry):
+            with attempt:
+                live = await self._await_live()
+                result = await self._apply(live, spec)
+        self.topology.add(spec)
+        return result
+
+    async def _apply(self, live: _Live, spec: Any) -> Any:
+        if isinstance(spec, ConsumerSpec):
+            return await self._start_consumer(live, self._consumers[spec.tag])
+
+        async def declare(ch: AbstractChannel) -> Any:
+            match spec:
+                case ExchangeSpec():
+                    await ch.declare_exchange(spec.name, spec.type.value, durable=spec.durable,
+                                              auto_delete=spec.auto_delete,
+                                              arguments=dict(spec.arguments))
+                case QueueSpec():
+                    queue = await ch.declare_queue(
+                        spec.name, durable=spec.durable, exclusive=spec.exclusive,
+                        auto_delete=spec.auto_delete, arguments=spec.declare_arguments())
+                    return int(queue.declaration_result.message_count or 0)
+                case BindingSpec():
+                    queue = await ch.get_queue(spec.queue, ensure=False)
+                    await queue.bind(spec.exchange, spec.routing_key,
+                                     arguments=dict(spec.arguments))
+            return None
+
+        return await self._on_channel_of(live, declare)
+
+    async def _on_temp_channel(self, action: Callable[[AbstractChannel], Awaitable[Any]]) -> Any:
+        async for attempt in async_retrying(self.settings.retry):
+            with attempt:
+                live = await self._await_live()
+                result = await self._on_channel_of(live, action)
+        return result
+
+    @staticmethod
+    async def _on_channel_of(live: _Live,
+                             action: Callable[[AbstractChannel], Awaitable[Any]]) -> Any:
+        """Run ``action`` on a short-lived channel, so a refused declare closes only that one."""
+        try:
+            channel = await live.connection.channel(publisher_confirms=False)
+            try:
+                return await action(channel)
+            finally:
+                if not channel.is_closed:
+                    with contextlib.suppress(Exception):
+                        await channel.close()
+        except MiddlewareError:
+            raise
+        except Exception as exc:
+            raise translate_aio(exc) from exc
+
+    async def _start_consumer(self, live: _Live, consumer: _Consumer) -> None:
+        spec = consumer.spec
+        try:
+            channel = await live.connection.channel(publisher_confirms=False)
+            await channel.set_qos(prefetch_count=spec.prefetch)
+            queue = await channel.get_queue(spec.queue, ensure=False)
+
+            async def on_message(msg: AbstractIncomingMessage) -> None:
+                await self._deliver(msg, spec.queue, consumer)
+
+            await queue.consume(on_message, consumer_tag=spec.tag, exclusive=spec.exclusive)
+        except Exception as exc:
+            raise translate_aio(exc) from exc
+        live.consumer_channels[spec.tag] = channel
+
+    async def _deliver(self, msg: AbstractIncomingMessage, queue: str,
+                       consumer: _Consumer) -> None:
+        delivery = _to_delivery(msg, queue)
+        try:
+            await consumer.handler(delivery)
+            outcome = outcome_of(None)
+        except Exception as exc:
+            outcome = outcome_of(exc)
+            if outcome.action is Action.DEAD_LETTER:
+                log.warning("dead-lettering message %s from %s: %s",
+                            delivery.message_id, queue, outcome.reason)
+        metrics.DELIVERIES.labels(outcome.action.value).inc()
+        try:
+            await self._settle(msg, delivery, outcome)
+        except Exception as exc:
+            # The channel died: the broker requeues the delivery; nothing is lost.
+            log.info("could not settle %s on %s: %s", delivery.message_id, queue, exc)
+            return
+        if consumer.on_settled is not None:
+            await consumer.on_settled(delivery, outcome)
+
+    async def _settle(self, msg: AbstractIncomingMessage, delivery: Delivery,
+                      outcome: Outcome) -> None:
+        match outcome.action:
+            case Action.ACK:
+                await msg.ack()
+            case Action.REJECT:
+                await msg.reject(requeue=False)
+            case Action.REQUEUE:
+                await msg.nack(requeue=True)
+            case Action.DEAD_LETTER:
+                await self.dead_letter(delivery, outcome.reason)
+                await msg.ack()
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
+        if DEAD_LETTER_QUEUE not in self.topology.queues:
+            await self.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
+            await self.declare_queue(QueueSpec(DEAD_LETTER_QUEUE))
+            await self.bind(BindingSpec(DEAD_LETTER_QUEUE, DEAD_LETTER_EXCHANGE))
+        await self.publish(OutgoingMessage(
+            body=delivery.body, exchange=DEAD_LETTER_EXCHANGE, routing_key=delivery.queue,
+            message_id=delivery.message_id or new_message_id(),
+            headers=dead_letter_headers(delivery, reason), persistent=True,
+            content_type=delivery.content_type,
+        ))
+
+
+def _to_aio_message(message: OutgoingMessage) -> aio_pika.Message:
+    return aio_pika.Message(
+        message.body,
+        headers=dict(message.headers) or None,
+        message_id=message.message_id,
+        delivery_mode=message.delivery_mode,
+        priority=message.priority,
+        reply_to=message.reply_to,
+        correlation_id=message.correlation_id,
+        expiration=message.expiration_ms / 1000 if message.expiration_ms is not None else None,
+        content_type=message.content_type,
+    )
+
+
+def _to_delivery(msg: AbstractIncomingMessage, queue: str) -> Delivery:
+    return Delivery(
+        body=msg.body,
+        queue=queue,
+        exchange=msg.exchange or "",
+        routing_key=msg.routing_key or "",
+        message_id=msg.message_id,
+        correlation_id=msg.correlation_id,
+        reply_to=msg.reply_to,
+        content_type=msg.content_type,
+        priority=msg.priority,
+        timestamp=msg.timestamp.timestamp() if msg.timestamp else None,
+        redelivered=bool(msg.redelivered),
+        delivery_tag=msg.delivery_tag or 0,
+        persistent=msg.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
+        headers=dict(msg.headers or {}),
+    )

@@ -1,0 +1,402 @@
+"""The sync face on pika: the same record, rotation, retry policy and outcomes as the core.
+
+Only sending and receiving differ from :mod:`middleware.transport.aio`: pika's
+``BlockingConnection`` publishes with confirms one at a time (a window of one),
+and consumers run inside :meth:`SyncClient.run`.  A lost connection is noticed
+by the call that needed it; that call reconnects to the next node, replays the
+topology and tries again under the one retry policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Self, TypeVar
+
+import pika
+import pika.adapters.blocking_connection as blocking
+import pika.spec
+
+from ..errors import AccessRefused, BrokerUnreachable, ConnectionLost, MiddlewareError, NotConnected
+from ..errors import TopologyError
+from ..settings import Settings
+from . import metrics
+from .delivery import (
+    DEAD_LETTER_EXCHANGE,
+    DEAD_LETTER_QUEUE,
+    Action,
+    Delivery,
+    Outcome,
+    dead_letter_headers,
+    outcome_of,
+)
+from .message import OutgoingMessage, new_message_id, tls_context
+from .policy import Node, NodeRotation, sync_retrying
+from .topology import (
+    BindingSpec,
+    ConsumerSpec,
+    ExchangeSpec,
+    ExchangeType,
+    QueueSpec,
+    TopologyRecord,
+)
+from .translate import translate_sync
+
+__all__ = ["SyncClient", "SyncHandler", "SyncSettleHook"]
+
+log = logging.getLogger(__name__)
+SyncHandler = Callable[[Delivery], None]
+SyncSettleHook = Callable[[Delivery, Outcome], None]
+T = TypeVar("T")
+
+
+@dataclass
+class _SyncLive:
+    node: Node
+    connection: pika.BlockingConnection
+    confirm_channel: blocking.BlockingChannel
+    plain_channel: blocking.BlockingChannel
+    consumer_channels: dict[str, blocking.BlockingChannel] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _SyncConsumer:
+    spec: ConsumerSpec
+    handler: SyncHandler
+    on_settled: SyncSettleHook | None
+
+
+class SyncClient:
+    """The blocking client: failover, record-and-replay, publisher confirms."""
+
+    def __init__(self, *, settings: Settings) -> None:
+        self.settings = settings
+        self.topology = TopologyRecord()
+        self.reconnects = 0
+        self._rotation = NodeRotation(settings)
+        self._live: _SyncLive | None = None
+        self._consumers: dict[str, _SyncConsumer] = {}
+        self._opened = False
+        self._tag_seq = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def connect(self) -> Self:
+        """Connect to the first node that answers; fail fast (one try per node)."""
+        errors: dict[str, str] = {}
+        for _ in self._rotation.nodes:
+            node = self._rotation.take()
+            try:
+                self._open(node)
+                self._opened = True
+                return self
+            except AccessRefused:
+                raise
+            except MiddlewareError as exc:
+                errors[str(node)] = str(exc)
+        raise BrokerUnreachable(
+            "no node of the cluster accepted a connection: "
+            + "; ".join(f"{n}: {e}" for n, e in errors.items())
+            + " (is the cluster up? `qosmq cluster status`; check QOSMQ_AMQP_URLS)",
+            attempts=errors,
+        )
+
+    def close(self) -> None:
+        self._opened = False
+        live, self._live = self._live, None
+        if live is not None:
+            with contextlib.suppress(Exception):
+                live.connection.close()
+
+    def __enter__(self) -> Self:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def connected_node(self) -> str | None:
+        return str(self._live.node) if self._live is not None else None
+
+    # ------------------------------------------------------------- topology
+    def declare_exchange(self, spec: ExchangeSpec) -> None:
+        self._record(spec)
+
+    def declare_queue(self, spec: QueueSpec) -> int:
+        result: int = self._record(spec)
+        return result
+
+    def bind(self, spec: BindingSpec) -> None:
+        self._record(spec)
+
+    def delete_queue(self, name: str) -> None:
+        self.topology.forget_queue(name)
+        self._call(lambda live: self._on_temp_channel(live, lambda ch: ch.queue_delete(name)))
+
+    def queue_length(self, name: str) -> int:
+        def passive(ch: blocking.BlockingChannel) -> int:
+            return int(ch.queue_declare(name, passive=True).method.message_count)
+
+        result: int = self._call(lambda live: self._on_temp_channel(live, passive))
+        return result
+
+    # ------------------------------------------------------------ consuming
+    def consume(self, queue: str, handler: SyncHandler, *, prefetch: int | None = None,
+                tag: str | None = None, on_settled: SyncSettleHook | None = None) -> str:
+        """Register a consumer; deliveries are handled inside :meth:`run`."""
+        self._tag_seq += 1
+        spec = ConsumerSpec(queue=queue, tag=tag or f"qosmq-sync-{id(self):x}-{self._tag_seq}",
+                            prefetch=prefetch or self.settings.prefetch)
+        self._consumers[spec.tag] = _SyncConsumer(spec, handler, on_settled)
+        try:
+            self._record(spec)
+        except BaseException:
+            self._consumers.pop(spec.tag, None)
+            raise
+        return spec.tag
+
+    def cancel(self, tag: str) -> None:
+        self.topology.forget_consumer(tag)
+        self._consumers.pop(tag, None)
+        if self._live is not None:
+            channel = self._live.consumer_channels.pop(tag, None)
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    channel.close()
+
+    def run(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None) -> None:
+        """Process deliveries for ``seconds`` (forever if None) or until ``until()`` is true."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while (deadline is None or time.monotonic() < deadline) and not (until and until()):
+            step = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            self._call(lambda live: live.connection.process_data_events(time_limit=step))
+
+    def get(self, queue: str) -> Delivery | None:
+        """Take one message (acked on receipt), or None if the queue is empty."""
+
+        def take(ch: blocking.BlockingChannel) -> Delivery | None:
+            method, props, body = ch.basic_get(queue, auto_ack=True)
+            return None if method is None else _to_delivery(method, props, body, queue)
+
+        result: Delivery | None = self._call(lambda live: self._on_temp_channel(live, take))
+        return result
+
+    # ----------------------------------------------------------- publishing
+    def publish(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
+        """Publish; with ``confirm`` return once the broker confirmed it (retried on loss)."""
+
+        def send(live: _SyncLive) -> None:
+            channel = live.confirm_channel if confirm else live.plain_channel
+            if channel.is_closed:
+                channel = self._reopen_channel(live, confirm)
+            try:
+                channel.basic_publish(message.exchange, message.routing_key, message.body,
+                                      properties=_to_pika_properties(message),
+                                      mandatory=message.mandatory and confirm)
+            except Exception as exc:
+                if isinstance(translate_sync(exc), TopologyError) and channel.is_closed:
+                    self._reopen_channel(live, confirm)
+                raise
+
+        self._call(send)
+        metrics.PUBLISHED.labels("confirmed" if confirm else "unconfirmed").inc()
+
+    # ------------------------------------------------------------- internal
+    def _record(self, spec: Any) -> Any:
+        result = self._call(lambda live: self._apply(live, spec))
+        self.topology.add(spec)
+        return result
+
+    def _call(self, action: Callable[[_SyncLive], T]) -> T:
+        """Run ``action`` on a live connection; on loss reconnect, replay and retry."""
+        if not self._opened:
+            raise NotConnected("not connected: call client.connect() first")
+        for attempt in sync_retrying(self.settings.retry):
+            with attempt:
+                live = self._ensure_live()
+                try:
+                    return action(live)
+                except MiddlewareError as error:
+                    if isinstance(error, ConnectionLost):
+                        self._drop(live, error)
+                    raise
+                except Exception as exc:
+                    error = translate_sync(exc)
+                    if isinstance(error, ConnectionLost):
+                        self._drop(live, error)
+                    raise error from exc
+        raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
+
+    def _ensure_live(self) -> _SyncLive:
+        if self._live is not None:
+            return self._live
+        node = self._rotation.take()
+        self._open(node)
+        self.reconnects += 1
+        metrics.RECONNECTS.inc()
+        log.info("failed over to %s; topology replayed", node)
+        assert self._live is not None
+        return self._live
+
+    def _drop(self, live: _SyncLive, error: Exception) -> None:
+        if self._live is live:
+            log.warning("connection to %s lost (%s); failing over", live.node, error)
+            self._live = None
+            with contextlib.suppress(Exception):
+                live.connection.close()
+
+    def _open(self, node: Node) -> None:
+        params = pika.ConnectionParameters(
+            host=node.host, port=node.port, virtual_host=self.settings.vhost,
+            credentials=pika.PlainCredentials(self.settings.username,
+                                              self.settings.password.get_secret_value()),
+            heartbeat=self.settings.heartbeat,
+            ssl_options=pika.SSLOptions(tls_context(self.settings), node.host) if node.tls
+            else None,
+            socket_timeout=self.settings.connect_timeout,
+            stack_timeout=self.settings.connect_timeout,
+            blocked_connection_timeout=self.settings.publish_timeout,
+            connection_attempts=1,
+            client_properties={"connection_name": self.settings.client_name},
+        )
+        try:
+            connection = pika.BlockingConnection(params)
+        except Exception as exc:
+            raise translate_sync(exc) from exc
+        try:
+            confirm = connection.channel()
+            confirm.confirm_delivery()
+            live = _SyncLive(node, connection, confirm, connection.channel())
+            for spec in list(self.topology.replay_plan()):
+                self._apply(live, spec)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise translate_sync(exc) from exc
+        self._live = live
+        log.info("connected to %s", node)
+
+    def _reopen_channel(self, live: _SyncLive, confirm: bool) -> blocking.BlockingChannel:
+        channel = live.connection.channel()
+        if confirm:
+            channel.confirm_delivery()
+            live.confirm_channel = channel
+        else:
+            live.plain_channel = channel
+        return channel
+
+    def _apply(self, live: _SyncLive, spec: Any) -> Any:
+        if isinstance(spec, ConsumerSpec):
+            return self._start_consumer(live, self._consumers[spec.tag])
+
+        def declare(ch: blocking.BlockingChannel) -> Any:
+            match spec:
+                case ExchangeSpec():
+                    ch.exchange_declare(spec.name, spec.type.value, durable=spec.durable,
+                                        auto_delete=spec.auto_delete,
+                                        arguments=dict(spec.arguments))
+                case QueueSpec():
+                    ok = ch.queue_declare(spec.name, durable=spec.durable,
+                                          exclusive=spec.exclusive, auto_delete=spec.auto_delete,
+                                          arguments=spec.declare_arguments())
+                    return int(ok.method.message_count)
+                case BindingSpec():
+                    ch.queue_bind(spec.queue, spec.exchange, spec.routing_key,
+                                  arguments=dict(spec.arguments))
+            return None
+
+        return self._on_temp_channel(live, declare)
+
+    @staticmethod
+    def _on_temp_channel(live: _SyncLive, action: Callable[[blocking.BlockingChannel], T]) -> T:
+        channel = live.connection.channel()
+        try:
+            return action(channel)
+        finally:
+            if channel.is_open:
+                with contextlib.suppress(Exception):
+                    channel.close()
+
+    def _start_consumer(self, live: _SyncLive, consumer: _SyncConsumer) -> None:
+        spec = consumer.spec
+        channel = live.connection.channel()
+        channel.basic_qos(prefetch_count=spec.prefetch)
+
+        def on_message(ch: blocking.BlockingChannel, method: pika.spec.Basic.Deliver,
+                       props: pika.BasicProperties, body: bytes) -> None:
+            self._deliver(ch, _to_delivery(method, props, body, spec.queue), consumer)
+
+        channel.basic_consume(spec.queue, on_message, consumer_tag=spec.tag,
+                              exclusive=spec.exclusive)
+        live.consumer_channels[spec.tag] = channel
+
+    def _deliver(self, ch: blocking.BlockingChannel, delivery: Delivery,
+                 consumer: _SyncConsumer) -> None:
+        try:
+            consumer.handler(delivery)
+            outcome = outcome_of(None)
+        except Exception as exc:
+            outcome = outcome_of(exc)
+            if outcome.action is Action.DEAD_LETTER:
+                log.warning("dead-lettering message %s from %s: %s",
+                            delivery.message_id, delivery.queue, outcome.reason)
+        metrics.DELIVERIES.labels(outcome.action.value).inc()
+        match outcome.action:
+            case Action.ACK:
+                ch.basic_ack(delivery.delivery_tag)
+            case Action.REJECT:
+                ch.basic_reject(delivery.delivery_tag, requeue=False)
+            case Action.REQUEUE:
+                ch.basic_nack(delivery.delivery_tag, requeue=True)
+            case Action.DEAD_LETTER:
+                self.dead_letter(delivery, outcome.reason)
+                ch.basic_ack(delivery.delivery_tag)
+        if consumer.on_settled is not None:
+            consumer.on_settled(delivery, outcome)
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
+        if DEAD_LETTER_QUEUE not in self.topology.queues:
+            self.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
+            self.declare_queue(QueueSpec(DEAD_LETTER_QUEUE))
+            self.bind(BindingSpec(DEAD_LETTER_QUEUE, DEAD_LETTER_EXCHANGE))
+        self.publish(OutgoingMessage(
+            body=delivery.body, exchange=DEAD_LETTER_EXCHANGE, routing_key=delivery.queue,
+            message_id=delivery.message_id or new_message_id(),
+            headers=dead_letter_headers(delivery, reason), persistent=True,
+            content_type=delivery.content_type,
+        ))
+
+
+def _to_pika_properties(message: OutgoingMessage) -> pika.BasicProperties:
+    return pika.BasicProperties(
+        headers=dict(message.headers) or None,
+        message_id=message.message_id,
+        delivery_mode=message.delivery_mode,
+        priority=message.priority,
+        reply_to=message.reply_to,
+        correlation_id=message.correlation_id,
+        expiration=str(message.expiration_ms) if message.expiration_ms is not None else None,
+        content_type=message.content_type,
+    )
+
+
+def _to_delivery(method: Any, props: pika.BasicProperties, body: bytes, queue: str) -> Delivery:
+    return Delivery(
+        body=body,
+        queue=queue,
+        exchange=getattr(method, "exchange", "") or "",
+        routing_key=getattr(method, "routing_key", "") or "",
+        message_id=props.message_id,
+        correlation_id=props.correlation_id,
+        reply_to=props.reply_to,
+        content_type=props.content_type,
+        priority=props.priority,
+        timestamp=float(props.timestamp) if props.timestamp else None,
+        redelivered=bool(getattr(method, "redelivered", False)),
+        delivery_tag=int(getattr(method, "delivery_tag", 0) or 0),
+        persistent=props.delivery_mode == 2,
+        headers=dict(props.headers or {}),
+    )

@@ -1,0 +1,92 @@
+"""Translate pika and aiormq exceptions into the layer's error tree, at the boundary.
+
+Two tables (one per library), most specific class first; the first match wins.
+Callers write ``raise translate_aio(exc) from exc`` so the cause stays visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiormq.exceptions as aexc
+import pika.exceptions as pexc
+
+from ..errors import (
+    AccessRefused,
+    ConfirmTimeout,
+    ConnectionLost,
+    EntityNotFound,
+    MiddlewareError,
+    PreconditionFailed,
+    PublishNacked,
+    TopologyError,
+    Unroutable,
+)
+
+__all__ = ["translate_aio", "translate_sync"]
+
+Factory = Callable[[BaseException], MiddlewareError]
+
+
+def _make(kind: type[MiddlewareError], prefix: str) -> Factory:
+    def build(exc: BaseException) -> MiddlewareError:
+        detail = str(exc) or type(exc).__name__
+        return kind(f"{prefix}: {detail}")
+
+    return build
+
+
+_AIO_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory], ...] = (
+    ((aexc.AuthenticationError, aexc.ProbableAuthenticationError),
+     _make(AccessRefused, "the broker refused the credentials or vhost")),
+    (aexc.ChannelAccessRefused, _make(AccessRefused, "access refused")),
+    (aexc.ChannelNotFoundEntity, _make(EntityNotFound, "not found")),
+    (aexc.ChannelPreconditionFailed, _make(PreconditionFailed, "precondition failed")),
+    (aexc.PublishError, _make(Unroutable, "message returned as unroutable")),
+    (aexc.DeliveryError, _make(PublishNacked, "the broker nacked the message")),
+    ((aexc.AMQPConnectionError, aexc.ChannelInvalidStateError, ConnectionError, OSError,
+      aexc.ChannelClosed), _make(ConnectionLost, "connection lost")),
+    (asyncio.TimeoutError, _make(ConfirmTimeout, "no answer from the broker in time")),
+    (aexc.AMQPError, _make(TopologyError, "broker error")),
+)
+
+_SYNC_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory], ...] = (
+    ((pexc.ProbableAuthenticationError, pexc.AuthenticationError,
+      pexc.ProbableAccessDeniedError),
+     _make(AccessRefused, "the broker refused the credentials or vhost")),
+    (pexc.UnroutableError, _make(Unroutable, "message returned as unroutable")),
+    (pexc.NackError, _make(PublishNacked, "the broker nacked the message")),
+    ((pexc.AMQPConnectionError, pexc.ConnectionWrongStateError, pexc.ChannelWrongStateError,
+      pexc.StreamLostError, ConnectionError, OSError), _make(ConnectionLost, "connection lost")),
+    (pexc.AMQPError, _make(TopologyError, "broker error")),
+)
+
+_BY_REPLY_CODE: dict[int, Factory] = {
+    403: _make(AccessRefused, "access refused"),
+    404: _make(EntityNotFound, "not found"),
+    405: _make(PreconditionFailed, "resource locked"),
+    406: _make(PreconditionFailed, "precondition failed"),
+}
+
+
+def _lookup(table: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory],
+                         ...], exc: BaseException) -> MiddlewareError:
+    if isinstance(exc, MiddlewareError):
+        return exc
+    for kinds, factory in table:
+        if isinstance(exc, kinds):
+            return factory(exc)
+    return TopologyError(f"unexpected {type(exc).__name__}: {exc}")
+
+
+def translate_aio(exc: BaseException) -> MiddlewareError:
+    """The layer's error for an aio-pika/aiormq exception."""
+    return _lookup(_AIO_TABLE, exc)
+
+
+def translate_sync(exc: BaseException) -> MiddlewareError:
+    """The layer's error for a pika exception."""
+    if isinstance(exc, pexc.ChannelClosedByBroker) and exc.reply_code in _BY_REPLY_CODE:
+        return _BY_REPLY_CODE[exc.reply_code](exc)
+    return _lookup(_SYNC_TABLE, exc)
