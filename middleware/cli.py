@@ -68,8 +68,12 @@ def _cluster_commands(sub: Any) -> None:
 
     def add(name: str, run: Handler, help_: str, node: bool = False) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = cmds.add_parser(name, help=help_)
-        p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                       help="where nodes keep data, logs and PIDs (default .qosmq)")
+        p.add_argument(
+            "--state-dir",
+            type=Path,
+            default=DEFAULT_STATE_DIR,
+            help="where nodes keep data, logs and PIDs (default .qosmq)",
+        )
         if node:
             p.add_argument("node", help="node: qosmq-2, its full name, or its number 2")
         p.set_defaults(run=run)

@@ -15,7 +15,7 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
     │   └── ConfirmTimeout (TimeoutError)         no broker confirm in time
     ├── PublishError                           the broker refused a publish
-    │   ├── PublishNacked                         basic.nack from the broker
+    │   ├── PublishNacked (also RetryableError)   basic.nack: e.g. quorum leader election
     │   └── Unroutable                            mandatory publish returned: no queue bound
     ├── TopologyError                          a declaration the broker refused
     │   ├── EntityNotFound (LookupError)          queue or exchange does not exist
@@ -24,7 +24,7 @@ pika and aiormq exceptions are translated at the transport boundary
     └── HandlerInstruction                     raised by a consumer handler to steer the ack
         ├── Reject                                basic.reject, no requeue (queue's DLX if any)
         ├── Requeue                               basic.nack with requeue
-        └── DeadLetter                            copy to the layer's dead-letter queue with a reason
+        └── DeadLetter                            copy to the layer's dead-letter queue + reason
 
 Feature packages add leaves under these branches (e.g. the confirms package's
 ``NegativeReceipt`` under ``PublishError``), never new roots.
@@ -95,8 +95,12 @@ class PublishError(MiddlewareError):
     """The broker refused a publish."""
 
 
-class PublishNacked(PublishError):
-    """The broker answered basic.nack (e.g. a quorum queue could not reach a majority)."""
+class PublishNacked(PublishError, RetryableError):
+    """The broker answered basic.nack: it could not take responsibility for the message now.
+
+    A quorum queue does this while it elects a new leader after a node loss, so the
+    publish seam retries it with the same message id under the retry policy.
+    """
 
 
 class Unroutable(PublishError):

@@ -3,4 +3,11 @@
 from .layout import ClusterLayout, NodeLayout
 from .manager import ClusterError, LocalCluster, RabbitMQMissing, pid_alive
 
-__all__ = ["ClusterError", "ClusterLayout", "LocalCluster", "NodeLayout", "RabbitMQMissing", "pid_alive"]
+__all__ = [
+    "ClusterError",
+    "ClusterLayout",
+    "LocalCluster",
+    "NodeLayout",
+    "RabbitMQMissing",
+    "pid_alive",
+]

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ClusterLayout", "NodeLayout", "RABBITMQ_BIN"]
+__all__ = ["RABBITMQ_BIN", "ClusterLayout", "NodeLayout"]
 
 RABBITMQ_BIN = Path(os.environ.get("QOSMQ_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
 MAX_NODES = 9

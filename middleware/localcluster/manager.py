@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -219,17 +218,13 @@ class LocalCluster:
         if self.epmd_pid is not None:
             return
         epmd = shutil.which("epmd") or "/usr/lib/erlang/bin/epmd"
-        log_file = open(self.layout.state_dir / "epmd.log", "ab")  # noqa: SIM115 - child keeps it
-        proc = subprocess.Popen(
+        pid = _spawn(
             [epmd, "-port", str(self.layout.epmd_port), "-address", "127.0.0.1"],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            dict(os.environ),
+            self.layout.state_dir / "epmd.log",
         )
-        log_file.close()
         state = self._load()
-        state["epmd"] = proc.pid
+        state["epmd"] = pid
         self._save(state)
 
     def _start_nodes(self, nodes: list[NodeLayout], timeout: float) -> None:
@@ -239,16 +234,8 @@ class LocalCluster:
         for node in nodes:
             node.pid_file.unlink(missing_ok=True)
             env = {**os.environ, **self.layout.node_env(node)}
-            with open(node.log_file, "ab") as out:
-                proc = subprocess.Popen(
-                    [str(RABBITMQ_BIN / "rabbitmq-server")],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            state["pids"][node.short_name] = {"wrapper": proc.pid}
+            pid = _spawn([str(RABBITMQ_BIN / "rabbitmq-server")], env, node.log_file)
+            state["pids"][node.short_name] = {"wrapper": pid}
             log.info("starting %s (AMQP 127.0.0.1:%d)", node.node_name, node.amqp_port)
         self._save(state)
         with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
@@ -269,8 +256,9 @@ class LocalCluster:
             if node.pid_file.is_file() and _amqp_handshake(node.amqp_port, 2.0):
                 return int(node.pid_file.read_text().strip())
             time.sleep(0.25)
-        raise ClusterError(f"{node.node_name} did not accept AMQP within {timeout:.0f} s:\n"
-                           f"{_tail(node)}")
+        raise ClusterError(
+            f"{node.node_name} did not accept AMQP within {timeout:.0f} s:\n{_tail(node)}"
+        )
 
     def _await_members(self, timeout: float) -> None:
         expected = {n.node_name for n in self.layout.nodes if self.beam_pid(n)}
@@ -281,8 +269,10 @@ class LocalCluster:
             if expected <= members:
                 return
             time.sleep(0.5)
-        raise ClusterError(f"nodes did not join one cluster: expected {sorted(expected)}, "
-                           f"members {sorted(members)}")
+        raise ClusterError(
+            f"nodes did not join one cluster: expected {sorted(expected)}, "
+            f"members {sorted(members)}"
+        )
 
     def _terminate(self, nodes: list[NodeLayout], timeout: float) -> None:
         beams = [self.beam_pid(n) for n in nodes]
@@ -315,6 +305,20 @@ class LocalCluster:
         return False
 
 
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> int:
+    """Start a daemon in its own session, output to ``log_path``; return its PID.
+
+    posix_spawn rather than Popen: these processes outlive the caller by design,
+    and are tracked (and reaped) by PID, not by a Popen object.
+    """
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+        (os.POSIX_SPAWN_DUP2, 1, 2),
+    ]
+    return os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True)
+
+
 def _check_installed() -> None:
     if not (RABBITMQ_BIN / "rabbitmq-server").is_file():
         raise RabbitMQMissing(
@@ -327,13 +331,22 @@ def _check_installed() -> None:
 def _amqp_handshake(port: int, timeout: float) -> bool:
     """True once a full AMQP handshake (connection.open) succeeds on 127.0.0.1:port."""
     params = pika.ConnectionParameters(
-        host="127.0.0.1", port=port, socket_timeout=timeout, blocked_connection_timeout=timeout,
-        connection_attempts=1, stack_timeout=timeout,
+        host="127.0.0.1",
+        port=port,
+        socket_timeout=timeout,
+        blocked_connection_timeout=timeout,
+        connection_attempts=1,
+        stack_timeout=timeout,
     )
+    pika_log = logging.getLogger("pika")
+    level = pika_log.level
+    pika_log.setLevel(logging.CRITICAL)  # a refused probe is expected while a node boots
     try:
         pika.BlockingConnection(params).close()
     except (pika.exceptions.AMQPError, OSError):
         return False
+    finally:
+        pika_log.setLevel(level)
     return True
 
 
@@ -341,7 +354,7 @@ def _management_get(port: int, path: str) -> Any:
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
     token = base64.b64encode(b"guest:guest").decode()
     request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(request, timeout=5) as response:
         return json.loads(response.read())
 
 

@@ -31,6 +31,7 @@ from ..errors import (
     BrokerUnreachable,
     MiddlewareError,
     NotConnected,
+    PublishNacked,
     TopologyError,
     WindowFull,
 )
@@ -38,7 +39,7 @@ from ..settings import Settings
 from . import metrics
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
-    DEAD_LETTER_QUEUE,
+    DEAD_LETTER_TOPOLOGY,
     Action,
     Delivery,
     Outcome,
@@ -51,7 +52,6 @@ from .topology import (
     BindingSpec,
     ConsumerSpec,
     ExchangeSpec,
-    ExchangeType,
     QueueSpec,
     TopologyRecord,
 )
@@ -99,6 +99,7 @@ class AsyncClient:
         self._live: _Live | _Down = _Down()
         self._ready = asyncio.Event()
         self._window = asyncio.Semaphore(settings.publish_window)
+        self._channel_lock = asyncio.Lock()
         self._consumers: dict[str, _Consumer] = {}
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -203,8 +204,11 @@ class AsyncClient:
         ack/reject was sent (the confirms layer sends receipts there).
         """
         self._tag_seq += 1
-        spec = ConsumerSpec(queue=queue, tag=tag or f"qosmq-{id(self):x}-{self._tag_seq}",
-                            prefetch=prefetch or self.settings.prefetch)
+        spec = ConsumerSpec(
+            queue=queue,
+            tag=tag or f"qosmq-{id(self):x}-{self._tag_seq}",
+            prefetch=prefetch or self.settings.prefetch,
+        )
         self._consumers[spec.tag] = _Consumer(spec, handler, on_settled)
         try:
             await self._apply_with_retry(spec)
@@ -235,8 +239,9 @@ class AsyncClient:
         return result
 
     # ----------------------------------------------------------- publishing
-    async def publish(self, message: OutgoingMessage, *, confirm: bool = True,
-                      block: bool = True) -> None:
+    async def publish(
+        self, message: OutgoingMessage, *, confirm: bool = True, block: bool = True
+    ) -> None:
         """Publish and, with ``confirm``, return once the broker confirmed it.
 
         Retries on connection loss (same message id) under the settings'
@@ -248,8 +253,9 @@ class AsyncClient:
             with attempt:
                 await self._publish_once(message, confirm=confirm, block=block)
 
-    def publish_nowait(self, message: OutgoingMessage, *, confirm: bool = True
-                       ) -> asyncio.Future[None]:
+    def publish_nowait(
+        self, message: OutgoingMessage, *, confirm: bool = True
+    ) -> asyncio.Future[None]:
         """Start a publish; the returned future resolves on the broker's confirm."""
         return asyncio.ensure_future(self.publish(message, confirm=confirm))
 
@@ -258,10 +264,12 @@ class AsyncClient:
             raise WindowFull(f"{self.settings.publish_window} publishes already in flight")
         async with self._window:
             live = await self._await_live()
+            channel = live.confirm_channel
             try:
                 exchange = await self._exchange(live, message.exchange, confirm)
                 await exchange.publish(
-                    _to_aio_message(message), message.routing_key,
+                    _to_aio_message(message),
+                    message.routing_key,
                     mandatory=message.mandatory and confirm,
                     timeout=self.settings.publish_timeout if confirm else None,
                 )
@@ -270,6 +278,8 @@ class AsyncClient:
                 if isinstance(error, TopologyError):
                     # the broker closed the channel (e.g. 404 exchange): give the next one a new one
                     await self._reopen_publish_channels(live)
+                elif isinstance(error, PublishNacked):
+                    await self._replace_confirm_channel(live, channel)
                 raise error from exc
         metrics.PUBLISHED.labels("confirmed" if confirm else "unconfirmed").inc()
 
@@ -281,10 +291,35 @@ class AsyncClient:
         key = (confirm, name)
         exchange = live.exchanges.get(key)
         if exchange is None:
-            exchange = (channel.default_exchange if name == ""
-                        else await channel.get_exchange(name, ensure=False))
+            exchange = (
+                channel.default_exchange
+                if name == ""
+                else await channel.get_exchange(name, ensure=False)
+            )
             live.exchanges[key] = exchange
         return exchange
+
+    async def _replace_confirm_channel(self, live: _Live, stale: AbstractChannel) -> None:
+        """Publish on a fresh channel after a nack; close the stale one once it has drained.
+
+        A channel opened while a quorum queue elects a leader can keep nacking after
+        the election (its queue client still points at the dead leader); a new
+        channel starts from the current leader.  Measured: without this, publishes
+        after a node kill stay nacked for ~a minute on the failed-over connection.
+        """
+        async with self._channel_lock:
+            if live.confirm_channel is not stale or live.connection.is_closed:
+                return
+            live.confirm_channel = await live.connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+            live.exchanges = {k: v for k, v in live.exchanges.items() if not k[0]}
+        log.info("publish nacked on %s: continuing on a fresh channel", live.node)
+        loop = asyncio.get_running_loop()
+        loop.call_later(
+            self.settings.publish_timeout,
+            lambda: None if stale.is_closed else loop.create_task(stale.close()),
+        )
 
     async def _reopen_publish_channels(self, live: _Live) -> None:
         live.exchanges.clear()
@@ -292,7 +327,8 @@ class AsyncClient:
             return
         if live.confirm_channel.is_closed:
             live.confirm_channel = await live.connection.channel(
-                publisher_confirms=True, on_return_raises=True)
+                publisher_confirms=True, on_return_raises=True
+            )
         if live.plain_channel.is_closed:
             live.plain_channel = await live.connection.channel(publisher_confirms=False)
 
@@ -301,20 +337,26 @@ class AsyncClient:
         """Connect to ``node``, open channels, replay the topology; raise translated errors."""
         try:
             connection = await aio_pika.connect(
-                host=node.host, port=node.port, login=self.settings.username,
+                host=node.host,
+                port=node.port,
+                login=self.settings.username,
                 password=self.settings.password.get_secret_value(),
-                virtualhost=self.settings.vhost, ssl=node.tls,
+                virtualhost=self.settings.vhost,
+                ssl=node.tls,
                 ssl_context=tls_context(self.settings) if node.tls else None,
-                timeout=self.settings.connect_timeout, heartbeat=self.settings.heartbeat,
+                timeout=self.settings.connect_timeout,
+                heartbeat=self.settings.heartbeat,
                 client_properties={"connection_name": self.settings.client_name},
             )
         except Exception as exc:
             raise translate_aio(exc) from exc
         try:
             live = _Live(
-                node=node, connection=connection,
-                confirm_channel=await connection.channel(publisher_confirms=True,
-                                                         on_return_raises=True),
+                node=node,
+                connection=connection,
+                confirm_channel=await connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                ),
                 plain_channel=await connection.channel(publisher_confirms=False),
             )
             self._live = live
@@ -385,8 +427,9 @@ class AsyncClient:
             try:
                 await asyncio.wait_for(self._ready.wait(), wait)
             except TimeoutError:
-                raise BrokerUnreachable(f"no node reachable for {wait:.1f} s "
-                                        "(failover still in progress)") from None
+                raise BrokerUnreachable(
+                    f"no node reachable for {wait:.1f} s (failover still in progress)"
+                ) from None
         live = self._live
         if not isinstance(live, _Live):
             raise BrokerUnreachable("connection lost while waiting")
@@ -407,18 +450,27 @@ class AsyncClient:
         async def declare(ch: AbstractChannel) -> Any:
             match spec:
                 case ExchangeSpec():
-                    await ch.declare_exchange(spec.name, spec.type.value, durable=spec.durable,
-                                              auto_delete=spec.auto_delete,
-                                              arguments=dict(spec.arguments))
+                    await ch.declare_exchange(
+                        spec.name,
+                        spec.type.value,
+                        durable=spec.durable,
+                        auto_delete=spec.auto_delete,
+                        arguments=dict(spec.arguments),
+                    )
                 case QueueSpec():
                     queue = await ch.declare_queue(
-                        spec.name, durable=spec.durable, exclusive=spec.exclusive,
-                        auto_delete=spec.auto_delete, arguments=spec.declare_arguments())
+                        spec.name,
+                        durable=spec.durable,
+                        exclusive=spec.exclusive,
+                        auto_delete=spec.auto_delete,
+                        arguments=spec.declare_arguments(),
+                    )
                     return int(queue.declaration_result.message_count or 0)
                 case BindingSpec():
                     queue = await ch.get_queue(spec.queue, ensure=False)
-                    await queue.bind(spec.exchange, spec.routing_key,
-                                     arguments=dict(spec.arguments))
+                    await queue.bind(
+                        spec.exchange, spec.routing_key, arguments=dict(spec.arguments)
+                    )
             return None
 
         return await self._on_channel_of(live, declare)
@@ -431,8 +483,9 @@ class AsyncClient:
         return result
 
     @staticmethod
-    async def _on_channel_of(live: _Live,
-                             action: Callable[[AbstractChannel], Awaitable[Any]]) -> Any:
+    async def _on_channel_of(
+        live: _Live, action: Callable[[AbstractChannel], Awaitable[Any]]
+    ) -> Any:
         """Run ``action`` on a short-lived channel, so a refused declare closes only that one."""
         try:
             channel = await live.connection.channel(publisher_confirms=False)
@@ -462,8 +515,7 @@ class AsyncClient:
             raise translate_aio(exc) from exc
         live.consumer_channels[spec.tag] = channel
 
-    async def _deliver(self, msg: AbstractIncomingMessage, queue: str,
-                       consumer: _Consumer) -> None:
+    async def _deliver(self, msg: AbstractIncomingMessage, queue: str, consumer: _Consumer) -> None:
         delivery = _to_delivery(msg, queue)
         try:
             await consumer.handler(delivery)
@@ -471,8 +523,12 @@ class AsyncClient:
         except Exception as exc:
             outcome = outcome_of(exc)
             if outcome.action is Action.DEAD_LETTER:
-                log.warning("dead-lettering message %s from %s: %s",
-                            delivery.message_id, queue, outcome.reason)
+                log.warning(
+                    "dead-lettering message %s from %s: %s",
+                    delivery.message_id,
+                    queue,
+                    outcome.reason,
+                )
         metrics.DELIVERIES.labels(outcome.action.value).inc()
         try:
             await self._settle(msg, delivery, outcome)
@@ -483,8 +539,9 @@ class AsyncClient:
         if consumer.on_settled is not None:
             await consumer.on_settled(delivery, outcome)
 
-    async def _settle(self, msg: AbstractIncomingMessage, delivery: Delivery,
-                      outcome: Outcome) -> None:
+    async def _settle(
+        self, msg: AbstractIncomingMessage, delivery: Delivery, outcome: Outcome
+    ) -> None:
         match outcome.action:
             case Action.ACK:
                 await msg.ack()
@@ -498,16 +555,20 @@ class AsyncClient:
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
-        if DEAD_LETTER_QUEUE not in self.topology.queues:
-            await self.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
-            await self.declare_queue(QueueSpec(DEAD_LETTER_QUEUE))
-            await self.bind(BindingSpec(DEAD_LETTER_QUEUE, DEAD_LETTER_EXCHANGE))
-        await self.publish(OutgoingMessage(
-            body=delivery.body, exchange=DEAD_LETTER_EXCHANGE, routing_key=delivery.queue,
-            message_id=delivery.message_id or new_message_id(),
-            headers=dead_letter_headers(delivery, reason), persistent=True,
-            content_type=delivery.content_type,
-        ))
+        if DEAD_LETTER_EXCHANGE not in self.topology.exchanges:
+            for spec in DEAD_LETTER_TOPOLOGY:
+                await self._apply_with_retry(spec)
+        await self.publish(
+            OutgoingMessage(
+                body=delivery.body,
+                exchange=DEAD_LETTER_EXCHANGE,
+                routing_key=delivery.queue,
+                message_id=delivery.message_id or new_message_id(),
+                headers=dead_letter_headers(delivery, reason),
+                persistent=True,
+                content_type=delivery.content_type,
+            )
+        )
 
 
 def _to_aio_message(message: OutgoingMessage) -> aio_pika.Message:

@@ -12,12 +12,27 @@ from enum import StrEnum
 from typing import Any
 
 from ..errors import DeadLetter, HandlerInstruction, Reject, Requeue
+from .topology import BindingSpec, ExchangeSpec, ExchangeType, QueueSpec
 
-__all__ = ["DEAD_LETTER_EXCHANGE", "DEAD_LETTER_QUEUE", "Action", "Delivery", "Outcome",
-           "dead_letter_headers", "outcome_of"]
+__all__ = [
+    "DEAD_LETTER_EXCHANGE",
+    "DEAD_LETTER_QUEUE",
+    "DEAD_LETTER_TOPOLOGY",
+    "Action",
+    "Delivery",
+    "Outcome",
+    "dead_letter_headers",
+    "outcome_of",
+]
 
 DEAD_LETTER_EXCHANGE = "qosmq.dead-letter"
 DEAD_LETTER_QUEUE = "qosmq.dead-letter"
+#: Declared (and recorded) by a client the first time it dead-letters a message.
+DEAD_LETTER_TOPOLOGY = (
+    ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT),
+    QueueSpec(DEAD_LETTER_QUEUE),
+    BindingSpec(DEAD_LETTER_QUEUE, DEAD_LETTER_EXCHANGE),
+)
 
 
 @dataclass(frozen=True, slots=True)

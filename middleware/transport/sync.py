@@ -20,13 +20,20 @@ import pika
 import pika.adapters.blocking_connection as blocking
 import pika.spec
 
-from ..errors import AccessRefused, BrokerUnreachable, ConnectionLost, MiddlewareError, NotConnected
-from ..errors import TopologyError
+from ..errors import (
+    AccessRefused,
+    BrokerUnreachable,
+    ConnectionLost,
+    MiddlewareError,
+    NotConnected,
+    PublishNacked,
+    TopologyError,
+)
 from ..settings import Settings
 from . import metrics
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
-    DEAD_LETTER_QUEUE,
+    DEAD_LETTER_TOPOLOGY,
     Action,
     Delivery,
     Outcome,
@@ -39,7 +46,6 @@ from .topology import (
     BindingSpec,
     ConsumerSpec,
     ExchangeSpec,
-    ExchangeType,
     QueueSpec,
     TopologyRecord,
 )
@@ -143,12 +149,22 @@ class SyncClient:
         return result
 
     # ------------------------------------------------------------ consuming
-    def consume(self, queue: str, handler: SyncHandler, *, prefetch: int | None = None,
-                tag: str | None = None, on_settled: SyncSettleHook | None = None) -> str:
+    def consume(
+        self,
+        queue: str,
+        handler: SyncHandler,
+        *,
+        prefetch: int | None = None,
+        tag: str | None = None,
+        on_settled: SyncSettleHook | None = None,
+    ) -> str:
         """Register a consumer; deliveries are handled inside :meth:`run`."""
         self._tag_seq += 1
-        spec = ConsumerSpec(queue=queue, tag=tag or f"qosmq-sync-{id(self):x}-{self._tag_seq}",
-                            prefetch=prefetch or self.settings.prefetch)
+        spec = ConsumerSpec(
+            queue=queue,
+            tag=tag or f"qosmq-sync-{id(self):x}-{self._tag_seq}",
+            prefetch=prefetch or self.settings.prefetch,
+        )
         self._consumers[spec.tag] = _SyncConsumer(spec, handler, on_settled)
         try:
             self._record(spec)
@@ -171,7 +187,7 @@ class SyncClient:
         deadline = None if seconds is None else time.monotonic() + seconds
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
             step = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            self._call(lambda live: live.connection.process_data_events(time_limit=step))
+            self._call(lambda live, step=step: live.connection.process_data_events(time_limit=step))
 
     def get(self, queue: str) -> Delivery | None:
         """Take one message (acked on receipt), or None if the queue is empty."""
@@ -192,11 +208,21 @@ class SyncClient:
             if channel.is_closed:
                 channel = self._reopen_channel(live, confirm)
             try:
-                channel.basic_publish(message.exchange, message.routing_key, message.body,
-                                      properties=_to_pika_properties(message),
-                                      mandatory=message.mandatory and confirm)
+                channel.basic_publish(
+                    message.exchange,
+                    message.routing_key,
+                    message.body,
+                    properties=_to_pika_properties(message),
+                    mandatory=message.mandatory and confirm,
+                )
             except Exception as exc:
-                if isinstance(translate_sync(exc), TopologyError) and channel.is_closed:
+                error = translate_sync(exc)
+                if isinstance(error, TopologyError) and channel.is_closed:
+                    self._reopen_channel(live, confirm)
+                elif isinstance(error, PublishNacked):
+                    # same reason as the async core: a fresh channel finds the new leader
+                    with contextlib.suppress(Exception):
+                        channel.close()
                     self._reopen_channel(live, confirm)
                 raise
 
@@ -249,11 +275,15 @@ class SyncClient:
 
     def _open(self, node: Node) -> None:
         params = pika.ConnectionParameters(
-            host=node.host, port=node.port, virtual_host=self.settings.vhost,
-            credentials=pika.PlainCredentials(self.settings.username,
-                                              self.settings.password.get_secret_value()),
+            host=node.host,
+            port=node.port,
+            virtual_host=self.settings.vhost,
+            credentials=pika.PlainCredentials(
+                self.settings.username, self.settings.password.get_secret_value()
+            ),
             heartbeat=self.settings.heartbeat,
-            ssl_options=pika.SSLOptions(tls_context(self.settings), node.host) if node.tls
+            ssl_options=pika.SSLOptions(tls_context(self.settings), node.host)
+            if node.tls
             else None,
             socket_timeout=self.settings.connect_timeout,
             stack_timeout=self.settings.connect_timeout,
@@ -294,17 +324,26 @@ class SyncClient:
         def declare(ch: blocking.BlockingChannel) -> Any:
             match spec:
                 case ExchangeSpec():
-                    ch.exchange_declare(spec.name, spec.type.value, durable=spec.durable,
-                                        auto_delete=spec.auto_delete,
-                                        arguments=dict(spec.arguments))
+                    ch.exchange_declare(
+                        spec.name,
+                        spec.type.value,
+                        durable=spec.durable,
+                        auto_delete=spec.auto_delete,
+                        arguments=dict(spec.arguments),
+                    )
                 case QueueSpec():
-                    ok = ch.queue_declare(spec.name, durable=spec.durable,
-                                          exclusive=spec.exclusive, auto_delete=spec.auto_delete,
-                                          arguments=spec.declare_arguments())
+                    ok = ch.queue_declare(
+                        spec.name,
+                        durable=spec.durable,
+                        exclusive=spec.exclusive,
+                        auto_delete=spec.auto_delete,
+                        arguments=spec.declare_arguments(),
+                    )
                     return int(ok.method.message_count)
                 case BindingSpec():
-                    ch.queue_bind(spec.queue, spec.exchange, spec.routing_key,
-                                  arguments=dict(spec.arguments))
+                    ch.queue_bind(
+                        spec.queue, spec.exchange, spec.routing_key, arguments=dict(spec.arguments)
+                    )
             return None
 
         return self._on_temp_channel(live, declare)
@@ -324,24 +363,34 @@ class SyncClient:
         channel = live.connection.channel()
         channel.basic_qos(prefetch_count=spec.prefetch)
 
-        def on_message(ch: blocking.BlockingChannel, method: pika.spec.Basic.Deliver,
-                       props: pika.BasicProperties, body: bytes) -> None:
+        def on_message(
+            ch: blocking.BlockingChannel,
+            method: pika.spec.Basic.Deliver,
+            props: pika.BasicProperties,
+            body: bytes,
+        ) -> None:
             self._deliver(ch, _to_delivery(method, props, body, spec.queue), consumer)
 
-        channel.basic_consume(spec.queue, on_message, consumer_tag=spec.tag,
-                              exclusive=spec.exclusive)
+        channel.basic_consume(
+            spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
+        )
         live.consumer_channels[spec.tag] = channel
 
-    def _deliver(self, ch: blocking.BlockingChannel, delivery: Delivery,
-                 consumer: _SyncConsumer) -> None:
+    def _deliver(
+        self, ch: blocking.BlockingChannel, delivery: Delivery, consumer: _SyncConsumer
+    ) -> None:
         try:
             consumer.handler(delivery)
             outcome = outcome_of(None)
         except Exception as exc:
             outcome = outcome_of(exc)
             if outcome.action is Action.DEAD_LETTER:
-                log.warning("dead-lettering message %s from %s: %s",
-                            delivery.message_id, delivery.queue, outcome.reason)
+                log.warning(
+                    "dead-lettering message %s from %s: %s",
+                    delivery.message_id,
+                    delivery.queue,
+                    outcome.reason,
+                )
         metrics.DELIVERIES.labels(outcome.action.value).inc()
         match outcome.action:
             case Action.ACK:
@@ -358,16 +407,20 @@ class SyncClient:
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
-        if DEAD_LETTER_QUEUE not in self.topology.queues:
-            self.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
-            self.declare_queue(QueueSpec(DEAD_LETTER_QUEUE))
-            self.bind(BindingSpec(DEAD_LETTER_QUEUE, DEAD_LETTER_EXCHANGE))
-        self.publish(OutgoingMessage(
-            body=delivery.body, exchange=DEAD_LETTER_EXCHANGE, routing_key=delivery.queue,
-            message_id=delivery.message_id or new_message_id(),
-            headers=dead_letter_headers(delivery, reason), persistent=True,
-            content_type=delivery.content_type,
-        ))
+        if DEAD_LETTER_EXCHANGE not in self.topology.exchanges:
+            for spec in DEAD_LETTER_TOPOLOGY:
+                self._record(spec)
+        self.publish(
+            OutgoingMessage(
+                body=delivery.body,
+                exchange=DEAD_LETTER_EXCHANGE,
+                routing_key=delivery.queue,
+                message_id=delivery.message_id or new_message_id(),
+                headers=dead_letter_headers(delivery, reason),
+                persistent=True,
+                content_type=delivery.content_type,
+            )
+        )
 
 
 def _to_pika_properties(message: OutgoingMessage) -> pika.BasicProperties:

@@ -71,8 +71,10 @@ class QueueSpec:
 
     def __post_init__(self) -> None:
         if self.kind is not QueueKind.CLASSIC and (self.exclusive or not self.durable):
-            raise ValueError(f"queue {self.name!r}: {self.kind} queues must be durable, "
-                             "non-exclusive (use kind=classic for temporary queues)")
+            raise ValueError(
+                f"queue {self.name!r}: {self.kind} queues must be durable, "
+                "non-exclusive (use kind=classic for temporary queues)"
+            )
         if self.max_priority is not None and not 1 <= self.max_priority <= 255:
             raise ValueError(f"queue {self.name!r}: max_priority must be 1..255")
 
@@ -88,8 +90,11 @@ class QueueSpec:
         }
         if self.leader_locator is not None:
             # "client-local" puts the leader on the node the declaring client is connected to.
-            key = "x-queue-master-locator" if self.kind is QueueKind.CLASSIC else (
-                "x-queue-leader-locator")
+            key = (
+                "x-queue-master-locator"
+                if self.kind is QueueKind.CLASSIC
+                else ("x-queue-leader-locator")
+            )
             optional[key] = self.leader_locator
         args.update({k: v for k, v in optional.items() if v is not None})
         args.update(self.arguments)
@@ -105,8 +110,12 @@ class BindingSpec:
 
     @property
     def key(self) -> tuple[str, str, str, tuple[tuple[str, str], ...]]:
-        return (self.queue, self.exchange, self.routing_key,
-                tuple(sorted((k, repr(v)) for k, v in self.arguments.items())))
+        return (
+            self.queue,
+            self.exchange,
+            self.routing_key,
+            tuple(sorted((k, repr(v)) for k, v in self.arguments.items())),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +180,8 @@ class TopologyRecord:
         if spec is None:
             return frozenset()
         return frozenset(
-            b.queue for b in self.bindings.values()
+            b.queue
+            for b in self.bindings.values()
             if b.exchange == exchange and _binding_matches(spec, b, routing_key, headers or {})
         )
 

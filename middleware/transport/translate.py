@@ -38,27 +38,51 @@ def _make(kind: type[MiddlewareError], prefix: str) -> Factory:
 
 
 _AIO_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory], ...] = (
-    ((aexc.AuthenticationError, aexc.ProbableAuthenticationError),
-     _make(AccessRefused, "the broker refused the credentials or vhost")),
+    (
+        (aexc.AuthenticationError, aexc.ProbableAuthenticationError),
+        _make(AccessRefused, "the broker refused the credentials or vhost"),
+    ),
     (aexc.ChannelAccessRefused, _make(AccessRefused, "access refused")),
     (aexc.ChannelNotFoundEntity, _make(EntityNotFound, "not found")),
     (aexc.ChannelPreconditionFailed, _make(PreconditionFailed, "precondition failed")),
     (aexc.PublishError, _make(Unroutable, "message returned as unroutable")),
     (aexc.DeliveryError, _make(PublishNacked, "the broker nacked the message")),
-    ((aexc.AMQPConnectionError, aexc.ChannelInvalidStateError, ConnectionError, OSError,
-      aexc.ChannelClosed), _make(ConnectionLost, "connection lost")),
+    (
+        (
+            aexc.AMQPConnectionError,
+            aexc.ChannelInvalidStateError,
+            ConnectionError,
+            OSError,
+            aexc.ChannelClosed,
+        ),
+        _make(ConnectionLost, "connection lost"),
+    ),
     (asyncio.TimeoutError, _make(ConfirmTimeout, "no answer from the broker in time")),
     (aexc.AMQPError, _make(TopologyError, "broker error")),
 )
 
 _SYNC_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory], ...] = (
-    ((pexc.ProbableAuthenticationError, pexc.AuthenticationError,
-      pexc.ProbableAccessDeniedError),
-     _make(AccessRefused, "the broker refused the credentials or vhost")),
+    (
+        (
+            pexc.ProbableAuthenticationError,
+            pexc.AuthenticationError,
+            pexc.ProbableAccessDeniedError,
+        ),
+        _make(AccessRefused, "the broker refused the credentials or vhost"),
+    ),
     (pexc.UnroutableError, _make(Unroutable, "message returned as unroutable")),
     (pexc.NackError, _make(PublishNacked, "the broker nacked the message")),
-    ((pexc.AMQPConnectionError, pexc.ConnectionWrongStateError, pexc.ChannelWrongStateError,
-      pexc.StreamLostError, ConnectionError, OSError), _make(ConnectionLost, "connection lost")),
+    (
+        (
+            pexc.AMQPConnectionError,
+            pexc.ConnectionWrongStateError,
+            pexc.ChannelWrongStateError,
+            pexc.StreamLostError,
+            ConnectionError,
+            OSError,
+        ),
+        _make(ConnectionLost, "connection lost"),
+    ),
     (pexc.AMQPError, _make(TopologyError, "broker error")),
 )
 
@@ -70,8 +94,10 @@ _BY_REPLY_CODE: dict[int, Factory] = {
 }
 
 
-def _lookup(table: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory],
-                         ...], exc: BaseException) -> MiddlewareError:
+def _lookup(
+    table: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory], ...],
+    exc: BaseException,
+) -> MiddlewareError:
     if isinstance(exc, MiddlewareError):
         return exc
     for kinds, factory in table:

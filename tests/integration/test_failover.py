@@ -1,0 +1,182 @@
+"""Real failures: nodes killed with SIGKILL, links cut and blackholed through a proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from middleware.errors import MiddlewareError
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, OutgoingMessage, QueueSpec, SyncClient
+from tests.conftest import Face, LoopThread
+from tests.proxy import FaultProxy
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest.mark.slow]
+
+
+def _with_urls(settings: Settings, *urls: str) -> Settings:
+    return settings.model_copy(update={"amqp_urls": tuple(urls)})
+
+
+class Publisher(threading.Thread):
+    """Publishes numbered messages with confirms until stopped; records what was confirmed."""
+
+    def __init__(self, settings: Settings, queue: str, interval: float = 0.004) -> None:
+        super().__init__(daemon=True)
+        self.client = SyncClient(settings=settings).connect()
+        self.queue, self.interval = queue, interval
+        self.confirmed: list[str] = []
+        self.failed: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            mid = f"m{i}"
+            try:
+                self.client.publish(OutgoingMessage(mid.encode(), "", self.queue, message_id=mid))
+                self.confirmed.append(mid)
+            except MiddlewareError:
+                self.failed.append(mid)
+            i += 1
+            time.sleep(self.interval)
+        self.client.close()
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_consumer_keeps_receiving_after_its_node_is_killed(
+    kind, settings, brokers, local_cluster, name
+) -> None:
+    urls = brokers.urls
+    consumer = Face(kind, _with_urls(settings, *urls))  # connects to node 1 first
+    consumer.call("connect")
+    consumer.call("declare_queue", QueueSpec(name))
+    got: set[str] = set()
+    consumer.consume(name, lambda d: got.add(d.text()))
+    publisher = Publisher(_with_urls(settings, urls[2], urls[1]), name)
+    publisher.start()
+    try:
+        consumer.pump(20, until=lambda: len(got) >= 100)
+        victim = brokers.node_of_url(consumer.client.connected_node)
+        local_cluster.kill(victim)
+        killed_at = len(got)
+        consumer.pump(30, until=lambda: len(got) >= killed_at + 200)
+        publisher.stop.set()
+        publisher.join(30)
+        consumer.pump(30, until=lambda: set(publisher.confirmed) <= got)
+    finally:
+        publisher.stop.set()
+    missing = set(publisher.confirmed) - got
+    assert not missing, f"{len(missing)} confirmed messages never reached the consumer"
+    assert len(got) > killed_at + 100, "consumer did not resume after the kill"
+    assert consumer.client.reconnects >= 1
+    assert brokers.node_of_url(consumer.client.connected_node) != victim
+    consumer.call("delete_queue", name)
+    consumer.close()
+
+
+def test_no_confirmed_message_is_lost_when_the_publishers_node_is_killed(
+    settings, brokers, local_cluster, name
+) -> None:
+    loop = LoopThread()
+    client = AsyncClient(settings=settings)
+    total = 4000
+
+    async def scenario() -> tuple[list[str], int]:
+        await client.connect()
+        await client.declare_queue(QueueSpec(name))
+        victim = brokers.node_of_url(client.connected_node)
+
+        async def one(i: int) -> str:
+            await client.publish(OutgoingMessage(b"x" * 100, "", name, message_id=f"m{i}"))
+            return f"m{i}"
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(total)]
+        while sum(t.done() for t in tasks) < total // 4:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, local_cluster.kill, victim)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        confirmed = [r for r in results if isinstance(r, str)]
+        return confirmed, len(results) - len(confirmed)
+
+    try:
+        confirmed, failed = loop.run(scenario(), timeout=240)
+        stored: list[str] = []
+
+        async def drain() -> None:
+            while (d := await client.get(name)) is not None:
+                stored.append(d.message_id or "")
+
+        loop.run(drain(), timeout=120)
+        loop.run(client.delete_queue(name))
+        loop.run(client.close())
+    finally:
+        loop.stop()
+    assert client.reconnects >= 1
+    assert len(confirmed) + failed == total
+    lost = set(confirmed) - set(stored)
+    assert not lost, f"{len(lost)} of {len(confirmed)} confirmed messages are not on the broker"
+    # every publish either was confirmed or raised: none vanished silently
+    assert len(confirmed) == total, f"{failed} publishes failed instead of failing over"
+
+
+@pytest.mark.parametrize("fault", ["cut", "blackhole"])
+def test_link_failure_through_the_proxy_is_survived(fault, settings, brokers, name) -> None:
+    ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in brokers.urls]
+    p1, p2 = FaultProxy(ports[0]), FaultProxy(ports[-1])
+    client = Face("async", _with_urls(settings, p1.url, p2.url))
+    try:
+        client.call("connect")
+        assert client.client.connected_node.endswith(f":{p1.port}")
+        client.call("declare_queue", QueueSpec(name))
+        got: set[str] = set()
+        client.consume(name, lambda d: got.add(d.text()))
+        for i in range(20):
+            client.call("publish", OutgoingMessage(f"a{i}".encode(), "", name))
+        client.pump(10, until=lambda: len(got) >= 20)
+        if fault == "cut":
+            p1.cut(refuse=True)
+        else:
+            p1.blackhole()
+            p1.refusing = True
+        started = time.monotonic()
+        for i in range(20):
+            client.call("publish", OutgoingMessage(f"b{i}".encode(), "", name))
+        failover_s = time.monotonic() - started
+        client.pump(20, until=lambda: len(got) >= 40)
+        assert got == {f"a{i}" for i in range(20)} | {f"b{i}" for i in range(20)}
+        assert client.client.connected_node.endswith(f":{p2.port}")
+        assert failover_s < 30
+        client.call("delete_queue", name)
+    finally:
+        client.close()
+        p1.close()
+        p2.close()
+
+
+def test_cli_status_reports_members(brokers, local_cluster) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "middleware.cli",
+            "cluster",
+            "status",
+            "--json",
+            "--state-dir",
+            str(local_cluster.layout.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    status = json.loads(proc.stdout)
+    assert len(status["members"]) == 3
+    assert all(n["running"] and n["pid"] for n in status["nodes"])

@@ -1,0 +1,139 @@
+"""One contract, both faces: what a client does against a real broker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from middleware.errors import (
+    BrokerUnreachable,
+    DeadLetter,
+    EntityNotFound,
+    NotConnected,
+    PreconditionFailed,
+    Reject,
+    Unroutable,
+)
+from middleware.settings import Settings
+from middleware.transport import (
+    DEAD_LETTER_QUEUE,
+    AsyncClient,
+    BindingSpec,
+    ExchangeSpec,
+    ExchangeType,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
+
+pytestmark = pytest.mark.rabbit
+
+
+def test_publish_consume_roundtrip(face, name) -> None:
+    face.call("declare_exchange", ExchangeSpec(name, ExchangeType.DIRECT))
+    face.call("declare_queue", QueueSpec(name))
+    face.call("bind", BindingSpec(name, name, "k"))
+    got: list[bytes] = []
+    face.consume(name, lambda d: got.append(d.body))
+    for i in range(50):
+        face.call("publish", OutgoingMessage(f"m{i}".encode(), name, "k"))
+    face.pump(10, until=lambda: len(got) >= 50)
+    assert sorted(got) == sorted(f"m{i}".encode() for i in range(50))
+    face.call("delete_queue", name)
+
+
+def test_unroutable_and_missing_exchange_are_named_errors(face, name) -> None:
+    face.call("declare_exchange", ExchangeSpec(name, ExchangeType.DIRECT))
+    with pytest.raises(Unroutable):
+        face.call("publish", OutgoingMessage(b"x", name, "nobody-bound"))
+    with pytest.raises(EntityNotFound):
+        face.call("publish", OutgoingMessage(b"x", name + "-missing", "k"))
+    # the client recovers its channel: the next publish works
+    face.call(
+        "declare_queue", QueueSpec(name, kind=QueueKind.CLASSIC, durable=False, auto_delete=False)
+    )
+    face.call("publish", OutgoingMessage(b"ok", "", name))
+    assert face.call("queue_length", name) == 1
+    face.call("delete_queue", name)
+
+
+def test_redeclare_with_other_arguments_is_precondition_failed(face, name) -> None:
+    face.call("declare_queue", QueueSpec(name))
+    with pytest.raises(PreconditionFailed):
+        face.call("declare_queue", QueueSpec(name, kind=QueueKind.CLASSIC))
+    with pytest.raises(EntityNotFound):
+        face.call("queue_length", name + "-missing")
+    face.call("delete_queue", name)
+
+
+def test_handler_failures_dead_letter_with_reason(face, name) -> None:
+    face.call("declare_queue", QueueSpec(name))
+    seen: list[str] = []
+
+    def handler(d):
+        seen.append(d.text())
+        if d.text() == "poison":
+            raise ValueError("cannot parse")
+        if d.text() == "refuse":
+            raise DeadLetter("schema v1 not accepted")
+        if d.text() == "reject":
+            raise Reject("no DLX: dropped by choice")
+
+    face.consume(name, handler)
+    before = _drain_dead_letters(face, name)
+    for body in (b"poison", b"refuse", b"reject", b"fine"):
+        face.call("publish", OutgoingMessage(body, "", name))
+    face.pump(10, until=lambda: len(seen) >= 4)
+    time.sleep(0.5)
+    dead = _drain_dead_letters(face, name)
+    assert before == {}
+    assert set(dead) == {"poison", "refuse"}
+    assert "ValueError: cannot parse" in dead["poison"]
+    assert dead["refuse"] == "schema v1 not accepted"
+    assert face.call("queue_length", name) == 0
+    face.call("delete_queue", name)
+
+
+def _drain_dead_letters(face, queue: str) -> dict[str, str]:
+    out = {}
+    face.call("declare_queue", QueueSpec(DEAD_LETTER_QUEUE))
+    while (d := face.call("get", DEAD_LETTER_QUEUE)) is not None:
+        if d.headers.get("x-qosmq-queue") == queue:
+            out[d.text()] = d.headers["x-qosmq-reason"]
+    return out
+
+
+def test_unreachable_cluster_fails_fast_and_clearly() -> None:
+    settings = Settings.load(amqp_urls="amqp://127.0.0.1:1/,amqp://127.0.0.1:2/", connect_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(BrokerUnreachable, match=r"127\.0\.0\.1:1.*127\.0\.0\.1:2"):
+        SyncClient(settings=settings).connect()
+    import asyncio
+
+    with pytest.raises(BrokerUnreachable, match="cluster status"):
+        asyncio.run(AsyncClient(settings=settings).connect())
+    assert time.monotonic() - started < 10
+
+
+def test_use_before_connect_is_named() -> None:
+    with pytest.raises(NotConnected, match="connect"):
+        SyncClient(settings=Settings.load()).publish(OutgoingMessage(b"x"))
+
+
+def test_cli_bad_settings_exit_with_the_field(tmp_path) -> None:
+    env = {"QOSMQ_PREFETCH": "-3", "PATH": "/usr/bin:/bin"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "middleware.cli", "cluster", "status", "--state-dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert "prefetch" in proc.stderr and "QOSMQ_PREFETCH" in proc.stderr
+    assert time.monotonic() - started < 15

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from middleware.transport.topology import (
+    BindingSpec,
+    ConsumerSpec,
+    ExchangeSpec,
+    ExchangeType,
+    QueueKind,
+    QueueSpec,
+    TopologyRecord,
+    topic_matches,
+)
+
+
+def _record() -> TopologyRecord:
+    r = TopologyRecord()
+    r.add(ExchangeSpec("d", ExchangeType.DIRECT))
+    r.add(ExchangeSpec("f", ExchangeType.FANOUT))
+    r.add(ExchangeSpec("t", ExchangeType.TOPIC))
+    r.add(ExchangeSpec("h", ExchangeType.HEADERS))
+    for q in ("q1", "q2", "q3"):
+        r.add(QueueSpec(q))
+    r.add(BindingSpec("q1", "d", "a"))
+    r.add(BindingSpec("q2", "d", "a"))
+    r.add(BindingSpec("q3", "d", "b"))
+    r.add(BindingSpec("q1", "f"))
+    r.add(BindingSpec("q2", "f"))
+    r.add(BindingSpec("q1", "t", "orders.*.eu"))
+    r.add(BindingSpec("q2", "t", "orders.#"))
+    r.add(BindingSpec("q1", "h", arguments={"x-match": "all", "k": 1, "z": "y"}))
+    r.add(BindingSpec("q2", "h", arguments={"x-match": "any", "k": 1, "z": "y"}))
+    return r
+
+
+@pytest.mark.parametrize(
+    ("exchange", "key", "headers", "expected"),
+    [
+        ("d", "a", None, {"q1", "q2"}),
+        ("d", "b", None, {"q3"}),
+        ("d", "c", None, set()),
+        ("f", "anything", None, {"q1", "q2"}),
+        ("t", "orders.new.eu", None, {"q1", "q2"}),
+        ("t", "orders", None, {"q2"}),
+        ("t", "orders.new.us", None, {"q2"}),
+        ("h", "", {"k": 1, "z": "y"}, {"q1", "q2"}),
+        ("h", "", {"k": 1}, {"q2"}),
+        ("h", "", {"k": 2}, set()),
+        ("", "q3", None, {"q3"}),
+        ("unknown", "a", None, set()),
+    ],
+)
+def test_route_like_the_broker(exchange, key, headers, expected) -> None:
+    assert _record().route(exchange, key, headers) == expected
+
+
+def _reference(pattern: str, key: str) -> bool:
+    """Brute force: expand '#' into every possible count of words."""
+    pw, kw = pattern.split("."), key.split(".")
+
+    def go(i: int, j: int) -> bool:
+        if i == len(pw):
+            return j == len(kw)
+        if pw[i] == "#":
+            return any(go(i + 1, k) for k in range(j, len(kw) + 1))
+        return j < len(kw) and pw[i] in ("*", kw[j]) and go(i + 1, j + 1)
+
+    return go(0, 0)
+
+
+words = st.sampled_from(["a", "b", "c"])
+
+
+@given(
+    st.lists(st.one_of(words, st.just("*"), st.just("#")), min_size=1, max_size=5),
+    st.lists(words, min_size=1, max_size=6),
+)
+def test_topic_matches_reference(pattern, key) -> None:
+    p, k = ".".join(pattern), ".".join(key)
+    assert topic_matches(p, k) == _reference(p, k)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "key", "ok"),
+    [
+        ("#", "a.b", True),
+        ("a.#", "a", True),
+        ("#.a", "a", True),
+        ("*.a", "a", False),
+        ("a.*.c", "a.b.c", True),
+        ("a.*.c", "a.c", False),
+        ("a.#.c", "a.c", True),
+    ],
+)
+def test_topic_examples(pattern, key, ok) -> None:
+    assert topic_matches(pattern, key) is ok
+    assert bool(re.fullmatch(r"[a-z.*#]+", pattern))
+
+
+def test_replay_order_and_forgetting() -> None:
+    r = _record()
+    r.add(ConsumerSpec("q1", "c1", 10))
+    kinds = [type(s).__name__ for s in r.replay_plan()]
+    assert kinds == sorted(
+        kinds, key=["ExchangeSpec", "QueueSpec", "BindingSpec", "ConsumerSpec"].index
+    )
+    r.forget_queue("q1")
+    assert "q1" not in r.route("d", "a") and "c1" not in r.consumers
+
+
+def test_queue_arguments() -> None:
+    spec = QueueSpec(
+        "q",
+        max_priority=5,
+        dead_letter_exchange="dlx",
+        max_length=10,
+        message_ttl_ms=1000,
+        leader_locator="client-local",
+    )
+    assert spec.declare_arguments() == {
+        "x-queue-type": "quorum",
+        "x-max-priority": 5,
+        "x-dead-letter-exchange": "dlx",
+        "x-max-length": 10,
+        "x-message-ttl": 1000,
+        "x-queue-leader-locator": "client-local",
+    }
+    with pytest.raises(ValueError, match="must be durable"):
+        QueueSpec("tmp", exclusive=True)
+    assert QueueSpec("tmp", kind=QueueKind.CLASSIC, exclusive=True).exclusive
