@@ -16,7 +16,10 @@ pika and aiormq exceptions are translated at the transport boundary
     │   └── ConfirmTimeout (TimeoutError)         no broker confirm in time
     ├── PublishError                           the broker refused a publish
     │   ├── PublishNacked (also RetryableError)   basic.nack: e.g. quorum leader election
-    │   └── Unroutable                            mandatory publish returned: no queue bound
+    │   ├── Unroutable                            mandatory publish returned: no queue bound
+    │   ├── NoRoute                               e2e: the known topology routes it nowhere
+    │   ├── NegativeReceipt                       e2e: a consumer's handler rejected it
+    │   └── ReceiptTimeout (TimeoutError)         e2e: some queues never answered
     ├── TopologyError                          a declaration the broker refused
     │   ├── EntityNotFound (LookupError)          queue or exchange does not exist
     │   ├── PreconditionFailed                    redeclared with other arguments
@@ -42,10 +45,13 @@ __all__ = [
     "EntityNotFound",
     "HandlerInstruction",
     "MiddlewareError",
+    "NegativeReceipt",
+    "NoRoute",
     "NotConnected",
     "PreconditionFailed",
     "PublishError",
     "PublishNacked",
+    "ReceiptTimeout",
     "Reject",
     "Requeue",
     "RetryableError",
@@ -110,6 +116,28 @@ class Unroutable(PublishError):
         super().__init__(message)
         self.exchange = exchange
         self.routing_key = routing_key
+
+
+class NoRoute(PublishError):
+    """An end-to-end publish would reach no queue, so no receipt could ever confirm it."""
+
+
+class NegativeReceipt(PublishError):
+    """A consumer's handler rejected the message: the end-to-end confirm failed."""
+
+    def __init__(self, message: str, *, message_id: str, queue: str, reason: str) -> None:
+        super().__init__(message)
+        self.message_id, self.queue, self.reason = message_id, queue, reason
+
+
+class ReceiptTimeout(PublishError, TimeoutError):
+    """Receipts from some expected queues never came, after every retransmit."""
+
+    def __init__(
+        self, message: str, *, message_id: str, missing: frozenset[str], attempts: int
+    ) -> None:
+        super().__init__(message)
+        self.message_id, self.missing, self.attempts = message_id, missing, attempts
 
 
 class TopologyError(MiddlewareError):

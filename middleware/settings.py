@@ -34,7 +34,7 @@ from pydantic_settings import (
 
 from .errors import ConfigurationError
 
-__all__ = ["LOCAL_CLUSTER_URLS", "RetrySettings", "Settings", "TLSSettings"]
+__all__ = ["LOCAL_CLUSTER_URLS", "ConfirmSettings", "RetrySettings", "Settings", "TLSSettings"]
 
 ENV_PREFIX = "QOSMQ_"
 #: The URLs of the embedded default: ``qosmq cluster up`` with its default ports.
@@ -60,6 +60,18 @@ class RetrySettings(_Frozen):
     max_delay: float = Field(3.0, gt=0, description="longest backoff in seconds (> 0)")
     multiplier: float = Field(2.0, ge=1, description="backoff growth factor (>= 1)")
     jitter: float = Field(0.1, ge=0, description="random extra delay in seconds (>= 0)")
+
+
+class ConfirmSettings(_Frozen):
+    """End-to-end confirms: receipt timing, batching and duplicate suppression."""
+
+    receipt_timeout: float = Field(5.0, gt=0, description="seconds to wait for all receipts")
+    max_attempts: int = Field(4, ge=1, le=100, description="sends per message, first included")
+    receipt_batch: int = Field(256, ge=1, le=65535, description="receipts per batch message")
+    receipt_linger_ms: float = Field(
+        5.0, ge=0, le=10000, description="longest wait to fill a batch"
+    )
+    dedup_window: int = Field(100_000, ge=1, description="(queue, id) pairs remembered")
 
 
 class TLSSettings(_Frozen):
@@ -103,6 +115,7 @@ class Settings(BaseSettings):
     connect_timeout: float = Field(5.0, gt=0, le=300, description="seconds per node (> 0)")
     heartbeat: int = Field(10, ge=0, le=600, description="AMQP heartbeat in seconds (0 = off)")
     retry: RetrySettings = Field(default_factory=RetrySettings)  # type: ignore[arg-type]
+    confirms: ConfirmSettings = Field(default_factory=ConfirmSettings)  # type: ignore[arg-type]
     publish_window: int = Field(256, ge=1, le=65535, description="unconfirmed publishes (>= 1)")
     publish_timeout: float = Field(30.0, gt=0, description="seconds to wait for a broker confirm")
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")

@@ -57,11 +57,14 @@ from .topology import (
 )
 from .translate import translate_aio
 
-__all__ = ["AsyncClient", "AsyncHandler", "SettleHook"]
+__all__ = ["REPLY_TO", "AsyncClient", "AsyncHandler", "ReplyHandler", "SettleHook"]
 
 log = logging.getLogger(__name__)
 AsyncHandler = Callable[[Delivery], Awaitable[None]]
 SettleHook = Callable[[Delivery, Outcome], Awaitable[None]]
+ReplyHandler = Callable[[Delivery], None]
+#: RabbitMQ's direct reply-to pseudo-queue: replies go straight to the publishing channel.
+REPLY_TO = "amq.rabbitmq.reply-to"
 
 
 @dataclass
@@ -104,6 +107,7 @@ class AsyncClient:
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._reconnect_task: asyncio.Task[None] | None = None
         self._closing = False
+        self._reply_handler: ReplyHandler | None = None
         self._fatal: MiddlewareError | None = None
         self._tag_seq = 0
 
@@ -155,6 +159,29 @@ class AsyncClient:
     def on_reconnect(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run ``hook`` after every successful failover (after topology replay)."""
         self._reconnect_hooks.append(hook)
+
+    async def listen_replies(self, handler: ReplyHandler) -> None:
+        """Receive direct reply-to messages on the channel unconfirmed publishes use.
+
+        A publish with ``reply_to=REPLY_TO`` and ``confirm=False`` gets its replies
+        here; no queue is declared, and the listener is re-established after failover.
+        """
+        self._reply_handler = handler
+        await self._start_replies(await self._await_live())
+
+    async def _start_replies(self, live: _Live) -> None:
+        handler = self._reply_handler
+        if handler is None:
+            return
+
+        async def on_reply(msg: AbstractIncomingMessage) -> None:
+            handler(_to_delivery(msg, REPLY_TO))
+
+        try:
+            queue = await live.plain_channel.get_queue(REPLY_TO, ensure=False)
+            await queue.consume(on_reply, no_ack=True)
+        except Exception as exc:
+            raise translate_aio(exc) from exc
 
     # ------------------------------------------------------------- topology
     async def declare_exchange(self, spec: ExchangeSpec) -> None:
@@ -331,6 +358,7 @@ class AsyncClient:
             )
         if live.plain_channel.is_closed:
             live.plain_channel = await live.connection.channel(publisher_confirms=False)
+            await self._start_replies(live)
 
     # ------------------------------------------------------------- internal
     async def _open(self, node: Node) -> None:
@@ -360,6 +388,7 @@ class AsyncClient:
                 plain_channel=await connection.channel(publisher_confirms=False),
             )
             self._live = live
+            await self._start_replies(live)
             for spec in list(self.topology.replay_plan()):
                 await self._apply(live, spec)
         except BaseException as exc:

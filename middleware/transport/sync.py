@@ -52,6 +52,7 @@ from .topology import (
 from .translate import translate_sync
 
 __all__ = ["SyncClient", "SyncHandler", "SyncSettleHook"]
+REPLY_TO = "amq.rabbitmq.reply-to"
 
 log = logging.getLogger(__name__)
 SyncHandler = Callable[[Delivery], None]
@@ -87,6 +88,7 @@ class SyncClient:
         self._consumers: dict[str, _SyncConsumer] = {}
         self._opened = False
         self._tag_seq = 0
+        self._reply_handler: Callable[[Delivery], None] | None = None
 
     # ------------------------------------------------------------ lifecycle
     def connect(self) -> Self:
@@ -125,6 +127,21 @@ class SyncClient:
     @property
     def connected_node(self) -> str | None:
         return str(self._live.node) if self._live is not None else None
+
+    def listen_replies(self, handler: Callable[[Delivery], None]) -> None:
+        """Receive direct reply-to messages (see ``AsyncClient.listen_replies``)."""
+        self._reply_handler = handler
+        self._call(self._start_replies)
+
+    def _start_replies(self, live: _SyncLive) -> None:
+        handler = self._reply_handler
+        if handler is None:
+            return
+
+        def on_reply(ch: Any, method: Any, props: pika.BasicProperties, body: bytes) -> None:
+            handler(_to_delivery(method, props, body, REPLY_TO))
+
+        live.plain_channel.basic_consume(REPLY_TO, on_reply, auto_ack=True)
 
     # ------------------------------------------------------------- topology
     def declare_exchange(self, spec: ExchangeSpec) -> None:
@@ -299,6 +316,7 @@ class SyncClient:
             confirm = connection.channel()
             confirm.confirm_delivery()
             live = _SyncLive(node, connection, confirm, connection.channel())
+            self._start_replies(live)
             for spec in list(self.topology.replay_plan()):
                 self._apply(live, spec)
         except Exception as exc:
@@ -315,6 +333,7 @@ class SyncClient:
             live.confirm_channel = channel
         else:
             live.plain_channel = channel
+            self._start_replies(live)
         return channel
 
     def _apply(self, live: _SyncLive, spec: Any) -> Any:

@@ -1,0 +1,194 @@
+"""Asyncio face of the confirm modes: a publisher and a consumer over :class:`AsyncClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any, Self
+
+from ..settings import ConfirmSettings
+from ..transport.aio import AsyncClient, AsyncHandler
+from ..transport.delivery import Delivery, Outcome
+from ..transport.message import OutgoingMessage
+from .core import ConsumerCore, PublisherCore, Settled
+from .modes import ConfirmMode
+
+__all__ = ["AsyncConfirmConsumer", "AsyncConfirmPublisher"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncConfirmPublisher:
+    """Publishes in one :class:`ConfirmMode`; ``await publish(...)`` returns once confirmed.
+
+    In the e2e modes "confirmed" means a receipt came from every expected queue's
+    consumer; a rejecting handler fails the publish with ``NegativeReceipt``, and
+    silence past every resend with ``ReceiptTimeout`` naming the queues.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        *,
+        mode: ConfirmMode | str = ConfirmMode.E2E,
+        confirms: ConfirmSettings | None = None,
+    ) -> None:
+        self.client = client
+        self.mode = ConfirmMode(mode)
+        settings = client.settings
+        self.core = PublisherCore(
+            mode=self.mode,
+            confirms=confirms or settings.confirms,
+            retry=settings.retry,
+            topology=client.topology,
+        )
+        self._window = asyncio.Semaphore(settings.publish_window)
+        self._futures: dict[str, asyncio.Future[None]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self) -> Self:
+        if self.core.profile.receipts:
+            await self.client.listen_replies(self._on_reply)
+            self._ticker = asyncio.create_task(self._tick())
+            self.client.on_reconnect(self._resend_all)
+        return self
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def publish(
+        self,
+        body: bytes,
+        *,
+        exchange: str = "",
+        routing_key: str = "",
+        headers: Mapping[str, Any] | None = None,
+        message_id: str | None = None,
+        expect: Iterable[str] | None = None,
+        priority: int | None = None,
+    ) -> None:
+        """Publish and wait for the mode's confirm (a full window waits first)."""
+        profile = self.core.profile
+        async with self._window:
+            message = self.core.prepare(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                headers=headers,
+                message_id=message_id,
+                expect=expect,
+                priority=priority,
+            )
+            if not profile.receipts:
+                await self.client.publish(message, confirm=profile.broker_confirm)
+                return
+            future = asyncio.get_running_loop().create_future()
+            self._futures[message.message_id] = future
+            try:
+                await self.client.publish(message, confirm=False)
+                await future
+            finally:
+                self._futures.pop(message.message_id, None)
+                self.core.forget(message.message_id)
+
+    def publish_nowait(self, body: bytes, **kwargs: Any) -> asyncio.Future[None]:
+        """Start a publish; the future resolves with the mode's confirm."""
+        return asyncio.ensure_future(self.publish(body, **kwargs))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.core.in_flight)
+
+    def _on_reply(self, delivery: Delivery) -> None:
+        self._settle(self.core.on_reply(delivery))
+
+    def _settle(self, settled: list[Settled]) -> None:
+        for message_id, error in settled:
+            future = self._futures.get(message_id)
+            if future is None or future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    async def _tick(self) -> None:
+        period = min(0.05, self.core.tracker.timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            resend, failed = self.core.due()
+            self._settle(failed)
+            for message in resend:
+                await self._resend(message)
+
+    async def _resend(self, message: OutgoingMessage) -> None:
+        try:
+            await self.client.publish(message, confirm=False)
+        except Exception as exc:
+            log.info("resend of %s failed (%s); the next timeout retries", message.message_id, exc)
+
+    async def _resend_all(self) -> None:
+        """After failover the reply address changed: resend everything still waiting."""
+        for message in list(self.core.in_flight.values()):
+            await self._resend(message)
+
+
+class AsyncConfirmConsumer:
+    """Wraps handlers so layer publishers get receipts; suppresses resent duplicates."""
+
+    def __init__(self, client: AsyncClient, *, confirms: ConfirmSettings | None = None) -> None:
+        self.client = client
+        self.core = ConsumerCore(confirms or client.settings.confirms)
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def consume(
+        self, queue: str, handler: AsyncHandler, *, prefetch: int | None = None
+    ) -> str:
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+        async def wrapped(delivery: Delivery) -> None:
+            if self.core.should_handle(delivery):
+                await handler(delivery)
+
+        return await self.client.consume(
+            queue, wrapped, prefetch=prefetch, on_settled=self._on_settled
+        )
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        for reply_to, receipts in self.core.batcher.drain():
+            await self._send(reply_to, receipts)
+
+    async def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
+        for reply_to, receipts in self.core.settled(delivery, outcome):
+            await self._send(reply_to, receipts)
+
+    async def _flush_loop(self) -> None:
+        period = max(self.core.batcher.linger_s, 0.001)
+        while True:
+            await asyncio.sleep(period)
+            for reply_to, receipts in self.core.batcher.due():
+                await self._send(reply_to, receipts)
+
+    async def _send(self, reply_to: str, receipts: list[Any]) -> None:
+        try:
+            await self.client.publish(self.core.message(reply_to, receipts), confirm=False)
+        except Exception as exc:
+            # the publisher resends after its timeout and we answer the duplicate again
+            log.info("could not send %d receipts: %s", len(receipts), exc)

@@ -1,0 +1,241 @@
+"""The confirm state machines both faces drive (httpx's BaseClient split): no I/O here.
+
+:class:`PublisherCore` turns a publish request into an :class:`OutgoingMessage`
+(with the receipt header and reply address in e2e modes), knows which queues
+must answer, and turns receipt batches and timeouts into settled message ids.
+:class:`ConsumerCore` decides whether a delivery is a duplicate, what receipt
+it earns once settled, and when receipts leave in a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tenacity import RetryCallState
+
+from ..errors import NegativeReceipt, NoRoute, ReceiptTimeout
+from ..settings import ConfirmSettings, RetrySettings
+from ..transport.delivery import Action, Delivery, Outcome
+from ..transport.message import OutgoingMessage, new_message_id
+from ..transport.policy import backoff
+from ..transport.topology import TopologyRecord
+from .modes import ConfirmMode
+from .tracking import (
+    RECEIPT_HEADER,
+    ConfirmTracker,
+    DuplicateFilter,
+    Receipt,
+    ReceiptBatcher,
+    Resolution,
+    decode_receipts,
+    encode_receipts,
+    wants_receipt,
+)
+
+__all__ = ["REPLY_TO", "ConsumerCore", "PublisherCore", "Settled"]
+
+log = logging.getLogger(__name__)
+REPLY_TO = "amq.rabbitmq.reply-to"
+RECEIPT_CONTENT_TYPE = "application/x-qosmq-receipts"
+#: (message id, None when confirmed or the error that failed it)
+Settled = tuple[str, BaseException | None]
+
+
+def _attempt_backoff(policy: RetrySettings) -> Any:
+    """Backoff before resend number ``n``, from the one tenacity wait policy."""
+    wait = backoff(policy)
+
+    def delay(attempt: int) -> float:
+        state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        state.attempt_number = attempt
+        return float(wait(state))
+
+    return delay
+
+
+class PublisherCore:
+    """What a publisher of one confirm mode sends, waits for, resends and reports."""
+
+    def __init__(
+        self,
+        *,
+        mode: ConfirmMode,
+        confirms: ConfirmSettings,
+        retry: RetrySettings,
+        topology: TopologyRecord,
+    ) -> None:
+        self.mode, self.profile = mode, mode.profile
+        self.topology = topology
+        self.tracker = ConfirmTracker(
+            timeout=confirms.receipt_timeout,
+            max_attempts=confirms.max_attempts,
+            backoff=_attempt_backoff(retry),
+        )
+        self.in_flight: dict[str, OutgoingMessage] = {}
+        self.malformed_receipts = 0
+        self.resent = 0
+
+    def prepare(
+        self,
+        body: bytes,
+        *,
+        exchange: str = "",
+        routing_key: str = "",
+        headers: Mapping[str, Any] | None = None,
+        message_id: str | None = None,
+        expect: Iterable[str] | None = None,
+        priority: int | None = None,
+    ) -> OutgoingMessage:
+        """The message to send; in e2e modes also start waiting for its receipts."""
+        headers = dict(headers or {})
+        message_id = message_id or new_message_id()
+        if not self.profile.receipts:
+            return OutgoingMessage(
+                body,
+                exchange,
+                routing_key,
+                message_id,
+                headers,
+                persistent=self.profile.persistent,
+                mandatory=self.profile.broker_confirm,
+                priority=priority,
+            )
+        expected = (
+            frozenset(expect)
+            if expect is not None
+            else self.topology.route(exchange, routing_key, headers)
+        )
+        if not expected:
+            raise NoRoute(
+                f"exchange {exchange!r} with key {routing_key!r} routes to no queue "
+                "the layer knows: declare the bindings through the client, or pass "
+                "expect=[queue, ...]"
+            )
+        headers[RECEIPT_HEADER] = 1
+        message = OutgoingMessage(
+            body,
+            exchange,
+            routing_key,
+            message_id,
+            headers,
+            persistent=self.profile.persistent,
+            mandatory=False,
+            reply_to=REPLY_TO,
+            priority=priority,
+        )
+        self.tracker.track(message_id, expected)
+        self.in_flight[message_id] = message
+        return message
+
+    def on_reply(self, delivery: Delivery) -> list[Settled]:
+        """Apply a receipt batch; return the messages it settles.  Malformed: logged, dropped."""
+        try:
+            receipts = decode_receipts(delivery.body)
+        except ValueError as exc:
+            self.malformed_receipts += 1
+            log.warning("dropping malformed receipt batch: %s", exc)
+            return []
+        settled: list[Settled] = []
+        for receipt in receipts:
+            result = self.tracker.on_receipt(receipt)
+            if result is None:
+                continue
+            resolution, pending = result
+            self.in_flight.pop(pending.message_id, None)
+            if resolution is Resolution.CONFIRMED:
+                settled.append((pending.message_id, None))
+            else:
+                settled.append(
+                    (
+                        pending.message_id,
+                        NegativeReceipt(
+                            f"queue {receipt.queue!r} rejected message {receipt.message_id}: "
+                            f"{receipt.reason}",
+                            message_id=receipt.message_id,
+                            queue=receipt.queue,
+                            reason=receipt.reason,
+                        ),
+                    )
+                )
+        return settled
+
+    def due(self) -> tuple[list[OutgoingMessage], list[Settled]]:
+        """(messages to resend now, messages that failed for good)."""
+        resend, failed = self.tracker.due()
+        self.resent += len(resend)
+        out = [self.in_flight[p.message_id] for p in resend if p.message_id in self.in_flight]
+        errors: list[Settled] = []
+        for p in failed:
+            self.in_flight.pop(p.message_id, None)
+            errors.append(
+                (
+                    p.message_id,
+                    ReceiptTimeout(
+                        f"message {p.message_id}: no receipt from queue(s) "
+                        f"{sorted(p.missing)} after "
+                        f"{p.attempts} attempt(s) (is a layer consumer running on each?)",
+                        message_id=p.message_id,
+                        missing=p.missing,
+                        attempts=p.attempts,
+                    ),
+                )
+            )
+        return out, errors
+
+    def forget(self, message_id: str) -> None:
+        self.tracker.discard(message_id)
+        self.in_flight.pop(message_id, None)
+
+
+class ConsumerCore:
+    """Duplicate suppression and receipt batching for layer consumers."""
+
+    def __init__(self, confirms: ConfirmSettings) -> None:
+        self.dedup = DuplicateFilter(confirms.dedup_window)
+        self.batcher = ReceiptBatcher(
+            max_batch=confirms.receipt_batch, linger_s=confirms.receipt_linger_ms / 1000
+        )
+        self._repeat: dict[tuple[str, str], Receipt] = {}
+        self.receipts_sent = 0
+        self.batches_sent = 0
+
+    def should_handle(self, delivery: Delivery) -> bool:
+        """False for a resend of a message this queue already handled (ack it, answer again)."""
+        if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):
+            return True
+        key = (delivery.queue, str(delivery.message_id))
+        earlier = self.dedup.get(*key)
+        if earlier is None:
+            return True
+        self._repeat[key] = earlier
+        return False
+
+    def settled(self, delivery: Delivery, outcome: Outcome) -> list[tuple[str, list[Receipt]]]:
+        """Record the receipt a settled delivery earns; return batches that are full."""
+        if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):
+            return []
+        key = (delivery.queue, str(delivery.message_id))
+        receipt = self._repeat.pop(key, None)
+        if receipt is None:
+            if outcome.action is Action.REQUEUE:
+                return []  # it will come back and be handled again
+            receipt = Receipt(key[1], key[0], outcome.action is Action.ACK, outcome.reason)
+            self.dedup.remember(receipt)
+        return self.batcher.add(str(delivery.reply_to), receipt)
+
+    def message(self, reply_to: str, receipts: list[Receipt]) -> OutgoingMessage:
+        self.receipts_sent += len(receipts)
+        self.batches_sent += 1
+        return OutgoingMessage(
+            encode_receipts(receipts),
+            "",
+            reply_to,
+            mandatory=False,
+            content_type=RECEIPT_CONTENT_TYPE,
+        )
+
+    @property
+    def duplicates(self) -> int:
+        return self.dedup.duplicates

@@ -1,0 +1,148 @@
+"""Sync face of the confirm modes over :class:`SyncClient` (pika), on the same core."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..settings import ConfirmSettings
+from ..transport.delivery import Delivery, Outcome
+from ..transport.sync import SyncClient, SyncHandler
+from .core import ConsumerCore, PublisherCore
+from .modes import ConfirmMode
+
+__all__ = ["SyncConfirmConsumer", "SyncConfirmPublisher"]
+
+_PUMP_S = 0.005
+
+
+class SyncConfirmPublisher:
+    """Blocking publisher; ``publish`` returns once the mode's confirm arrived."""
+
+    def __init__(
+        self,
+        client: SyncClient,
+        *,
+        mode: ConfirmMode | str = ConfirmMode.E2E,
+        confirms: ConfirmSettings | None = None,
+    ) -> None:
+        self.client = client
+        self.mode = ConfirmMode(mode)
+        self.core = PublisherCore(
+            mode=self.mode,
+            confirms=confirms or client.settings.confirms,
+            retry=client.settings.retry,
+            topology=client.topology,
+        )
+        self._results: dict[str, BaseException | None] = {}
+        if self.core.profile.receipts:
+            client.listen_replies(self._on_reply)
+
+    def publish(
+        self,
+        body: bytes,
+        *,
+        exchange: str = "",
+        routing_key: str = "",
+        headers: Mapping[str, Any] | None = None,
+        message_id: str | None = None,
+        expect: Iterable[str] | None = None,
+    ) -> None:
+        self.publish_many(
+            [body],
+            exchange=exchange,
+            routing_key=routing_key,
+            headers=headers,
+            message_ids=[message_id] if message_id else None,
+            expect=expect,
+        )
+
+    def publish_many(
+        self,
+        bodies: Iterable[bytes],
+        *,
+        exchange: str = "",
+        routing_key: str = "",
+        headers: Mapping[str, Any] | None = None,
+        message_ids: Iterable[str] | None = None,
+        expect: Iterable[str] | None = None,
+    ) -> None:
+        """Send a batch (e2e: up to the window before waiting), then wait for every confirm.
+
+        Raises the first failure (``NegativeReceipt``, ``ReceiptTimeout``, ...) after
+        every message of the batch has settled.
+        """
+        ids = iter(message_ids) if message_ids is not None else None
+        waiting: list[str] = []
+        first_error: BaseException | None = None
+        for body in bodies:
+            message = self.core.prepare(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                headers=headers,
+                message_id=next(ids) if ids else None,
+                expect=expect,
+            )
+            if not self.core.profile.receipts:
+                self.client.publish(message, confirm=self.core.profile.broker_confirm)
+                continue
+            self.client.publish(message, confirm=False)
+            waiting.append(message.message_id)
+            if len(self.core.in_flight) >= self.client.settings.publish_window:
+                first_error = first_error or self._wait(
+                    lambda: len(self.core.in_flight) < self.client.settings.publish_window
+                )
+        first_error = first_error or self._wait(lambda: not self.core.in_flight)
+        for message_id in waiting:
+            error = self._results.pop(message_id, None)
+            first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def _wait(self, done: Callable[[], bool]) -> BaseException | None:
+        while not done():
+            self.client.run(_PUMP_S)
+            resend, failed = self.core.due()
+            self._record(failed)
+            for message in resend:
+                self.client.publish(message, confirm=False)
+        return None
+
+    def _on_reply(self, delivery: Delivery) -> None:
+        self._record(self.core.on_reply(delivery))
+
+    def _record(self, settled: list[tuple[str, BaseException | None]]) -> None:
+        for message_id, error in settled:
+            self._results[message_id] = error
+
+
+class SyncConfirmConsumer:
+    """Blocking consumer wrapper: duplicate suppression and batched receipts."""
+
+    def __init__(self, client: SyncClient, *, confirms: ConfirmSettings | None = None) -> None:
+        self.client = client
+        self.core = ConsumerCore(confirms or client.settings.confirms)
+
+    def consume(self, queue: str, handler: SyncHandler, *, prefetch: int | None = None) -> str:
+        def wrapped(delivery: Delivery) -> None:
+            if self.core.should_handle(delivery):
+                handler(delivery)
+
+        return self.client.consume(queue, wrapped, prefetch=prefetch, on_settled=self._on_settled)
+
+    def run(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None) -> None:
+        """Handle deliveries and flush receipt batches on time."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while (deadline is None or time.monotonic() < deadline) and not (until and until()):
+            self.client.run(min(_PUMP_S, self.core.batcher.linger_s or _PUMP_S))
+            self._send(self.core.batcher.due())
+        self._send(self.core.batcher.drain())
+
+    def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
+        self._send(self.core.settled(delivery, outcome))
+
+    def _send(self, batches: list[tuple[str, list[Any]]]) -> None:
+        for reply_to, receipts in batches:
+            self.client.publish(self.core.message(reply_to, receipts), confirm=False)
