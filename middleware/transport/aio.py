@@ -32,6 +32,7 @@ from ..errors import (
     MiddlewareError,
     NotConnected,
     PublishNacked,
+    RetryableError,
     TopologyError,
     WindowFull,
 )
@@ -276,7 +277,16 @@ class AsyncClient:
         ``PublishNacked``, ``BrokerUnreachable`` after the last attempt, or
         ``WindowFull`` when ``block`` is false and the window is full.
         """
-        async for attempt in async_retrying(self.settings.retry):
+        try:
+            await self._publish_once(message, confirm=confirm, block=block)
+            return
+        except RetryableError as exc:
+            if isinstance(exc, WindowFull) or self.settings.retry.attempts < 2:
+                raise
+            log.debug("publish %s failed (%s); retrying under the policy", message.message_id, exc)
+        # The hot path above builds no retry object; only a failed publish pays for tenacity.
+        retries = self.settings.retry.attempts - 1
+        async for attempt in async_retrying(self.settings.retry, attempts=retries):
             with attempt:
                 await self._publish_once(message, confirm=confirm, block=block)
 
@@ -308,7 +318,7 @@ class AsyncClient:
                 elif isinstance(error, PublishNacked):
                     await self._replace_confirm_channel(live, channel)
                 raise error from exc
-        metrics.PUBLISHED.labels("confirmed" if confirm else "unconfirmed").inc()
+        (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
     async def _exchange(self, live: _Live, name: str, confirm: bool) -> AbstractExchange:
         channel = live.confirm_channel if confirm else live.plain_channel
@@ -558,7 +568,7 @@ class AsyncClient:
                     queue,
                     outcome.reason,
                 )
-        metrics.DELIVERIES.labels(outcome.action.value).inc()
+        metrics.DELIVERIES_BY_ACTION[outcome.action].inc()
         try:
             await self._settle(msg, delivery, outcome)
         except Exception as exc:

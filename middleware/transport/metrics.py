@@ -1,7 +1,16 @@
-"""Prometheus metrics of the transport (process-wide, served by observability's endpoint)."""
+"""Prometheus metrics of the transport (process-wide, served by observability's endpoint).
+
+Label children are bound once here: ``Counter.labels()`` on every message is a
+dict lookup under a lock that the hot path need not pay.
+"""
 
 from prometheus_client import Counter
 
+from .delivery import Action
+
 PUBLISHED = Counter("qosmq_published_total", "messages published", ["kind"])
+PUBLISHED_CONFIRMED = PUBLISHED.labels("confirmed")
+PUBLISHED_UNCONFIRMED = PUBLISHED.labels("unconfirmed")
 DELIVERIES = Counter("qosmq_deliveries_total", "deliveries settled by handlers", ["outcome"])
+DELIVERIES_BY_ACTION = {action: DELIVERIES.labels(action.value) for action in Action}
 RECONNECTS = Counter("qosmq_failovers_total", "connections re-established after a loss")

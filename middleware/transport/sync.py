@@ -244,7 +244,7 @@ class SyncClient:
                 raise
 
         self._call(send)
-        metrics.PUBLISHED.labels("confirmed" if confirm else "unconfirmed").inc()
+        (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
     # ------------------------------------------------------------- internal
     def _record(self, spec: Any) -> Any:
@@ -410,7 +410,7 @@ class SyncClient:
                     delivery.queue,
                     outcome.reason,
                 )
-        metrics.DELIVERIES.labels(outcome.action.value).inc()
+        metrics.DELIVERIES_BY_ACTION[outcome.action].inc()
         match outcome.action:
             case Action.ACK:
                 ch.basic_ack(delivery.delivery_tag)
