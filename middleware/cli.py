@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MiddlewareError
+from .localcluster.layout import DEFAULT_BASE_PORT
 from .observability import configure_logging
 from .settings import Settings
 
@@ -81,7 +82,12 @@ def _cluster_commands(sub: Any) -> None:
 
     up = add("up", _cluster_up, "start N nodes on 127.0.0.1 and join them (idempotent)")
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    up.add_argument("--base-port", type=int, default=5672, help="AMQP port of node 1")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=DEFAULT_BASE_PORT,
+        help=f"AMQP port of node 1 (default {DEFAULT_BASE_PORT})",
+    )
     status = add("status", _cluster_status, "nodes, PIDs, ports, members")
     status.add_argument("--json", action="store_true", help="print JSON")
     add("stop", _cluster_node("stop"), "stop one node gracefully", node=True)
@@ -95,7 +101,9 @@ def _open_cluster(args: argparse.Namespace) -> Any:
     from .localcluster import LocalCluster
 
     return LocalCluster.open(
-        args.state_dir, size=getattr(args, "nodes", 3), base_port=getattr(args, "base_port", 5672)
+        args.state_dir,
+        size=getattr(args, "nodes", 3),
+        base_port=getattr(args, "base_port", DEFAULT_BASE_PORT),
     )
 
 

@@ -39,9 +39,9 @@ __all__ = ["LOCAL_CLUSTER_URLS", "ConfirmSettings", "RetrySettings", "Settings",
 ENV_PREFIX = "QOSMQ_"
 #: The URLs of the embedded default: ``qosmq cluster up`` with its default ports.
 LOCAL_CLUSTER_URLS = (
-    "amqp://127.0.0.1:5672/",
-    "amqp://127.0.0.1:5673/",
-    "amqp://127.0.0.1:5674/",
+    "amqp://127.0.0.1:5682/",
+    "amqp://127.0.0.1:5683/",
+    "amqp://127.0.0.1:5684/",
 )
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "qosmq_config_file", default=None

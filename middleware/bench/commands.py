@@ -1,9 +1,172 @@
-"""``qosmq bench`` commands."""
+"""``qosmq bench …`` and ``qosmq demo``: benchmark cells from the command line."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+from .. import __version__
+from ..settings import Settings
+from .confirms import MODES, CellSpec, run_cell_sync
+
+__all__ = ["format_table", "register", "run_confirms_grid"]
 
 
 def register(sub: Any) -> None:
-    sub.add_parser("bench", help="benchmark cells against the running cluster")
+    bench = sub.add_parser("bench", help="benchmark cells against the running cluster")
+    cmds = bench.add_subparsers(title="benchmarks", required=True)
+    confirms = cmds.add_parser("confirms", help="confirm modes x queue counts (paper 003)")
+    _grid_arguments(confirms, modes="raw,none,broker,persistent,e2e", queues="1,2,3", duration=10.0)
+    confirms.set_defaults(run=_run_confirms)
+    demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
+    _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0)
+    demo.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
+    demo.set_defaults(run=_run_demo)
+
+
+def _grid_arguments(
+    p: argparse.ArgumentParser, *, modes: str, queues: str, duration: float
+) -> None:
+    p.add_argument("--modes", default=modes, help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--queues", default=queues, help="comma list of queue counts")
+    p.add_argument("--producers-per-queue", type=int, default=2)
+    p.add_argument("--consumers-per-queue", type=int, default=3)
+    p.add_argument("--size", type=int, default=1500, help="message size in bytes")
+    p.add_argument("--duration", type=float, default=duration, help="seconds per cell")
+    p.add_argument("--window", type=int, default=64, help="in-flight publishes per producer")
+    p.add_argument("--json", type=Path, help="write the records to this file")
+
+
+def _cells(args: argparse.Namespace) -> list[CellSpec]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        queue_counts = [int(q) for q in args.queues.split(",") if q.strip()]
+        return [
+            CellSpec(
+                mode=m,
+                queues=q,
+                producers_per_queue=args.producers_per_queue,
+                consumers_per_queue=args.consumers_per_queue,
+                size=args.size,
+                duration_s=args.duration,
+                window=args.window,
+            )
+            for q in queue_counts
+            for m in modes
+        ]
+    except ValueError as exc:
+        raise SystemExit(f"qosmq: error: bad grid: {exc}") from None
+
+
+def run_confirms_grid(settings: Settings, cells: list[CellSpec]) -> list[dict[str, Any]]:
+    """Run cells one after another (they must not compete for the CPU); add ratios."""
+    rows = []
+    for i, cell in enumerate(cells, 1):
+        print(
+            f"[{i}/{len(cells)}] mode={cell.mode} queues={cell.queues} "
+            f"for {cell.duration_s:g} s ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            row = run_cell_sync(settings, cell)
+        except Exception as exc:  # a failed cell is recorded and the grid goes on
+            row = {
+                "mode": cell.mode,
+                "queues": cell.queues,
+                "error": f"{type(exc).__name__}: {exc}",
+                "confirmed_per_s": float("nan"),
+            }
+        row.update(_provenance())
+        rows.append(row)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's throughput over the same queue count's ``persistent`` and ``raw`` rows."""
+    for base in ("persistent", "raw"):
+        ref = {r["queues"]: r.get("confirmed_per_s") for r in rows if r["mode"] == base}
+        for r in rows:
+            denominator = ref.get(r["queues"])
+            value = r.get("confirmed_per_s")
+            r[f"ratio_vs_{base}"] = (
+                round(value / denominator, 3) if denominator and value == value else None
+            )
+
+
+def _provenance() -> dict[str, Any]:
+    return {
+        "version": __version__,
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'mode':15} {'queues':>6} {'confirmed/s':>11} {'p50 ms':>8} {'p95 ms':>8} "
+        f"{'p99 ms':>8} {'lost':>5} {'dups':>5} {'x persistent':>12} {'x raw':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['mode']:15} {r['queues']:>6} FAILED: {r['error']}")
+            continue
+        lines.append(
+            f"{r['mode']:15} {r['queues']:>6} {r['confirmed_per_s']:>11.0f} "
+            f"{r['confirm_p50_ms']:>8.1f} {r['confirm_p95_ms']:>8.1f} {r['confirm_p99_ms']:>8.1f} "
+            f"{r['lost']:>5} {r['duplicates']:>5} {_ratio(r['ratio_vs_persistent']):>12} "
+            f"{_ratio(r['ratio_vs_raw']):>6}"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _run_confirms(args: argparse.Namespace) -> int:
+    cells = _cells(args)
+    rows = run_confirms_grid(args.settings, cells)
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+        print(f"records: {args.json}")
+    return 1 if any("error" in r or r.get("lost") for r in rows) else 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from ..localcluster import LocalCluster
+
+    cells = _cells(args)  # refuse a bad grid before starting anything
+    cluster = LocalCluster.open(args.state_dir)
+    started = time.monotonic()
+    status = cluster.up()
+    print(
+        f"cluster: {', '.join(status['members'])} (ready in {time.monotonic() - started:.1f} s)",
+        file=sys.stderr,
+    )
+    settings = args.settings.model_copy(update={"amqp_urls": tuple(status["amqp_urls"])})
+    return _run_confirms_with(settings, cells, args.json)
+
+
+def _run_confirms_with(settings: Settings, cells: list[CellSpec], out: Path | None) -> int:
+    rows = run_confirms_grid(settings, cells)
+    print()
+    print(format_table(rows))
+    print(
+        "\nx persistent: throughput over the paper's baseline (confirms + quorum queue + "
+        "persistent messages);\nx raw: over plain aio-pika with publisher confirms, same load, "
+        "same run."
+    )
+    if out:
+        out.write_text(json.dumps(rows, indent=2))
+    return 1 if any("error" in r or r.get("lost") for r in rows) else 0

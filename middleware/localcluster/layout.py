@@ -5,13 +5,13 @@ clusters (a developer's demo, the test session) can run side by side, each with
 its own epmd:
 
 =================  ======================  ============================
-port               node ``i`` (0-based)     default cluster (base 5672)
+port               node ``i`` (0-based)     default cluster (base 5682)
 =================  ======================  ============================
-AMQP               base + i                 5672, 5673, 5674
-management HTTP    base + 10000 + i         15672, 15673, 15674
-Prometheus         base + 10020 + i         15692, 15693, 15694
-Erlang dist        base + 20000 + i         25672, 25673, 25674
-epmd (cluster)     base + 30000             35672
+AMQP               base + i                 5682, 5683, 5684
+management HTTP    base + 10000 + i         15682, 15683, 15684
+Prometheus         base + 10020 + i         15702, 15703, 15704
+Erlang dist        base + 20000 + i         25682, 25683, 25684
+epmd (cluster)     base + 30000             35682
 =================  ======================  ============================
 """
 
@@ -25,6 +25,8 @@ __all__ = ["RABBITMQ_BIN", "ClusterLayout", "NodeLayout"]
 
 RABBITMQ_BIN = Path(os.environ.get("QOSMQ_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
 MAX_NODES = 9
+#: Not 5672: teams adding the layer often run a system RabbitMQ there already.
+DEFAULT_BASE_PORT = 5682
 PLUGINS = (
     "rabbitmq_management",
     "rabbitmq_prometheus",
@@ -69,7 +71,7 @@ class ClusterLayout:
 
     state_dir: Path
     size: int = 3
-    base_port: int = 5672
+    base_port: int = DEFAULT_BASE_PORT
     prefix: str = "qosmq"
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ import pika
 import pika.exceptions
 
 from ..errors import MiddlewareError
-from .layout import RABBITMQ_BIN, ClusterLayout, NodeLayout
+from .layout import DEFAULT_BASE_PORT, RABBITMQ_BIN, ClusterLayout, NodeLayout
 
 __all__ = ["ClusterError", "LocalCluster", "RabbitMQMissing", "pid_alive"]
 
@@ -69,7 +70,9 @@ class LocalCluster:
 
     # ----------------------------------------------------------------- state
     @classmethod
-    def open(cls, state_dir: Path | str, *, size: int = 3, base_port: int = 5672) -> LocalCluster:
+    def open(
+        cls, state_dir: Path | str, *, size: int = 3, base_port: int = DEFAULT_BASE_PORT
+    ) -> LocalCluster:
         """The cluster in ``state_dir``: its recorded layout if there is one, else a new one."""
         state_dir = Path(state_dir).resolve()
         state_file = state_dir / "cluster.json"
@@ -230,6 +233,19 @@ class LocalCluster:
     def _start_nodes(self, nodes: list[NodeLayout], timeout: float) -> None:
         if not nodes:
             return
+        for node in nodes:
+            for port in (
+                node.amqp_port,
+                node.management_port,
+                node.prometheus_port,
+                node.dist_port,
+            ):
+                if _port_in_use(port):
+                    raise ClusterError(
+                        f"port {port} (for {node.node_name}) is already in use on 127.0.0.1: "
+                        "another RabbitMQ (a system service?) or another cluster holds it; "
+                        "stop it, or pick other ports with --base-port"
+                    )
         state = self._load()
         for node in nodes:
             node.pid_file.unlink(missing_ok=True)
@@ -317,6 +333,12 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> int:
         (os.POSIX_SPAWN_DUP2, 1, 2),
     ]
     return os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True)
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _check_installed() -> None:

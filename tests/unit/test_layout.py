@@ -24,7 +24,7 @@ def test_ports_and_names_derive_from_the_base() -> None:
 def test_everything_binds_to_loopback() -> None:
     layout = ClusterLayout(state_dir=Path("/tmp/x"))
     conf = layout.rabbitmq_conf(layout.node(0))
-    assert "listeners.tcp.default = 127.0.0.1:5672" in conf
+    assert "listeners.tcp.default = 127.0.0.1:5682" in conf
     assert "management.tcp.ip = 127.0.0.1" in conf and "prometheus.tcp.ip = 127.0.0.1" in conf
     env = layout.node_env(layout.node(0))
     assert env["RABBITMQ_NODE_IP_ADDRESS"] == "127.0.0.1"
