@@ -190,39 +190,52 @@ class PublisherCore:
 
 
 class ConsumerCore:
-    """Duplicate suppression and receipt batching for layer consumers."""
+    """Duplicate suppression and receipt batching for layer consumers.
+
+    A resend of a message this queue already handled is acked without running
+    the handler, and answered with the first copy's receipt.  A resend that
+    arrives while the first copy is still in its handler is acked silently: the
+    first copy's receipt answers both.
+    """
 
     def __init__(self, confirms: ConfirmSettings) -> None:
         self.dedup = DuplicateFilter(confirms.dedup_window)
         self.batcher = ReceiptBatcher(
             max_batch=confirms.receipt_batch, linger_s=confirms.receipt_linger_ms / 1000
         )
-        self._repeat: dict[tuple[str, str], Receipt] = {}
+        self._in_progress: set[tuple[str, str]] = set()
+        # per delivery object (handler and settle hook see the same one): the answer to repeat
+        self._skipped: dict[int, Receipt | None] = {}
         self.receipts_sent = 0
         self.batches_sent = 0
+        self.suppressed = 0
 
     def should_handle(self, delivery: Delivery) -> bool:
-        """False for a resend of a message this queue already handled (ack it, answer again)."""
+        """False for a copy of a message this queue handled or is handling (ack, don't run)."""
         if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):
             return True
         key = (delivery.queue, str(delivery.message_id))
         earlier = self.dedup.get(*key)
-        if earlier is None:
+        if earlier is None and key not in self._in_progress:
+            self._in_progress.add(key)
             return True
-        self._repeat[key] = earlier
+        self.suppressed += 1
+        self._skipped[id(delivery)] = earlier
         return False
 
     def settled(self, delivery: Delivery, outcome: Outcome) -> list[tuple[str, list[Receipt]]]:
         """Record the receipt a settled delivery earns; return batches that are full."""
         if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):
             return []
+        if id(delivery) in self._skipped:
+            earlier = self._skipped.pop(id(delivery))
+            return [] if earlier is None else self.batcher.add(str(delivery.reply_to), earlier)
         key = (delivery.queue, str(delivery.message_id))
-        receipt = self._repeat.pop(key, None)
-        if receipt is None:
-            if outcome.action is Action.REQUEUE:
-                return []  # it will come back and be handled again
-            receipt = Receipt(key[1], key[0], outcome.action is Action.ACK, outcome.reason)
-            self.dedup.remember(receipt)
+        self._in_progress.discard(key)
+        if outcome.action is Action.REQUEUE:
+            return []  # it will come back and be handled again
+        receipt = Receipt(key[1], key[0], outcome.action is Action.ACK, outcome.reason)
+        self.dedup.remember(receipt)
         return self.batcher.add(str(delivery.reply_to), receipt)
 
     def message(self, reply_to: str, receipts: list[Receipt]) -> OutgoingMessage:
@@ -235,7 +248,3 @@ class ConsumerCore:
             mandatory=False,
             content_type=RECEIPT_CONTENT_TYPE,
         )
-
-    @property
-    def duplicates(self) -> int:
-        return self.dedup.duplicates

@@ -312,11 +312,12 @@ class AsyncClient:
                 )
             except Exception as exc:
                 error = translate_aio(exc)
-                if isinstance(error, TopologyError):
-                    # the broker closed the channel (e.g. 404 exchange): give the next one a new one
-                    await self._reopen_publish_channels(live)
-                elif isinstance(error, PublishNacked):
-                    await self._replace_confirm_channel(live, channel)
+                with contextlib.suppress(Exception):  # repair is best effort; report `error`
+                    if isinstance(error, TopologyError):
+                        # the broker closed the channel (e.g. 404 exchange): the next gets a new one
+                        await self._reopen_publish_channels(live)
+                    elif isinstance(error, PublishNacked):
+                        await self._replace_confirm_channel(live, channel)
                 raise error from exc
         (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
@@ -359,7 +360,14 @@ class AsyncClient:
         )
 
     async def _reopen_publish_channels(self, live: _Live) -> None:
+        """Replace closed publish channels; a dying connection is left to failover."""
         live.exchanges.clear()
+        try:
+            await self._open_publish_channels(live)
+        except Exception as exc:
+            raise translate_aio(exc) from exc
+
+    async def _open_publish_channels(self, live: _Live) -> None:
         if live.connection.is_closed:
             return
         if live.confirm_channel.is_closed:
@@ -572,9 +580,9 @@ class AsyncClient:
         try:
             await self._settle(msg, delivery, outcome)
         except Exception as exc:
-            # The channel died: the broker requeues the delivery; nothing is lost.
+            # The channel died: the broker requeues the delivery, and the hook hears so.
             log.info("could not settle %s on %s: %s", delivery.message_id, queue, exc)
-            return
+            outcome = Outcome(Action.REQUEUE, f"channel lost before settling: {exc}")
         if consumer.on_settled is not None:
             await consumer.on_settled(delivery, outcome)
 

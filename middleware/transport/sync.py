@@ -411,6 +411,17 @@ class SyncClient:
                     outcome.reason,
                 )
         metrics.DELIVERIES_BY_ACTION[outcome.action].inc()
+        try:
+            self._settle(ch, delivery, outcome)
+        except Exception:
+            # The channel died: the broker requeues the delivery, and the hook hears so.
+            if consumer.on_settled is not None:
+                consumer.on_settled(delivery, Outcome(Action.REQUEUE, "channel lost"))
+            raise
+        if consumer.on_settled is not None:
+            consumer.on_settled(delivery, outcome)
+
+    def _settle(self, ch: blocking.BlockingChannel, delivery: Delivery, outcome: Outcome) -> None:
         match outcome.action:
             case Action.ACK:
                 ch.basic_ack(delivery.delivery_tag)
@@ -421,8 +432,6 @@ class SyncClient:
             case Action.DEAD_LETTER:
                 self.dead_letter(delivery, outcome.reason)
                 ch.basic_ack(delivery.delivery_tag)
-        if consumer.on_settled is not None:
-            consumer.on_settled(delivery, outcome)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""

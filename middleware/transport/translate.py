@@ -47,6 +47,8 @@ _AIO_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], F
     (aexc.ChannelPreconditionFailed, _make(PreconditionFailed, "precondition failed")),
     (aexc.PublishError, _make(Unroutable, "message returned as unroutable")),
     (aexc.DeliveryError, _make(PublishNacked, "the broker nacked the message")),
+    # before OSError: since Python 3.11 TimeoutError is an OSError
+    (asyncio.TimeoutError, _make(ConfirmTimeout, "no answer from the broker in time")),
     (
         (
             aexc.AMQPConnectionError,
@@ -54,10 +56,11 @@ _AIO_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], F
             ConnectionError,
             OSError,
             aexc.ChannelClosed,
+            # aio-pika raises a bare RuntimeError("<Connection ...> closed") after close
+            RuntimeError,
         ),
         _make(ConnectionLost, "connection lost"),
     ),
-    (asyncio.TimeoutError, _make(ConfirmTimeout, "no answer from the broker in time")),
     (aexc.AMQPError, _make(TopologyError, "broker error")),
 )
 

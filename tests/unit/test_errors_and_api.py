@@ -38,6 +38,8 @@ def test_every_error_derives_from_the_one_base() -> None:
         (aexc.ConnectionClosed(320, "forced"), errors.ConnectionLost),
         (ConnectionRefusedError(111, "refused"), errors.ConnectionLost),
         (aexc.ChannelInvalidStateError("closed"), errors.ConnectionLost),
+        (RuntimeError("<Connection ...> closed"), errors.ConnectionLost),
+        (TimeoutError(), errors.ConfirmTimeout),
     ],
 )
 def test_aio_translation(exc, expected) -> None:

@@ -1,0 +1,327 @@
+"""End-to-end confirms against the real cluster, on both faces."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from middleware.confirms import (
+    AsyncConfirmConsumer,
+    AsyncConfirmPublisher,
+    SyncConfirmConsumer,
+    SyncConfirmPublisher,
+)
+from middleware.errors import NegativeReceipt, ReceiptTimeout, Reject
+from middleware.settings import Settings
+from middleware.transport import (
+    AsyncClient,
+    BindingSpec,
+    Delivery,
+    ExchangeSpec,
+    ExchangeType,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
+from tests.conftest import LoopThread
+
+pytestmark = pytest.mark.rabbit
+
+
+def _fast(settings: Settings, **confirms: Any) -> Settings:
+    merged = {"receipt_timeout": 2.0, "max_attempts": 2, **confirms}
+    return settings.model_copy(update={"confirms": settings.confirms.model_copy(update=merged)})
+
+
+def _fanout(name: str, queues: list[str]) -> list[Any]:
+    specs: list[Any] = [ExchangeSpec(name, ExchangeType.FANOUT)]
+    for q in queues:
+        specs += [QueueSpec(q, kind=QueueKind.CLASSIC), BindingSpec(q, name)]
+    return specs
+
+
+class E2E:
+    """Publisher and consumers of one face, consumers running in the background."""
+
+    def __init__(self, kind: str, settings: Settings, specs: list[Any]) -> None:
+        self.kind, self.settings, self.specs = kind, settings, specs
+        self.stop = threading.Event()
+        if kind == "async":
+            self.loop = LoopThread()
+            self.pub_client = AsyncClient(settings=settings)
+            self.con_client = AsyncClient(settings=settings)
+            self.loop.run(self._async_setup())
+        else:
+            self.pub_client = SyncClient(settings=settings).connect()
+            for spec in specs:
+                _declare_sync(self.pub_client, spec)
+            self.publisher = SyncConfirmPublisher(self.pub_client, mode="e2e")
+
+    async def _async_setup(self) -> None:
+        for client in (self.pub_client, self.con_client):
+            await client.connect()
+            for spec in self.specs:
+                await _declare_async(client, spec)
+        self.publisher = await AsyncConfirmPublisher(self.pub_client, mode="e2e").start()
+        self.consumer = AsyncConfirmConsumer(self.con_client)
+
+    def consume(self, queues: list[str], handler: Callable[[Delivery], None]) -> None:
+        if self.kind == "async":
+
+            async def ahandler(d: Delivery) -> None:
+                handler(d)
+
+            for q in queues:
+                self.loop.run(self.consumer.consume(q, ahandler))
+            return
+        ready = threading.Event()
+
+        def run() -> None:
+            client = SyncClient(settings=self.settings).connect()
+            consumer = SyncConfirmConsumer(client)
+            for q in queues:
+                consumer.consume(q, handler)
+            ready.set()
+            consumer.run(until=self.stop.is_set)
+            client.close()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert ready.wait(30)
+
+    def publish(self, body: bytes, **kwargs: Any) -> None:
+        if self.kind == "async":
+            self.loop.run(self.publisher.publish(body, **kwargs))
+        else:
+            self.publisher.publish(body, **kwargs)
+
+    def close(self) -> None:
+        self.stop.set()
+        time.sleep(0.2)
+        if self.kind == "async":
+            self.loop.run(self.consumer.close())
+            self.loop.run(self.publisher.close())
+            self.loop.run(self.pub_client.close())
+            self.loop.run(self.con_client.close())
+            self.loop.stop()
+        else:
+            self.pub_client.close()
+
+
+def _declare_sync(client: SyncClient, spec: Any) -> None:
+    {
+        ExchangeSpec: client.declare_exchange,
+        QueueSpec: client.declare_queue,
+        BindingSpec: client.bind,
+    }[type(spec)](spec)
+
+
+async def _declare_async(client: AsyncClient, spec: Any) -> None:
+    await {
+        ExchangeSpec: client.declare_exchange,
+        QueueSpec: client.declare_queue,
+        BindingSpec: client.bind,
+    }[type(spec)](spec)
+
+
+@pytest.fixture(params=["async", "sync"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_fanout_confirms_after_all_three_consumers_and_names_silent_queue(
+    kind, settings, name
+) -> None:
+    queues = [f"{name}.{i}" for i in range(3)]
+    e2e = E2E(kind, _fast(settings), _fanout(name, queues))
+    handled: list[tuple[str, str]] = []
+    try:
+        e2e.consume(queues, lambda d: handled.append((d.queue, d.text())))
+        for i in range(20):
+            e2e.publish(f"m{i}".encode(), exchange=name)
+        counts = Counter(q for q, _ in handled)
+        assert counts == {q: 20 for q in queues}, "confirmed before every queue handled it"
+        # a fourth queue bound with no layer consumer: the confirm times out naming it
+        silent = f"{name}.silent"
+        for spec in (QueueSpec(silent, kind=QueueKind.CLASSIC), BindingSpec(silent, name)):
+            if kind == "async":
+                e2e.loop.run(_declare_async(e2e.pub_client, spec))
+            else:
+                _declare_sync(e2e.pub_client, spec)
+        started = time.monotonic()
+        with pytest.raises(ReceiptTimeout) as info:
+            e2e.publish(b"late", exchange=name)
+        assert info.value.missing == {silent} and info.value.attempts == 2
+        assert time.monotonic() - started < 15
+    finally:
+        e2e.close()
+
+
+def test_reject_fails_the_confirm_with_queue_and_reason(kind, settings, name) -> None:
+    queues = [f"{name}.ok", f"{name}.picky"]
+    e2e = E2E(kind, _fast(settings), _fanout(name, queues))
+
+    def handler(d: Delivery) -> None:
+        if d.queue.endswith("picky") and d.text() == "bad":
+            raise Reject("amount must be positive")
+
+    try:
+        e2e.consume(queues, handler)
+        e2e.publish(b"good", exchange=name)
+        with pytest.raises(NegativeReceipt) as info:
+            e2e.publish(b"bad", exchange=name)
+        assert info.value.queue == f"{name}.picky"
+        assert info.value.reason == "amount must be positive"
+    finally:
+        e2e.close()
+
+
+def test_confirm_waits_for_the_slowest_consumer(settings, name) -> None:
+    queues = [f"{name}.{i}" for i in range(3)]
+    e2e = E2E("async", _fast(settings, receipt_timeout=10), _fanout(name, queues))
+    gate = asyncio.Event()
+    handled: list[str] = []
+
+    async def handler(d: Delivery) -> None:
+        if d.queue.endswith(".2"):
+            await asyncio.wait_for(gate.wait(), 20)
+        handled.append(d.queue)
+
+    try:
+        for q in queues:
+            e2e.loop.run(e2e.consumer.consume(q, handler))
+        future = asyncio.run_coroutine_threadsafe(
+            e2e.publisher.publish(b"x", exchange=name), e2e.loop.loop
+        )
+        deadline = time.monotonic() + 10
+        while len(handled) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert sorted(handled) == sorted(queues[:2]) and not future.done()
+        e2e.loop.loop.call_soon_threadsafe(gate.set)
+        future.result(10)
+        assert sorted(handled) == sorted(queues)
+    finally:
+        e2e.loop.loop.call_soon_threadsafe(gate.set)
+        e2e.close()
+
+
+def test_forced_retransmit_is_suppressed_and_still_confirmed(settings, name) -> None:
+    queues = [f"{name}.a", f"{name}.b"]
+    e2e = E2E("async", _fast(settings, receipt_timeout=0.3, max_attempts=5), _fanout(name, queues))
+    runs: Counter[tuple[str, str]] = Counter()
+
+    async def handler(d: Delivery) -> None:
+        runs[(d.queue, d.message_id or "")] += 1
+        await asyncio.sleep(0.8)  # longer than the receipt timeout: the publisher resends
+
+    try:
+        for q in queues:
+            e2e.loop.run(e2e.consumer.consume(q, handler))
+        e2e.publish(b"slow", exchange=name, message_id="once")
+        time.sleep(1.0)  # let late resends arrive too
+        assert runs == {(q, "once"): 1 for q in queues}
+        assert e2e.publisher.core.resent >= 1
+        assert e2e.consumer.core.suppressed >= 1
+    finally:
+        e2e.close()
+
+
+def test_plain_messages_and_malformed_receipts_never_crash(settings, name) -> None:
+    e2e = E2E("async", _fast(settings), _fanout(name, [name]))
+    seen: list[Delivery] = []
+    try:
+        e2e.consume([name], seen.append)
+        # a plain AMQP message (no layer headers) is handled as a plain message, no receipt
+        e2e.loop.run(e2e.pub_client.publish(OutgoingMessage(b"plain", "", name)))
+        e2e.publish(b"layer", exchange=name)
+        reply_to = next(d.reply_to for d in seen if d.text() == "layer")
+        # garbage sent to the publisher's reply address is dropped and counted
+        e2e.loop.run(
+            e2e.con_client.publish(
+                OutgoingMessage(b"\x00not json", "", reply_to, mandatory=False), confirm=False
+            )
+        )
+        e2e.publish(b"after", exchange=name)
+        assert {d.text() for d in seen} == {"plain", "layer", "after"}
+        assert e2e.publisher.core.malformed_receipts == 1
+    finally:
+        e2e.close()
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_consumer_process_killed_holding_unacked_messages(
+    settings, brokers, name, tmp_path: Path
+) -> None:
+    out = tmp_path / "handled.txt"
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    cmd = [sys.executable, "-m", "tests.e2e_consumer_process", name, str(out), "0.004"]
+    root = Path(__file__).resolve().parents[2]
+
+    def spawn() -> subprocess.Popen[str]:
+        proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    loop = LoopThread()
+    client = AsyncClient(settings=_fast(settings, receipt_timeout=3, max_attempts=6))
+    total = 1500
+
+    async def setup() -> AsyncConfirmPublisher:
+        await client.connect()
+        await client.declare_queue(QueueSpec(name, kind=QueueKind.CLASSIC))
+        return await AsyncConfirmPublisher(client, mode="e2e").start()
+
+    publisher = loop.run(setup())
+    first = spawn()
+    second = None
+    try:
+
+        async def publish_all() -> list[BaseException | None]:
+            tasks = [
+                publisher.publish_nowait(b"x", routing_key=name, message_id=f"m{i}")
+                for i in range(total)
+            ]
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        pending = asyncio.run_coroutine_threadsafe(publish_all(), loop.loop)
+        deadline = time.monotonic() + 60
+        while (
+            not out.exists() or len(out.read_text().splitlines()) < 300
+        ) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)  # holds up to 50 unacked deliveries
+        first.wait(10)
+        second = spawn()
+        results = pending.result(120)
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(10)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+        loop.run(client.delete_queue(name))
+        loop.run(publisher.close())
+        loop.run(client.close())
+        loop.stop()
+    confirmed = {f"m{i}" for i, r in enumerate(results) if r is None}
+    handled = Counter(line.split()[1] for line in out.read_text().splitlines())
+    assert len(confirmed) == total, Counter(type(r).__name__ for r in results if r)
+    assert confirmed <= set(handled), "a confirmed message was never handled"
+    duplicates = sum(n - 1 for n in handled.values())
+    # only deliveries the killed process had handled but not yet acked come back twice
+    assert duplicates <= 50, duplicates

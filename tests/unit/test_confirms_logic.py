@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from middleware.confirms.core import REPLY_TO, ConsumerCore, PublisherCore
+from middleware.confirms.modes import ConfirmMode
+from middleware.confirms.tracking import (
+    RECEIPT_HEADER,
+    ConfirmTracker,
+    DuplicateFilter,
+    Receipt,
+    ReceiptBatcher,
+    Resolution,
+    decode_receipts,
+    encode_receipts,
+)
+from middleware.errors import NegativeReceipt, NoRoute, ReceiptTimeout
+from middleware.settings import ConfirmSettings, RetrySettings
+from middleware.transport.delivery import Action, Delivery, Outcome
+from middleware.transport.topology import BindingSpec, ExchangeSpec, ExchangeType, TopologyRecord
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_tracker_confirms_only_when_every_queue_answered() -> None:
+    t = ConfirmTracker(timeout=1, max_attempts=3)
+    t.track("m", frozenset({"a", "b", "c"}))
+    assert t.on_receipt(Receipt("m", "a")) is None
+    assert t.on_receipt(Receipt("m", "b")) is None
+    assert t.on_receipt(Receipt("m", "x")) is None  # not expected: ignored
+    resolution, pending = t.on_receipt(Receipt("m", "c"))
+    assert resolution is Resolution.CONFIRMED and pending.answered == {"a", "b", "c"}
+    assert t.on_receipt(Receipt("m", "c")) is None and t.late_receipts == 2
+
+
+def test_tracker_negative_receipt_settles_at_once() -> None:
+    t = ConfirmTracker(timeout=1, max_attempts=3)
+    t.track("m", frozenset({"a", "b"}))
+    resolution, _ = t.on_receipt(Receipt("m", "b", ok=False, reason="bad"))
+    assert resolution is Resolution.NEGATIVE and "m" not in t
+
+
+def test_tracker_resends_then_fails_with_the_missing_queues() -> None:
+    clock = Clock()
+    t = ConfirmTracker(timeout=1.0, max_attempts=3, backoff=lambda n: 0.5 * n, clock=clock)
+    t.track("m", frozenset({"a", "b"}))
+    t.on_receipt(Receipt("m", "a"))
+    clock.now = 0.99
+    assert t.due() == ([], [])
+    clock.now = 1.0
+    resend, failed = t.due()
+    assert [p.attempts for p in resend] == [2] and not failed
+    clock.now = 2.9  # next deadline = 1.0 + 1.0 + backoff(2)=1.0 -> 3.0
+    assert t.due() == ([], [])
+    clock.now = 3.0
+    assert [p.attempts for p in t.due()[0]] == [3]
+    clock.now = 100
+    resend, failed = t.due()
+    assert not resend and failed[0].missing == {"b"} and len(t) == 0
+
+
+def test_batcher_by_count_and_by_linger() -> None:
+    clock = Clock()
+    b = ReceiptBatcher(max_batch=3, linger_s=0.005, clock=clock)
+    assert b.add("p1", Receipt("1", "q")) == []
+    assert b.add("p2", Receipt("2", "q")) == []
+    assert b.add("p1", Receipt("3", "q")) == []
+    full = b.add("p1", Receipt("4", "q"))
+    assert [(k, [r.message_id for r in v]) for k, v in full] == [("p1", ["1", "3", "4"])]
+    assert b.due() == []
+    clock.now = 0.005
+    assert [k for k, _ in b.due()] == ["p2"] and len(b) == 0
+
+
+def test_duplicate_filter_is_bounded() -> None:
+    d = DuplicateFilter(2)
+    for i in range(3):
+        d.remember(Receipt(str(i), "q"))
+    assert d.get("q", "0") is None and d.get("q", "2") is not None and d.duplicates == 1
+
+
+receipts = st.lists(
+    st.builds(
+        Receipt,
+        st.text(min_size=1, max_size=8),
+        st.sampled_from(["q1", "q2"]),
+        st.booleans(),
+        st.text(max_size=5),
+    )
+)
+
+
+@given(receipts)
+def test_receipt_encoding_roundtrips(items) -> None:
+    normalised = [Receipt(r.message_id, r.queue, r.ok, "" if r.ok else r.reason) for r in items]
+    decoded = decode_receipts(encode_receipts(normalised))
+    assert sorted(decoded, key=repr) == sorted(normalised, key=repr)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"nope",
+        b"[]",
+        b'{"v":2}',
+        b'{"v":1,"ok":{"q":[1]}}',
+        b'{"v":1,"neg":[["a","b"]]}',
+        b"\xff\xfe",
+    ],
+)
+def test_malformed_receipts_are_refused_with_a_reason(body) -> None:
+    with pytest.raises(ValueError, match="receipt"):
+        decode_receipts(body)
+
+
+def _core(mode: ConfirmMode = ConfirmMode.E2E) -> PublisherCore:
+    topology = TopologyRecord()
+    topology.add(ExchangeSpec("fan", ExchangeType.FANOUT))
+    for q in ("a", "b", "c"):
+        topology.add(BindingSpec(q, "fan"))
+    return PublisherCore(
+        mode=mode,
+        confirms=ConfirmSettings(receipt_timeout=1, max_attempts=2),
+        retry=RetrySettings(),
+        topology=topology,
+    )
+
+
+def test_publisher_core_expects_queues_from_topology_or_override() -> None:
+    core = _core()
+    message = core.prepare(b"x", exchange="fan", message_id="m1")
+    assert message.reply_to == REPLY_TO and message.headers[RECEIPT_HEADER] == 1
+    assert not message.persistent and not message.mandatory
+    assert core.tracker._pending["m1"].expected == {"a", "b", "c"}
+    core.prepare(b"x", exchange="elsewhere", message_id="m2", expect=["z"])
+    assert core.tracker._pending["m2"].expected == {"z"}
+    with pytest.raises(NoRoute, match="expect="):
+        core.prepare(b"x", exchange="elsewhere")
+
+
+def test_publisher_core_turns_receipts_and_timeouts_into_results() -> None:
+    core = _core()
+    core.prepare(b"x", exchange="fan", message_id="ok")
+    core.prepare(b"x", exchange="fan", message_id="neg")
+    batch = [Receipt("ok", q) for q in "abc"] + [Receipt("neg", "b", False, "schema")]
+    settled = dict(core.on_reply(Delivery(encode_receipts(batch), "amq.rabbitmq.reply-to")))
+    assert settled["ok"] is None
+    assert isinstance(settled["neg"], NegativeReceipt) and settled["neg"].queue == "b"
+    assert core.on_reply(Delivery(b"garbage", "r")) == [] and core.malformed_receipts == 1
+
+
+def test_publisher_core_timeout_names_missing_queues() -> None:
+    core = _core()
+    core.tracker = ConfirmTracker(timeout=1, max_attempts=1, clock=lambda: 10.0)
+    core.in_flight["m"] = core.prepare(b"x", exchange="fan", message_id="m")
+    core.tracker._pending["m"].deadline = 0
+    _, failed = core.due()
+    error = failed[0][1]
+    assert isinstance(error, ReceiptTimeout) and error.missing == {"a", "b", "c"}
+
+
+def test_non_receipt_modes_use_broker_properties() -> None:
+    msg = _core(ConfirmMode.PERSISTENT).prepare(b"x", exchange="fan")
+    assert msg.persistent and msg.mandatory and msg.reply_to is None
+    assert RECEIPT_HEADER not in msg.headers
+
+
+def _delivery(mid: str = "m", queue: str = "q") -> Delivery:
+    return Delivery(
+        b"x", queue, message_id=mid, reply_to="amq.rabbitmq.reply-to.X", headers={RECEIPT_HEADER: 1}
+    )
+
+
+def test_consumer_core_suppresses_resends_and_repeats_the_receipt() -> None:
+    core = ConsumerCore(ConfirmSettings(receipt_batch=100))
+    first = _delivery()
+    assert core.should_handle(first)
+    concurrent = _delivery()
+    assert not core.should_handle(concurrent)  # first copy still in its handler
+    assert core.settled(concurrent, Outcome(Action.ACK)) == [] and len(core.batcher) == 0
+    core.settled(first, Outcome(Action.REJECT, "bad"))
+    later = _delivery()
+    assert not core.should_handle(later)
+    core.settled(later, Outcome(Action.ACK))
+    ((_reply_to, sent),) = core.batcher.drain()
+    assert [r.ok for r in sent] == [False, False] and sent[1].reason == "bad"
+    assert core.suppressed == 2
+
+
+def test_consumer_core_requeue_and_plain_messages_earn_no_receipt() -> None:
+    core = ConsumerCore(ConfirmSettings())
+    d = _delivery()
+    assert core.should_handle(d)
+    assert core.settled(d, Outcome(Action.REQUEUE)) == []
+    assert core.should_handle(_delivery())  # the requeued copy is handled again
+    plain = Delivery(b"x", "q", message_id="p")
+    assert core.should_handle(plain) and core.settled(plain, Outcome(Action.ACK)) == []
+    assert len(core.batcher) == 0
