@@ -419,7 +419,7 @@ class AsyncClient:
         connection.close_callbacks.add(self._on_connection_closed)
         self._fatal = None
         self._ready.set()
-        log.info("connected to %s", node)
+        log.debug("connected to %s", node)
 
     def _on_connection_closed(self, connection: object, exc: BaseException | None) -> None:
         live = self._live

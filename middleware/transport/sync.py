@@ -324,7 +324,7 @@ class SyncClient:
                 connection.close()
             raise translate_sync(exc) from exc
         self._live = live
-        log.info("connected to %s", node)
+        log.debug("connected to %s", node)
 
     def _reopen_channel(self, live: _SyncLive, confirm: bool) -> blocking.BlockingChannel:
         channel = live.connection.channel()

@@ -1,0 +1,43 @@
+"""The files users run without this machine's help: they must at least parse and agree."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compose_file_parses_and_describes_three_nodes_mongo_and_the_layer() -> None:
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"rabbit-1", "rabbit-2", "rabbit-3", "mongo", "qosmq"} <= set(services)
+    conf = compose["configs"]["rabbitmq_conf"]["content"]
+    for n in (1, 2, 3):
+        assert f"rabbit@rabbit-{n}" in conf
+    for service in services.values():  # published ports stay on loopback
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:")
+
+
+def test_dockerfile_installs_the_package_and_runs_the_cli() -> None:
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11", text, re.M)
+    assert "pip install" in text and 'ENTRYPOINT ["qosmq"]' in text
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in readme and "make test" in ci
+    assert "make demo" in readme
+
+
+def test_console_script_and_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["qosmq"] == "middleware.cli:main"
+    assert {"spark", "test", "dev"} <= set(project["optional-dependencies"])
+    assert (ROOT / "middleware" / "py.typed").exists()
