@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 import sys
@@ -27,7 +28,15 @@ def register(sub: Any) -> None:
     demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
     _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0)
     demo.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
+    demo.add_argument("--out", type=Path, default=Path("results"), help="Spark job results")
     demo.set_defaults(run=_run_demo)
+    spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
+    jobs = spark.add_subparsers(title="jobs", required=True)
+    job = jobs.add_parser("confirms", help="confirm modes x queue counts, with a report")
+    from .spark_confirms import arguments
+
+    arguments(job)
+    job.set_defaults(run=_run_spark_confirms, master="local[*]")
 
 
 def _grid_arguments(
@@ -144,6 +153,7 @@ def _run_confirms(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    """Cluster up, then a short Spark job (or, without PySpark, the same cells directly)."""
     from ..localcluster import LocalCluster
 
     cells = _cells(args)  # refuse a bad grid before starting anything
@@ -155,7 +165,44 @@ def _run_demo(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     settings = args.settings.model_copy(update={"amqp_urls": tuple(status["amqp_urls"])})
-    return _run_confirms_with(settings, cells, args.json)
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        print("PySpark not installed: running the cells without Spark", file=sys.stderr)
+        return _run_confirms_with(settings, cells, args.json)
+    from .spark_confirms import arguments, execute
+
+    job = arguments().parse_args(
+        [
+            "--modes",
+            args.modes,
+            "--queues",
+            args.queues,
+            "--duration",
+            str(args.duration),
+            "--repeats",
+            "1",
+            "--producers-per-queue",
+            str(args.producers_per_queue),
+            "--consumers-per-queue",
+            str(args.consumers_per_queue),
+            "--size",
+            str(args.size),
+            "--out",
+            str(args.out),
+            "--master",
+            "local[*]",
+        ]
+    )
+    os.environ["QOSMQ_AMQP_URLS"] = ",".join(status["amqp_urls"])
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    return execute(job)
+
+
+def _run_spark_confirms(args: argparse.Namespace) -> int:
+    from .spark_confirms import execute
+
+    return execute(args)
 
 
 def _run_confirms_with(settings: Settings, cells: list[CellSpec], out: Path | None) -> int:

@@ -1,0 +1,162 @@
+"""Load factors for weighted dispatch over queue replicas (paper 001), and better ones.
+
+Pure functions and small state objects; no I/O.  Inputs are each replica's
+average waiting-queue length over the last report period (``b_n``).
+
+``paper`` - the paper's algorithm exactly (§3.1):
+  1. c = gcd(b_1 … b_n); T_n = b_n / c.
+  2. sort the (replica, T) pairs by T ascending; hand the T values back in
+     descending order, so the shortest queue gets the largest T.  That T is L_n.
+
+  Edge cases, defined here because the paper does not:
+  * non-integer averages are rounded half-up to integers first (the paper's
+    B_n are sums of integer samples; averaging makes them fractional);
+  * all zero (or all rounding to zero): every replica gets factor 1;
+  * one or more zeros: gcd(0, x) = x, so an empty replica has T = 0, ranks
+    first and receives the largest T; the *longest* replica receives the
+    smallest T, which is 0 when any replica is empty - it gets no messages
+    until the next report (literal, and the reason the better algorithms exist);
+  * ties: replicas with equal T get the largest value handed to their group, so
+    equal queues get equal factors.
+
+``inverse`` - weight proportional to 1 / (1 + b_n).
+
+``predictive`` - power of two choices on *predicted* lengths: between reports
+each replica's length is extrapolated with its measured arrival and service
+rates, q(t) = max(0, q(t') + (a - mu)(t - t')) (paper 000 §3), plus the
+messages this publisher sent there since the report; each message goes to
+the shorter of two random replicas.
+
+``round_robin`` - no balancing (the baseline).
+
+Dispatch for weight vectors is the paper's §3.2: a uniform random integer mod
+sum(L), first prefix sum above it - by bisection, O(log R) per message.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ALGORITHMS",
+    "PredictiveChooser",
+    "ReplicaReport",
+    "WeightedPicker",
+    "inverse_factors",
+    "paper_factors",
+]
+
+ALGORITHMS = ("round_robin", "paper", "inverse", "predictive")
+
+
+def _round_half_up(x: float) -> int:
+    if x < 0 or math.isnan(x):
+        raise ValueError(f"queue length average must be >= 0, got {x}")
+    return math.floor(x + 0.5)
+
+
+def paper_factors(averages: Sequence[float]) -> list[int]:
+    """The paper's load factors L_n for average lengths b_n (see the module docstring)."""
+    if not averages:
+        raise ValueError("need at least one replica")
+    b = [_round_half_up(x) for x in averages]
+    if not any(b):
+        return [1] * len(b)
+    c = math.gcd(*b)
+    t = [x // c for x in b]
+    order = sorted(range(len(t)), key=lambda i: (t[i], i))
+    handed = sorted((t[i] for i in order), reverse=True)
+    factors = [0] * len(t)
+    for value, group in itertools.groupby(range(len(order)), key=lambda pos: t[order[pos]]):
+        positions = list(group)
+        share = max(handed[pos] for pos in positions)
+        for pos in positions:
+            factors[order[pos]] = share
+        del value
+    return factors
+
+
+def inverse_factors(averages: Sequence[float]) -> list[float]:
+    """Weights proportional to 1 / (1 + b_n)."""
+    if not averages:
+        raise ValueError("need at least one replica")
+    if any(x < 0 or math.isnan(x) for x in averages):
+        raise ValueError("queue length averages must be >= 0")
+    return [1.0 / (1.0 + x) for x in averages]
+
+
+class WeightedPicker:
+    """Pick replica n with probability L_n / sum(L): the paper's §3.2, O(log R) per pick."""
+
+    def __init__(self, weights: Sequence[float], rng: random.Random | None = None) -> None:
+        if not weights or any(w < 0 for w in weights) or not any(weights):
+            raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+        self.weights = list(weights)
+        self._prefix = list(itertools.accumulate(self.weights))
+        self._integral = all(float(w).is_integer() for w in self.weights)
+        self._rng = rng or random.Random()
+
+    @property
+    def total(self) -> float:
+        return self._prefix[-1]
+
+    def pick(self) -> int:
+        if self._integral:
+            i = self._rng.getrandbits(62) % int(self.total)  # uniform int mod L, as the paper
+        else:
+            i = self._rng.random() * self.total  # type: ignore[assignment]
+        return bisect.bisect_right(self._prefix, i)
+
+
+@dataclass
+class ReplicaReport:
+    """What the balancer sidecar reports for one replica."""
+
+    length: float  # average waiting messages over the report period
+    arrival_rate: float  # messages/s entering the replica
+    service_rate: float  # messages/s leaving it (acked by consumers)
+    at: float  # report time (monotonic seconds of the publisher's clock)
+
+
+@dataclass
+class PredictiveChooser:
+    """Power of two choices on predicted lengths between reports."""
+
+    replicas: int
+    rng: random.Random = field(default_factory=random.Random)
+    reports: list[ReplicaReport | None] = field(default_factory=list)
+    sent_since: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("need at least one replica")
+        self.reports = [None] * self.replicas
+        self.sent_since = [0] * self.replicas
+
+    def report(self, index: int, report: ReplicaReport) -> None:
+        self.reports[index] = report
+        self.sent_since[index] = 0
+
+    def predicted(self, index: int, now: float) -> float:
+        """q(t) = max(0, q(t') + (a - mu)(t - t')), plus what this publisher sent since t'."""
+        r = self.reports[index]
+        base = (
+            0.0
+            if r is None
+            else max(0.0, r.length + (r.arrival_rate - r.service_rate) * max(0.0, now - r.at))
+        )
+        return base + self.sent_since[index]
+
+    def choose(self, now: float) -> int:
+        if self.replicas == 1:
+            chosen = 0
+        else:
+            a, b = self.rng.sample(range(self.replicas), 2)
+            chosen = a if self.predicted(a, now) <= self.predicted(b, now) else b
+        self.sent_since[chosen] += 1
+        return chosen

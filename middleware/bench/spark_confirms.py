@@ -1,0 +1,559 @@
+"""PySpark job: confirm modes x queue counts against real brokers (paper 003 §4), with a report.
+
+Run anywhere Spark runs (``spark/confirms_job.py`` is the spark-submit entry point)::
+
+    spark-submit spark/confirms_job.py --modes persistent,e2e --queues 1,2,3 --out results
+    qosmq spark confirms --modes persistent,e2e --queues 1,2,3     # local[*]
+
+This module lives in the installed package so that Spark's Python workers import
+it by name; the PySpark extra is needed (``pip install 'qosmq[spark]'``).
+
+Brokers come from the settings (``QOSMQ_AMQP_URLS`` …) read once on the driver and
+shipped to the executors with the task, so a Spark cluster reaches a remote RabbitMQ
+cluster by settings alone.
+
+How a cell runs: cells run one after another (they must not compete for the CPU).  A
+cell is one Spark task: one executor Python process drives all its producers and
+consumers on one event loop, so every timestamp in its records comes from one clock.
+Spreading one cell's clients over several tasks would need clock agreement between
+processes and, on a 2-core machine, would take CPU from the brokers being measured.
+Records are per message, not sampled: (message id, sent, confirmed, first handled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import ConfigurationError
+from ..settings import Settings
+from .confirms import MODES, CellSpec, run_cell_sync
+
+DEFAULT_QUEUES = "1,2,3,5,10,15,20,30"
+PAPER = {  # paper 003 §4: e2e over the persistent baseline
+    "optimisation 1": {1: 3.08, 2: 2.01, 15: 1.409, 30: 1.403, "mean >3 queues": 1.429},
+    "optimisation 2": {1: 3.48, 2: 2.16, 15: 1.526, 30: 1.534, "mean >3 queues": 1.565},
+}
+SETUP_S = 4.0  # measured per-cell set-up and drain overhead, for the estimate
+
+
+@dataclass(frozen=True)
+class Grid:
+    modes: tuple[str, ...]
+    queues: tuple[int, ...]
+    producers_per_queue: int
+    consumers_per_queue: int
+    size: int
+    duration_s: float
+    repeats: int
+
+    def cells(self) -> Iterator[tuple[int, CellSpec]]:
+        for repeat in range(self.repeats):
+            for q in self.queues:
+                for mode in self.modes:
+                    yield (
+                        repeat,
+                        CellSpec(
+                            mode=mode,
+                            queues=q,
+                            producers_per_queue=self.producers_per_queue,
+                            consumers_per_queue=self.consumers_per_queue,
+                            size=self.size,
+                            duration_s=self.duration_s,
+                        ),
+                    )
+
+    @property
+    def count(self) -> int:
+        return self.repeats * len(self.queues) * len(self.modes)
+
+    def estimate_s(self) -> float:
+        return self.count * (self.duration_s + SETUP_S)
+
+
+def parse_grid(args: argparse.Namespace) -> Grid:
+    """Validate the whole grid before anything starts; raise ValueError naming the problem."""
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"unknown mode(s) {unknown or modes}; choose from {', '.join(MODES)}")
+    try:
+        queues = tuple(int(q) for q in args.queues.split(",") if q.strip())
+    except ValueError:
+        raise ValueError(f"--queues must be integers, got {args.queues!r}") from None
+    if not queues or min(queues) < 1:
+        raise ValueError(f"--queues must be >= 1, got {args.queues!r}")
+    if args.duration <= 0 or args.repeats < 1 or args.size < 1:
+        raise ValueError("--duration, --repeats and --size must be positive")
+    if args.producers_per_queue < 1 or args.consumers_per_queue < 1:
+        raise ValueError("--producers-per-queue and --consumers-per-queue must be >= 1")
+    grid = Grid(
+        modes,
+        queues,
+        args.producers_per_queue,
+        args.consumers_per_queue,
+        args.size,
+        args.duration,
+        args.repeats,
+    )
+    list(grid.cells())  # CellSpec checks each cell
+    return grid
+
+
+def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="confirms_job", description=__doc__.split("\n")[0])
+    p.set_defaults(master=None)
+    p.add_argument("--modes", default="none,broker,persistent,e2e")
+    p.add_argument("--queues", default=DEFAULT_QUEUES)
+    p.add_argument("--producers-per-queue", type=int, default=2)
+    p.add_argument("--consumers-per-queue", type=int, default=3)
+    p.add_argument("--size", type=int, default=1500)
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="parent folder; each run writes a new sub-folder",
+    )
+    p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
+    p.add_argument("--config", type=Path, help="qosmq TOML settings")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+# ------------------------------------------------------------------ executor side
+def _run_on_executor(settings_data: dict[str, Any], cell_data: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside a Spark task: one cell against the brokers; errors come back as data."""
+    settings = Settings.load(**settings_data)
+    cell = CellSpec(**cell_data)
+    try:
+        return run_cell_sync(settings, cell, records=True)
+    except Exception as exc:
+        return {
+            "mode": cell.mode,
+            "queues": cell.queues,
+            "error": f"{type(exc).__name__}: {exc}",
+            "trace": traceback.format_exc(),
+        }
+
+
+def _settings_payload(settings: Settings) -> dict[str, Any]:
+    data = settings.model_dump(mode="json")
+    data["password"] = settings.password.get_secret_value()  # travels with the task only
+    data["amqp_urls"] = ",".join(settings.amqp_urls)
+    return data
+
+
+# -------------------------------------------------------------------- driver side
+def run(args: argparse.Namespace) -> Path:
+    """Run the grid; return the result folder.  Ctrl-C keeps finished cells."""
+    grid = parse_grid(args)
+    settings = Settings.load(args.config)
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise ConfigurationError(
+            "the Spark job needs PySpark: pip install 'qosmq[spark]' (make setup installs it)"
+        ) from None
+    out = _new_result_dir(args.out)
+
+    builder = SparkSession.builder.appName("qosmq-confirms")
+    if args.master:
+        builder = builder.master(args.master)
+    spark = builder.config("spark.ui.enabled", "false").getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    print(
+        f"qosmq confirms job: {grid.count} cells ({len(grid.modes)} modes x {len(grid.queues)}"
+        f" queue counts x {grid.repeats} repeats), about {_hms(grid.estimate_s())}; "
+        f"results in {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+    cells: list[dict[str, Any]] = []
+    records_written = False
+    interrupted = False
+    payload = _settings_payload(settings)
+    try:
+        with _progress(grid, args.no_progress) as advance:
+            for repeat, cell in grid.cells():
+                result = (
+                    spark.sparkContext.parallelize([asdict(cell)], 1)
+                    .map(lambda c: _run_on_executor(payload, c))
+                    .collect()[0]
+                )
+                result.update(repeat=repeat, duration_s=result.get("duration_s", cell.duration_s))
+                records = result.pop("records", None)
+                result.pop("trace", None)
+                cells.append(result)
+                if records:
+                    _append_records(spark, out, cell, repeat, records)
+                    records_written = True
+                advance(cell, result)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: writing the finished cells", file=sys.stderr)
+    try:
+        summary = aggregate(spark, out, cells) if records_written else []
+        write_outputs(out, grid, cells, summary, settings, interrupted)
+    finally:
+        spark.stop()
+    return out
+
+
+def _append_records(
+    spark: Any,
+    out: Path,
+    cell: CellSpec,
+    repeat: int,
+    records: Sequence[tuple[str, float, float | None, float | None]],
+) -> None:
+    from pyspark.sql.types import DoubleType, IntegerType, StringType, StructField, StructType
+
+    schema = StructType(
+        [
+            StructField("mode", StringType(), False),
+            StructField("queues", IntegerType(), False),
+            StructField("repeat", IntegerType(), False),
+            StructField("message_id", StringType(), False),
+            StructField("sent", DoubleType(), False),
+            StructField("confirmed", DoubleType(), True),
+            StructField("handled", DoubleType(), True),
+        ]
+    )
+    rows = [(cell.mode, cell.queues, repeat, m, s, c, h) for m, s, c, h in records]
+    spark.createDataFrame(rows, schema).write.mode("append").parquet(str(out / "records.parquet"))
+
+
+def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell and repeat from the Parquet records; then mean/stddev over repeats; ratios."""
+    from pyspark.sql import functions as F
+
+    records = spark.read.parquet(str(out / "records.parquet"))
+    durations = {
+        (c["mode"], c["queues"], c["repeat"]): c["duration_s"] for c in cells if "error" not in c
+    }
+    confirm_ms = (F.col("confirmed") - F.col("sent")) * 1000
+    e2e_ms = (F.col("handled") - F.col("sent")) * 1000
+    pcts = [0.5, 0.95, 0.99, 0.999]
+    per_repeat = (
+        records.groupBy("mode", "queues", "repeat")
+        .agg(
+            F.count("*").alias("published"),
+            F.count("confirmed").alias("confirmed"),
+            F.count("handled").alias("handled"),
+            F.sum(
+                F.when(F.col("confirmed").isNotNull() & F.col("handled").isNull(), 1).otherwise(0)
+            ).alias("lost"),
+            F.percentile_approx(confirm_ms, pcts, 10000).alias("confirm_ms"),
+            F.percentile_approx(e2e_ms, pcts, 10000).alias("e2e_ms"),
+        )
+        .collect()
+    )
+    rows = []
+    for r in per_repeat:
+        d = r.asDict()
+        duration = durations.get((d["mode"], d["queues"], d["repeat"]))
+        if not duration:
+            continue
+        d["confirmed_per_s"] = d["confirmed"] / duration
+        for name in ("confirm_ms", "e2e_ms"):
+            values = d.pop(name) or [math.nan] * 4
+            for p, v in zip(("p50", "p95", "p99", "p999"), values, strict=True):
+                d[f"{name.split('_')[0]}_{p}_ms"] = v
+        dups = [
+            c.get("duplicates", 0)
+            for c in cells
+            if (c["mode"], c["queues"], c["repeat"]) == (d["mode"], d["queues"], d["repeat"])
+        ]
+        d["duplicates"] = dups[0] if dups else 0
+        rows.append(d)
+    return summarise_repeats(rows)
+
+
+def summarise_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and sample stddev over repeats per (mode, queues), and ratio to persistent."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["mode"], r["queues"]), []).append(r)
+    summary = []
+    for (mode, queues), reps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        tput = [r["confirmed_per_s"] for r in reps]
+        s: dict[str, Any] = {
+            "mode": mode,
+            "queues": queues,
+            "repeats": len(reps),
+            "confirmed_per_s_mean": _mean(tput),
+            "confirmed_per_s_std": _std(tput),
+        }
+        for key in ("published", "confirmed", "handled", "lost", "duplicates"):
+            s[key] = sum(r[key] for r in reps)
+        for key in [k for k in reps[0] if k.endswith("_ms")]:
+            s[key] = _mean([r[key] for r in reps])
+        summary.append(s)
+    base = {s["queues"]: s["confirmed_per_s_mean"] for s in summary if s["mode"] == "persistent"}
+    for s in summary:
+        b = base.get(s["queues"])
+        s["ratio_vs_persistent"] = s["confirmed_per_s_mean"] / b if b else None
+    return summary
+
+
+def paper_summary(summary: list[dict[str, Any]], mode: str = "e2e") -> dict[str, Any]:
+    """Our ratios at the paper's queue counts, and the mean over queue counts above 3."""
+    ratios = {
+        s["queues"]: s["ratio_vs_persistent"]
+        for s in summary
+        if s["mode"] == mode and s["ratio_vs_persistent"] is not None
+    }
+    above = [r for q, r in ratios.items() if q > 3]
+    return {"by_queues": ratios, "mean >3 queues": _mean(above) if above else None}
+
+
+def write_outputs(
+    out: Path,
+    grid: Grid,
+    cells: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+    settings: Settings,
+    interrupted: bool,
+) -> None:
+    (out / "cells.json").write_text(json.dumps(cells, indent=2, default=str))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _write_csv(out / "summary.csv", summary)
+    charts = _charts(out, summary)
+    (out / "report.md").write_text(_report(grid, cells, summary, settings, interrupted, charts))
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    import csv
+
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("mode", "queues"), k))
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    modes = sorted({s["mode"] for s in summary})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in modes:
+        pts = sorted(
+            (s["queues"], s["confirmed_per_s_mean"], s["confirmed_per_s_std"])
+            for s in summary
+            if s["mode"] == mode
+        )
+        ax.errorbar(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            yerr=[p[2] for p in pts],
+            marker="o",
+            capsize=3,
+            label=mode,
+        )
+    ax.set(xlabel="queues", ylabel="confirmed messages / s", title="Throughput by confirm mode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    made.append("throughput.png")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in modes:
+        pts = sorted(
+            (s["queues"], s["confirm_p50_ms"], s["confirm_p99_ms"])
+            for s in summary
+            if s["mode"] == mode
+        )
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} p50")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[2] for p in pts],
+            linestyle="--",
+            color=line[0].get_color(),
+            label=f"{mode} p99",
+        )
+    ax.set(xlabel="queues", ylabel="confirm latency (ms)", title="Confirm latency percentiles")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency.png", dpi=110)
+    plt.close("all")
+    return [*made, "latency.png"]
+
+
+def _report(
+    grid: Grid,
+    cells: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+    settings: Settings,
+    interrupted: bool,
+    charts: list[str],
+) -> str:
+    ours = paper_summary(summary)
+    lines = [
+        "# qosmq confirm modes: results",
+        "",
+        f"- qosmq {__version__}, Python {platform.python_version()}, host {socket.gethostname()}"
+        f", {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- brokers: {', '.join(settings.amqp_urls)} (vhost {settings.vhost})",
+        f"- grid: modes {', '.join(grid.modes)}; queues {', '.join(map(str, grid.queues))}; "
+        f"{grid.producers_per_queue} producers and {grid.consumers_per_queue} consumers per "
+        f"queue; {grid.size}-byte messages; {grid.duration_s:g} s per cell; "
+        f"{grid.repeats} repeat(s)",
+    ]
+    if interrupted:
+        lines.append("- **interrupted**: only the finished cells are reported")
+    failed = [c for c in cells if "error" in c]
+    if failed:
+        lines.append(f"- failed cells: {len(failed)} (errors in cells.json)")
+    lines += [
+        "",
+        "## e2e over the persistent baseline, beside the paper",
+        "",
+        "| queues | ours | paper opt. 1 | paper opt. 2 |",
+        "|---|---|---|---|",
+    ]
+    for key in sorted({*ours["by_queues"], 1, 2, 15, 30}, key=str):
+        if not isinstance(key, int):
+            continue
+        r = ours["by_queues"].get(key)
+        lines.append(
+            f"| {key} | {_x(r)} | {_x(PAPER['optimisation 1'].get(key))} | "
+            f"{_x(PAPER['optimisation 2'].get(key))} |"
+        )
+    lines.append(
+        f"| mean > 3 | {_x(ours['mean >3 queues'])} | "
+        f"{_x(PAPER['optimisation 1']['mean >3 queues'])} | "
+        f"{_x(PAPER['optimisation 2']['mean >3 queues'])} |"
+    )
+    lines += [
+        "",
+        "## Summary (mean ± stddev over repeats)",
+        "",
+        "| mode | queues | confirmed/s | confirm p50 / p99 ms | e2e p50 ms | lost | dups |"
+        " x persistent |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s['mode']} | {s['queues']} | {s['confirmed_per_s_mean']:.0f} ± "
+            f"{s['confirmed_per_s_std']:.0f} | {s['confirm_p50_ms']:.1f} / "
+            f"{s['confirm_p99_ms']:.1f} | {s['e2e_p50_ms']:.1f} | {s['lost']} | "
+            f"{s['duplicates']} | {_x(s['ratio_vs_persistent'])} |"
+        )
+    lines += ["", *[f"![{c}]({c})" for c in charts], ""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ helpers
+def _new_result_dir(parent: Path) -> Path:
+    """A new folder under ``parent``; an earlier result is never overwritten."""
+    stamp = time.strftime("confirms-%Y%m%d-%H%M%S", time.gmtime())
+    for n in range(1000):
+        path = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new result folder under {parent}")
+
+
+class _progress:
+    """Per-cell and overall progress (rich), or plain lines without a terminal."""
+
+    def __init__(self, grid: Grid, disabled: bool) -> None:
+        self.grid, self.disabled = grid, disabled or not sys.stderr.isatty()
+        self.done = 0
+
+    def __enter__(self) -> Any:
+        if self.disabled:
+            return self._plain
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeRemainingColumn(),
+        )
+        self.bar.__enter__()
+        self.task = self.bar.add_task("cells", total=self.grid.count)
+        return self._rich
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.disabled:
+            self.bar.__exit__(None, None, None)
+
+    def _plain(self, cell: CellSpec, result: dict[str, Any]) -> None:
+        self.done += 1
+        state = result.get("error") or f"{result.get('confirmed_per_s', 0):.0f} confirmed/s"
+        print(
+            f"[{self.done}/{self.grid.count}] {cell.mode} x {cell.queues} queue(s): {state}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _rich(self, cell: CellSpec, result: dict[str, Any]) -> None:
+        state = result.get("error") or f"{result.get('confirmed_per_s', 0):.0f}/s"
+        self.bar.update(self.task, advance=1, description=f"{cell.mode} x{cell.queues}: {state}")
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _std(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    m = _mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.2f}x"
+
+
+def _hms(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Validate, run, print the report; for ``main`` and ``qosmq spark confirms``."""
+    try:
+        parse_grid(args)
+    except ValueError as exc:
+        print(f"confirms_job: error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = run(args)
+    print(f"results: {out}")
+    print((out / "report.md").read_text())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return execute(arguments().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

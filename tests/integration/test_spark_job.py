@@ -1,0 +1,102 @@
+"""The Spark pipeline end to end on local[2] against the real cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from middleware.bench.spark_confirms import arguments, execute
+
+pytestmark = [pytest.mark.spark, pytest.mark.rabbit, pytest.mark.slow]
+
+
+def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    args = arguments().parse_args(
+        [
+            "--modes",
+            "persistent,e2e",
+            "--queues",
+            "1",
+            "--duration",
+            "2",
+            "--repeats",
+            "1",
+            "--producers-per-queue",
+            "1",
+            "--consumers-per-queue",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--master",
+            "local[2]",
+            "--no-progress",
+        ]
+    )
+    assert execute(args) == 0
+    (out,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    for name in (
+        "records.parquet",
+        "summary.csv",
+        "summary.json",
+        "cells.json",
+        "report.md",
+        "throughput.png",
+        "latency.png",
+    ):
+        assert (out / name).exists(), name
+    summary = {s["mode"]: s for s in json.loads((out / "summary.json").read_text())}
+    cells = {c["mode"]: c for c in json.loads((out / "cells.json").read_text())}
+    assert set(summary) == {"persistent", "e2e"}
+
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.master("local[1]").getOrCreate()
+    try:
+        counts = {
+            r["mode"]: r["count"]
+            for r in spark.read.parquet(str(out / "records.parquet"))
+            .groupBy("mode")
+            .count()
+            .collect()
+        }
+    finally:
+        spark.stop()
+    for mode, s in summary.items():
+        assert counts[mode] == s["published"] == cells[mode]["published"] > 0
+        assert s["confirmed"] == cells[mode]["confirmed"] and s["lost"] == 0
+    ratio = summary["e2e"]["confirmed_per_s_mean"] / summary["persistent"]["confirmed_per_s_mean"]
+    assert summary["e2e"]["ratio_vs_persistent"] == pytest.approx(ratio)
+    assert summary["persistent"]["ratio_vs_persistent"] == pytest.approx(1.0)
+    report = (out / "report.md").read_text()
+    assert "3.08x" in report and f"{ratio:.2f}x" in report
+    assert os.environ["QOSMQ_AMQP_URLS"].split(",")[0] in report
+
+
+def test_a_second_run_never_overwrites_the_first(tmp_path) -> None:
+    from middleware.bench.spark_confirms import _new_result_dir
+
+    first, second = _new_result_dir(tmp_path), _new_result_dir(tmp_path)
+    assert first != second and first.exists() and second.exists()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--modes", "nope"],
+        ["--queues", "0"],
+        ["--duration", "-1"],
+        ["--queues", "a,b"],
+        ["--repeats", "0"],
+    ],
+)
+def test_invalid_grids_are_refused_before_anything_starts(bad, tmp_path, capsys) -> None:
+    args = arguments().parse_args([*bad, "--out", str(tmp_path)])
+    assert execute(args) == 2
+    assert "error" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

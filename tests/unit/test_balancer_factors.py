@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from middleware.balancer.factors import (
+    PredictiveChooser,
+    ReplicaReport,
+    WeightedPicker,
+    inverse_factors,
+    paper_factors,
+)
+
+
+def test_the_papers_worked_example() -> None:
+    # (b1:5),(b2:1),(b3:3) -> sorted (b2:1),(b3:3),(b1:5) -> values 5,3,1 handed back
+    assert paper_factors([5, 1, 3]) == [1, 5, 3]
+
+
+def test_gcd_is_divided_out() -> None:
+    assert paper_factors([10, 2, 6]) == [1, 5, 3]
+
+
+@pytest.mark.parametrize(
+    ("averages", "expected"),
+    [
+        ([0, 0, 0], [1, 1, 1]),  # all zero: equal
+        ([0.2, 0.4], [1, 1]),  # all round to zero: equal
+        ([0, 4], [1, 0]),  # one zero: the longest gets T=0 (literal paper)
+        ([2, 2, 4], [2, 2, 1]),  # ties share the largest value handed to their group
+        ([2.5, 1.4], [1, 3]),  # rounded half-up to 3 and 1 first
+        ([7], [1]),
+    ],
+)
+def test_defined_edge_cases(averages, expected) -> None:
+    assert paper_factors(averages) == expected
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError):
+        paper_factors([])
+    with pytest.raises(ValueError):
+        paper_factors([1, -1])
+    with pytest.raises(ValueError):
+        inverse_factors([math.nan])
+
+
+lengths = st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=8)
+
+
+@given(lengths)
+def test_paper_factors_properties(b) -> None:
+    factors = paper_factors(b)
+    assert len(factors) == len(b) and all(f >= 0 for f in factors) and sum(factors) > 0
+    for i in range(len(b)):
+        for j in range(len(b)):
+            if b[i] < b[j]:
+                assert factors[i] >= factors[j]  # a shorter queue never gets less
+            if b[i] == b[j]:
+                assert factors[i] == factors[j]  # equal queues, equal factors
+    # the multiset of T values is preserved up to tie sharing
+    if any(b):
+        c = math.gcd(*b)
+        assert max(factors) == max(x // c for x in b)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6), min_size=1, max_size=8))
+def test_inverse_is_monotone(b) -> None:
+    w = inverse_factors(b)
+    for i in range(len(b)):
+        for j in range(len(b)):
+            if b[i] < b[j]:
+                assert w[i] >= w[j]
+
+
+def test_picker_follows_the_weights() -> None:
+    picker = WeightedPicker([1, 5, 3], random.Random(7))
+    counts = Counter(picker.pick() for _ in range(90_000))
+    assert set(counts) == {0, 1, 2}
+    for i, w in enumerate([1, 5, 3]):
+        assert counts[i] / 90_000 == pytest.approx(w / 9, abs=0.01)
+    assert Counter(WeightedPicker([0, 2], random.Random(1)).pick() for _ in range(100)) == {1: 100}
+    floats = WeightedPicker([0.5, 0.25, 0.25], random.Random(3))
+    assert Counter(floats.pick() for _ in range(40_000))[0] / 40_000 == pytest.approx(0.5, abs=0.02)
+    with pytest.raises(ValueError):
+        WeightedPicker([0, 0])
+
+
+def test_predicted_length_hand_computed() -> None:
+    chooser = PredictiveChooser(2, random.Random(0))
+    chooser.report(0, ReplicaReport(length=10, arrival_rate=50, service_rate=30, at=100.0))
+    chooser.report(1, ReplicaReport(length=10, arrival_rate=10, service_rate=40, at=100.0))
+    assert chooser.predicted(0, 100.5) == pytest.approx(20.0)  # 10 + (50-30)*0.5
+    assert chooser.predicted(1, 100.5) == 0.0  # 10 - 15 -> clamped at 0
+    assert chooser.choose(100.5) == 1 and chooser.predicted(1, 100.5) == 1.0
+
+
+def test_predictive_spreads_when_equal() -> None:
+    chooser = PredictiveChooser(3, random.Random(1))
+    counts = Counter(chooser.choose(0.0) for _ in range(3000))
+    assert max(counts.values()) - min(counts.values()) <= 2
