@@ -171,6 +171,9 @@ def run(args: argparse.Namespace) -> Path:
         ) from None
     out = _new_result_dir(args.out)
 
+    # Python workers must run the interpreter that has qosmq installed (on a cluster, set
+    # PYSPARK_PYTHON to the executors' environment with `pip install qosmq[spark]`).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("qosmq-confirms")
     if args.master:
         builder = builder.master(args.master)

@@ -15,9 +15,10 @@ import secrets
 import shutil
 import signal
 import socket
+import threading
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -360,16 +361,34 @@ def _amqp_handshake(port: int, timeout: float) -> bool:
         connection_attempts=1,
         stack_timeout=timeout,
     )
-    pika_log = logging.getLogger("pika")
-    level = pika_log.level
-    pika_log.setLevel(logging.CRITICAL)  # a refused probe is expected while a node boots
-    try:
-        pika.BlockingConnection(params).close()
-    except (pika.exceptions.AMQPError, OSError):
-        return False
-    finally:
-        pika_log.setLevel(level)
+    with _quiet_pika():  # a refused probe is expected while a node boots
+        try:
+            pika.BlockingConnection(params).close()
+        except (pika.exceptions.AMQPError, OSError):
+            return False
     return True
+
+
+_quiet = {"depth": 0, "level": logging.NOTSET}
+_quiet_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quiet_pika() -> Iterator[None]:
+    """Silence pika's own error logs while any thread probes (probes run in parallel)."""
+    pika_log = logging.getLogger("pika")
+    with _quiet_lock:
+        if _quiet["depth"] == 0:
+            _quiet["level"] = pika_log.level
+            pika_log.setLevel(logging.CRITICAL)
+        _quiet["depth"] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet["depth"] -= 1
+            if _quiet["depth"] == 0:
+                pika_log.setLevel(_quiet["level"])
 
 
 def _management_get(port: int, path: str) -> Any:
