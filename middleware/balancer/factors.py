@@ -118,39 +118,49 @@ class ReplicaReport:
     """What the balancer sidecar reports for one replica."""
 
     length: float  # average waiting messages over the report period
-    arrival_rate: float  # messages/s entering the replica
+    arrival_rate: float  # messages/s entering the replica (all publishers)
     service_rate: float  # messages/s leaving it (acked by consumers)
-    at: float  # report time (monotonic seconds of the publisher's clock)
+    at: float  # when the publisher received it (its monotonic clock)
 
 
 @dataclass
 class PredictiveChooser:
-    """Power of two choices on predicted lengths between reports."""
+    """Power of two choices on predicted lengths between reports.
+
+    predicted(n, t) = max(0, q_n + (others_n - mu_n)(t - t') + mine_n), where mine_n
+    is what this publisher sent to n since the report (known exactly) and
+    others_n = a_n - (this publisher's own send rate to n in the last period), so
+    its own traffic is not counted twice.
+    """
 
     replicas: int
     rng: random.Random = field(default_factory=random.Random)
     reports: list[ReplicaReport | None] = field(default_factory=list)
     sent_since: list[int] = field(default_factory=list)
+    own_rate: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("need at least one replica")
         self.reports = [None] * self.replicas
         self.sent_since = [0] * self.replicas
+        self.own_rate = [0.0] * self.replicas
 
     def report(self, index: int, report: ReplicaReport) -> None:
+        previous = self.reports[index]
+        if previous is not None and report.at > previous.at:
+            self.own_rate[index] = self.sent_since[index] / (report.at - previous.at)
         self.reports[index] = report
         self.sent_since[index] = 0
 
     def predicted(self, index: int, now: float) -> float:
-        """q(t) = max(0, q(t') + (a - mu)(t - t')), plus what this publisher sent since t'."""
         r = self.reports[index]
-        base = (
-            0.0
-            if r is None
-            else max(0.0, r.length + (r.arrival_rate - r.service_rate) * max(0.0, now - r.at))
-        )
-        return base + self.sent_since[index]
+        mine = self.sent_since[index]
+        if r is None:
+            return float(mine)
+        others = max(0.0, r.arrival_rate - self.own_rate[index])
+        elapsed = max(0.0, now - r.at)
+        return max(0.0, r.length + (others - r.service_rate) * elapsed + mine)
 
     def choose(self, now: float) -> int:
         if self.replicas == 1:

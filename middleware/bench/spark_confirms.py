@@ -177,7 +177,11 @@ def run(args: argparse.Namespace) -> Path:
     builder = SparkSession.builder.appName("qosmq-confirms")
     if args.master:
         builder = builder.master(args.master)
-    spark = builder.config("spark.ui.enabled", "false").getOrCreate()
+    spark = (
+        builder.config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     print(
         f"qosmq confirms job: {grid.count} cells ({len(grid.modes)} modes x {len(grid.queues)}"
@@ -435,9 +439,7 @@ def _report(
         "| queues | ours | paper opt. 1 | paper opt. 2 |",
         "|---|---|---|---|",
     ]
-    for key in sorted({*ours["by_queues"], 1, 2, 15, 30}, key=str):
-        if not isinstance(key, int):
-            continue
+    for key in sorted({*ours["by_queues"], 1, 2, 15, 30}):
         r = ours["by_queues"].get(key)
         lines.append(
             f"| {key} | {_x(r)} | {_x(PAPER['optimisation 1'].get(key))} | "

@@ -97,7 +97,22 @@ def test_predicted_length_hand_computed() -> None:
     chooser.report(1, ReplicaReport(length=10, arrival_rate=10, service_rate=40, at=100.0))
     assert chooser.predicted(0, 100.5) == pytest.approx(20.0)  # 10 + (50-30)*0.5
     assert chooser.predicted(1, 100.5) == 0.0  # 10 - 15 -> clamped at 0
-    assert chooser.choose(100.5) == 1 and chooser.predicted(1, 100.5) == 1.0
+    assert chooser.choose(100.5) == 1 and chooser.predicted(1, 100.5) == 0.0  # 10 - 15 + 1
+
+
+def test_own_sends_are_not_counted_twice() -> None:
+    chooser = PredictiveChooser(1)
+    chooser.report(0, ReplicaReport(length=0, arrival_rate=0, service_rate=0, at=0.0))
+    for _ in range(20):
+        chooser.choose(0.5)  # this publisher sent 20 in 1 s
+    # the sidecar then reports a = 20/s (all of it ours) and mu = 20/s
+    chooser.report(0, ReplicaReport(length=5, arrival_rate=20, service_rate=20, at=1.0))
+    assert chooser.own_rate[0] == pytest.approx(20.0)
+    # 1 s later with 3 more of ours: 5 + (0 others - 20 served)*1 + 3 -> clamped at 0
+    for _ in range(3):
+        chooser.choose(1.5)
+    assert chooser.predicted(0, 2.0) == 0.0
+    assert chooser.predicted(0, 1.1) == pytest.approx(5 - 2 + 3)
 
 
 def test_predictive_spreads_when_equal() -> None:
