@@ -1,0 +1,153 @@
+"""The balancer sidecar: samples replica lengths every i1, reports averages every i2.
+
+Sampling uses a passive ``queue.declare`` over AMQP, not the management API: the
+passive declare answers with the queue's current ready count from its leader,
+while the management API's figures refresh only every
+``collect_statistics_interval`` (5 s by default), longer than useful i1 values.
+Arrival and service rates, which change slowly, come from the management API
+when it answers (rates 0 otherwise: the predictive algorithm then leans on the
+publisher's own counts).
+
+Reports go to the direct exchange ``qosmq.balancer.reports`` with the topic as
+routing key.  Each publisher binds its own exclusive queue with
+``x-max-length: 1``, so the broker keeps only the latest report for it and
+pushes it (the paper polled ZooKeeper; this needs no extra service and no
+polling, and a publisher that joins late gets the next report within i2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from ..settings import Settings
+from ..transport import AsyncClient, ExchangeSpec, ExchangeType, OutgoingMessage
+from .factors import inverse_factors, paper_factors
+from .reports import REPORT_EXCHANGE, LoadReport, ReplicaLoad, Sampler, replica_names
+
+__all__ = ["BalancerSidecar"]
+
+log = logging.getLogger(__name__)
+LENGTH = Gauge("qosmq_balancer_replica_length", "average waiting messages", ["topic", "replica"])
+FACTOR = Gauge("qosmq_balancer_factor", "load factor", ["topic", "replica", "algorithm"])
+ROUTED = Gauge(
+    "qosmq_balancer_routed",
+    "messages published to the replica (management API)",
+    ["topic", "replica"],
+)
+REPORTS = Counter("qosmq_balancer_reports_total", "load reports published", ["topic"])
+
+
+class BalancerSidecar:
+    """Measures one replicated topic and publishes load reports."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        topic: str,
+        replicas: int,
+        sample_interval: float = 0.5,
+        report_interval: float = 2.0,
+    ) -> None:
+        if not 0 < sample_interval <= report_interval:
+            raise ValueError("need 0 < i1 (sample interval) <= i2 (report interval)")
+        self.settings, self.topic = settings, topic
+        self.queues = replica_names(topic, replicas)
+        self.i1, self.i2 = sample_interval, report_interval
+        self.client = AsyncClient(settings=settings)
+        self.samplers = {q: Sampler() for q in self.queues}
+        self.last_report: LoadReport | None = None
+
+    async def run(self, *, stop: asyncio.Event | None = None) -> None:
+        """Sample and report until ``stop`` is set."""
+        stop = stop or asyncio.Event()
+        await self.client.connect()
+        await self.client.declare_exchange(ExchangeSpec(REPORT_EXCHANGE, ExchangeType.DIRECT))
+        next_report = time.monotonic() + self.i2
+        try:
+            while not stop.is_set():
+                await self.sample()
+                if time.monotonic() >= next_report:
+                    await self.report()
+                    next_report += self.i2
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.i1)
+        finally:
+            await self.client.close()
+
+    async def sample(self) -> None:
+        now = time.monotonic()
+        for queue in self.queues:
+            try:
+                self.samplers[queue].add(now, await self.client.queue_length(queue))
+            except Exception as exc:  # a missing sample lowers the count, not the average
+                log.info("no sample of %s: %s", queue, exc)
+
+    async def report(self) -> LoadReport:
+        rates = await asyncio.get_running_loop().run_in_executor(None, self._rates)
+        loads = []
+        for queue in self.queues:
+            arrival, service, published = rates.get(queue, (0.0, 0.0, None))
+            loads.append(ReplicaLoad(queue, self.samplers[queue].average(), arrival, service))
+            self.samplers[queue].reset()
+            if published is not None:
+                ROUTED.labels(self.topic, queue).set(published)
+        report = LoadReport(self.topic, self.i2, time.time(), tuple(loads))
+        await self.client.publish(
+            OutgoingMessage(report.encode(), REPORT_EXCHANGE, self.topic, mandatory=False),
+            confirm=False,
+        )
+        self._export(report)
+        self.last_report = report
+        return report
+
+    def _export(self, report: LoadReport) -> None:
+        lengths = [r.length for r in report.replicas]
+        REPORTS.labels(self.topic).inc()
+        for algorithm, factors in (
+            ("paper", paper_factors(lengths)),
+            ("inverse", inverse_factors(lengths)),
+        ):
+            for r, f in zip(report.replicas, factors, strict=True):
+                FACTOR.labels(self.topic, r.queue, algorithm).set(f)
+        for r in report.replicas:
+            LENGTH.labels(self.topic, r.queue).set(r.length)
+
+    def _rates(self) -> dict[str, tuple[float, float, float | None]]:
+        """(arrival, service, published count) per queue from the management API, if any."""
+        host, port, _ = self.settings.nodes[0]
+        vhost = urllib.parse.quote(self.settings.vhost, safe="")
+        url = f"http://{host}:{port + self.settings.management_port_offset}/api/queues/{vhost}"
+        out: dict[str, tuple[float, float, float | None]] = {}
+        try:
+            listed = _get_json(url, self.settings)
+        except (OSError, ValueError) as exc:
+            log.debug("management API unavailable (%s): rates 0", exc)
+            return out
+        for q in listed:
+            if q.get("name") in self.samplers:
+                stats: dict[str, Any] = q.get("message_stats") or {}
+                out[q["name"]] = (
+                    float((stats.get("publish_details") or {}).get("rate", 0.0)),
+                    float((stats.get("ack_details") or {}).get("rate", 0.0)),
+                    stats.get("publish"),
+                )
+        return out
+
+
+def _get_json(url: str, settings: Settings) -> Any:
+    request = urllib.request.Request(url)
+    token = f"{settings.username}:{settings.password.get_secret_value()}".encode()
+    request.add_header("Authorization", "Basic " + base64.b64encode(token).decode())
+    with urllib.request.urlopen(request, timeout=3) as response:
+        return json.loads(response.read())
