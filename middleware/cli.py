@@ -58,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 def _feature_commands() -> list[Callable[[Any], None]]:
     """Commands contributed by feature packages (imported lazily to keep start-up fast)."""
     from .bench import register as bench
+    from .sidecar.commands import register as sidecar
 
-    return [bench]
+    return [bench, sidecar]
 
 
 # ------------------------------------------------------------------ cluster

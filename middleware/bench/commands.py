@@ -30,6 +30,20 @@ def register(sub: Any) -> None:
     demo.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
     demo.add_argument("--out", type=Path, default=Path("results"), help="Spark job results")
     demo.set_defaults(run=_run_demo)
+    balance = cmds.add_parser("balance", help="weighted dispatch vs round robin (paper 001)")
+    balance.add_argument("--algorithms", default="round_robin,paper,inverse,predictive")
+    balance.add_argument("--replicas", type=int, default=2)
+    balance.add_argument("--rate", default="250,400", help="comma list of msg/s (light,heavy)")
+    balance.add_argument("--duration", type=float, default=30.0)
+    balance.add_argument("--service-ms", type=float, default=2.0)
+    balance.add_argument(
+        "--slow-extra-ms",
+        type=float,
+        default=6.0,
+        help="extra per-message time of replica 0's consumer",
+    )
+    balance.add_argument("--json", type=Path)
+    balance.set_defaults(run=_run_balance)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
     job = jobs.add_parser("confirms", help="confirm modes x queue counts, with a report")
@@ -197,6 +211,54 @@ def _run_demo(args: argparse.Namespace) -> int:
     os.environ["QOSMQ_AMQP_URLS"] = ",".join(status["amqp_urls"])
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     return execute(job)
+
+
+def _run_balance(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .balance import BalanceCell, run_balance_cell
+
+    try:
+        cells = [
+            BalanceCell(
+                algorithm=a.strip(),
+                rate=float(r),
+                duration_s=args.duration,
+                replicas=args.replicas,
+                service_ms=args.service_ms,
+                slow_extra_ms=args.slow_extra_ms,
+            )
+            for r in args.rate.split(",")
+            for a in args.algorithms.split(",")
+        ]
+    except ValueError as exc:
+        raise SystemExit(f"qosmq: error: bad grid: {exc}") from None
+    rows = []
+    for i, cell in enumerate(cells, 1):
+        print(
+            f"[{i}/{len(cells)}] {cell.algorithm} at {cell.rate:g} msg/s for "
+            f"{cell.duration_s:g} s ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        row = asyncio.run(run_balance_cell(args.settings, cell))
+        row.update(_provenance())
+        rows.append(row)
+    head = (
+        f"{'algorithm':12} {'rate':>6} {'handled/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
+        f"{'p99 ms':>8} {'p99 1st/3':>9} {'p99 3rd/3':>9} {'max len':>7} {'backlog':>7} routed"
+    )
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(
+            f"{r['algorithm']:12} {r['rate']:>6g} {r['handled_per_s']:>9.0f} "
+            f"{r['latency_p50_ms']:>8.1f} {r['latency_p95_ms']:>8.1f} {r['latency_p99_ms']:>8.1f} "
+            f"{r['p99_first_third_ms']:>9.1f} {r['p99_last_third_ms']:>9.1f} "
+            f"{r['max_queue_length']:>7} {r['backlog']:>7} {r['routed']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
 
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:

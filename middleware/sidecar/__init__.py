@@ -1,0 +1,1 @@
+"""Sidecar processes: drivers wired into long-running processes (``qosmq sidecar …``)."""

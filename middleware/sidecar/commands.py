@@ -1,0 +1,57 @@
+"""``qosmq sidecar balancer``: the load-report sidecar of one replicated topic."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+from ..balancer import BalancerSidecar, declare_replicated_topic
+from ..observability import start_metrics_server
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    sidecar = sub.add_parser("sidecar", help="long-running sidecar processes")
+    roles = sidecar.add_subparsers(title="sidecars", required=True)
+    bal = roles.add_parser("balancer", help="sample a replicated topic and publish load reports")
+    bal.add_argument("--topic", required=True)
+    bal.add_argument("--replicas", type=int, default=2)
+    bal.add_argument("--i1", type=float, default=0.5, help="sample interval, seconds")
+    bal.add_argument("--i2", type=float, default=2.0, help="report interval, seconds")
+    bal.add_argument(
+        "--declare",
+        action="store_true",
+        help="declare the replica queues first (leaders spread over nodes)",
+    )
+    bal.set_defaults(run=_run_balancer)
+
+
+def _run_balancer(args: argparse.Namespace) -> int:
+    settings = args.settings
+    if settings.metrics_port is not None:
+        port = start_metrics_server(host=settings.metrics_host, port=settings.metrics_port)
+        print(f"metrics: http://{settings.metrics_host}:{port}/metrics", file=sys.stderr)
+
+    async def main() -> None:
+        if args.declare:
+            names = await declare_replicated_topic(settings, args.topic, args.replicas)
+            print(f"replicas: {', '.join(names)}", file=sys.stderr)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        sidecar = BalancerSidecar(
+            settings=settings,
+            topic=args.topic,
+            replicas=args.replicas,
+            sample_interval=args.i1,
+            report_interval=args.i2,
+        )
+        await sidecar.run(stop=stop)
+
+    asyncio.run(main())
+    return 0
