@@ -29,6 +29,11 @@ pika and aiormq exceptions are translated at the transport boundary
         ├── Requeue                               basic.nack with requeue
         └── DeadLetter                            copy to the layer's dead-letter queue + reason
 
+EMQ result codes (paper 004; ``middleware.queues``) are leaves with a numeric ``code``:
+1 ``QueueDoesNotExist`` (EntityNotFound), 2 ``ConnectionNotEstablished`` (BrokerUnreachable),
+3 ``QueueSaveFailed`` (PublishError), 4 ``MessageMalformed`` (ValueError),
+5 ``WindowExceeded`` (WindowFull).
+
 Feature packages add leaves under these branches (e.g. the confirms package's
 ``NegativeReceipt`` under ``PublishError``), never new roots.
 """
@@ -41,9 +46,11 @@ __all__ = [
     "ConfigurationError",
     "ConfirmTimeout",
     "ConnectionLost",
+    "ConnectionNotEstablished",
     "DeadLetter",
     "EntityNotFound",
     "HandlerInstruction",
+    "MessageMalformed",
     "MiddlewareError",
     "NegativeReceipt",
     "NoRoute",
@@ -51,12 +58,16 @@ __all__ = [
     "PreconditionFailed",
     "PublishError",
     "PublishNacked",
+    "QueueDoesNotExist",
+    "QueueResult",
+    "QueueSaveFailed",
     "ReceiptTimeout",
     "Reject",
     "Requeue",
     "RetryableError",
     "TopologyError",
     "Unroutable",
+    "WindowExceeded",
     "WindowFull",
 ]
 
@@ -154,6 +165,33 @@ class PreconditionFailed(TopologyError):
 
 class AccessRefused(TopologyError, PermissionError):
     """The user is not allowed to use this entity or vhost."""
+
+
+class QueueResult:
+    """Mixin: an EMQ result code (for logs and metrics) and what to do about it."""
+
+    code: int = 0
+    hint: str = ""
+
+
+class QueueDoesNotExist(QueueResult, EntityNotFound):
+    code, hint = 1, "create it with create_queue() first"
+
+
+class ConnectionNotEstablished(QueueResult, BrokerUnreachable):
+    code, hint = 2, "no broker node is reachable and the local spool is disabled or full"
+
+
+class QueueSaveFailed(QueueResult, PublishError):
+    code, hint = 3, "the broker refused to store it (full queue or no quorum): retry later"
+
+
+class MessageMalformed(QueueResult, MiddlewareError, ValueError):
+    code, hint = 4, "fix the message: it is never retried"
+
+
+class WindowExceeded(QueueResult, WindowFull):
+    code, hint = 5, "too many unconfirmed messages: wait, or enqueue with block=True"
 
 
 class HandlerInstruction(MiddlewareError):

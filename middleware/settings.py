@@ -34,7 +34,14 @@ from pydantic_settings import (
 
 from .errors import ConfigurationError
 
-__all__ = ["LOCAL_CLUSTER_URLS", "ConfirmSettings", "RetrySettings", "Settings", "TLSSettings"]
+__all__ = [
+    "LOCAL_CLUSTER_URLS",
+    "ConfirmSettings",
+    "QueueSettings",
+    "RetrySettings",
+    "Settings",
+    "TLSSettings",
+]
 
 ENV_PREFIX = "QOSMQ_"
 #: The URLs of the embedded default: ``qosmq cluster up`` with its default ports.
@@ -72,6 +79,19 @@ class ConfirmSettings(_Frozen):
         5.0, ge=0, le=10000, description="longest wait to fill a batch"
     )
     dedup_window: int = Field(100_000, ge=1, description="(queue, id) pairs remembered")
+
+
+class QueueSettings(_Frozen):
+    """Persistent queues (EMQ): message limits and the local spool."""
+
+    spool_enabled: bool = Field(True, description="hold messages locally while unreachable")
+    spool_path: Path = Field(Path(".qosmq/spool.sqlite3"), description="SQLite spool file")
+    spool_max_messages: int = Field(1_000_000, ge=1, description="spool capacity (messages)")
+    spool_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL", description="NORMAL survives a killed process; FULL also a power loss"
+    )
+    max_message_bytes: int = Field(1_048_576, ge=1, description="larger bodies are malformed")
+    drain_batch: int = Field(256, ge=1, le=65535, description="spool entries sent per batch")
 
 
 class TLSSettings(_Frozen):
@@ -116,6 +136,7 @@ class Settings(BaseSettings):
     heartbeat: int = Field(10, ge=0, le=600, description="AMQP heartbeat in seconds (0 = off)")
     retry: RetrySettings = Field(default_factory=RetrySettings)  # type: ignore[arg-type]
     confirms: ConfirmSettings = Field(default_factory=ConfirmSettings)  # type: ignore[arg-type]
+    queues: QueueSettings = Field(default_factory=QueueSettings)  # type: ignore[arg-type]
     publish_window: int = Field(256, ge=1, le=65535, description="unconfirmed publishes (>= 1)")
     publish_timeout: float = Field(30.0, gt=0, description="seconds to wait for a broker confirm")
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")

@@ -133,6 +133,16 @@ class AsyncClient:
             attempts=errors,
         )
 
+    def reconnect_in_background(self) -> None:
+        """Keep trying the nodes (backoff from settings) until one answers, then replay.
+
+        For callers that must work while the whole cluster is down (the queue API
+        spools meanwhile); ``ready`` turns true and reconnect hooks run once connected.
+        """
+        self._closing = False
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.ensure_future(self._reconnect())
+
     async def close(self) -> None:
         """Close the connection and stop failing over."""
         self._closing = True
@@ -151,6 +161,11 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def ready(self) -> bool:
+        """True while a connection is up and its topology replayed."""
+        return self._ready.is_set() and isinstance(self._live, _Live)
 
     @property
     def connected_node(self) -> str | None:
@@ -268,20 +283,26 @@ class AsyncClient:
 
     # ----------------------------------------------------------- publishing
     async def publish(
-        self, message: OutgoingMessage, *, confirm: bool = True, block: bool = True
+        self,
+        message: OutgoingMessage,
+        *,
+        confirm: bool = True,
+        block: bool = True,
+        retry: bool = True,
     ) -> None:
         """Publish and, with ``confirm``, return once the broker confirmed it.
 
         Retries on connection loss (same message id) under the settings'
-        retry policy.  Raises ``Unroutable`` (mandatory and no queue bound),
-        ``PublishNacked``, ``BrokerUnreachable`` after the last attempt, or
-        ``WindowFull`` when ``block`` is false and the window is full.
+        retry policy (``retry=False``: one attempt, the caller handles failure).
+        Raises ``Unroutable`` (mandatory and no queue bound), ``PublishNacked``,
+        ``BrokerUnreachable`` after the last attempt, or ``WindowFull`` when
+        ``block`` is false and the window is full.
         """
         try:
             await self._publish_once(message, confirm=confirm, block=block)
             return
         except RetryableError as exc:
-            if isinstance(exc, WindowFull) or self.settings.retry.attempts < 2:
+            if isinstance(exc, WindowFull) or not retry or self.settings.retry.attempts < 2:
                 raise
             log.debug("publish %s failed (%s); retrying under the policy", message.message_id, exc)
         # The hot path above builds no retry object; only a failed publish pays for tenacity.

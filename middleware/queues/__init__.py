@@ -1,0 +1,16 @@
+"""Persistent queues (paper 004, EMQ): durable queue verbs, result codes, windows, a spool."""
+
+from .aio import AsyncQueues, QueueMessage
+from .core import EnqueueResult, EnqueueStatus, RecoverReport, validate
+from .spool import Spool, SpoolEntry
+
+__all__ = [
+    "AsyncQueues",
+    "EnqueueResult",
+    "EnqueueStatus",
+    "QueueMessage",
+    "RecoverReport",
+    "Spool",
+    "SpoolEntry",
+    "validate",
+]

@@ -1,0 +1,293 @@
+"""EMQ-style persistent queues over RabbitMQ (asyncio face).
+
+The paper's verbs: :meth:`create_queue`, :meth:`destroy_queue`, :meth:`enqueue`,
+:meth:`dequeue` (and :meth:`messages`, a consumer iterator), :meth:`recover`.
+
+* ``enqueue`` returns once the message is safe: confirmed by the broker (a quorum
+  queue's majority has it on disk), or, while no node is reachable, appended to
+  the local spool; the result says which.  Once anything is spooled, later
+  enqueues queue up behind it, so a producer's order holds.
+* The spool drains in order when a node comes back (failover hook) and on
+  ``recover()``; an entry is deleted only after the broker confirmed it.
+* Windows: ``publish_window`` unconfirmed enqueues per producer (a full window
+  delays the caller, or raises ``WindowExceeded`` with ``block=False``) and
+  ``prefetch`` unacked deliveries per consumer.
+* Consumers drop copies of a message id they already acked (a resend after a
+  lost confirm), with the confirms package's bounded duplicate filter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from ..confirms.tracking import DuplicateFilter, Receipt
+from ..errors import (
+    BrokerUnreachable,
+    ConnectionNotEstablished,
+    EntityNotFound,
+    MiddlewareError,
+    PublishNacked,
+    QueueSaveFailed,
+    Reject,
+    Requeue,
+    RetryableError,
+    Unroutable,
+    WindowExceeded,
+)
+from ..settings import QueueSettings
+from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from ..transport.message import new_message_id
+from .core import EnqueueResult, EnqueueStatus, RecoverReport, result_error, to_message, validate
+from .spool import Spool, SpoolEntry, SpoolFull
+
+__all__ = ["AsyncQueues", "QueueMessage"]
+
+log = logging.getLogger(__name__)
+RETRY_DRAIN_S = 1.0
+
+
+class QueueMessage:
+    """A dequeued message: call exactly one of :meth:`ack` / :meth:`reject`."""
+
+    def __init__(self, delivery: Delivery, decision: asyncio.Future[BaseException | None]) -> None:
+        self.delivery = delivery
+        self._decision = decision
+
+    @property
+    def body(self) -> bytes:
+        return self.delivery.body
+
+    @property
+    def message_id(self) -> str | None:
+        return self.delivery.message_id
+
+    async def ack(self) -> None:
+        if not self._decision.done():
+            self._decision.set_result(None)
+
+    async def reject(self, reason: str = "", *, requeue: bool = False) -> None:
+        if not self._decision.done():
+            self._decision.set_result(Requeue(reason) if requeue else Reject(reason))
+
+
+class AsyncQueues:
+    """Persistent queues on one :class:`AsyncClient`, with a local spool."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        *,
+        settings: QueueSettings | None = None,
+        spool: Spool | None = None,
+    ) -> None:
+        self.client = client
+        self.settings = settings or client.settings.queues
+        if spool is None and self.settings.spool_enabled:
+            spool = Spool(
+                self.settings.spool_path,
+                max_messages=self.settings.spool_max_messages,
+                synchronous=self.settings.spool_synchronous,
+            )
+        self.spool = spool
+        self._window = asyncio.Semaphore(client.settings.publish_window)
+        self._drain_lock = asyncio.Lock()
+        self._drain_task: asyncio.Task[int] | None = None
+        self._dedup = DuplicateFilter(client.settings.confirms.dedup_window)
+        self._inboxes: dict[str, asyncio.Queue[QueueMessage]] = {}
+        client.on_reconnect(self._on_reconnect)
+
+    async def start(self) -> AsyncQueues:
+        """Connect if needed and drain what an earlier process left in the spool."""
+        if not self.client.ready:
+            try:
+                await self.client.connect()
+            except BrokerUnreachable as exc:
+                log.warning("no broker reachable (%s): spooling until one answers", exc)
+                self.client.reconnect_in_background()
+        self._kick()
+        return self
+
+    # ------------------------------------------------------------ the verbs
+    async def create_queue(
+        self,
+        name: str,
+        *,
+        kind: QueueKind = QueueKind.QUORUM,
+        dead_letter_exchange: str | None = None,
+        max_length: int | None = None,
+        message_ttl_ms: int | None = None,
+        overflow: str | None = None,
+    ) -> None:
+        """Declare a durable queue (quorum by default); idempotent with the same options."""
+        await self.client.declare_queue(
+            QueueSpec(
+                name,
+                kind=kind,
+                dead_letter_exchange=dead_letter_exchange,
+                max_length=max_length,
+                message_ttl_ms=message_ttl_ms,
+                arguments={"x-overflow": overflow} if overflow else {},
+            )
+        )
+
+    async def destroy_queue(self, name: str) -> None:
+        await self.client.delete_queue(name)
+
+    async def enqueue(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, Any] | None = None,
+        message_id: str | None = None,
+        block: bool = True,
+        schema: Callable[[bytes], Any] | None = None,
+    ) -> EnqueueResult:
+        """Make the message safe; return whether the broker confirmed it or the spool holds it."""
+        clean = validate(body, headers, max_bytes=self.settings.max_message_bytes, schema=schema)
+        message_id = message_id or new_message_id()
+        if not block and self._window.locked():
+            raise WindowExceeded(
+                f"{self.client.settings.publish_window} enqueues unconfirmed "
+                f"(code 5: {WindowExceeded.hint})"
+            )
+        async with self._window:
+            if not self.client.ready or (self.spool is not None and len(self.spool)):
+                return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+            message = OutgoingMessage(
+                bytes(body), "", queue, message_id, clean, persistent=True, mandatory=True
+            )
+            try:
+                await self.client.publish(message, retry=False)
+            except (PublishNacked, WindowExceeded):
+                raise result_error(queue, PublishNacked("nacked")) from None
+            except RetryableError as exc:
+                if self.spool is None:
+                    raise result_error(queue, exc) from exc
+                return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+            except MiddlewareError as exc:
+                raise result_error(queue, exc) from exc
+        return EnqueueResult(message_id, EnqueueStatus.CONFIRMED)
+
+    async def dequeue(
+        self,
+        queue: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> QueueMessage | None:
+        """The next message (None after ``timeout`` s); ack or reject it explicitly."""
+        inbox = await self._inbox(queue)
+        try:
+            return await asyncio.wait_for(inbox.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def messages(self, queue: str) -> AsyncIterator[QueueMessage]:
+        """Consumer iterator: ``async for m in queues.messages(q): ...; await m.ack()``."""
+        inbox = await self._inbox(queue)
+        while True:
+            yield await inbox.get()
+
+    async def recover(self) -> RecoverReport:
+        """Replay everything the spool holds, in order; report what was sent and what is left."""
+        replayed = await self._drain()
+        return RecoverReport(replayed, len(self.spool) if self.spool is not None else 0)
+
+    async def close(self) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, MiddlewareError):
+                await self._drain_task
+
+    # -------------------------------------------------------------- spool
+    def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
+        if self.spool is None:
+            raise ConnectionNotEstablished(
+                f"no broker node reachable for {entry.queue!r} and "
+                f"no spool (code 2: {ConnectionNotEstablished.hint})"
+            )
+        try:
+            self.spool.append([entry])
+        except SpoolFull as exc:
+            raise QueueSaveFailed(
+                f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})"
+            ) from None
+        self._kick()
+        return EnqueueResult(entry.message_id, EnqueueStatus.SPOOLED)
+
+    async def _on_reconnect(self) -> None:
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.spool is None or not len(self.spool) or not self.client.ready:
+            return
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> int:
+        """Send spool entries in order, a batch at a time; delete what the broker confirmed."""
+        if self.spool is None:
+            return 0
+        sent = 0
+        async with self._drain_lock:
+            while len(self.spool) and self.client.ready:
+                batch = self.spool.peek(self.settings.drain_batch)
+                results = await asyncio.gather(
+                    *(self.client.publish(to_message(e), retry=False) for e in batch),
+                    return_exceptions=True,
+                )
+                done = [e.seq for e, r in zip(batch, results, strict=True) if r is None]
+                gone = [
+                    e
+                    for e, r in zip(batch, results, strict=True)
+                    if isinstance(r, Unroutable | EntityNotFound)
+                ]
+                for entry in gone:  # its queue was destroyed meanwhile: never drop it silently
+                    await self.client.dead_letter(
+                        _as_delivery(entry), f"queue {entry.queue!r} does not exist"
+                    )
+                self.spool.delete(done + [e.seq for e in gone])
+                sent += len(done)
+                if len(done) + len(gone) < len(batch):
+                    asyncio.get_running_loop().call_later(RETRY_DRAIN_S, self._kick)
+                    break
+        if sent:
+            log.info("drained %d spooled message(s); %d left", sent, len(self.spool))
+        return sent
+
+    # ----------------------------------------------------------- consumer
+    async def _inbox(self, queue: str) -> asyncio.Queue[QueueMessage]:
+        inbox = self._inboxes.get(queue)
+        if inbox is None:
+            inbox = self._inboxes[queue] = asyncio.Queue()
+
+            async def handler(delivery: Delivery) -> None:
+                key = (delivery.queue, delivery.message_id or "")
+                if delivery.message_id and self._dedup.get(*key) is not None:
+                    return  # a resend of a message already acked: ack it again, silently
+                decision: asyncio.Future[BaseException | None] = (
+                    asyncio.get_running_loop().create_future()
+                )
+                await inbox.put(QueueMessage(delivery, decision))
+                error = await decision
+                if error is not None:
+                    raise error
+                if delivery.message_id:
+                    self._dedup.remember(Receipt(key[1], key[0]))
+
+            await self.client.consume(queue, handler)
+        return inbox
+
+
+def _as_delivery(entry: SpoolEntry) -> Delivery:
+    return Delivery(
+        entry.body,
+        entry.queue,
+        routing_key=entry.queue,
+        message_id=entry.message_id,
+        headers=dict(entry.headers),
+    )

@@ -1,0 +1,119 @@
+"""What the queue API decides without I/O: validation, results, error mapping."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ..errors import (
+    BrokerUnreachable,
+    ConnectionNotEstablished,
+    EntityNotFound,
+    MessageMalformed,
+    MiddlewareError,
+    PublishNacked,
+    QueueDoesNotExist,
+    QueueSaveFailed,
+    Unroutable,
+)
+from ..transport.message import OutgoingMessage
+from .spool import SpoolEntry
+
+__all__ = ["EnqueueResult", "EnqueueStatus", "RecoverReport", "result_error", "validate"]
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class EnqueueStatus(StrEnum):
+    CONFIRMED = "confirmed"  # the broker confirmed it (quorum queue: on a majority's disk)
+    SPOOLED = "spooled"  # no broker reachable: held in the local spool, sent on reconnect
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    message_id: str
+    status: EnqueueStatus
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverReport:
+    replayed: int  # spool entries the broker confirmed during this call
+    remaining: int  # still in the spool (broker unreachable meanwhile)
+
+
+def validate(
+    body: bytes,
+    headers: Mapping[str, Any] | None,
+    *,
+    max_bytes: int,
+    schema: Callable[[bytes], Any] | None = None,
+) -> dict[str, Any]:
+    """Refuse a message the queue must not accept; return its headers as a plain dict."""
+    if not isinstance(body, bytes | bytearray | memoryview):
+        raise MessageMalformed(
+            f"body must be bytes, got {type(body).__name__} (code 4: {MessageMalformed.hint})"
+        )
+    if len(body) > max_bytes:
+        raise MessageMalformed(
+            f"body of {len(body)} bytes exceeds max_message_bytes "
+            f"{max_bytes} (code 4: {MessageMalformed.hint})"
+        )
+    out: dict[str, Any] = {}
+    for key, value in (headers or {}).items():
+        if not isinstance(key, str) or not key or key.startswith("x-qosmq-"):
+            raise MessageMalformed(
+                f"bad header name {key!r}: non-empty strings, not x-qosmq-* "
+                f"(code 4: {MessageMalformed.hint})"
+            )
+        if not isinstance(value, _SCALARS):
+            raise MessageMalformed(
+                f"header {key!r} must be a string, number, bool or null "
+                f"(code 4: {MessageMalformed.hint})"
+            )
+        out[key] = value
+    try:
+        json.dumps(out)
+    except ValueError as exc:
+        raise MessageMalformed(f"headers are not serialisable: {exc}") from None
+    if schema is not None:
+        try:
+            schema(bytes(body))
+        except Exception as exc:
+            raise MessageMalformed(
+                f"body does not decode with the queue's schema: {exc} "
+                f"(code 4: {MessageMalformed.hint})"
+            ) from None
+    return out
+
+
+def result_error(queue: str, error: MiddlewareError) -> MiddlewareError:
+    """The EMQ result-code error for a broker-side failure of an enqueue."""
+    match error:
+        case Unroutable() | EntityNotFound():
+            return QueueDoesNotExist(
+                f"queue {queue!r} does not exist (code 1: {QueueDoesNotExist.hint})"
+            )
+        case PublishNacked():
+            return QueueSaveFailed(
+                f"queue {queue!r} refused the message (code 3: {QueueSaveFailed.hint})"
+            )
+        case BrokerUnreachable():
+            return ConnectionNotEstablished(
+                f"no broker node reachable for {queue!r} (code 2: {ConnectionNotEstablished.hint})"
+            )
+    return error
+
+
+def to_message(entry: SpoolEntry) -> OutgoingMessage:
+    return OutgoingMessage(
+        entry.body,
+        "",
+        entry.queue,
+        entry.message_id,
+        dict(entry.headers),
+        persistent=True,
+        mandatory=True,
+    )

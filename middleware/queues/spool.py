@@ -1,0 +1,124 @@
+"""The local spool: a durable FIFO where accepted messages wait while no broker is reachable.
+
+SQLite in WAL mode (the paper's second storage option).  ``synchronous=NORMAL``
+(the default here) survives the process being killed at any instant: a commit
+is in the WAL before ``append`` returns; ``FULL`` also survives power loss at
+the cost of an fsync per commit.  Entries leave only through ``delete``, which
+the drain calls after the broker confirmed them, so a crash mid-drain resends
+at most the unconfirmed window (consumers drop those duplicates by id).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Spool", "SpoolEntry", "SpoolFull"]
+
+
+class SpoolFull(Exception):
+    """The spool reached its size limit (internal; the queue API raises a typed error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolEntry:
+    queue: str
+    message_id: str
+    body: bytes
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    seq: int = 0
+
+
+class Spool:
+    """A FIFO of :class:`SpoolEntry` in one SQLite file, safe across threads."""
+
+    def __init__(
+        self, path: Path | str, *, max_messages: int = 1_000_000, synchronous: str = "NORMAL"
+    ) -> None:
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError("synchronous must be NORMAL or FULL")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_messages = max_messages
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "queue TEXT NOT NULL, message_id TEXT NOT NULL, body BLOB NOT NULL, "
+            "headers TEXT NOT NULL)"
+        )
+        self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+
+    def __len__(self) -> int:
+        return int(self._count)
+
+    def append(self, entries: Iterable[SpoolEntry]) -> list[int]:
+        """Append in one transaction; return the sequence numbers.  Raises SpoolFull."""
+        rows = [(e.queue, e.message_id, e.body, json.dumps(dict(e.headers))) for e in entries]
+        with self._lock:
+            if self._count + len(rows) > self.max_messages:
+                raise SpoolFull(f"spool {self.path} holds {self._count} of {self.max_messages}")
+            self._db.execute("BEGIN")
+            try:
+                seqs = [
+                    self._db.execute(
+                        "INSERT INTO spool (queue, message_id, body, headers) VALUES (?, ?, ?, ?)",
+                        row,
+                    ).lastrowid
+                    or 0
+                    for row in rows
+                ]
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._count += len(rows)
+            return seqs
+
+    def peek(self, limit: int, *, after: int = 0) -> list[SpoolEntry]:
+        """The oldest ``limit`` entries with ``seq > after``, in order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, queue, message_id, body, headers FROM spool WHERE seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (after, limit),
+            ).fetchall()
+        return [SpoolEntry(q, m, bytes(b), json.loads(h), s) for s, q, m, b, h in rows]
+
+    def delete(self, seqs: Iterable[int]) -> None:
+        ids = [(s,) for s in seqs]
+        if not ids:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM spool WHERE seq = ?", ids)
+            self._db.execute("COMMIT")
+            self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            count, size, oldest = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(body)), 0), MIN(seq) FROM spool"
+            ).fetchone()
+            queues = dict(
+                self._db.execute("SELECT queue, COUNT(*) FROM spool GROUP BY queue").fetchall()
+            )
+        return {
+            "path": str(self.path),
+            "messages": count,
+            "bytes": size,
+            "oldest_seq": oldest,
+            "queues": queues,
+            "max_messages": self.max_messages,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

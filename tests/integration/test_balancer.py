@@ -1,0 +1,139 @@
+"""Weighted dispatch against the real cluster: placement, reports, steering, staleness."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+
+from middleware.balancer import BalancedPublisher, BalancerSidecar, declare_replicated_topic
+from middleware.observability import start_metrics_server
+from middleware.transport import AsyncClient, OutgoingMessage, QueueKind
+from tests.conftest import LoopThread
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.cluster]
+
+
+def _management(port: int, path: str):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    request.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def test_replica_leaders_are_spread_over_the_nodes(settings, brokers, name) -> None:
+    if brokers.cluster is None:
+        pytest.skip("needs the local cluster's management ports")
+    names = asyncio.run(declare_replicated_topic(settings, name, 3))
+    port = brokers.cluster.layout.node(0).management_port
+    leaders = {_management(port, f"/api/queues/%2F/{q}")["leader"] for q in names}
+    assert len(leaders) == 3
+
+    async def cleanup() -> None:
+        async with AsyncClient(settings=settings) as client:
+            for q in names:
+                await client.delete_queue(q)
+
+    asyncio.run(cleanup())
+
+
+@pytest.mark.parametrize("algorithm", ["paper", "inverse", "predictive"])
+def test_reports_steer_messages_away_from_the_long_replica(settings, name, algorithm) -> None:
+    loop = LoopThread()
+    stop = asyncio.Event()
+
+    async def scenario() -> tuple[list[int], list[int], BalancedPublisher]:
+        names = await declare_replicated_topic(settings, name, 2, kind=QueueKind.CLASSIC)
+        client = await AsyncClient(settings=settings).connect()
+        for i in range(200):  # replica 0 is backed up; nobody consumes either replica
+            await client.publish(OutgoingMessage(b"old", "", names[0], message_id=f"old{i}"))
+        sidecar = BalancerSidecar(
+            settings=settings, topic=name, replicas=2, sample_interval=0.1, report_interval=0.3
+        )
+        task = asyncio.create_task(sidecar.run(stop=stop))
+        publisher = await BalancedPublisher(
+            client, topic=name, replicas=2, algorithm=algorithm
+        ).start()
+        deadline = time.monotonic() + 5
+        while publisher.report is None and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert publisher.report is not None, "no load report reached the publisher"
+        for i in range(100):
+            await publisher.publish(b"new", message_id=f"new{i}")
+        stop.set()
+        await task
+        lengths = [await client.queue_length(q) for q in names]
+        for q in names:
+            await client.delete_queue(q)
+        await client.close()
+        return publisher.routed, lengths, publisher
+
+    try:
+        routed, lengths, publisher = loop.run(scenario())
+    finally:
+        loop.stop()
+    assert routed[1] >= 95, routed
+    assert lengths == [200 + routed[0], routed[1]]  # each message in exactly one replica
+    assert publisher.report.replicas[0].length == pytest.approx(200, abs=1)
+
+
+def test_stale_reports_fall_back_to_equal_weights(settings, name) -> None:
+    loop = LoopThread()
+
+    async def scenario() -> BalancedPublisher:
+        names = await declare_replicated_topic(settings, name, 2, kind=QueueKind.CLASSIC)
+        client = await AsyncClient(settings=settings).connect()
+        for i in range(50):
+            await client.publish(OutgoingMessage(b"old", "", names[0], message_id=f"o{i}"))
+        stop = asyncio.Event()
+        sidecar = BalancerSidecar(
+            settings=settings, topic=name, replicas=2, sample_interval=0.1, report_interval=0.2
+        )
+        task = asyncio.create_task(sidecar.run(stop=stop))
+        publisher = await BalancedPublisher(
+            client, topic=name, replicas=2, algorithm="paper", stale_after=0.5
+        ).start()
+        while publisher.report is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        stop.set()  # the sidecar dies: no more reports
+        await task
+        await asyncio.sleep(0.7)
+        for i in range(100):
+            await publisher.publish(b"new", message_id=f"n{i}")
+        for q in names:
+            await client.delete_queue(q)
+        await client.close()
+        return publisher
+
+    try:
+        publisher = loop.run(scenario())
+    finally:
+        loop.stop()
+    assert publisher.routed == [50, 50] and publisher.fallbacks == 100
+
+
+def test_sidecar_metrics_are_served_on_loopback(settings, name) -> None:
+    async def one_report() -> None:
+        await declare_replicated_topic(settings, name, 2, kind=QueueKind.CLASSIC)
+        sidecar = BalancerSidecar(
+            settings=settings, topic=name, replicas=2, sample_interval=0.1, report_interval=0.1
+        )
+        await sidecar.client.connect()
+        await sidecar.sample()
+        await sidecar.report()
+        for q in sidecar.queues:
+            await sidecar.client.delete_queue(q)
+        await sidecar.client.close()
+
+    asyncio.run(one_report())
+    text = generate_latest().decode()
+    assert f'qosmq_balancer_replica_length{{replica="{name}.r0",topic="{name}"}}' in text
+    assert f'qosmq_balancer_factor{{algorithm="paper",replica="{name}.r1",topic="{name}"}}' in text
+    port = start_metrics_server(port=0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert b"qosmq_balancer_reports_total" in response.read()

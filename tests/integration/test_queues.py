@@ -1,0 +1,258 @@
+"""Persistent queues (EMQ) against the real cluster: result codes, spool, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from middleware.errors import (
+    ConnectionNotEstablished,
+    MessageMalformed,
+    QueueDoesNotExist,
+    QueueSaveFailed,
+    WindowExceeded,
+)
+from middleware.queues import AsyncQueues, EnqueueStatus
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, QueueKind
+from tests.conftest import LoopThread
+from tests.proxy import FaultProxy
+
+pytestmark = pytest.mark.rabbit
+
+
+def _settings(settings: Settings, tmp_path: Path, **queues: Any) -> Settings:
+    q = settings.queues.model_copy(update={"spool_path": tmp_path / "spool.sqlite3", **queues})
+    return settings.model_copy(update={"queues": q})
+
+
+def test_verbs_and_explicit_ack(settings, tmp_path, name) -> None:
+    async def scenario() -> None:
+        queues = await AsyncQueues(AsyncClient(settings=_settings(settings, tmp_path))).start()
+        await queues.create_queue(name)
+        results = [await queues.enqueue(name, f"m{i}".encode()) for i in range(3)]
+        assert {r.status for r in results} == {EnqueueStatus.CONFIRMED}
+        first = await queues.dequeue(name, timeout=10)
+        assert first is not None and first.body == b"m0"
+        await first.reject("try again", requeue=True)
+        again = await queues.dequeue(name, timeout=10)
+        assert again is not None and again.body == b"m0" and again.delivery.redelivered
+        await again.ack()
+        rest = [await queues.dequeue(name, timeout=10) for _ in range(2)]
+        for m in rest:
+            await m.ack()
+        assert [m.body for m in rest] == [b"m1", b"m2"]
+        assert await queues.dequeue(name, timeout=0.5) is None
+        assert (await queues.recover()).remaining == 0
+        await queues.destroy_queue(name)
+        await queues.client.close()
+
+    asyncio.run(scenario())
+
+
+def test_each_result_code_from_a_real_situation(settings, brokers, tmp_path, name) -> None:
+    async def scenario() -> dict[int, Exception]:
+        seen: dict[int, Exception] = {}
+        tight = _settings(settings, tmp_path, max_message_bytes=100)
+        tight = tight.model_copy(update={"publish_window": 1})
+        queues = await AsyncQueues(AsyncClient(settings=tight)).start()
+        await queues.create_queue(name)
+        await queues.destroy_queue(name)
+        with pytest.raises(QueueDoesNotExist) as e1:  # 1: destroyed queue
+            await queues.enqueue(name, b"x")
+        seen[1] = e1.value
+        full = f"{name}.full"
+        await queues.create_queue(
+            full, kind=QueueKind.CLASSIC, max_length=1, overflow="reject-publish"
+        )
+        await queues.enqueue(full, b"first")
+        with pytest.raises(QueueSaveFailed) as e3:  # 3: the broker refuses to store it
+            await queues.enqueue(full, b"second")
+        seen[3] = e3.value
+        with pytest.raises(MessageMalformed) as e4:  # 4: oversize, bad header, bad schema
+            await queues.enqueue(full, b"x" * 101)
+        with pytest.raises(MessageMalformed):
+            await queues.enqueue(full, b"x", headers={"x-qosmq-receipt": 1})
+        with pytest.raises(MessageMalformed):
+            await queues.enqueue(full, b"not json", schema=json.loads)
+        seen[4] = e4.value
+        slow = asyncio.create_task(queues.enqueue(full, b"third"))  # holds the window of 1
+        await asyncio.sleep(0)
+        with pytest.raises(WindowExceeded) as e5:  # 5: window full, caller would not wait
+            await queues.enqueue(full, b"fourth", block=False)
+        seen[5] = e5.value
+        with pytest.raises(QueueSaveFailed):
+            await slow
+        await queues.destroy_queue(full)
+        await queues.client.close()
+        # 2: no node reachable and no spool
+        proxy = FaultProxy(int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1]))
+        try:
+            lonely = _settings(settings, tmp_path, spool_enabled=False).model_copy(
+                update={"amqp_urls": (proxy.url,)}
+            )
+            queues = await AsyncQueues(AsyncClient(settings=lonely)).start()
+            await queues.create_queue(name)
+            proxy.cut(refuse=True)
+            await asyncio.sleep(0.5)
+            with pytest.raises(ConnectionNotEstablished) as e2:
+                await queues.enqueue(name, b"x")
+            seen[2] = e2.value
+            proxy.heal()
+            await queues.client.close()
+        finally:
+            proxy.close()
+        async with AsyncClient(settings=settings) as admin:
+            await admin.delete_queue(name)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert {code: err.code for code, err in seen.items()} == {1: 1, 2: 2, 3: 3, 4: 4, 5: 5}
+    for err in seen.values():
+        assert f"code {err.code}" in str(err)
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_every_link_cut_mid_stream_loses_nothing_and_keeps_order(
+    settings, brokers, tmp_path, name
+) -> None:
+    total = 10_000
+    proxies = [FaultProxy(int(u.rstrip("/").rsplit(":", 1)[1])) for u in brokers.urls]
+    producer_settings = _settings(settings, tmp_path).model_copy(
+        update={"amqp_urls": tuple(p.url for p in proxies)}
+    )
+    loop = LoopThread()
+    received: list[str] = []
+
+    async def consume(queues: AsyncQueues) -> None:
+        async for message in queues.messages(name):
+            received.append(message.message_id or "")
+            await message.ack()
+
+    async def produce() -> tuple[dict[str, int], int]:
+        consumer = await AsyncQueues(AsyncClient(settings=settings), spool=None).start()
+        await consumer.create_queue(name)
+        consuming = asyncio.create_task(consume(consumer))
+        producer = await AsyncQueues(AsyncClient(settings=producer_settings)).start()
+        statuses = {"confirmed": 0, "spooled": 0}
+        for i in range(total):
+            if i == 3000:
+                for p in proxies:
+                    p.cut(refuse=True)  # every link to every node, at once
+            if i == 7000:
+                for p in proxies:
+                    p.heal()
+            result = await producer.enqueue(name, str(i).encode(), message_id=f"m{i:05d}")
+            statuses[result.status.value] += 1
+        deadline = time.monotonic() + 120
+        while (len(received) < total or len(producer.spool)) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
+        left = len(producer.spool)
+        consuming.cancel()
+        await producer.close()
+        await producer.client.close()
+        await consumer.destroy_queue(name)
+        await consumer.client.close()
+        return statuses, left
+
+    try:
+        statuses, left = loop.run(produce(), timeout=300)
+    finally:
+        loop.stop()
+        for p in proxies:
+            p.close()
+    assert statuses["spooled"] > 0 and statuses["confirmed"] >= 3000
+    assert left == 0, "the spool did not drain"
+    assert received == [f"m{i:05d}" for i in range(total)], "lost, duplicated or reordered"
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_producer_killed_mid_drain_recovers_without_loss(settings, brokers, tmp_path, name) -> None:
+    total = 3000
+    spool = tmp_path / "producer-spool.sqlite3"
+    proxies = [FaultProxy(int(u.rstrip("/").rsplit(":", 1)[1])) for u in brokers.urls]
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(p.url for p in proxies)}
+    root = Path(__file__).resolve().parents[2]
+
+    def producer(mode: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.queue_producer_process",
+                mode,
+                str(spool),
+                name,
+                str(total),
+            ],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    loop = LoopThread()
+    received: list[str] = []
+    consumer = AsyncQueues(AsyncClient(settings=_settings(settings, tmp_path, spool_enabled=False)))
+    background: list[asyncio.Future[None]] = []
+
+    async def consume() -> None:
+        await consumer.start()
+        await consumer.create_queue(name)
+        background.append(asyncio.ensure_future(_collect(consumer, name, received)))
+
+    loop.run(consume())
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for p in proxies:
+            p.cut(refuse=True)  # the producer starts with no broker reachable
+        procs.append(producer("produce"))
+        line = procs[0].stdout.readline()
+        assert line.startswith("enqueued") and json.loads(line.split(" ", 1)[1]) == {
+            "spooled": total
+        }
+        for p in proxies:
+            p.heal()
+        deadline = time.monotonic() + 60
+        while len(received) < 500 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(procs[0].pid, signal.SIGKILL)  # mid-drain
+        procs[0].wait(10)
+        assert len(received) < total, "drain finished before the kill; the test proves nothing"
+        procs.append(producer("recover"))
+        report = json.loads(procs[1].stdout.readline())
+        procs[1].wait(60)
+        deadline = time.monotonic() + 60
+        while len(received) < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for p in proxies:
+            p.close()
+        loop.run(consumer.destroy_queue(name))
+        loop.run(consumer.client.close())
+        loop.stop()
+    assert report["remaining"] == 0 and report["replayed"] > 0
+    assert received == [f"p{i}" for i in range(total)], "lost, duplicated or reordered"
+
+
+async def _collect(queues: AsyncQueues, name: str, out: list[str]) -> None:
+    async for message in queues.messages(name):
+        out.append(message.message_id or "")
+        await message.ack()
