@@ -3,6 +3,7 @@
 from .aio import AsyncQueues, QueueMessage
 from .core import EnqueueResult, EnqueueStatus, RecoverReport, validate
 from .spool import Spool, SpoolEntry
+from .sync import SyncQueueMessage, SyncQueues
 
 __all__ = [
     "AsyncQueues",
@@ -12,5 +13,7 @@ __all__ = [
     "RecoverReport",
     "Spool",
     "SpoolEntry",
+    "SyncQueueMessage",
+    "SyncQueues",
     "validate",
 ]

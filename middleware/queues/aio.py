@@ -41,7 +41,15 @@ from ..errors import (
 from ..settings import QueueSettings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.message import new_message_id
-from .core import EnqueueResult, EnqueueStatus, RecoverReport, result_error, to_message, validate
+from .core import (
+    EnqueueResult,
+    EnqueueStatus,
+    RecoverReport,
+    as_delivery,
+    result_error,
+    to_message,
+    validate,
+)
 from .spool import Spool, SpoolEntry, SpoolFull
 
 __all__ = ["AsyncQueues", "QueueMessage"]
@@ -248,7 +256,7 @@ class AsyncQueues:
                 ]
                 for entry in gone:  # its queue was destroyed meanwhile: never drop it silently
                     await self.client.dead_letter(
-                        _as_delivery(entry), f"queue {entry.queue!r} does not exist"
+                        as_delivery(entry), f"queue {entry.queue!r} does not exist"
                     )
                 self.spool.delete(done + [e.seq for e in gone])
                 sent += len(done)
@@ -281,13 +289,3 @@ class AsyncQueues:
 
             await self.client.consume(queue, handler)
         return inbox
-
-
-def _as_delivery(entry: SpoolEntry) -> Delivery:
-    return Delivery(
-        entry.body,
-        entry.queue,
-        routing_key=entry.queue,
-        message_id=entry.message_id,
-        headers=dict(entry.headers),
-    )

@@ -19,6 +19,7 @@ from ..errors import (
     QueueSaveFailed,
     Unroutable,
 )
+from ..transport.delivery import Delivery
 from ..transport.message import OutgoingMessage
 from .spool import SpoolEntry
 
@@ -105,6 +106,17 @@ def result_error(queue: str, error: MiddlewareError) -> MiddlewareError:
                 f"no broker node reachable for {queue!r} (code 2: {ConnectionNotEstablished.hint})"
             )
     return error
+
+
+def as_delivery(entry: SpoolEntry) -> Delivery:
+    """A spool entry as a delivery, for the dead-letter path."""
+    return Delivery(
+        entry.body,
+        entry.queue,
+        routing_key=entry.queue,
+        message_id=entry.message_id,
+        headers=dict(entry.headers),
+    )
 
 
 def to_message(entry: SpoolEntry) -> OutgoingMessage:

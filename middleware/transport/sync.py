@@ -111,6 +111,10 @@ class SyncClient:
             attempts=errors,
         )
 
+    def connect_later(self) -> None:
+        """Start without a connection: the next call that needs one tries the nodes."""
+        self._opened = True
+
     def close(self) -> None:
         self._opened = False
         live, self._live = self._live, None
@@ -217,8 +221,40 @@ class SyncClient:
         return result
 
     # ----------------------------------------------------------- publishing
-    def publish(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
-        """Publish; with ``confirm`` return once the broker confirmed it (retried on loss)."""
+    @property
+    def ready(self) -> bool:
+        """True while a connection is open (the sync face notices a loss on its next call)."""
+        return self._live is not None and self._live.connection.is_open
+
+    def take(self, queue: str) -> tuple[Delivery, Callable[[Action], None]] | None:
+        """One message with manual ack: (delivery, settle) or None if the queue is empty.
+
+        ``settle(Action.ACK | Action.REJECT | Action.REQUEUE)`` must be called before
+        the next ``take`` on this client.
+        """
+
+        def get(live: _SyncLive) -> tuple[Delivery, Callable[[Action], None]] | None:
+            channel = live.confirm_channel
+            method, props, body = channel.basic_get(queue, auto_ack=False)
+            if method is None:
+                return None
+            delivery = _to_delivery(method, props, body, queue)
+
+            def settle(action: Action) -> None:
+                self._settle(channel, delivery, Outcome(action))
+
+            return delivery, settle
+
+        return self._call(get)
+
+    def publish(
+        self, message: OutgoingMessage, *, confirm: bool = True, retry: bool = True
+    ) -> None:
+        """Publish; with ``confirm`` return once the broker confirmed it.
+
+        Retried on connection loss under the retry policy; ``retry=False`` makes
+        one attempt (after reconnecting if needed) and raises the failure.
+        """
 
         def send(live: _SyncLive) -> None:
             channel = live.confirm_channel if confirm else live.plain_channel
@@ -243,7 +279,7 @@ class SyncClient:
                     self._reopen_channel(live, confirm)
                 raise
 
-        self._call(send)
+        self._call(send, attempts=None if retry else 1)
         (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
     # ------------------------------------------------------------- internal
@@ -252,11 +288,11 @@ class SyncClient:
         self.topology.add(spec)
         return result
 
-    def _call(self, action: Callable[[_SyncLive], T]) -> T:
+    def _call(self, action: Callable[[_SyncLive], T], *, attempts: int | None = None) -> T:
         """Run ``action`` on a live connection; on loss reconnect, replay and retry."""
         if not self._opened:
             raise NotConnected("not connected: call client.connect() first")
-        for attempt in sync_retrying(self.settings.retry):
+        for attempt in sync_retrying(self.settings.retry, attempts=attempts):
             with attempt:
                 live = self._ensure_live()
                 try:

@@ -21,9 +21,9 @@ from middleware.errors import (
     QueueSaveFailed,
     WindowExceeded,
 )
-from middleware.queues import AsyncQueues, EnqueueStatus
+from middleware.queues import AsyncQueues, EnqueueStatus, SyncQueues
 from middleware.settings import Settings
-from middleware.transport import AsyncClient, QueueKind
+from middleware.transport import AsyncClient, QueueKind, SyncClient
 from tests.conftest import LoopThread
 from tests.proxy import FaultProxy
 
@@ -55,6 +55,40 @@ def test_verbs_and_explicit_ack(settings, tmp_path, name) -> None:
         await queues.client.close()
 
     asyncio.run(scenario())
+
+
+def test_sync_face_verbs_spool_and_recover(settings, brokers, tmp_path, name) -> None:
+    proxy = FaultProxy(int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1]))
+    try:
+        via_proxy = _settings(settings, tmp_path).model_copy(
+            update={
+                "amqp_urls": (proxy.url,),
+                "retry": settings.retry.model_copy(update={"attempts": 2}),
+            }
+        )
+        queues = SyncQueues(SyncClient(settings=via_proxy)).start()
+        queues.create_queue(name)
+        assert queues.enqueue(name, b"a", message_id="a").status is EnqueueStatus.CONFIRMED
+        proxy.cut(refuse=True)
+        assert queues.enqueue(name, b"b", message_id="b").status is EnqueueStatus.SPOOLED
+        assert queues.enqueue(name, b"c", message_id="c").status is EnqueueStatus.SPOOLED
+        assert len(queues.spool) == 2
+        proxy.heal()
+        report = queues.recover()
+        assert (report.replayed, report.remaining) == (2, 0)
+        got = []
+        while (m := queues.dequeue(name, timeout=5)) is not None and len(got) < 3:
+            got.append(m.message_id)
+            m.ack()
+        assert got == ["a", "b", "c"]
+        with pytest.raises(MessageMalformed):
+            queues.enqueue(name, b"x" * (settings.queues.max_message_bytes + 1))
+        queues.destroy_queue(name)
+        with pytest.raises(QueueDoesNotExist):
+            queues.enqueue(name, b"x")
+        queues.client.close()
+    finally:
+        proxy.close()
 
 
 def test_each_result_code_from_a_real_situation(settings, brokers, tmp_path, name) -> None:

@@ -1,0 +1,214 @@
+"""Sync face of the persistent queues over :class:`SyncClient` (pika), on the same core.
+
+Same verbs, results, errors and spool as :class:`~middleware.queues.AsyncQueues`.
+pika's blocking channel confirms one publish at a time, so the producer window is
+one; the spool drains inside ``recover()`` and opportunistically on each enqueue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..confirms.tracking import DuplicateFilter, Receipt
+from ..errors import (
+    BrokerUnreachable,
+    ConnectionNotEstablished,
+    EntityNotFound,
+    MiddlewareError,
+    PublishNacked,
+    QueueSaveFailed,
+    RetryableError,
+    Unroutable,
+)
+from ..settings import QueueSettings
+from ..transport import Action, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from ..transport.message import new_message_id
+from .core import (
+    EnqueueResult,
+    EnqueueStatus,
+    RecoverReport,
+    as_delivery,
+    result_error,
+    to_message,
+    validate,
+)
+from .spool import Spool, SpoolEntry, SpoolFull
+
+__all__ = ["SyncQueueMessage", "SyncQueues"]
+
+log = logging.getLogger(__name__)
+
+
+class SyncQueueMessage:
+    """A dequeued message: call exactly one of :meth:`ack` / :meth:`reject`."""
+
+    def __init__(
+        self, delivery: Delivery, settle: Callable[[Action], None], remember: Callable[[], None]
+    ) -> None:
+        self.delivery, self._settle, self._remember = delivery, settle, remember
+
+    @property
+    def body(self) -> bytes:
+        return self.delivery.body
+
+    @property
+    def message_id(self) -> str | None:
+        return self.delivery.message_id
+
+    def ack(self) -> None:
+        self._settle(Action.ACK)
+        self._remember()
+
+    def reject(self, reason: str = "", *, requeue: bool = False) -> None:
+        self._settle(Action.REQUEUE if requeue else Action.REJECT)
+
+
+class SyncQueues:
+    """Persistent queues on one :class:`SyncClient`, with a local spool."""
+
+    def __init__(
+        self,
+        client: SyncClient,
+        *,
+        settings: QueueSettings | None = None,
+        spool: Spool | None = None,
+    ) -> None:
+        self.client = client
+        self.settings = settings or client.settings.queues
+        if spool is None and self.settings.spool_enabled:
+            spool = Spool(
+                self.settings.spool_path,
+                max_messages=self.settings.spool_max_messages,
+                synchronous=self.settings.spool_synchronous,
+            )
+        self.spool = spool
+        self._dedup = DuplicateFilter(client.settings.confirms.dedup_window)
+        self._next_drain = 0.0  # while unreachable, try draining at most once a second
+
+    def start(self) -> SyncQueues:
+        try:
+            self.client.connect()
+        except BrokerUnreachable as exc:
+            log.warning("no broker reachable (%s): spooling until one answers", exc)
+            self.client.connect_later()
+        else:
+            self.recover()
+        return self
+
+    def create_queue(
+        self,
+        name: str,
+        *,
+        kind: QueueKind = QueueKind.QUORUM,
+        dead_letter_exchange: str | None = None,
+        max_length: int | None = None,
+        message_ttl_ms: int | None = None,
+        overflow: str | None = None,
+    ) -> None:
+        self.client.declare_queue(
+            QueueSpec(
+                name,
+                kind=kind,
+                dead_letter_exchange=dead_letter_exchange,
+                max_length=max_length,
+                message_ttl_ms=message_ttl_ms,
+                arguments={"x-overflow": overflow} if overflow else {},
+            )
+        )
+
+    def destroy_queue(self, name: str) -> None:
+        self.client.delete_queue(name)
+
+    def enqueue(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, Any] | None = None,
+        message_id: str | None = None,
+        schema: Callable[[bytes], Any] | None = None,
+    ) -> EnqueueResult:
+        clean = validate(body, headers, max_bytes=self.settings.max_message_bytes, schema=schema)
+        message_id = message_id or new_message_id()
+        if self.spool is not None and len(self.spool) and time.monotonic() >= self._next_drain:
+            self.recover()  # keep order: what waits goes first
+        if not self.client.ready or (self.spool is not None and len(self.spool)):
+            return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+        try:
+            self.client.publish(
+                OutgoingMessage(
+                    bytes(body), "", queue, message_id, clean, persistent=True, mandatory=True
+                ),
+                retry=False,
+            )
+        except PublishNacked:
+            raise result_error(queue, PublishNacked("nacked")) from None
+        except RetryableError as exc:
+            if self.spool is None:
+                raise result_error(queue, exc) from exc
+            return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+        except MiddlewareError as exc:
+            raise result_error(queue, exc) from exc
+        return EnqueueResult(message_id, EnqueueStatus.CONFIRMED)
+
+    def dequeue(self, queue: str, *, timeout: float | None = None) -> SyncQueueMessage | None:
+        """The next message (None after ``timeout`` s; polls with basic.get)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            taken = self.client.take(queue)
+            if taken is not None:
+                delivery, settle = taken
+                key = (queue, delivery.message_id or "")
+                if delivery.message_id and self._dedup.get(*key) is not None:
+                    settle(Action.ACK)  # a resend of a message already acked
+                    continue
+                return SyncQueueMessage(
+                    delivery, settle, lambda k=key: self._dedup.remember(Receipt(k[1], k[0]))
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def recover(self) -> RecoverReport:
+        """Send the spool's entries in order; delete each once the broker confirmed it."""
+        if self.spool is None:
+            return RecoverReport(0, 0)
+        sent = 0
+        while len(self.spool):
+            batch = self.spool.peek(self.settings.drain_batch)
+            done: list[int] = []
+            try:
+                for entry in batch:
+                    try:
+                        self.client.publish(to_message(entry), retry=False)
+                    except (Unroutable, EntityNotFound):
+                        self.client.dead_letter(
+                            as_delivery(entry), f"queue {entry.queue!r} does not exist"
+                        )
+                    done.append(entry.seq)
+            except MiddlewareError as exc:
+                log.info("spool drain paused: %s", exc)
+                self._next_drain = time.monotonic() + 1.0
+                self.spool.delete(done)
+                sent += len(done)
+                break
+            self.spool.delete(done)
+            sent += len(done)
+        return RecoverReport(sent, len(self.spool))
+
+    def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
+        if self.spool is None:
+            raise ConnectionNotEstablished(
+                f"no broker node reachable for {entry.queue!r} and "
+                f"no spool (code 2: {ConnectionNotEstablished.hint})"
+            )
+        try:
+            self.spool.append([entry])
+        except SpoolFull as exc:
+            raise QueueSaveFailed(
+                f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})"
+            ) from None
+        return EnqueueResult(entry.message_id, EnqueueStatus.SPOOLED)
