@@ -44,6 +44,21 @@ def register(sub: Any) -> None:
     )
     balance.add_argument("--json", type=Path)
     balance.set_defaults(run=_run_balance)
+    queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
+    queues.add_argument("--duration", type=float, default=10.0)
+    queues.add_argument("--size", type=int, default=1500)
+    queues.add_argument("--window", type=int, default=256)
+    queues.add_argument("--json", type=Path)
+    queues.set_defaults(run=_run_queues)
+    spool = sub.add_parser("spool", help="the local spool of the persistent-queue API")
+    spool_cmds = spool.add_subparsers(title="spool commands", required=True)
+    for name, help_ in (
+        ("status", "messages waiting, per queue"),
+        ("drain", "send the spool to the broker now"),
+    ):
+        p = spool_cmds.add_parser(name, help=help_)
+        p.add_argument("--path", type=Path, help="spool file (default: settings)")
+        p.set_defaults(run=_run_spool, action=name)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
     job = jobs.add_parser("confirms", help="confirm modes x queue counts, with a report")
@@ -259,6 +274,50 @@ def _run_balance(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _run_queues(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .queues import run_queue_bench
+
+    rows = asyncio.run(
+        run_queue_bench(args.settings, duration_s=args.duration, size=args.size, window=args.window)
+    )
+    print(f"{'cell':8} {'messages':>9} {'seconds':>8} {'msg/s':>9} {'x raw':>6} {'x enqueue':>9}")
+    for r in rows:
+        r.update(_provenance())
+        print(
+            f"{r['cell']:8} {r['messages']:>9} {r['seconds']:>8.2f} {r['per_s']:>9.0f} "
+            f"{r['ratio_vs_raw']:>6.2f} {r['ratio_vs_enqueue']:>9.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _run_spool(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ..queues import AsyncQueues, Spool
+    from ..transport import AsyncClient
+
+    settings = args.settings
+    path = args.path or settings.queues.spool_path
+    if args.action == "status":
+        print(json.dumps(Spool(path).stats(), indent=2))
+        return 0
+    queue_settings = settings.queues.model_copy(update={"spool_path": path})
+
+    async def drain() -> int:
+        queues = AsyncQueues(AsyncClient(settings=settings), settings=queue_settings)
+        await queues.client.connect()
+        report = await queues.recover()
+        await queues.client.close()
+        print(json.dumps({"replayed": report.replayed, "remaining": report.remaining}))
+        return 0 if report.remaining == 0 else 1
+
+    return asyncio.run(drain())
 
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:

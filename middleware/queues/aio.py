@@ -19,6 +19,7 @@ The paper's verbs: :meth:`create_queue`, :meth:`destroy_queue`, :meth:`enqueue`,
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -106,6 +107,7 @@ class AsyncQueues:
         self._drain_task: asyncio.Task[int] | None = None
         self._dedup = DuplicateFilter(client.settings.confirms.dedup_window)
         self._inboxes: dict[str, asyncio.Queue[QueueMessage]] = {}
+        self._pending_spool: list[tuple[SpoolEntry, asyncio.Future[None]]] = []
         client.on_reconnect(self._on_reconnect)
 
     async def start(self) -> AsyncQueues:
@@ -165,7 +167,7 @@ class AsyncQueues:
             )
         async with self._window:
             if not self.client.ready or (self.spool is not None and len(self.spool)):
-                return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+                return await self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
             message = OutgoingMessage(
                 bytes(body), "", queue, message_id, clean, persistent=True, mandatory=True
             )
@@ -176,7 +178,7 @@ class AsyncQueues:
             except RetryableError as exc:
                 if self.spool is None:
                     raise result_error(queue, exc) from exc
-                return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+                return await self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
             except MiddlewareError as exc:
                 raise result_error(queue, exc) from exc
         return EnqueueResult(message_id, EnqueueStatus.CONFIRMED)
@@ -212,20 +214,36 @@ class AsyncQueues:
                 await self._drain_task
 
     # -------------------------------------------------------------- spool
-    def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
+    async def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
+        """Append to the spool; enqueues arriving in the same loop turn share one commit."""
         if self.spool is None:
             raise ConnectionNotEstablished(
                 f"no broker node reachable for {entry.queue!r} and "
                 f"no spool (code 2: {ConnectionNotEstablished.hint})"
             )
-        try:
-            self.spool.append([entry])
-        except SpoolFull as exc:
-            raise QueueSaveFailed(
-                f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})"
-            ) from None
-        self._kick()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._pending_spool.append((entry, done))
+        if len(self._pending_spool) == 1:
+            loop.call_soon(self._commit_spool)
+        await done
         return EnqueueResult(entry.message_id, EnqueueStatus.SPOOLED)
+
+    def _commit_spool(self) -> None:
+        batch, self._pending_spool = self._pending_spool, []
+        assert self.spool is not None
+        try:
+            self.spool.append(entry for entry, _ in batch)
+        except SpoolFull as exc:
+            error = QueueSaveFailed(
+                f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})"
+            )
+            for _, done in batch:
+                done.set_exception(error)
+            return
+        for _, done in batch:
+            done.set_result(None)
+        self._kick()
 
     async def _on_reconnect(self) -> None:
         self._kick()
@@ -237,34 +255,55 @@ class AsyncQueues:
             self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> int:
-        """Send spool entries in order, a batch at a time; delete what the broker confirmed."""
+        """Send spool entries in order with a sliding window; delete each once confirmed.
+
+        A broken connection fails a suffix of what is in flight (one channel keeps
+        order), so the confirmed entries are exactly those deleted and the rest are
+        resent later in order; a resent copy of a message the broker already had is
+        dropped by the consumers' duplicate filter.
+        """
         if self.spool is None:
             return 0
-        sent = 0
+        spool, window = self.spool, self.client.settings.publish_window
+        sent, after, failed = 0, 0, False
+        flight: collections.deque[tuple[SpoolEntry, asyncio.Task[None]]] = collections.deque()
+        done: list[int] = []
         async with self._drain_lock:
-            while len(self.spool) and self.client.ready:
-                batch = self.spool.peek(self.settings.drain_batch)
-                results = await asyncio.gather(
-                    *(self.client.publish(to_message(e), retry=False) for e in batch),
-                    return_exceptions=True,
-                )
-                done = [e.seq for e, r in zip(batch, results, strict=True) if r is None]
-                gone = [
-                    e
-                    for e, r in zip(batch, results, strict=True)
-                    if isinstance(r, Unroutable | EntityNotFound)
-                ]
-                for entry in gone:  # its queue was destroyed meanwhile: never drop it silently
+            while self.client.ready and not failed:
+                if len(flight) < window // 2:
+                    for entry in spool.peek(window - len(flight), after=after):
+                        task = asyncio.ensure_future(
+                            self.client.publish(to_message(entry), retry=False)
+                        )
+                        flight.append((entry, task))
+                        after = entry.seq
+                if not flight:
+                    break
+                entry, task = flight.popleft()
+                try:
+                    await task
+                    done.append(entry.seq)
+                except (Unroutable, EntityNotFound):  # its queue was destroyed meanwhile
                     await self.client.dead_letter(
                         as_delivery(entry), f"queue {entry.queue!r} does not exist"
                     )
-                self.spool.delete(done + [e.seq for e in gone])
-                sent += len(done)
-                if len(done) + len(gone) < len(batch):
-                    asyncio.get_running_loop().call_later(RETRY_DRAIN_S, self._kick)
-                    break
+                    done.append(entry.seq)
+                except MiddlewareError as exc:
+                    log.info("spool drain paused: %s", exc)
+                    failed = True
+                if len(done) >= self.settings.drain_batch or failed or not flight:
+                    spool.delete(done)
+                    sent += len(done)
+                    done = []
+            for _, task in flight:  # let the rest finish; they are resent if unconfirmed
+                with contextlib.suppress(Exception):
+                    await task
+        spool.delete(done)
+        sent += len(done)
+        if failed:
+            asyncio.get_running_loop().call_later(RETRY_DRAIN_S, self._kick)
         if sent:
-            log.info("drained %d spooled message(s); %d left", sent, len(self.spool))
+            log.info("drained %d spooled message(s); %d left", sent, len(spool))
         return sent
 
     # ----------------------------------------------------------- consumer
