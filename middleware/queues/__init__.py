@@ -2,6 +2,7 @@
 
 from .aio import AsyncQueues, QueueMessage
 from .core import EnqueueResult, EnqueueStatus, RecoverReport, validate
+from .sharing import LeastLoaded, NodePool, RoundRobin, SharingRule
 from .spool import Spool, SpoolEntry
 from .sync import SyncQueueMessage, SyncQueues
 
@@ -9,8 +10,12 @@ __all__ = [
     "AsyncQueues",
     "EnqueueResult",
     "EnqueueStatus",
+    "LeastLoaded",
+    "NodePool",
     "QueueMessage",
     "RecoverReport",
+    "RoundRobin",
+    "SharingRule",
     "Spool",
     "SpoolEntry",
     "SyncQueueMessage",

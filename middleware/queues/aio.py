@@ -51,6 +51,7 @@ from .core import (
     to_message,
     validate,
 )
+from .sharing import NodePool
 from .spool import Spool, SpoolEntry, SpoolFull
 
 __all__ = ["AsyncQueues", "QueueMessage"]
@@ -92,8 +93,10 @@ class AsyncQueues:
         *,
         settings: QueueSettings | None = None,
         spool: Spool | None = None,
+        pool: NodePool | None = None,
     ) -> None:
         self.client = client
+        self.pool = pool  # opt-in load sharing over nodes (gives up per-producer order)
         self.settings = settings or client.settings.queues
         if spool is None and self.settings.spool_enabled:
             spool = Spool(
@@ -118,6 +121,8 @@ class AsyncQueues:
             except BrokerUnreachable as exc:
                 log.warning("no broker reachable (%s): spooling until one answers", exc)
                 self.client.reconnect_in_background()
+        if self.pool is not None:
+            await self.pool.start()
         self._kick()
         return self
 
@@ -171,8 +176,10 @@ class AsyncQueues:
             message = OutgoingMessage(
                 bytes(body), "", queue, message_id, clean, persistent=True, mandatory=True
             )
+            picked = self.pool.pick() if self.pool is not None else None
+            publisher = picked[1] if picked is not None else self.client
             try:
-                await self.client.publish(message, retry=False)
+                await publisher.publish(message, retry=False)
             except (PublishNacked, WindowExceeded):
                 raise result_error(queue, PublishNacked("nacked")) from None
             except RetryableError as exc:
@@ -208,6 +215,8 @@ class AsyncQueues:
         return RecoverReport(replayed, len(self.spool) if self.spool is not None else 0)
 
     async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
         if self._drain_task is not None:
             self._drain_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, MiddlewareError):

@@ -21,7 +21,7 @@ from middleware.errors import (
     QueueSaveFailed,
     WindowExceeded,
 )
-from middleware.queues import AsyncQueues, EnqueueStatus, SyncQueues
+from middleware.queues import AsyncQueues, EnqueueStatus, NodePool, SyncQueues
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, QueueKind, SyncClient
 from tests.conftest import LoopThread
@@ -55,6 +55,31 @@ def test_verbs_and_explicit_ack(settings, tmp_path, name) -> None:
         await queues.client.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.cluster
+def test_load_sharing_learns_the_cluster_and_spreads_enqueues(
+    settings, brokers, tmp_path, name
+) -> None:
+    if brokers.cluster is None:
+        pytest.skip("needs the local cluster's management API")
+    first_only = _settings(settings, tmp_path).model_copy(update={"amqp_urls": brokers.urls[:1]})
+
+    async def scenario() -> tuple[dict[str, int], int]:
+        pool = NodePool(first_only, discover_every=60)
+        queues = await AsyncQueues(AsyncClient(settings=first_only), pool=pool).start()
+        await queues.create_queue(name)
+        for i in range(30):
+            await queues.enqueue(name, b"x", message_id=f"s{i}")
+        length = await queues.client.queue_length(name)
+        await queues.destroy_queue(name)
+        await queues.close()
+        await queues.client.close()
+        return dict(pool.sent), length
+
+    sent, length = asyncio.run(scenario())
+    assert set(sent) == set(brokers.urls)  # learned nodes 2 and 3 from the cluster
+    assert sorted(sent.values()) == [10, 10, 10] and length == 30
 
 
 def test_sync_face_verbs_spool_and_recover(settings, brokers, tmp_path, name) -> None:
