@@ -130,13 +130,13 @@ class Settings(BaseSettings):
     vhost: str = Field("/", min_length=1, description="virtual host, e.g. / or /orders")
     username: str = Field("guest", min_length=1, description="AMQP user name")
     password: SecretStr = Field(SecretStr("guest"), description="AMQP password (never logged)")
-    tls: TLSSettings = Field(default_factory=TLSSettings)  # type: ignore[arg-type]
+    tls: TLSSettings = Field(default_factory=TLSSettings)
     client_name: str = Field("qosmq", description="connection name shown in the management UI")
     connect_timeout: float = Field(5.0, gt=0, le=300, description="seconds per node (> 0)")
     heartbeat: int = Field(10, ge=0, le=600, description="AMQP heartbeat in seconds (0 = off)")
-    retry: RetrySettings = Field(default_factory=RetrySettings)  # type: ignore[arg-type]
-    confirms: ConfirmSettings = Field(default_factory=ConfirmSettings)  # type: ignore[arg-type]
-    queues: QueueSettings = Field(default_factory=QueueSettings)  # type: ignore[arg-type]
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    confirms: ConfirmSettings = Field(default_factory=ConfirmSettings)
+    queues: QueueSettings = Field(default_factory=QueueSettings)
     publish_window: int = Field(256, ge=1, le=65535, description="unconfirmed publishes (>= 1)")
     publish_timeout: float = Field(30.0, gt=0, description="seconds to wait for a broker confirm")
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")

@@ -80,22 +80,24 @@ class AsyncConfirmPublisher:
     ) -> None:
         """Publish and wait for the mode's confirm (a full window waits first)."""
         profile = self.core.profile
-        fields = {
-            "exchange": exchange,
-            "routing_key": routing_key,
-            "headers": headers,
-            "message_id": message_id,
-            "expect": expect,
-            "priority": priority,
-        }
+
+        def prepare() -> OutgoingMessage:
+            return self.core.prepare(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                headers=headers,
+                message_id=message_id,
+                expect=expect,
+                priority=priority,
+            )
+
         if not profile.receipts:
             # broker confirms are windowed by the client itself
-            message = self.core.prepare(body, **fields)
-            await self.client.publish(message, confirm=profile.broker_confirm)
+            await self.client.publish(prepare(), confirm=profile.broker_confirm)
             return
         async with self._window:
-            # prepare() starts the receipt clock: only once the message may really leave
-            message = self.core.prepare(body, **fields)
+            message = prepare()  # starts the receipt clock: only once it may really leave
             future = asyncio.get_running_loop().create_future()
             self._futures[message.message_id] = future
             try:

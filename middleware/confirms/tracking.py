@@ -77,7 +77,7 @@ def decode_receipts(body: bytes) -> list[Receipt]:
     ok, negative = data.get("ok", {}), data.get("neg", [])
     if not isinstance(ok, dict) or not isinstance(negative, list):
         raise ValueError("receipt batch fields 'ok'/'neg' have the wrong type")
-    out = []
+    out: list[Receipt] = []
     for queue, ids in ok.items():
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise ValueError(f"receipt ids for queue {queue!r} are not strings")

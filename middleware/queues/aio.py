@@ -28,11 +28,9 @@ from typing import Any
 from ..confirms.tracking import DuplicateFilter, Receipt
 from ..errors import (
     BrokerUnreachable,
-    ConnectionNotEstablished,
     EntityNotFound,
     MiddlewareError,
     PublishNacked,
-    QueueSaveFailed,
     Reject,
     Requeue,
     RetryableError,
@@ -40,14 +38,18 @@ from ..errors import (
     WindowExceeded,
 )
 from ..settings import QueueSettings
-from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind
 from ..transport.message import new_message_id
 from .core import (
     EnqueueResult,
     EnqueueStatus,
     RecoverReport,
     as_delivery,
+    no_spool,
+    open_spool,
+    queue_spec,
     result_error,
+    spool_full,
     to_message,
     validate,
 )
@@ -98,13 +100,7 @@ class AsyncQueues:
         self.client = client
         self.pool = pool  # opt-in load sharing over nodes (gives up per-producer order)
         self.settings = settings or client.settings.queues
-        if spool is None and self.settings.spool_enabled:
-            spool = Spool(
-                self.settings.spool_path,
-                max_messages=self.settings.spool_max_messages,
-                synchronous=self.settings.spool_synchronous,
-            )
-        self.spool = spool
+        self.spool = spool if spool is not None else open_spool(self.settings)
         self._window = asyncio.Semaphore(client.settings.publish_window)
         self._drain_lock = asyncio.Lock()
         self._drain_task: asyncio.Task[int] | None = None
@@ -139,13 +135,13 @@ class AsyncQueues:
     ) -> None:
         """Declare a durable queue (quorum by default); idempotent with the same options."""
         await self.client.declare_queue(
-            QueueSpec(
+            queue_spec(
                 name,
                 kind=kind,
                 dead_letter_exchange=dead_letter_exchange,
                 max_length=max_length,
                 message_ttl_ms=message_ttl_ms,
-                arguments={"x-overflow": overflow} if overflow else {},
+                overflow=overflow,
             )
         )
 
@@ -226,10 +222,7 @@ class AsyncQueues:
     async def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
         """Append to the spool; enqueues arriving in the same loop turn share one commit."""
         if self.spool is None:
-            raise ConnectionNotEstablished(
-                f"no broker node reachable for {entry.queue!r} and "
-                f"no spool (code 2: {ConnectionNotEstablished.hint})"
-            )
+            raise no_spool(entry.queue)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._pending_spool.append((entry, done))
@@ -244,9 +237,7 @@ class AsyncQueues:
         try:
             self.spool.append(entry for entry, _ in batch)
         except SpoolFull as exc:
-            error = QueueSaveFailed(
-                f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})"
-            )
+            error = spool_full(exc)
             for _, done in batch:
                 done.set_exception(error)
             return

@@ -19,11 +19,21 @@ from ..errors import (
     QueueSaveFailed,
     Unroutable,
 )
+from ..settings import QueueSettings
 from ..transport.delivery import Delivery
 from ..transport.message import OutgoingMessage
-from .spool import SpoolEntry
+from ..transport.topology import QueueKind, QueueSpec
+from .spool import Spool, SpoolEntry
 
-__all__ = ["EnqueueResult", "EnqueueStatus", "RecoverReport", "result_error", "validate"]
+__all__ = [
+    "EnqueueResult",
+    "EnqueueStatus",
+    "RecoverReport",
+    "open_spool",
+    "queue_spec",
+    "result_error",
+    "validate",
+]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -106,6 +116,48 @@ def result_error(queue: str, error: MiddlewareError) -> MiddlewareError:
                 f"no broker node reachable for {queue!r} (code 2: {ConnectionNotEstablished.hint})"
             )
     return error
+
+
+def open_spool(settings: QueueSettings) -> Spool | None:
+    """The spool the settings ask for (None when disabled)."""
+    if not settings.spool_enabled:
+        return None
+    return Spool(
+        settings.spool_path,
+        max_messages=settings.spool_max_messages,
+        synchronous=settings.spool_synchronous,
+    )
+
+
+def queue_spec(
+    name: str,
+    *,
+    kind: QueueKind,
+    dead_letter_exchange: str | None,
+    max_length: int | None,
+    message_ttl_ms: int | None,
+    overflow: str | None,
+) -> QueueSpec:
+    """The declaration behind ``create_queue``: durable, quorum unless told otherwise."""
+    return QueueSpec(
+        name,
+        kind=kind,
+        dead_letter_exchange=dead_letter_exchange,
+        max_length=max_length,
+        message_ttl_ms=message_ttl_ms,
+        arguments={"x-overflow": overflow} if overflow else {},
+    )
+
+
+def no_spool(queue: str) -> ConnectionNotEstablished:
+    return ConnectionNotEstablished(
+        f"no broker node reachable for {queue!r} and no spool "
+        f"(code 2: {ConnectionNotEstablished.hint})"
+    )
+
+
+def spool_full(exc: Exception) -> QueueSaveFailed:
+    return QueueSaveFailed(f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})")
 
 
 def as_delivery(entry: SpoolEntry) -> Delivery:

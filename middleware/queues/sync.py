@@ -7,6 +7,7 @@ one; the spool drains inside ``recover()`` and opportunistically on each enqueue
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -15,23 +16,25 @@ from typing import Any
 from ..confirms.tracking import DuplicateFilter, Receipt
 from ..errors import (
     BrokerUnreachable,
-    ConnectionNotEstablished,
     EntityNotFound,
     MiddlewareError,
     PublishNacked,
-    QueueSaveFailed,
     RetryableError,
     Unroutable,
 )
 from ..settings import QueueSettings
-from ..transport import Action, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from ..transport import Action, Delivery, OutgoingMessage, QueueKind, SyncClient
 from ..transport.message import new_message_id
 from .core import (
     EnqueueResult,
     EnqueueStatus,
     RecoverReport,
     as_delivery,
+    no_spool,
+    open_spool,
+    queue_spec,
     result_error,
+    spool_full,
     to_message,
     validate,
 )
@@ -78,13 +81,7 @@ class SyncQueues:
     ) -> None:
         self.client = client
         self.settings = settings or client.settings.queues
-        if spool is None and self.settings.spool_enabled:
-            spool = Spool(
-                self.settings.spool_path,
-                max_messages=self.settings.spool_max_messages,
-                synchronous=self.settings.spool_synchronous,
-            )
-        self.spool = spool
+        self.spool = spool if spool is not None else open_spool(self.settings)
         self._dedup = DuplicateFilter(client.settings.confirms.dedup_window)
         self._next_drain = 0.0  # while unreachable, try draining at most once a second
 
@@ -109,13 +106,13 @@ class SyncQueues:
         overflow: str | None = None,
     ) -> None:
         self.client.declare_queue(
-            QueueSpec(
+            queue_spec(
                 name,
                 kind=kind,
                 dead_letter_exchange=dead_letter_exchange,
                 max_length=max_length,
                 message_ttl_ms=message_ttl_ms,
-                arguments={"x-overflow": overflow} if overflow else {},
+                overflow=overflow,
             )
         )
 
@@ -165,8 +162,9 @@ class SyncQueues:
                 if delivery.message_id and self._dedup.get(*key) is not None:
                     settle(Action.ACK)  # a resend of a message already acked
                     continue
+                receipt = Receipt(key[1], key[0])
                 return SyncQueueMessage(
-                    delivery, settle, lambda k=key: self._dedup.remember(Receipt(k[1], k[0]))
+                    delivery, settle, functools.partial(self._dedup.remember, receipt)
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 return None
@@ -201,14 +199,9 @@ class SyncQueues:
 
     def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
         if self.spool is None:
-            raise ConnectionNotEstablished(
-                f"no broker node reachable for {entry.queue!r} and "
-                f"no spool (code 2: {ConnectionNotEstablished.hint})"
-            )
+            raise no_spool(entry.queue)
         try:
             self.spool.append([entry])
         except SpoolFull as exc:
-            raise QueueSaveFailed(
-                f"the local spool is full: {exc} (code 3: {QueueSaveFailed.hint})"
-            ) from None
+            raise spool_full(exc) from None
         return EnqueueResult(entry.message_id, EnqueueStatus.SPOOLED)

@@ -377,7 +377,7 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         loop.call_later(
             self.settings.publish_timeout,
-            lambda: None if stale.is_closed else loop.create_task(stale.close()),
+            lambda: None if stale.is_closed else asyncio.ensure_future(stale.close()),
         )
 
     async def _reopen_publish_channels(self, live: _Live) -> None:

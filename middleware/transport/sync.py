@@ -10,6 +10,7 @@ topology and tries again under the one retry policy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -208,7 +209,7 @@ class SyncClient:
         deadline = None if seconds is None else time.monotonic() + seconds
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
             step = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            self._call(lambda live, step=step: live.connection.process_data_events(time_limit=step))
+            self._call(functools.partial(_process_events, time_limit=step))
 
     def get(self, queue: str) -> Delivery | None:
         """Take one message (acked on receipt), or None if the queue is empty."""
@@ -297,15 +298,15 @@ class SyncClient:
                 live = self._ensure_live()
                 try:
                     return action(live)
-                except MiddlewareError as error:
-                    if isinstance(error, ConnectionLost):
-                        self._drop(live, error)
+                except MiddlewareError as known:
+                    if isinstance(known, ConnectionLost):
+                        self._drop(live, known)
                     raise
                 except Exception as exc:
-                    error = translate_sync(exc)
-                    if isinstance(error, ConnectionLost):
-                        self._drop(live, error)
-                    raise error from exc
+                    translated = translate_sync(exc)
+                    if isinstance(translated, ConnectionLost):
+                        self._drop(live, translated)
+                    raise translated from exc
         raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
 
     def _ensure_live(self) -> _SyncLive:
@@ -485,6 +486,10 @@ class SyncClient:
                 content_type=delivery.content_type,
             )
         )
+
+
+def _process_events(live: _SyncLive, *, time_limit: float) -> None:
+    live.connection.process_data_events(time_limit=time_limit)
 
 
 def _to_pika_properties(message: OutgoingMessage) -> pika.BasicProperties:
