@@ -1,0 +1,121 @@
+"""Timeliness (paper 000 §3): latency levels between clusters, predicted waits inside one.
+
+Pure functions and small state objects.
+
+Between clusters: subscribers give a latency level 1..L per event type (smaller =
+more urgent); a routing master keeps latencyMap: event type -> (level sum,
+count); the mean level sets the event's AMQP priority on the forwarding path.
+
+Inside a cluster: each match broker counts arrivals NA and completions NC over a
+window t: a = NA/t, mu = NC/t; predicts its queue q(t) = max(0, q(t') + (a - mu)(t - t'));
+message i waits (i - 1)/mu and takes 1/mu, so the mean processing time is
+T(t) = (q(t) + 1) / (2 mu).  The master sends each event to the broker with the
+smallest T (itself included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LatencyMap",
+    "QueuePredictor",
+    "choose_broker",
+    "mean_processing_time",
+    "predicted_queue",
+]
+
+MAX_PRIORITY = 9  # x-max-priority of the routing inboxes
+
+
+@dataclass
+class LatencyMap:
+    """eventType -> (level sum, count); levels 1 (most urgent) .. ``levels``."""
+
+    levels: int = 5
+    entries: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def add(self, event_type: str, level: int) -> None:
+        if not 1 <= level <= self.levels:
+            raise ValueError(f"latency level must be 1..{self.levels}, got {level}")
+        total, count = self.entries.get(event_type, (0, 0))
+        self.entries[event_type] = (total + level, count + 1)
+
+    def remove(self, event_type: str, level: int) -> None:
+        total, count = self.entries[event_type]
+        self.entries[event_type] = (total - level, count - 1)
+        if count == 1:
+            del self.entries[event_type]
+
+    def mean_level(self, event_type: str) -> float | None:
+        total, count = self.entries.get(event_type, (0, 0))
+        return total / count if count else None
+
+    def priority(self, event_type: str) -> int:
+        """AMQP priority 0..9: mean level 1 -> 9, mean level L -> 0; unknown -> 0."""
+        mean = self.mean_level(event_type)
+        if mean is None:
+            return 0
+        if self.levels == 1:
+            return MAX_PRIORITY
+        return round(MAX_PRIORITY * (self.levels - mean) / (self.levels - 1))
+
+
+def predicted_queue(
+    q_prev: float, arrival_rate: float, service_rate: float, elapsed: float
+) -> float:
+    """q(t) = max(0, q(t') + (a - mu)(t - t'))."""
+    return max(0.0, q_prev + (arrival_rate - service_rate) * elapsed)
+
+
+def mean_processing_time(queue: float, service_rate: float) -> float:
+    """T = (q + 1) / (2 mu); infinite when nothing is being served."""
+    if service_rate <= 0:
+        return math.inf
+    return (queue + 1) / (2 * service_rate)
+
+
+def choose_broker(predicted: Mapping[str, float]) -> str:
+    """The broker with the smallest predicted T (ties: the first name in sorted order)."""
+    if not predicted:
+        raise ValueError("no broker to choose from")
+    return min(sorted(predicted), key=lambda b: predicted[b])
+
+
+@dataclass
+class QueuePredictor:
+    """One match broker's window counters and its predicted T."""
+
+    window_s: float = 1.0
+    arrivals: int = 0
+    completions: int = 0
+    queue: float = 0.0
+    arrival_rate: float = 0.0
+    service_rate: float = 0.0
+    last_close: float = 0.0
+
+    def arrived(self, n: int = 1) -> None:
+        self.arrivals += n
+
+    def completed(self, n: int = 1) -> None:
+        self.completions += n
+
+    def close_window(self, now: float) -> float:
+        """End the window at ``now``: update a, mu and q; return T."""
+        elapsed = now - self.last_close if self.last_close else self.window_s
+        if elapsed <= 0:
+            raise ValueError("windows must move forward in time")
+        self.arrival_rate = self.arrivals / elapsed
+        self.service_rate = self.completions / elapsed
+        self.queue = predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
+        self.arrivals = self.completions = 0
+        self.last_close = now
+        return mean_processing_time(self.queue, self.service_rate)
+
+    def predict(self, now: float) -> float:
+        """T at ``now`` between windows, extrapolating q with the last rates."""
+        elapsed = max(0.0, now - self.last_close)
+        q = predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
+        return mean_processing_time(q, self.service_rate)

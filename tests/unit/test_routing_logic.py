@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from middleware.routing import (
+    ChordRing,
+    Event,
+    Filter,
+    FilterError,
+    LatencyMap,
+    QueuePredictor,
+    SubscriptionIndex,
+    choose_broker,
+    mean_processing_time,
+    predicted_queue,
+)
+
+
+def _sha(key: str) -> int:
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16)
+
+
+def _owner_brute_force(clusters: list[str], event_type: str) -> str:
+    key = _sha(event_type)
+    after = sorted((c for c in clusters if _sha(c) >= key), key=_sha)
+    return after[0] if after else min(clusters, key=_sha)
+
+
+CLUSTERS = [f"cluster-{i}" for i in range(12)]
+
+
+@pytest.mark.parametrize("event_type", [f"type.{i}" for i in range(200)])
+def test_owner_matches_an_independent_sha1_computation(event_type: str) -> None:
+    assert ChordRing(CLUSTERS).owner(event_type) == _owner_brute_force(CLUSTERS, event_type)
+
+
+def test_finger_routing_reaches_the_owner_in_log_hops() -> None:
+    clusters = [f"c{i}" for i in range(64)]
+    ring = ChordRing(clusters)
+    rng = random.Random(3)
+    for _ in range(300):
+        start, event_type = rng.choice(clusters), f"e{rng.random()}"
+        path = ring.route(start, event_type)
+        assert path[0] == start and path[-1] == ring.owner(event_type)
+        assert len(path) - 1 <= math.ceil(math.log2(len(clusters))) + 1
+
+
+def test_a_join_hands_over_exactly_its_arc() -> None:
+    ring = ChordRing(CLUSTERS)
+    types = [f"t{i}" for i in range(2000)]
+    before = {t: ring.owner(t) for t in types}
+    handover = ring.join("newcomer")
+    after = {t: ring.owner(t) for t in types}
+    moved = {t for t in types if before[t] != after[t]}
+    assert moved == {t for t in types if handover.covers(t)}
+    assert all(after[t] == "newcomer" and before[t] == handover.previous_owner for t in moved)
+    assert ring.leave("newcomer") == handover.previous_owner
+    assert {t: ring.owner(t) for t in types} == before
+
+
+def test_successor_list_and_predecessor() -> None:
+    ring = ChordRing(CLUSTERS)
+    order = ring.clusters
+    i = order.index("cluster-3")
+    assert ring.successors("cluster-3", 3) == [order[(i + k) % 12] for k in (1, 2, 3)]
+    assert ring.predecessor(order[0]) == order[-1]
+
+
+def test_latency_map_priorities() -> None:
+    lm = LatencyMap(levels=5)
+    lm.add("alarm", 1)
+    lm.add("alarm", 1)
+    lm.add("report", 5)
+    lm.add("mixed", 1)
+    lm.add("mixed", 4)
+    assert (lm.priority("alarm"), lm.priority("report"), lm.priority("unknown")) == (9, 0, 0)
+    assert lm.mean_level("mixed") == 2.5 and lm.priority("mixed") == 6  # 9*(5-2.5)/4 = 5.6
+    with pytest.raises(ValueError):
+        lm.add("x", 6)
+
+
+def test_queue_prediction_hand_computed() -> None:
+    assert predicted_queue(10, 50, 30, 0.5) == 20.0
+    assert predicted_queue(10, 10, 40, 0.5) == 0.0
+    assert mean_processing_time(19, 10) == 1.0  # (19+1)/(2*10)
+    assert mean_processing_time(0, 0) == math.inf
+    p = QueuePredictor(window_s=1.0)
+    p.last_close = 100.0
+    p.arrived(50)
+    p.completed(30)
+    assert p.close_window(101.0) == pytest.approx((20 + 1) / 60)  # q = 20, mu = 30
+    assert p.predict(101.5) == pytest.approx((30 + 1) / 60)  # q grows 20/s for 0.5 s
+    assert choose_broker({"master": 0.7, "slave-1": 0.2, "slave-2": 0.2}) == "slave-1"
+
+
+def test_malformed_filters_and_events_are_refused() -> None:
+    for bad in (
+        [("price", "~", 1)],
+        [("price", "<", True)],
+        [("", "=", 1)],
+        [("region", "in", [])],
+        [("name", "prefix", 3)],
+        [("a", "exists", 1)],
+        ["x"],
+    ):
+        with pytest.raises(FilterError):
+            Filter.parse(bad)
+    with pytest.raises(FilterError):
+        Event.parse({"event_type": "bad type!", "attributes": {}})
+    with pytest.raises(FilterError):
+        Event.parse({"event_type": "quote", "attributes": {"p": [1, 2]}})
+
+
+scalars = st.one_of(st.integers(-3, 3), st.sampled_from(["a", "ab", "b", "abc"]), st.booleans())
+ops = st.sampled_from(["=", "!=", "<", "<=", ">", ">=", "in", "prefix", "exists"])
+
+
+@st.composite
+def predicates(draw):
+    attr = draw(st.sampled_from(["x", "y", "z"]))
+    op = draw(ops)
+    if op == "exists":
+        return (attr, op)
+    if op == "in":
+        return (attr, op, draw(st.lists(scalars, min_size=1, max_size=3)))
+    if op == "prefix":
+        return (attr, op, draw(st.sampled_from(["", "a", "ab", "b"])))
+    if op in ("<", "<=", ">", ">="):
+        return (attr, op, draw(st.one_of(st.integers(-3, 3), st.sampled_from(["a", "b"]))))
+    return (attr, op, draw(scalars))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(predicates(), max_size=3), min_size=1, max_size=25),
+    st.lists(st.dictionaries(st.sampled_from(["x", "y", "z"]), scalars), min_size=1, max_size=10),
+)
+def test_index_matches_exactly_like_brute_force(specs, events) -> None:
+    index = SubscriptionIndex()
+    filters = {f"s{i}": Filter.parse(spec) for i, spec in enumerate(specs)}
+    for sid, flt in filters.items():
+        index.add(sid, flt)
+    index.remove("s0")
+    index.add("s0", filters["s0"])
+    for attributes in events:
+        expected = {sid for sid, flt in filters.items() if flt.matches(attributes)}
+        assert index.match(attributes) == expected
+
+
+def test_matching_work_does_not_grow_with_subscriptions() -> None:
+    def work_per_match(n: int) -> float:
+        index = SubscriptionIndex()
+        for i in range(n):  # each subscription: its own symbol and a price bound
+            index.add(f"s{i}", Filter.parse([("symbol", "=", f"S{i}"), ("price", "<", i % 100)]))
+        for i in range(0, n, n // 100):
+            matched = index.match({"symbol": f"S{i}", "price": 50})
+            assert matched == ({f"s{i}"} if i % 100 > 50 else set())
+        return index.work / 100
+
+    assert work_per_match(1_000) == work_per_match(100_000) == 1.0
