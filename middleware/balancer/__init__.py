@@ -1,7 +1,7 @@
 """Weighted dispatch over queue replicas (paper 001): factors, sidecar, publisher."""
 
 from .factors import ALGORITHMS, PredictiveChooser, WeightedPicker, inverse_factors, paper_factors
-from .publisher import BalancedPublisher, declare_replicated_topic
+from .publisher import BalancedPublisher, declare_replicated_topic, subscribe_replicated
 from .reports import REPORT_EXCHANGE, LoadReport, ReplicaLoad, replica_names
 from .sidecar import BalancerSidecar
 
@@ -18,4 +18,5 @@ __all__ = [
     "inverse_factors",
     "paper_factors",
     "replica_names",
+    "subscribe_replicated",
 ]

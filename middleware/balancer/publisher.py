@@ -11,6 +11,7 @@ from typing import Self
 from ..settings import Settings
 from ..transport import (
     AsyncClient,
+    AsyncHandler,
     BindingSpec,
     Delivery,
     ExchangeSpec,
@@ -29,7 +30,7 @@ from .factors import (
 )
 from .reports import REPORT_EXCHANGE, LoadReport, replica_names
 
-__all__ = ["BalancedPublisher", "declare_replicated_topic"]
+__all__ = ["BalancedPublisher", "declare_replicated_topic", "subscribe_replicated"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,21 @@ async def declare_replicated_topic(
         async with AsyncClient(settings=node_settings) as client:
             await client.declare_queue(QueueSpec(name, kind=kind, leader_locator="client-local"))
     return names
+
+
+async def subscribe_replicated(
+    client: AsyncClient,
+    topic: str,
+    replicas: int,
+    handler: AsyncHandler,
+    *,
+    prefetch: int | None = None,
+) -> list[str]:
+    """Consume every replica of ``topic`` with ``handler``; return the consumer tags."""
+    return [
+        await client.consume(queue, handler, prefetch=prefetch)
+        for queue in replica_names(topic, replicas)
+    ]
 
 
 class BalancedPublisher:

@@ -11,7 +11,12 @@ import urllib.request
 import pytest
 from prometheus_client import generate_latest
 
-from middleware.balancer import BalancedPublisher, BalancerSidecar, declare_replicated_topic
+from middleware.balancer import (
+    BalancedPublisher,
+    BalancerSidecar,
+    declare_replicated_topic,
+    subscribe_replicated,
+)
 from middleware.observability import start_metrics_server
 from middleware.transport import AsyncClient, OutgoingMessage, QueueKind
 from tests.conftest import LoopThread
@@ -80,6 +85,33 @@ def test_reports_steer_messages_away_from_the_long_replica(settings, name, algor
     assert routed[1] >= 95, routed
     assert lengths == [200 + routed[0], routed[1]]  # each message in exactly one replica
     assert publisher.report.replicas[0].length == pytest.approx(200, abs=1)
+
+
+def test_a_subscriber_gets_every_message_from_every_replica(settings, name) -> None:
+    async def scenario() -> tuple[list[int], list[str]]:
+        await declare_replicated_topic(settings, name, 3, kind=QueueKind.CLASSIC)
+        client = await AsyncClient(settings=settings).connect()
+        got: list[str] = []
+
+        async def handler(d) -> None:
+            got.append(d.message_id)
+
+        await subscribe_replicated(client, name, 3, handler)
+        publisher = await BalancedPublisher(
+            client, topic=name, replicas=3, algorithm="round_robin"
+        ).start()
+        for i in range(30):
+            await publisher.publish(b"x", message_id=f"m{i}")
+        deadline = time.monotonic() + 10
+        while len(got) < 30 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        for q in publisher.queues:
+            await client.delete_queue(q)
+        await client.close()
+        return publisher.routed, got
+
+    routed, got = asyncio.run(scenario())
+    assert routed == [10, 10, 10] and sorted(got) == sorted(f"m{i}" for i in range(30))
 
 
 def test_stale_reports_fall_back_to_equal_weights(settings, name) -> None:
