@@ -6,6 +6,7 @@ processing times).  The sidecar roles that run it over RabbitMQ are not built ye
 """
 
 from .matching import Event, Filter, FilterError, Op, Predicate, SubscriptionIndex
+from .replicas import Quorum, Versioned
 from .ring import ChordRing, Handover, ring_id
 from .timeliness import (
     LatencyMap,
@@ -25,7 +26,9 @@ __all__ = [
     "Op",
     "Predicate",
     "QueuePredictor",
+    "Quorum",
     "SubscriptionIndex",
+    "Versioned",
     "choose_broker",
     "mean_processing_time",
     "predicted_queue",

@@ -164,3 +164,21 @@ def test_matching_work_does_not_grow_with_subscriptions() -> None:
         return index.work / 100
 
     assert work_per_match(1_000) == work_per_match(100_000) == 1.0
+
+
+def test_quorum_reads_always_see_the_last_acknowledged_write() -> None:
+    from itertools import combinations
+
+    from middleware.routing import Quorum, Versioned
+
+    q = Quorum.majority(3)
+    assert (q.write, q.read) == (2, 2)
+    with pytest.raises(ValueError, match="W \\+ R"):
+        Quorum(3, 1, 2)
+    replicas = ["m", "s1", "s2"]
+    for acked in combinations(replicas, 2):  # every write set of size W
+        assert q.written(acked) and not q.written(acked[:1])
+        state = {r: (Versioned(2, "new") if r in acked else Versioned(1, "old")) for r in replicas}
+        for asked in combinations(replicas, 2):  # every read set of size R
+            assert q.resolve({r: state[r] for r in asked}) == Versioned(2, "new")
+    assert q.resolve({"m": None, "s1": None}) is None
