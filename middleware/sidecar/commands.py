@@ -28,6 +28,9 @@ def register(sub: Any) -> None:
         help="declare the replica queues first (leaders spread over nodes)",
     )
     bal.set_defaults(run=_run_balancer)
+    from .phoenix import register as phoenix
+
+    phoenix(roles, sub)
 
 
 def _run_balancer(args: argparse.Namespace) -> int:

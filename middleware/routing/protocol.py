@@ -1,0 +1,94 @@
+"""Phoenix wire messages and names (pure): what roles send each other over RabbitMQ."""
+
+from __future__ import annotations
+
+import tomllib
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ConfigurationError
+from .matching import Event
+
+__all__ = [
+    "ClusterSpec",
+    "Kind",
+    "PhoenixMessage",
+    "PhoenixTopology",
+    "match_inbox",
+    "router_inbox",
+]
+
+MAX_PRIORITY = 9
+
+
+class Kind(StrEnum):
+    ADVERTISE = "advertise"
+    SUBSCRIBE = "subscribe"
+    PUBLISH = "publish"
+
+
+class PhoenixMessage(BaseModel):
+    """One message between Phoenix roles (JSON body of an AMQP message)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Kind
+    event_type: str
+    event: Event | None = None
+    filter: list[list[Any]] = Field(default_factory=list)
+    latency_level: int = Field(3, ge=1, le=5)
+    queue: str | None = None  # the subscriber's own queue
+    subscription_id: str | None = None
+    hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
+
+
+class ClusterSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    amqp_urls: tuple[str, ...] = ()  # empty: the process's own settings
+    match_masters: int = Field(1, ge=1, le=16)
+
+
+class PhoenixTopology(BaseModel):
+    """The deployment: which clusters exist and where their RabbitMQ is."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    clusters: tuple[ClusterSpec, ...] = Field(min_length=1)
+    state_store: str = ".qosmq/phoenix-state.sqlite3"
+    prefix: str = "phoenix"
+
+    def cluster(self, cluster_id: str) -> ClusterSpec:
+        for c in self.clusters:
+            if c.id == cluster_id:
+                return c
+        raise ConfigurationError(
+            f"cluster {cluster_id!r} is not in the topology "
+            f"({', '.join(c.id for c in self.clusters)})"
+        )
+
+    @classmethod
+    def load(cls, path: Path | str) -> PhoenixTopology:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+            return cls.model_validate(
+                {
+                    "clusters": data.get("cluster", []),
+                    **{k: v for k, v in data.items() if k != "cluster"},
+                }
+            )
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigurationError(f"topology file {path}: {exc}") from None
+        except ValidationError as exc:
+            raise ConfigurationError(
+                f"topology file {path}: {exc.errors(include_url=False)}"
+            ) from None
+
+
+def router_inbox(topology: PhoenixTopology, cluster: str) -> str:
+    return f"{topology.prefix}.{cluster}.router"
+
+
+def match_inbox(topology: PhoenixTopology, cluster: str, index: int) -> str:
+    return f"{topology.prefix}.{cluster}.match.{index}"

@@ -1,0 +1,251 @@
+"""Phoenix roles over RabbitMQ (drivers): routing master, match master, and the client.
+
+Every role has an inbox queue with ``x-max-priority`` (latency levels become
+priorities) and talks to other roles only by publishing to their inboxes.  A
+routing master forwards along the Chord ring (finger tables) until the owning
+cluster's routing master, which hands the message to the match master its
+routing table names (hash of the event type over the cluster's match masters).
+Match masters keep subscriptions in a :class:`SubscriptionIndex`, persist them to
+the state store on change and reload them at start, and deliver matched events
+to each subscriber's own queue.
+
+Not built yet (issue #7 stays open): routing and match slaves, heartbeats,
+predicted-T dispatch inside a cluster, ring membership changes at run time,
+recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..errors import DeadLetter, Unroutable
+from ..settings import Settings
+from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from .matching import Event, Filter, FilterError, SubscriptionIndex
+from .protocol import Kind, PhoenixMessage, PhoenixTopology, match_inbox, router_inbox
+from .ring import ChordRing
+from .store import open_store
+from .timeliness import LatencyMap
+
+__all__ = ["MatchMaster", "PhoenixClient", "RouterMaster"]
+
+log = logging.getLogger(__name__)
+
+
+def inbox_spec(name: str) -> QueueSpec:
+    """Every role inbox is declared alike, so any role may declare any inbox first."""
+    return QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9)
+
+
+class _Role:
+    def __init__(self, *, settings: Settings, topology: PhoenixTopology, cluster: str) -> None:
+        self.topology, self.cluster = topology, cluster
+        self.settings = settings
+        self._clients: dict[str, AsyncClient] = {}
+        self.counters: Counter[str] = Counter()
+
+    async def client_for(self, cluster: str) -> AsyncClient:
+        """One connection per cluster's RabbitMQ (the process's own when not configured)."""
+        spec = self.topology.cluster(cluster)
+        key = ",".join(spec.amqp_urls) or "default"
+        if key not in self._clients:
+            settings = (
+                self.settings.model_copy(update={"amqp_urls": spec.amqp_urls})
+                if spec.amqp_urls
+                else self.settings
+            )
+            self._clients[key] = await AsyncClient(settings=settings).connect()
+        return self._clients[key]
+
+    async def send(
+        self, cluster: str, inbox: str, message: PhoenixMessage, priority: int = 0
+    ) -> None:
+        client = await self.client_for(cluster)
+        if inbox not in client.topology.queues:
+            await client.declare_queue(inbox_spec(inbox))
+        await client.publish(
+            OutgoingMessage(
+                message.model_dump_json().encode(),
+                "",
+                inbox,
+                priority=priority,
+                content_type="application/json",
+            )
+        )
+
+    async def serve(self, inbox: str, stop: asyncio.Event) -> None:
+        client = await self.client_for(self.cluster)
+        await client.declare_queue(inbox_spec(inbox))
+        await client.consume(inbox, self._on_message)
+        log.info("%s serving %s", type(self).__name__, inbox)
+        await stop.wait()
+        for c in self._clients.values():
+            await c.close()
+
+    async def _on_message(self, delivery: Delivery) -> None:
+        try:
+            message = PhoenixMessage.model_validate_json(delivery.body)
+        except ValueError as exc:
+            raise DeadLetter(f"malformed Phoenix message: {exc}") from None
+        await self.handle(message)
+
+    async def handle(self, message: PhoenixMessage) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class RouterMaster(_Role):
+    """Forwards along the ring; at the owner, hands over to a match master."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ring = ChordRing(c.id for c in self.topology.clusters)
+        self.latency = LatencyMap()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.serve(router_inbox(self.topology, self.cluster), stop)
+
+    async def handle(self, message: PhoenixMessage) -> None:
+        et = message.event_type
+        if message.kind is Kind.SUBSCRIBE:
+            self.latency.add(et, message.latency_level)
+        forwarded = message.model_copy(update={"hops": [*message.hops, self.cluster]})
+        priority = self.latency.priority(et)
+        owner = self.ring.owner(et)
+        if owner != self.cluster:
+            next_hop = self.ring.route(self.cluster, et)[1]
+            self.counters["forwarded"] += 1
+            await self.send(next_hop, router_inbox(self.topology, next_hop), forwarded, priority)
+            return
+        masters = self.topology.cluster(self.cluster).match_masters
+        index = int(hashlib.sha1(et.encode()).hexdigest(), 16) % masters  # routing table
+        self.counters["routed"] += 1
+        await self.send(
+            self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
+        )
+
+
+class MatchMaster(_Role):
+    """Keeps subscriptions (indexed, persisted) and delivers matched events."""
+
+    def __init__(self, *, index: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.index = index
+        self.owner = f"{self.cluster}/match-{index}"
+        self.indexes: dict[str, SubscriptionIndex] = {}
+        self.queues: dict[str, str] = {}
+        self.store = open_store(self.topology.state_store)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        for sid, (_, doc) in self.store.load(self.owner, "subscription").items():
+            self._add(sid, doc["event_type"], Filter.parse(doc["filter"]), doc["queue"])
+        await self.serve(match_inbox(self.topology, self.cluster, self.index), stop)
+        self.store.close()
+
+    def _add(self, sid: str, event_type: str, flt: Filter, queue: str) -> None:
+        self.indexes.setdefault(event_type, SubscriptionIndex()).add(sid, flt)
+        self.queues[sid] = queue
+
+    async def handle(self, message: PhoenixMessage) -> None:
+        if message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
+            self._add(
+                message.subscription_id,
+                message.event_type,
+                Filter.parse(message.filter),
+                message.queue,
+            )
+            self.store.save(
+                self.owner,
+                "subscription",
+                message.subscription_id,
+                {
+                    "event_type": message.event_type,
+                    "filter": message.filter,
+                    "queue": message.queue,
+                },
+                1,
+            )
+        elif message.kind is Kind.ADVERTISE:
+            self.store.save(self.owner, "advertisement", message.event_type, {}, 1)
+        elif message.kind is Kind.PUBLISH and message.event is not None:
+            index = self.indexes.get(message.event_type)
+            matched = index.match(message.event.attributes) if index else set()
+            self.counters["matched"] += len(matched)
+            client = await self.client_for(self.cluster)
+            body = message.model_dump_json().encode()
+            for sid in matched:
+                try:
+                    await client.publish(
+                        OutgoingMessage(body, "", self.queues[sid], content_type="application/json")
+                    )
+                    self.counters["delivered"] += 1
+                except Unroutable:
+                    log.warning("subscriber queue %s is gone", self.queues[sid])
+
+
+class PhoenixClient:
+    """The wrapped publisher/subscriber: talks to one cluster's routing master."""
+
+    def __init__(self, client: AsyncClient, *, topology: PhoenixTopology, cluster: str) -> None:
+        topology.cluster(cluster)
+        self.client, self.topology, self.cluster = client, topology, cluster
+        self.inbox = router_inbox(topology, cluster)
+
+    async def _send(self, message: PhoenixMessage) -> None:
+        if self.inbox not in self.client.topology.queues:
+            await self.client.declare_queue(inbox_spec(self.inbox))
+        await self.client.publish(
+            OutgoingMessage(
+                message.model_dump_json().encode(), "", self.inbox, content_type="application/json"
+            )
+        )
+
+    async def advertise(self, event_type: str) -> None:
+        await self._send(PhoenixMessage(kind=Kind.ADVERTISE, event_type=event_type))
+
+    async def subscribe(
+        self,
+        event_type: str,
+        filter: Iterable[Sequence[Any]] | None,
+        latency_level: int,
+        queue: str,
+    ) -> str:
+        """Subscribe ``queue`` (declared here) to matching events; return the id."""
+        flt = Filter.parse(filter)  # refuses a malformed filter before anything is sent
+        if not 1 <= latency_level <= 5:
+            raise FilterError(f"latency level must be 1..5, got {latency_level}")
+        await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+        sid = uuid.uuid4().hex
+        await self._send(
+            PhoenixMessage(
+                kind=Kind.SUBSCRIBE,
+                event_type=event_type,
+                latency_level=latency_level,
+                queue=queue,
+                subscription_id=sid,
+                filter=[
+                    [
+                        p.attribute,
+                        p.op.value,
+                        *(
+                            []
+                            if p.value is None
+                            else [list(p.value) if isinstance(p.value, tuple) else p.value]
+                        ),
+                    ]
+                    for p in flt.predicates
+                ],
+            )
+        )
+        return sid
+
+    async def publish(self, event: Event | dict[str, Any]) -> None:
+        event = event if isinstance(event, Event) else Event.parse(event)
+        await self._send(
+            PhoenixMessage(kind=Kind.PUBLISH, event_type=event.event_type, event=event)
+        )

@@ -1,0 +1,121 @@
+"""``qosmq sidecar router|matcher`` and ``qosmq phoenix up|down``: Phoenix roles as processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError
+from ..localcluster.manager import _spawn, pid_alive
+
+__all__ = ["register"]
+
+
+def register(roles: Any, sub: Any) -> None:
+    for name, run in (("router", _run_router), ("matcher", _run_matcher)):
+        p = roles.add_parser(name, help=f"a Phoenix {name} role")
+        p.add_argument("--cluster", required=True)
+        p.add_argument("--role", choices=("master", "slave"), default="master")
+        p.add_argument("--topology", type=Path, required=True)
+        p.add_argument("--index", type=int, default=0, help="match master number")
+        p.set_defaults(run=run)
+    phoenix = sub.add_parser("phoenix", help="a local Phoenix deployment")
+    cmds = phoenix.add_subparsers(title="phoenix commands", required=True)
+    for name, run in (("up", _up), ("down", _down)):
+        p = cmds.add_parser(name, help=f"{name} every role of the topology")
+        p.add_argument("--topology", type=Path, required=True)
+        p.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
+        p.set_defaults(run=run)
+
+
+def _serve(role: Any) -> int:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await role.run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def _role_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from ..routing.protocol import PhoenixTopology
+
+    if args.role == "slave":
+        raise ConfigurationError("--role slave: Phoenix slaves are not built yet (issue #7)")
+    topology = PhoenixTopology.load(args.topology)
+    topology.cluster(args.cluster)
+    return {"settings": args.settings, "topology": topology, "cluster": args.cluster}
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from ..routing.roles import RouterMaster
+
+    return _serve(RouterMaster(**_role_kwargs(args)))
+
+
+def _run_matcher(args: argparse.Namespace) -> int:
+    from ..routing.roles import MatchMaster
+
+    return _serve(MatchMaster(index=args.index, **_role_kwargs(args)))
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ..routing.protocol import PhoenixTopology
+
+    topology = PhoenixTopology.load(args.topology)
+    state = args.state_dir / "phoenix.json"
+    if state.exists() and any(pid_alive(p) for p in json.loads(state.read_text()).values()):
+        print("phoenix: already up (qosmq phoenix down first)", file=sys.stderr)
+        return 1
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    base = [sys.executable, "-m", "middleware.cli", "sidecar"]
+    pids: dict[str, int] = {}
+    for cluster in topology.clusters:
+        roles = [("router", ["router", "--cluster", cluster.id])]
+        roles += [
+            (f"matcher-{i}", ["matcher", "--cluster", cluster.id, "--index", str(i)])
+            for i in range(cluster.match_masters)
+        ]
+        for name, argv in roles:
+            key = f"{cluster.id}/{name}"
+            log = args.state_dir / f"phoenix-{cluster.id}-{name}.log"
+            pids[key] = _spawn(
+                [*base, *argv, "--topology", str(args.topology.resolve())], dict(os.environ), log
+            )
+            print(f"{key:20} pid {pids[key]}  log {log}")
+    state.write_text(json.dumps(pids, indent=2))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    state = args.state_dir / "phoenix.json"
+    if not state.exists():
+        print("phoenix: nothing running")
+        return 0
+    pids = json.loads(state.read_text())
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(-1, os.WNOHANG)
+        time.sleep(0.1)
+    for pid in pids.values():
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    state.unlink()
+    print(f"phoenix down ({len(pids)} processes)")
+    return 0

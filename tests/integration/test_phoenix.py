@@ -1,0 +1,129 @@
+"""Phoenix roles as real processes over the real cluster: cross-cluster routing and matching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from middleware.routing import ChordRing, FilterError
+from middleware.routing.protocol import PhoenixTopology
+from middleware.routing.roles import PhoenixClient
+from middleware.transport import AsyncClient
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _phoenix(command: str, topology: Path, state: Path, urls: str) -> str:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "middleware.cli",
+            "phoenix",
+            command,
+            "--topology",
+            str(topology),
+            "--state-dir",
+            str(state),
+        ],
+        env={**os.environ, "QOSMQ_AMQP_URLS": urls},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return proc.stdout
+
+
+def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) -> None:
+    clusters = ["A", "B", "C"]
+    ring = ChordRing(clusters)
+    event_type = next(f"quotes{i}" for i in range(1000) if ring.owner(f"quotes{i}") == "B")
+    topology_file = tmp_path / "phoenix.toml"
+    topology_file.write_text(
+        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+        + "".join(f'[[cluster]]\nid = "{c}"\n' for c in clusters)
+    )
+    topology = PhoenixTopology.load(topology_file)
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue = f"{name}.subscriber"
+
+    async def scenario(subscribe: bool) -> list[dict]:
+        client = await AsyncClient(settings=settings).connect()
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        at_c = PhoenixClient(client, topology=topology, cluster="C")
+        if subscribe:
+            with pytest.raises(FilterError):
+                await at_a.subscribe(event_type, [("price", "~", 1)], 1, queue)
+            await at_a.subscribe(
+                event_type, [("price", "<", 10), ("symbol", "prefix", "AB")], 1, queue
+            )
+        got: list[dict] = []
+        deadline = time.monotonic() + 60
+        probe = 0
+        while not got and time.monotonic() < deadline:  # until the path is live end to end
+            await at_c.publish(
+                {
+                    "event_type": event_type,
+                    "attributes": {"price": 1, "symbol": "ABC", "n": f"p{probe}"},
+                }
+            )
+            probe += 1
+            await asyncio.sleep(0.5)
+            while (d := await client.get(queue)) is not None:
+                got.append(json.loads(d.body))
+        assert got, "no event reached the subscriber"
+        for i in range(10):
+            await at_c.publish(
+                {
+                    "event_type": event_type,
+                    "attributes": {"price": i, "symbol": "ABX", "n": f"yes{i}"},
+                }
+            )
+            await at_c.publish(
+                {
+                    "event_type": event_type,
+                    "attributes": {"price": 50 + i, "symbol": "ABX", "n": f"no{i}"},
+                }
+            )
+            await at_c.publish(
+                {
+                    "event_type": event_type,
+                    "attributes": {"price": i, "symbol": "XYZ", "n": f"no-s{i}"},
+                }
+            )
+        await asyncio.sleep(3)
+        while (d := await client.get(queue)) is not None:
+            got.append(json.loads(d.body))
+        await client.close()
+        return got
+
+    try:
+        _phoenix("up", topology_file, state, urls)
+        got = asyncio.run(scenario(subscribe=True))
+        names = [m["event"]["attributes"]["n"] for m in got]
+        assert [n for n in names if not n.startswith("p")] == [f"yes{i}" for i in range(10)]
+        hops = got[-1]["hops"]
+        assert hops[0] == "C" and hops[-1] == "B" and hops == ring.route("C", event_type)
+        # every role restarts: the match master reloads the subscription from the store
+        _phoenix("down", topology_file, state, urls)
+        _phoenix("up", topology_file, state, urls)
+        again = asyncio.run(scenario(subscribe=False))
+        assert [
+            m["event"]["attributes"]["n"]
+            for m in again
+            if not m["event"]["attributes"]["n"].startswith("p")
+        ] == [f"yes{i}" for i in range(10)]
+    finally:
+        if (state / "phoenix.json").exists():
+            _phoenix("down", topology_file, state, urls)
