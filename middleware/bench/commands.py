@@ -44,6 +44,12 @@ def register(sub: Any) -> None:
     )
     balance.add_argument("--json", type=Path)
     balance.set_defaults(run=_run_balance)
+    phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
+    phoenix.add_argument("--experiment", choices=("matching",), default="matching")
+    phoenix.add_argument("--subscriptions", default="10000,50000,100000,200000")
+    phoenix.add_argument("--events", type=int, default=20_000)
+    phoenix.add_argument("--json", type=Path)
+    phoenix.set_defaults(run=_run_phoenix)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
     queues.add_argument("--duration", type=float, default=10.0)
     queues.add_argument("--size", type=int, default=1500)
@@ -270,6 +276,26 @@ def _run_balance(args: argparse.Namespace) -> int:
             f"{r['latency_p50_ms']:>8.1f} {r['latency_p95_ms']:>8.1f} {r['latency_p99_ms']:>8.1f} "
             f"{r['p99_first_third_ms']:>9.1f} {r['p99_last_third_ms']:>9.1f} "
             f"{r['max_queue_length']:>7} {r['backlog']:>7} {r['routed']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _run_phoenix(args: argparse.Namespace) -> int:
+    from .phoenix import matching_throughput
+
+    rows = []
+    print(
+        f"{'subscriptions':>13} {'events/s':>9} {'matches/event':>13} {'work/event':>10} "
+        f"{'build s':>8}"
+    )
+    for n in (int(x) for x in args.subscriptions.split(",")):
+        row = {**matching_throughput(n, events=args.events), **_provenance()}
+        rows.append(row)
+        print(
+            f"{n:>13} {row['events_per_s']:>9} {row['matches_per_event']:>13} "
+            f"{row['work_per_event']:>10} {row['build_s']:>8}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -24,6 +24,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
+
 from ..errors import DeadLetter, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
@@ -36,6 +39,17 @@ from .timeliness import LatencyMap
 __all__ = ["MatchMaster", "PhoenixClient", "RouterMaster"]
 
 log = logging.getLogger(__name__)
+ROLE_EVENTS = PromCounter(
+    "qosmq_phoenix_events_total",
+    "Phoenix messages by role and outcome",
+    ["cluster", "role", "outcome"],
+)
+HOPS = Histogram(
+    "qosmq_phoenix_hops",
+    "ring hops of delivered events",
+    ["cluster"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+)
 
 
 def inbox_spec(name: str) -> QueueSpec:
@@ -49,6 +63,11 @@ class _Role:
         self.settings = settings
         self._clients: dict[str, AsyncClient] = {}
         self.counters: Counter[str] = Counter()
+        self.role = type(self).__name__
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        self.counters[outcome] += n
+        ROLE_EVENTS.labels(self.cluster, self.role, outcome).inc(n)
 
     async def client_for(self, cluster: str) -> AsyncClient:
         """One connection per cluster's RabbitMQ (the process's own when not configured)."""
@@ -119,12 +138,12 @@ class RouterMaster(_Role):
         owner = self.ring.owner(et)
         if owner != self.cluster:
             next_hop = self.ring.route(self.cluster, et)[1]
-            self.counters["forwarded"] += 1
+            self.count("forwarded")
             await self.send(next_hop, router_inbox(self.topology, next_hop), forwarded, priority)
             return
         masters = self.topology.cluster(self.cluster).match_masters
         index = int(hashlib.sha1(et.encode()).hexdigest(), 16) % masters  # routing table
-        self.counters["routed"] += 1
+        self.count("routed")
         await self.send(
             self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
         )
@@ -175,7 +194,8 @@ class MatchMaster(_Role):
         elif message.kind is Kind.PUBLISH and message.event is not None:
             index = self.indexes.get(message.event_type)
             matched = index.match(message.event.attributes) if index else set()
-            self.counters["matched"] += len(matched)
+            self.count("matched", len(matched))
+            HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
             client = await self.client_for(self.cluster)
             body = message.model_dump_json().encode()
             for sid in matched:
@@ -183,7 +203,7 @@ class MatchMaster(_Role):
                     await client.publish(
                         OutgoingMessage(body, "", self.queues[sid], content_type="application/json")
                     )
-                    self.counters["delivered"] += 1
+                    self.count("delivered")
                 except Unroutable:
                     log.warning("subscriber queue %s is gone", self.queues[sid])
 

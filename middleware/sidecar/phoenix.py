@@ -36,7 +36,13 @@ def register(roles: Any, sub: Any) -> None:
         p.set_defaults(run=run)
 
 
-def _serve(role: Any) -> int:
+def _serve(role: Any, settings: Any) -> int:
+    if settings.metrics_port is not None:
+        from ..observability import start_metrics_server
+
+        port = start_metrics_server(host=settings.metrics_host, port=settings.metrics_port)
+        print(f"metrics: http://{settings.metrics_host}:{port}/metrics", file=sys.stderr)
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -61,13 +67,13 @@ def _role_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _run_router(args: argparse.Namespace) -> int:
     from ..routing.roles import RouterMaster
 
-    return _serve(RouterMaster(**_role_kwargs(args)))
+    return _serve(RouterMaster(**_role_kwargs(args)), args.settings)
 
 
 def _run_matcher(args: argparse.Namespace) -> int:
     from ..routing.roles import MatchMaster
 
-    return _serve(MatchMaster(index=args.index, **_role_kwargs(args)))
+    return _serve(MatchMaster(index=args.index, **_role_kwargs(args)), args.settings)
 
 
 def _up(args: argparse.Namespace) -> int:
