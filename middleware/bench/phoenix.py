@@ -34,7 +34,7 @@ def matching_throughput(
             ),
         )
     build_s = time.perf_counter() - started
-    stream = [
+    stream: list[dict[str, str | int | float | bool]] = [
         {"symbol": f"S{rng.randrange(symbols)}", "price": rng.randrange(1000)}
         for _ in range(events)
     ]
