@@ -28,6 +28,7 @@ class Kind(StrEnum):
     ADVERTISE = "advertise"
     SUBSCRIBE = "subscribe"
     PUBLISH = "publish"
+    HEARTBEAT = "heartbeat"
 
 
 class PhoenixMessage(BaseModel):
@@ -42,6 +43,9 @@ class PhoenixMessage(BaseModel):
     queue: str | None = None  # the subscriber's own queue
     subscription_id: str | None = None
     hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
+    replica: bool = False  # a master's copy for its slaves (subscribe) or a dispatch (publish)
+    broker: str | None = None  # heartbeat sender / the broker that matched a delivery
+    predicted_t: float | None = None  # heartbeat: the sender's predicted processing time
 
 
 class ClusterSpec(BaseModel):
@@ -49,6 +53,7 @@ class ClusterSpec(BaseModel):
     id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     amqp_urls: tuple[str, ...] = ()  # empty: the process's own settings
     match_masters: int = Field(1, ge=1, le=16)
+    match_slaves: int = Field(0, ge=0, le=16)  # per match master
 
 
 class PhoenixTopology(BaseModel):
@@ -90,5 +95,8 @@ def router_inbox(topology: PhoenixTopology, cluster: str) -> str:
     return f"{topology.prefix}.{cluster}.router"
 
 
-def match_inbox(topology: PhoenixTopology, cluster: str, index: int) -> str:
-    return f"{topology.prefix}.{cluster}.match.{index}"
+def match_inbox(
+    topology: PhoenixTopology, cluster: str, index: int, slave: int | None = None
+) -> str:
+    base = f"{topology.prefix}.{cluster}.match.{index}"
+    return base if slave is None else f"{base}.slave.{slave}"

@@ -9,9 +9,12 @@ Match masters keep subscriptions in a :class:`SubscriptionIndex`, persist them t
 the state store on change and reload them at start, and deliver matched events
 to each subscriber's own queue.
 
-Not built yet (issue #7 stays open): routing and match slaves, heartbeats,
-predicted-T dispatch inside a cluster, ring membership changes at run time,
-recovery.
+Match slaves hold replicas of their master's subscriptions, match what the
+master dispatches to them, and report their predicted processing time T by
+heartbeat; the master sends each event to the broker with the smallest T.
+
+Not built yet (issue #7 stays open): routing slaves, quorum acks for replica
+writes, ring membership changes at run time, recovery (the later issue).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -34,9 +38,9 @@ from .matching import Event, Filter, FilterError, SubscriptionIndex
 from .protocol import Kind, PhoenixMessage, PhoenixTopology, match_inbox, router_inbox
 from .ring import ChordRing
 from .store import open_store
-from .timeliness import LatencyMap
+from .timeliness import LatencyMap, QueuePredictor, choose_broker
 
-__all__ = ["MatchMaster", "PhoenixClient", "RouterMaster"]
+__all__ = ["MatchMaster", "MatchSlave", "PhoenixClient", "RouterMaster"]
 
 log = logging.getLogger(__name__)
 ROLE_EVENTS = PromCounter(
@@ -149,26 +153,69 @@ class RouterMaster(_Role):
         )
 
 
-class MatchMaster(_Role):
-    """Keeps subscriptions (indexed, persisted) and delivers matched events."""
+class _MatchBroker(_Role):
+    """Matching and delivery shared by match masters and match slaves."""
+
+    HEARTBEAT_S = 0.5
 
     def __init__(self, *, index: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.index = index
-        self.owner = f"{self.cluster}/match-{index}"
+        self.owner = f"{self.cluster}/match-{index}"  # subscriptions are the master's
         self.indexes: dict[str, SubscriptionIndex] = {}
         self.queues: dict[str, str] = {}
-        self.store = open_store(self.topology.state_store)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        for sid, (_, doc) in self.store.load(self.owner, "subscription").items():
-            self._add(sid, doc["event_type"], Filter.parse(doc["filter"]), doc["queue"])
-        await self.serve(match_inbox(self.topology, self.cluster, self.index), stop)
-        self.store.close()
+        self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
 
     def _add(self, sid: str, event_type: str, flt: Filter, queue: str) -> None:
         self.indexes.setdefault(event_type, SubscriptionIndex()).add(sid, flt)
         self.queues[sid] = queue
+
+    def _load(self) -> None:
+        store = open_store(self.topology.state_store)
+        try:
+            for sid, (_, doc) in store.load(self.owner, "subscription").items():
+                self._add(sid, doc["event_type"], Filter.parse(doc["filter"]), doc["queue"])
+        finally:
+            store.close()
+
+    async def _match(self, message: PhoenixMessage) -> None:
+        assert message.event is not None
+        self.predictor.arrived()
+        index = self.indexes.get(message.event_type)
+        matched = index.match(message.event.attributes) if index else set()
+        self.count("matched", len(matched))
+        HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
+        client = await self.client_for(self.cluster)
+        body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
+        for sid in matched:
+            try:
+                await client.publish(
+                    OutgoingMessage(body, "", self.queues[sid], content_type="application/json")
+                )
+                self.count("delivered")
+            except Unroutable:
+                log.warning("subscriber queue %s is gone", self.queues[sid])
+        self.predictor.completed()
+
+    @property
+    def name(self) -> str:
+        return self.owner
+
+
+class MatchMaster(_MatchBroker):
+    """Keeps subscriptions (indexed, persisted, copied to its slaves); sends each event
+    to the broker with the smallest predicted processing time T, itself included."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.store = open_store(self.topology.state_store)
+        self.slaves = self.topology.cluster(self.cluster).match_slaves
+        self.slave_t: dict[int, tuple[float, float]] = {}  # slave -> (T, received at)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._load()
+        await self.serve(match_inbox(self.topology, self.cluster, self.index), stop)
+        self.store.close()
 
     async def handle(self, message: PhoenixMessage) -> None:
         if message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
@@ -189,23 +236,91 @@ class MatchMaster(_Role):
                 },
                 1,
             )
+            replica = message.model_copy(update={"replica": True})
+            for j in range(self.slaves):
+                await self.send(self.cluster, self._slave_inbox(j), replica)
         elif message.kind is Kind.ADVERTISE:
             self.store.save(self.owner, "advertisement", message.event_type, {}, 1)
+        elif message.kind is Kind.HEARTBEAT and message.broker and message.predicted_t is not None:
+            self.slave_t[int(message.broker.rsplit("-", 1)[1])] = (
+                message.predicted_t,
+                time.monotonic(),
+            )
         elif message.kind is Kind.PUBLISH and message.event is not None:
-            index = self.indexes.get(message.event_type)
-            matched = index.match(message.event.attributes) if index else set()
-            self.count("matched", len(matched))
-            HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
-            client = await self.client_for(self.cluster)
-            body = message.model_dump_json().encode()
-            for sid in matched:
-                try:
-                    await client.publish(
-                        OutgoingMessage(body, "", self.queues[sid], content_type="application/json")
-                    )
-                    self.count("delivered")
-                except Unroutable:
-                    log.warning("subscriber queue %s is gone", self.queues[sid])
+            target = self.choose()
+            if target is None:
+                await self._match(message)
+            else:
+                self.count("dispatched")
+                await self.send(
+                    self.cluster,
+                    self._slave_inbox(target),
+                    message.model_copy(update={"replica": True}),
+                )
+
+    def choose(self) -> int | None:
+        """None for itself, else the slave with the smallest fresh predicted T."""
+        now = time.monotonic()
+        if now - self.predictor.last_close >= self.HEARTBEAT_S:
+            self.predictor.close_window(now)
+        predicted = {"self": self.predictor.predict(now)}
+        for j, (t, at) in self.slave_t.items():
+            if now - at <= 3 * self.HEARTBEAT_S:  # a silent slave gets nothing
+                predicted[f"slave-{j}"] = t
+        chosen = choose_broker(predicted)
+        return None if chosen == "self" else int(chosen.split("-")[1])
+
+    def _slave_inbox(self, j: int) -> str:
+        return match_inbox(self.topology, self.cluster, self.index, j)
+
+
+class MatchSlave(_MatchBroker):
+    """Holds a replica of its master's subscriptions, matches what the master sends it,
+    and reports its predicted T to the master every heartbeat."""
+
+    def __init__(self, *, slave: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slave = slave
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}/slave-{self.slave}"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._load()  # the replica starts from the master's persisted state
+        beat = asyncio.create_task(self._heartbeat(stop))
+        await self.serve(match_inbox(self.topology, self.cluster, self.index, self.slave), stop)
+        beat.cancel()
+
+    async def handle(self, message: PhoenixMessage) -> None:
+        if message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
+            self._add(
+                message.subscription_id,
+                message.event_type,
+                Filter.parse(message.filter),
+                message.queue,
+            )
+        elif message.kind is Kind.PUBLISH and message.event is not None:
+            await self._match(message)
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        master = match_inbox(self.topology, self.cluster, self.index)
+        while not stop.is_set():
+            await asyncio.sleep(self.HEARTBEAT_S)
+            t = self.predictor.close_window(time.monotonic())
+            try:
+                await self.send(
+                    self.cluster,
+                    master,
+                    PhoenixMessage(
+                        kind=Kind.HEARTBEAT,
+                        event_type="-",
+                        broker=f"slave-{self.slave}",
+                        predicted_t=t if t != float("inf") else 1e9,
+                    ),
+                )
+            except Exception as exc:
+                log.info("heartbeat to %s failed: %s", master, exc)
 
 
 class PhoenixClient:

@@ -71,9 +71,14 @@ def predicted_queue(
 
 
 def mean_processing_time(queue: float, service_rate: float) -> float:
-    """T = (q + 1) / (2 mu); infinite when nothing is being served."""
+    """T = (q + 1) / (2 mu).
+
+    Undefined in the paper for mu = 0; here: an idle broker with no measured rate
+    (q = 0) has T = 0, so it gets work and a measurement; a backlog with nothing
+    served (q > 0) has T = infinity.
+    """
     if service_rate <= 0:
-        return math.inf
+        return 0.0 if queue <= 0 else math.inf
     return (queue + 1) / (2 * service_rate)
 
 
@@ -108,7 +113,8 @@ class QueuePredictor:
         if elapsed <= 0:
             raise ValueError("windows must move forward in time")
         self.arrival_rate = self.arrivals / elapsed
-        self.service_rate = self.completions / elapsed
+        if self.completions or self.arrivals:  # an idle window keeps the last measured mu
+            self.service_rate = self.completions / elapsed
         self.queue = predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
         self.arrivals = self.completions = 0
         self.last_close = now

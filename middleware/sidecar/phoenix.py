@@ -26,6 +26,7 @@ def register(roles: Any, sub: Any) -> None:
         p.add_argument("--role", choices=("master", "slave"), default="master")
         p.add_argument("--topology", type=Path, required=True)
         p.add_argument("--index", type=int, default=0, help="match master number")
+        p.add_argument("--slave", type=int, default=0, help="slave number (--role slave)")
         p.set_defaults(run=run)
     phoenix = sub.add_parser("phoenix", help="a local Phoenix deployment")
     cmds = phoenix.add_subparsers(title="phoenix commands", required=True)
@@ -57,8 +58,6 @@ def _serve(role: Any, settings: Any) -> int:
 def _role_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from ..routing.protocol import PhoenixTopology
 
-    if args.role == "slave":
-        raise ConfigurationError("--role slave: Phoenix slaves are not built yet (issue #7)")
     topology = PhoenixTopology.load(args.topology)
     topology.cluster(args.cluster)
     return {"settings": args.settings, "topology": topology, "cluster": args.cluster}
@@ -67,12 +66,18 @@ def _role_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _run_router(args: argparse.Namespace) -> int:
     from ..routing.roles import RouterMaster
 
+    if args.role == "slave":
+        raise ConfigurationError("router --role slave: routing slaves are not built yet (#7)")
     return _serve(RouterMaster(**_role_kwargs(args)), args.settings)
 
 
 def _run_matcher(args: argparse.Namespace) -> int:
-    from ..routing.roles import MatchMaster
+    from ..routing.roles import MatchMaster, MatchSlave
 
+    if args.role == "slave":
+        return _serve(
+            MatchSlave(index=args.index, slave=args.slave, **_role_kwargs(args)), args.settings
+        )
     return _serve(MatchMaster(index=args.index, **_role_kwargs(args)), args.settings)
 
 
@@ -92,6 +97,24 @@ def _up(args: argparse.Namespace) -> int:
         roles += [
             (f"matcher-{i}", ["matcher", "--cluster", cluster.id, "--index", str(i)])
             for i in range(cluster.match_masters)
+        ]
+        roles += [
+            (
+                f"matcher-{i}-slave-{j}",
+                [
+                    "matcher",
+                    "--cluster",
+                    cluster.id,
+                    "--index",
+                    str(i),
+                    "--role",
+                    "slave",
+                    "--slave",
+                    str(j),
+                ],
+            )
+            for i in range(cluster.match_masters)
+            for j in range(cluster.match_slaves)
         ]
         for name, argv in roles:
             key = f"{cluster.id}/{name}"

@@ -51,7 +51,9 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
     topology_file = tmp_path / "phoenix.toml"
     topology_file.write_text(
         f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
-        + "".join(f'[[cluster]]\nid = "{c}"\n' for c in clusters)
+        + "".join(
+            f'[[cluster]]\nid = "{c}"\nmatch_slaves = {2 if c == "B" else 0}\n' for c in clusters
+        )
     )
     topology = PhoenixTopology.load(topology_file)
     urls = ",".join(brokers.urls)
@@ -102,7 +104,22 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
                     "attributes": {"price": i, "symbol": "XYZ", "n": f"no-s{i}"},
                 }
             )
-        await asyncio.sleep(3)
+        for i in range(150):  # ~2 s of load: T is measured per 0.5 s window, then used
+            await at_c.publish(
+                {
+                    "event_type": event_type,
+                    "attributes": {"price": 2, "symbol": "ABZ", "n": f"burst{i}"},
+                }
+            )
+            await asyncio.sleep(0.012)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            while (d := await client.get(queue)) is not None:
+                got.append(json.loads(d.body))
+            if sum(m["event"]["attributes"]["n"].startswith("burst") for m in got) >= 150:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1)
         while (d := await client.get(queue)) is not None:
             got.append(json.loads(d.body))
         await client.close()
@@ -112,7 +129,14 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         _phoenix("up", topology_file, state, urls)
         got = asyncio.run(scenario(subscribe=True))
         names = [m["event"]["attributes"]["n"] for m in got]
-        assert [n for n in names if not n.startswith("p")] == [f"yes{i}" for i in range(10)]
+        assert [n for n in names if n.startswith(("yes", "no"))] == [f"yes{i}" for i in range(10)]
+        bursts = [m for m in got if m["event"]["attributes"]["n"].startswith("burst")]
+        assert sorted(m["event"]["attributes"]["n"] for m in bursts) == sorted(
+            f"burst{i}" for i in range(150)
+        ), "each event delivered exactly once"
+        brokers_used = {m["broker"] for m in bursts}
+        assert len(brokers_used) >= 2, brokers_used  # predicted-T dispatch inside cluster B
+        assert all(b.startswith("B/match-0") for b in brokers_used)
         hops = got[-1]["hops"]
         assert hops[0] == "C" and hops[-1] == "B" and hops == ring.route("C", event_type)
         # every role restarts: the match master reloads the subscription from the store
@@ -122,8 +146,9 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         assert [
             m["event"]["attributes"]["n"]
             for m in again
-            if not m["event"]["attributes"]["n"].startswith("p")
+            if m["event"]["attributes"]["n"].startswith(("yes", "no"))
         ] == [f"yes{i}" for i in range(10)]
+        assert len([m for m in again if m["event"]["attributes"]["n"].startswith("burst")]) == 150
     finally:
         if (state / "phoenix.json").exists():
             _phoenix("down", topology_file, state, urls)

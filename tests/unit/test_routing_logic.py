@@ -89,7 +89,8 @@ def test_queue_prediction_hand_computed() -> None:
     assert predicted_queue(10, 50, 30, 0.5) == 20.0
     assert predicted_queue(10, 10, 40, 0.5) == 0.0
     assert mean_processing_time(19, 10) == 1.0  # (19+1)/(2*10)
-    assert mean_processing_time(0, 0) == math.inf
+    assert mean_processing_time(0, 0) == 0.0  # idle, never measured: give it work
+    assert mean_processing_time(3, 0) == math.inf  # a backlog nobody serves
     p = QueuePredictor(window_s=1.0)
     p.last_close = 100.0
     p.arrived(50)
