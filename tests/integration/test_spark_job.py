@@ -100,3 +100,58 @@ def test_invalid_grids_are_refused_before_anything_starts(bad, tmp_path, capsys)
     assert execute(args) == 2
     assert "error" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_keeps_the_finished_cells(brokers, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls), "SPARK_LOCAL_IP": "127.0.0.1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "middleware.cli",
+            "spark",
+            "confirms",
+            "--modes",
+            "broker",
+            "--queues",
+            "1,1,1,1",
+            "--duration",
+            "2",
+            "--repeats",
+            "1",
+            "--producers-per-queue",
+            "1",
+            "--consumers-per-queue",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if line.startswith("[1/4]") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    (result,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    cells = json.loads((result / "cells.json").read_text())
+    assert 1 <= len(cells) < 4 and all("error" not in c for c in cells)
+    assert "interrupted" in (result / "report.md").read_text()
