@@ -29,6 +29,8 @@ class Kind(StrEnum):
     SUBSCRIBE = "subscribe"
     PUBLISH = "publish"
     HEARTBEAT = "heartbeat"
+    JOIN = "join"  # a cluster joins the ring (to every routing master)
+    HANDOVER = "handover"  # routing master -> its match masters: move an arc's subscriptions
 
 
 class PhoenixMessage(BaseModel):
@@ -46,6 +48,8 @@ class PhoenixMessage(BaseModel):
     replica: bool = False  # a master's copy for its slaves (subscribe) or a dispatch (publish)
     broker: str | None = None  # heartbeat sender / the broker that matched a delivery
     predicted_t: float | None = None  # heartbeat: the sender's predicted processing time
+    cluster: str | None = None  # join / handover: the joining cluster
+    arc: tuple[int, int] | None = None  # handover: ring interval (start, end] that moves
 
 
 class ClusterSpec(BaseModel):
@@ -54,6 +58,7 @@ class ClusterSpec(BaseModel):
     amqp_urls: tuple[str, ...] = ()  # empty: the process's own settings
     match_masters: int = Field(1, ge=1, le=16)
     match_slaves: int = Field(0, ge=0, le=16)  # per match master
+    joined: bool = True  # false: listed, but joins later (qosmq phoenix join)
 
 
 class PhoenixTopology(BaseModel):

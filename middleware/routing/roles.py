@@ -36,7 +36,7 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .matching import Event, Filter, FilterError, SubscriptionIndex
 from .protocol import Kind, PhoenixMessage, PhoenixTopology, match_inbox, router_inbox
-from .ring import ChordRing
+from .ring import ChordRing, Handover
 from .store import open_store
 from .timeliness import LatencyMap, QueuePredictor, choose_broker
 
@@ -127,13 +127,18 @@ class RouterMaster(_Role):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.ring = ChordRing(c.id for c in self.topology.clusters)
+        self.ring = ChordRing(
+            c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
+        )
         self.latency = LatencyMap()
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.serve(router_inbox(self.topology, self.cluster), stop)
 
     async def handle(self, message: PhoenixMessage) -> None:
+        if message.kind is Kind.JOIN and message.cluster:
+            await self._join(message.cluster)
+            return
         et = message.event_type
         if message.kind is Kind.SUBSCRIBE:
             self.latency.add(et, message.latency_level)
@@ -151,6 +156,26 @@ class RouterMaster(_Role):
         await self.send(
             self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
         )
+
+    async def _join(self, cluster: str) -> None:
+        """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
+        self.topology.cluster(cluster)
+        handover = self.ring.join(cluster)
+        self.count("joins")
+        if handover is None or handover.previous_owner != self.cluster:
+            return
+        log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
+        for i in range(self.topology.cluster(self.cluster).match_masters):
+            await self.send(
+                self.cluster,
+                match_inbox(self.topology, self.cluster, i),
+                PhoenixMessage(
+                    kind=Kind.HANDOVER,
+                    event_type="-",
+                    cluster=cluster,
+                    arc=(handover.start, handover.end),
+                ),
+            )
 
 
 class _MatchBroker(_Role):
@@ -211,20 +236,45 @@ class MatchMaster(_MatchBroker):
         self.store = open_store(self.topology.state_store)
         self.slaves = self.topology.cluster(self.cluster).match_slaves
         self.slave_t: dict[int, tuple[float, float]] = {}  # slave -> (T, received at)
+        self.subscriptions: dict[str, PhoenixMessage] = {}  # as received, for hand-over
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._load()
+        for sid, (_, doc) in self.store.load(self.owner, "subscription").items():
+            self._subscribe(PhoenixMessage(kind=Kind.SUBSCRIBE, subscription_id=sid, **doc))
         await self.serve(match_inbox(self.topology, self.cluster, self.index), stop)
         self.store.close()
 
-    async def handle(self, message: PhoenixMessage) -> None:
-        if message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
-            self._add(
-                message.subscription_id,
-                message.event_type,
-                Filter.parse(message.filter),
-                message.queue,
+    def _subscribe(self, message: PhoenixMessage) -> None:
+        assert message.subscription_id and message.queue
+        self._add(
+            message.subscription_id, message.event_type, Filter.parse(message.filter), message.queue
+        )
+        self.subscriptions[message.subscription_id] = message
+
+    async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
+        """Send the subscriptions of the arc's event types to the joining cluster."""
+        handover = Handover(joiner, self.cluster, *arc)
+        moving = [m for m in self.subscriptions.values() if handover.covers(m.event_type)]
+        for message in moving:
+            sid = str(message.subscription_id)
+            await self.send(
+                joiner,
+                router_inbox(self.topology, joiner),
+                message.model_copy(update={"hops": [], "replica": False}),
             )
+            index = self.indexes[message.event_type]
+            index.remove(sid)
+            if not len(index):
+                del self.indexes[message.event_type]
+            del self.subscriptions[sid], self.queues[sid]
+            self.store.delete(self.owner, "subscription", sid)
+        self.count("handed_over", len(moving))
+
+    async def handle(self, message: PhoenixMessage) -> None:
+        if message.kind is Kind.HANDOVER and message.cluster and message.arc:
+            await self._hand_over(message.cluster, message.arc)
+        elif message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
+            self._subscribe(message)
             self.store.save(
                 self.owner,
                 "subscription",
@@ -233,6 +283,7 @@ class MatchMaster(_MatchBroker):
                     "event_type": message.event_type,
                     "filter": message.filter,
                     "queue": message.queue,
+                    "latency_level": message.latency_level,
                 },
                 1,
             )

@@ -30,10 +30,16 @@ def register(roles: Any, sub: Any) -> None:
         p.set_defaults(run=run)
     phoenix = sub.add_parser("phoenix", help="a local Phoenix deployment")
     cmds = phoenix.add_subparsers(title="phoenix commands", required=True)
-    for name, run in (("up", _up), ("down", _down)):
-        p = cmds.add_parser(name, help=f"{name} every role of the topology")
+    for name, run, help_ in (
+        ("up", _up, "start every role of the joined clusters"),
+        ("down", _down, "stop every role"),
+        ("join", _join, "start a listed cluster and join it to the ring"),
+    ):
+        p = cmds.add_parser(name, help=help_)
         p.add_argument("--topology", type=Path, required=True)
         p.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
+        if name == "join":
+            p.add_argument("--cluster", required=True)
         p.set_defaults(run=run)
 
 
@@ -90,40 +96,79 @@ def _up(args: argparse.Namespace) -> int:
         print("phoenix: already up (qosmq phoenix down first)", file=sys.stderr)
         return 1
     args.state_dir.mkdir(parents=True, exist_ok=True)
-    base = [sys.executable, "-m", "middleware.cli", "sidecar"]
     pids: dict[str, int] = {}
     for cluster in topology.clusters:
-        roles = [("router", ["router", "--cluster", cluster.id])]
-        roles += [
-            (f"matcher-{i}", ["matcher", "--cluster", cluster.id, "--index", str(i)])
-            for i in range(cluster.match_masters)
-        ]
-        roles += [
-            (
-                f"matcher-{i}-slave-{j}",
-                [
-                    "matcher",
-                    "--cluster",
-                    cluster.id,
-                    "--index",
-                    str(i),
-                    "--role",
-                    "slave",
-                    "--slave",
-                    str(j),
-                ],
-            )
-            for i in range(cluster.match_masters)
-            for j in range(cluster.match_slaves)
-        ]
-        for name, argv in roles:
-            key = f"{cluster.id}/{name}"
-            log = args.state_dir / f"phoenix-{cluster.id}-{name}.log"
-            pids[key] = _spawn(
-                [*base, *argv, "--topology", str(args.topology.resolve())], dict(os.environ), log
-            )
-            print(f"{key:20} pid {pids[key]}  log {log}")
+        if cluster.joined:
+            pids.update(_start_cluster(args, cluster))
     state.write_text(json.dumps(pids, indent=2))
+    return 0
+
+
+def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
+    base = [sys.executable, "-m", "middleware.cli", "sidecar"]
+    roles = [("router", ["router", "--cluster", cluster.id])]
+    roles += [
+        (f"matcher-{i}", ["matcher", "--cluster", cluster.id, "--index", str(i)])
+        for i in range(cluster.match_masters)
+    ]
+    roles += [
+        (
+            f"matcher-{i}-slave-{j}",
+            [
+                "matcher",
+                "--cluster",
+                cluster.id,
+                "--index",
+                str(i),
+                "--role",
+                "slave",
+                "--slave",
+                str(j),
+            ],
+        )
+        for i in range(cluster.match_masters)
+        for j in range(cluster.match_slaves)
+    ]
+    pids = {}
+    for name, argv in roles:
+        key = f"{cluster.id}/{name}"
+        log = args.state_dir / f"phoenix-{cluster.id}-{name}.log"
+        pids[key] = _spawn(
+            [*base, *argv, "--topology", str(args.topology.resolve())], dict(os.environ), log
+        )
+        print(f"{key:24} pid {pids[key]}  log {log}")
+    return pids
+
+
+def _join(args: argparse.Namespace) -> int:
+    """Start the cluster's roles, then tell every routing master that it joined."""
+    from ..routing.protocol import Kind, PhoenixMessage, PhoenixTopology, router_inbox
+    from ..routing.roles import inbox_spec
+    from ..transport import AsyncClient, OutgoingMessage
+
+    topology = PhoenixTopology.load(args.topology)
+    joiner = topology.cluster(args.cluster)
+    state = args.state_dir / "phoenix.json"
+    pids = json.loads(state.read_text()) if state.exists() else {}
+    if any(key.startswith(f"{joiner.id}/") and pid_alive(pid) for key, pid in pids.items()):
+        print(f"phoenix: {joiner.id} is already running", file=sys.stderr)
+        return 1
+    pids.update(_start_cluster(args, joiner))
+    state.write_text(json.dumps(pids, indent=2))
+    running = {key.split("/")[0] for key in pids}
+
+    async def announce() -> None:
+        message = PhoenixMessage(kind=Kind.JOIN, event_type="-", cluster=joiner.id)
+        async with AsyncClient(settings=args.settings) as client:
+            for cluster in sorted(running - {joiner.id}):
+                inbox = router_inbox(topology, cluster)
+                await client.declare_queue(inbox_spec(inbox))
+                await client.publish(
+                    OutgoingMessage(message.model_dump_json().encode(), "", inbox, priority=9)
+                )
+
+    asyncio.run(announce())
+    print(f"{joiner.id} joined the ring of {', '.join(sorted(running))}")
     return 0
 
 

@@ -152,3 +152,84 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
     finally:
         if (state / "phoenix.json").exists():
             _phoenix("down", topology_file, state, urls)
+
+
+def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
+    settings, brokers, tmp_path, name
+) -> None:
+    ring = ChordRing(["A", "B", "C"])
+    # a newcomer whose arc is carved out of B's, and an event type inside that arc
+    joiner = next(f"D{i}" for i in range(500) if ring.owner(f"D{i}") == "B")
+    after = ChordRing(["A", "B", "C", joiner])
+    event_type = next(
+        f"ticks{i}"
+        for i in range(20000)
+        if ring.owner(f"ticks{i}") == "B" and after.owner(f"ticks{i}") == joiner
+    )
+    topology_file = tmp_path / "phoenix.toml"
+    topology_file.write_text(
+        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+        + "".join(f'[[cluster]]\nid = "{c}"\n' for c in ("A", "B", "C"))
+        + f'[[cluster]]\nid = "{joiner}"\njoined = false\n'
+    )
+    topology = PhoenixTopology.load(topology_file)
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue = f"{name}.subscriber"
+
+    async def until_delivered(client: AsyncClient, tag: str) -> dict:
+        at_c = PhoenixClient(client, topology=topology, cluster="C")
+        deadline = time.monotonic() + 60
+        n = 0
+        while time.monotonic() < deadline:
+            await at_c.publish({"event_type": event_type, "attributes": {"v": 1, "n": f"{tag}{n}"}})
+            n += 1
+            await asyncio.sleep(0.5)
+            while (d := await client.get(queue)) is not None:
+                message = json.loads(d.body)
+                if message["event"]["attributes"]["n"].startswith(tag):
+                    return message
+        raise AssertionError(f"no {tag} event reached the subscriber")
+
+    async def before_join() -> dict:
+        async with AsyncClient(settings=settings) as client:
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            await at_a.subscribe(event_type, [("v", "=", 1)], 2, queue)
+            return await until_delivered(client, "before")
+
+    async def after_join() -> dict:
+        async with AsyncClient(settings=settings) as client:
+            return await until_delivered(client, "after")
+
+    try:
+        _phoenix("up", topology_file, state, urls)
+        first = asyncio.run(before_join())
+        assert first["hops"][-1] == "B" and first["broker"].startswith("B/")
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "middleware.cli",
+                "phoenix",
+                "join",
+                "--topology",
+                str(topology_file),
+                "--state-dir",
+                str(state),
+                "--cluster",
+                joiner,
+            ],
+            env={**os.environ, "QOSMQ_AMQP_URLS": urls},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert f"{joiner} joined" in out
+        moved = asyncio.run(after_join())
+        # the subscription made at A while B owned the type now lives at the newcomer
+        assert moved["hops"][-1] == joiner and moved["broker"].startswith(f"{joiner}/")
+    finally:
+        if (state / "phoenix.json").exists():
+            _phoenix("down", topology_file, state, urls)
