@@ -159,8 +159,12 @@ def _join(args: argparse.Namespace) -> int:
 
     async def announce() -> None:
         message = PhoenixMessage(kind=Kind.JOIN, event_type="-", cluster=joiner.id)
-        async with AsyncClient(settings=args.settings) as client:
-            for cluster in sorted(running - {joiner.id}):
+        for cluster in sorted(running - {joiner.id}):
+            urls = topology.cluster(cluster).amqp_urls  # each cluster's own RabbitMQ, if set
+            settings = (
+                args.settings.model_copy(update={"amqp_urls": urls}) if urls else args.settings
+            )
+            async with AsyncClient(settings=settings) as client:
                 inbox = router_inbox(topology, cluster)
                 await client.declare_queue(inbox_spec(inbox))
                 await client.publish(
