@@ -1,8 +1,9 @@
-"""Phoenix routing clusters (paper 000): ring arithmetic, matching, timeliness.
+"""Phoenix routing clusters (paper 000).
 
-Built so far: the pure logic (Chord ring with fingers and hand-over arcs, typed
-events, filters and a counting-algorithm index, latency levels and predicted
-processing times).  The sidecar roles that run it over RabbitMQ are not built yet.
+Pure logic here (Chord ring with fingers and hand-over arcs, typed events,
+filters and the subscription index, latency levels and predicted processing
+times, replica quorums); the roles that run it over RabbitMQ are in
+:mod:`middleware.routing.roles`, their processes in ``qosmq phoenix``.
 """
 
 from .matching import Event, Filter, FilterError, Op, Predicate, SubscriptionIndex

@@ -13,8 +13,12 @@ Match slaves hold replicas of their master's subscriptions, match what the
 master dispatches to them, and report their predicted processing time T by
 heartbeat; the master sends each event to the broker with the smallest T.
 
+A cluster that joins at run time is added by every routing master; the one
+whose arc shrank has its match masters hand exactly that arc's subscriptions to
+the joiner.
+
 Not built yet (issue #7 stays open): routing slaves, quorum acks for replica
-writes, ring membership changes at run time, recovery (the later issue).
+writes, recovery from failures (the later issue).
 """
 
 from __future__ import annotations
