@@ -19,6 +19,7 @@ __all__ = [
     "PhoenixTopology",
     "match_inbox",
     "router_inbox",
+    "router_slave_inbox",
 ]
 
 MAX_PRIORITY = 9
@@ -31,6 +32,8 @@ class Kind(StrEnum):
     HEARTBEAT = "heartbeat"
     JOIN = "join"  # a cluster joins the ring (to every routing master)
     HANDOVER = "handover"  # routing master -> its match masters: move an arc's subscriptions
+    REPLICATE = "replicate"  # routing master -> routing slaves: a routing-table entry
+    ACK = "ack"  # routing slave -> routing master: replica entry stored
 
 
 class PhoenixMessage(BaseModel):
@@ -50,6 +53,8 @@ class PhoenixMessage(BaseModel):
     predicted_t: float | None = None  # heartbeat: the sender's predicted processing time
     cluster: str | None = None  # join / handover: the joining cluster
     arc: tuple[int, int] | None = None  # handover: ring interval (start, end] that moves
+    table: dict[str, Any] | None = None  # replicate: the entry (latency level sum and count)
+    version: int | None = None  # replicate / ack: the entry's version
 
 
 class ClusterSpec(BaseModel):
@@ -59,6 +64,7 @@ class ClusterSpec(BaseModel):
     match_masters: int = Field(1, ge=1, le=16)
     match_slaves: int = Field(0, ge=0, le=16)  # per match master
     joined: bool = True  # false: listed, but joins later (qosmq phoenix join)
+    routing_slaves: int = Field(0, ge=0, le=16)  # replicas of the routing master's tables
 
 
 class PhoenixTopology(BaseModel):
@@ -98,6 +104,10 @@ class PhoenixTopology(BaseModel):
 
 def router_inbox(topology: PhoenixTopology, cluster: str) -> str:
     return f"{topology.prefix}.{cluster}.router"
+
+
+def router_slave_inbox(topology: PhoenixTopology, cluster: str, slave: int) -> str:
+    return f"{topology.prefix}.{cluster}.router.slave.{slave}"
 
 
 def match_inbox(

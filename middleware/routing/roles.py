@@ -39,12 +39,20 @@ from ..errors import DeadLetter, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .matching import Event, Filter, FilterError, SubscriptionIndex
-from .protocol import Kind, PhoenixMessage, PhoenixTopology, match_inbox, router_inbox
+from .protocol import (
+    Kind,
+    PhoenixMessage,
+    PhoenixTopology,
+    match_inbox,
+    router_inbox,
+    router_slave_inbox,
+)
+from .replicas import Quorum
 from .ring import ChordRing, Handover
 from .store import open_store
 from .timeliness import LatencyMap, QueuePredictor, choose_broker
 
-__all__ = ["MatchMaster", "MatchSlave", "PhoenixClient", "RouterMaster"]
+__all__ = ["MatchMaster", "MatchSlave", "PhoenixClient", "RouterMaster", "RouterSlave"]
 
 log = logging.getLogger(__name__)
 ROLE_EVENTS = PromCounter(
@@ -127,10 +135,19 @@ class _Role:
 
 
 class RouterMaster(_Role):
-    """Forwards along the ring; at the owner, hands over to a match master."""
+    """Forwards along the ring; at the owner, hands over to a match master.
+
+    Its routing table (latencyMap entries) is replicated to the routing slaves; an
+    entry counts as written once W of the N = slaves + 1 replicas (itself included)
+    hold it (``Quorum.majority``).
+    """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.slaves = self.topology.cluster(self.cluster).routing_slaves
+        self.quorum = Quorum.majority(self.slaves + 1)
+        self.version = 0
+        self.acks: dict[int, set[str]] = {}
         self.ring = ChordRing(
             c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
         )
@@ -143,9 +160,13 @@ class RouterMaster(_Role):
         if message.kind is Kind.JOIN and message.cluster:
             await self._join(message.cluster)
             return
+        if message.kind is Kind.ACK and message.version is not None and message.broker:
+            self._acknowledged(message.version, message.broker)
+            return
         et = message.event_type
         if message.kind is Kind.SUBSCRIBE:
             self.latency.add(et, message.latency_level)
+            await self._replicate(et)
         forwarded = message.model_copy(update={"hops": [*message.hops, self.cluster]})
         priority = self.latency.priority(et)
         owner = self.ring.owner(et)
@@ -160,6 +181,30 @@ class RouterMaster(_Role):
         await self.send(
             self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
         )
+
+    async def _replicate(self, event_type: str) -> None:
+        if not self.slaves:
+            return
+        self.version += 1
+        self.acks[self.version] = {"master"}
+        total, count = self.latency.entries[event_type]
+        entry = PhoenixMessage(
+            kind=Kind.REPLICATE,
+            event_type=event_type,
+            version=self.version,
+            table={"level_sum": total, "count": count},
+        )
+        for j in range(self.slaves):
+            await self.send(self.cluster, router_slave_inbox(self.topology, self.cluster, j), entry)
+
+    def _acknowledged(self, version: int, slave: str) -> None:
+        acks = self.acks.get(version)
+        if acks is None:
+            return
+        acks.add(slave)
+        if self.quorum.written(acks):
+            del self.acks[version]  # W of N hold it: the entry is durable
+            self.count("replicated")
 
     async def _join(self, cluster: str) -> None:
         """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
@@ -180,6 +225,42 @@ class RouterMaster(_Role):
                     arc=(handover.start, handover.end),
                 ),
             )
+
+
+class RouterSlave(_Role):
+    """Holds a replica of its routing master's table (persisted) and acknowledges each entry."""
+
+    def __init__(self, *, slave: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slave = slave
+        self.owner = f"{self.cluster}/router-slave-{slave}"
+        self.table: dict[str, dict[str, Any]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        store = open_store(self.topology.state_store)
+        self.table = {k: doc for k, (_, doc) in store.load(self.owner, "routing_table").items()}
+        self.store = store
+        await self.serve(router_slave_inbox(self.topology, self.cluster, self.slave), stop)
+        store.close()
+
+    async def handle(self, message: PhoenixMessage) -> None:
+        if message.kind is not Kind.REPLICATE or message.table is None or message.version is None:
+            return
+        self.table[message.event_type] = message.table
+        self.store.save(
+            self.owner, "routing_table", message.event_type, message.table, message.version
+        )
+        self.count("replicas")
+        await self.send(
+            self.cluster,
+            router_inbox(self.topology, self.cluster),
+            PhoenixMessage(
+                kind=Kind.ACK,
+                event_type=message.event_type,
+                version=message.version,
+                broker=f"slave-{self.slave}",
+            ),
+        )
 
 
 class _MatchBroker(_Role):

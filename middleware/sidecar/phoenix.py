@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError
 from ..localcluster.manager import _spawn, pid_alive
 
 __all__ = ["register"]
@@ -70,10 +69,10 @@ def _role_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from ..routing.roles import RouterMaster
+    from ..routing.roles import RouterMaster, RouterSlave
 
     if args.role == "slave":
-        raise ConfigurationError("router --role slave: routing slaves are not built yet (#7)")
+        return _serve(RouterSlave(slave=args.slave, **_role_kwargs(args)), args.settings)
     return _serve(RouterMaster(**_role_kwargs(args)), args.settings)
 
 
@@ -107,6 +106,13 @@ def _up(args: argparse.Namespace) -> int:
 def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
     base = [sys.executable, "-m", "middleware.cli", "sidecar"]
     roles = [("router", ["router", "--cluster", cluster.id])]
+    roles += [
+        (
+            f"router-slave-{j}",
+            ["router", "--cluster", cluster.id, "--role", "slave", "--slave", str(j)],
+        )
+        for j in range(cluster.routing_slaves)
+    ]
     roles += [
         (f"matcher-{i}", ["matcher", "--cluster", cluster.id, "--index", str(i)])
         for i in range(cluster.match_masters)

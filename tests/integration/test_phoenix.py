@@ -15,6 +15,7 @@ import pytest
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.roles import PhoenixClient
+from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
@@ -52,7 +53,9 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
     topology_file.write_text(
         f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
         + "".join(
-            f'[[cluster]]\nid = "{c}"\nmatch_slaves = {2 if c == "B" else 0}\n' for c in clusters
+            f'[[cluster]]\nid = "{c}"\nmatch_slaves = {2 if c == "B" else 0}\n'
+            f"routing_slaves = {2 if c == 'B' else 0}\n"
+            for c in clusters
         )
     )
     topology = PhoenixTopology.load(topology_file)
@@ -134,6 +137,11 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         assert sorted(m["event"]["attributes"]["n"] for m in bursts) == sorted(
             f"burst{i}" for i in range(150)
         ), "each event delivered exactly once"
+        store = open_store(str(tmp_path / "state.sqlite3"))
+        for j in (0, 1):  # B's routing slaves hold the replicated table entry
+            entry = store.load(f"B/router-slave-{j}", "routing_table")[event_type]
+            assert entry[1] == {"level_sum": 1, "count": 1}
+        store.close()
         brokers_used = {m["broker"] for m in bursts}
         assert len(brokers_used) >= 2, brokers_used  # predicted-T dispatch inside cluster B
         assert all(b.startswith("B/match-0") for b in brokers_used)
