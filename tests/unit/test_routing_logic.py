@@ -183,3 +183,19 @@ def test_quorum_reads_always_see_the_last_acknowledged_write() -> None:
         for asked in combinations(replicas, 2):  # every read set of size R
             assert q.resolve({r: state[r] for r in asked}) == Versioned(2, "new")
     assert q.resolve({"m": None, "s1": None}) is None
+
+
+def test_router_counts_a_table_entry_written_at_w_of_n_acks() -> None:
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.routing.roles import RouterMaster
+    from middleware.settings import Settings
+
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "B", "routing_slaves": 2}], "state_store": ":memory:"}
+    )
+    router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
+    assert (router.quorum.replicas, router.quorum.write) == (3, 2)
+    router.acks[7] = {"master"}
+    router._acknowledged(7, "slave-1")  # master + one slave = W
+    router._acknowledged(7, "slave-0")  # late ack of an entry already written
+    assert router.counters["replicated"] == 1 and 7 not in router.acks
