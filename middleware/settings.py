@@ -202,6 +202,12 @@ class Settings(BaseSettings):
             out.append((parts.hostname or "", parts.port or (5671 if tls else 5672), tls))
         return tuple(out)
 
+    def starting_at(self, index: int) -> Self:
+        """These settings with the node list rotated to start at node ``index`` (mod N):
+        spreads connections over the cluster, and places client-local queue leaders."""
+        k = index % len(self.amqp_urls)
+        return self.model_copy(update={"amqp_urls": self.amqp_urls[k:] + self.amqp_urls[:k]})
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -40,11 +40,8 @@ async def declare_replicated_topic(
 ) -> list[str]:
     """Declare R replica queues, replica i led by node i mod N (client-local placement)."""
     names = replica_names(topic, replicas)
-    urls = settings.amqp_urls
     for i, name in enumerate(names):
-        k = i % len(urls)
-        node_settings = settings.model_copy(update={"amqp_urls": urls[k:] + urls[:k]})
-        async with AsyncClient(settings=node_settings) as client:
+        async with AsyncClient(settings=settings.starting_at(i)) as client:
             await client.declare_queue(QueueSpec(name, kind=kind, leader_locator="client-local"))
     return names
 

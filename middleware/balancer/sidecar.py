@@ -18,19 +18,16 @@ polling, and a publisher that joins late gets the next report within i2).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 import logging
 import time
-import urllib.parse
-import urllib.request
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from ..settings import Settings
 from ..transport import AsyncClient, ExchangeSpec, ExchangeType, OutgoingMessage
+from ..transport.management import management_get, vhost_path
 from .factors import inverse_factors, paper_factors
 from .reports import REPORT_EXCHANGE, LoadReport, ReplicaLoad, Sampler, replica_names
 
@@ -125,12 +122,9 @@ class BalancerSidecar:
 
     def _rates(self) -> dict[str, tuple[float, float, float | None]]:
         """(arrival, service, published count) per queue from the management API, if any."""
-        host, port, _ = self.settings.nodes[0]
-        vhost = urllib.parse.quote(self.settings.vhost, safe="")
-        url = f"http://{host}:{port + self.settings.management_port_offset}/api/queues/{vhost}"
         out: dict[str, tuple[float, float, float | None]] = {}
         try:
-            listed = _get_json(url, self.settings)
+            listed = management_get(self.settings, f"/api/queues/{vhost_path(self.settings)}")
         except (OSError, ValueError) as exc:
             log.debug("management API unavailable (%s): rates 0", exc)
             return out
@@ -143,11 +137,3 @@ class BalancerSidecar:
                     stats.get("publish"),
                 )
         return out
-
-
-def _get_json(url: str, settings: Settings) -> Any:
-    request = urllib.request.Request(url)
-    token = f"{settings.username}:{settings.password.get_secret_value()}".encode()
-    request.add_header("Authorization", "Basic " + base64.b64encode(token).decode())
-    with urllib.request.urlopen(request, timeout=3) as response:
-        return json.loads(response.read())

@@ -130,7 +130,7 @@ async def _start_consumers(
     n = 0
     for q in queues:
         for _ in range(spec.consumers_per_queue):
-            node_settings = _rotated(settings, n)
+            node_settings = settings.starting_at(n)
             n += 1
             if spec.mode == "raw":
                 closers.append(await _raw_consumer(node_settings, q, tally))
@@ -163,7 +163,7 @@ async def _start_producers(
     n = 1000
     for q in queues:
         for _ in range(spec.producers_per_queue):
-            node_settings = _rotated(settings, n)
+            node_settings = settings.starting_at(n)
             n += 1
             if spec.mode == "raw":
                 send, close = await _raw_producer(node_settings, route[q], q, body)
@@ -234,13 +234,6 @@ async def _drain(tally: _Tally, spec: CellSpec) -> None:
             return
         last = done
         await asyncio.sleep(0.1)
-
-
-def _rotated(settings: Settings, n: int) -> Settings:
-    """Settings whose node list starts at node ``n`` (spreads connections over the cluster)."""
-    urls = settings.amqp_urls
-    k = n % len(urls)
-    return settings.model_copy(update={"amqp_urls": urls[k:] + urls[:k]})
 
 
 # ------------------------------------------------------------------ raw

@@ -75,7 +75,6 @@ class SyncConfirmPublisher:
         """
         ids = iter(message_ids) if message_ids is not None else None
         waiting: list[str] = []
-        first_error: BaseException | None = None
         for body in bodies:
             message = self.core.prepare(
                 body,
@@ -91,24 +90,21 @@ class SyncConfirmPublisher:
             self.client.publish(message, confirm=False)
             waiting.append(message.message_id)
             if len(self.core.in_flight) >= self.client.settings.publish_window:
-                first_error = first_error or self._wait(
-                    lambda: len(self.core.in_flight) < self.client.settings.publish_window
-                )
-        first_error = first_error or self._wait(lambda: not self.core.in_flight)
-        for message_id in waiting:
-            error = self._results.pop(message_id, None)
-            first_error = first_error or error
+                self._wait(lambda: len(self.core.in_flight) < self.client.settings.publish_window)
+        self._wait(lambda: not self.core.in_flight)
+        errors = [self._results.pop(m, None) for m in waiting]
+        first_error = next((e for e in errors if e is not None), None)
         if first_error is not None:
             raise first_error
 
-    def _wait(self, done: Callable[[], bool]) -> BaseException | None:
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Pump deliveries, resends and timeouts until ``done()``; results go to _results."""
         while not done():
             self.client.run(_PUMP_S)
             resend, failed = self.core.due()
             self._record(failed)
             for message in resend:
                 self.client.publish(message, confirm=False)
-        return None
 
     def _on_reply(self, delivery: Delivery) -> None:
         self._record(self.core.on_reply(delivery))

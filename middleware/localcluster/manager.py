@@ -17,7 +17,6 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +26,10 @@ import pika
 import pika.exceptions
 
 from ..errors import MiddlewareError
+from ..transport.management import get_json
 from .layout import DEFAULT_BASE_PORT, RABBITMQ_BIN, ClusterLayout, NodeLayout
 
-__all__ = ["ClusterError", "LocalCluster", "RabbitMQMissing", "pid_alive"]
+__all__ = ["ClusterError", "LocalCluster", "RabbitMQMissing", "pid_alive", "spawn_daemon"]
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 90.0
@@ -222,7 +222,7 @@ class LocalCluster:
         if self.epmd_pid is not None:
             return
         epmd = shutil.which("epmd") or "/usr/lib/erlang/bin/epmd"
-        pid = _spawn(
+        pid = spawn_daemon(
             [epmd, "-port", str(self.layout.epmd_port), "-address", "127.0.0.1"],
             dict(os.environ),
             self.layout.state_dir / "epmd.log",
@@ -251,7 +251,7 @@ class LocalCluster:
         for node in nodes:
             node.pid_file.unlink(missing_ok=True)
             env = {**os.environ, **self.layout.node_env(node)}
-            pid = _spawn([str(RABBITMQ_BIN / "rabbitmq-server")], env, node.log_file)
+            pid = spawn_daemon([str(RABBITMQ_BIN / "rabbitmq-server")], env, node.log_file)
             state["pids"][node.short_name] = {"wrapper": pid}
             log.info("starting %s (AMQP 127.0.0.1:%d)", node.node_name, node.amqp_port)
         self._save(state)
@@ -322,7 +322,7 @@ class LocalCluster:
         return False
 
 
-def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> int:
+def spawn_daemon(argv: list[str], env: dict[str, str], log_path: Path) -> int:
     """Start a daemon in its own session, output to ``log_path``; return its PID.
 
     posix_spawn rather than Popen: these processes outlive the caller by design,
@@ -392,11 +392,7 @@ def _quiet_pika() -> Iterator[None]:
 
 
 def _management_get(port: int, path: str) -> Any:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
-    token = base64.b64encode(b"guest:guest").decode()
-    request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=5) as response:
-        return json.loads(response.read())
+    return get_json(f"http://127.0.0.1:{port}{path}", username="guest", password="guest")
 
 
 def _tail(node: NodeLayout, lines: int = 15) -> str:

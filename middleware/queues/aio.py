@@ -30,26 +30,25 @@ from ..errors import (
     BrokerUnreachable,
     EntityNotFound,
     MiddlewareError,
-    PublishNacked,
     Reject,
     Requeue,
-    RetryableError,
     Unroutable,
     WindowExceeded,
 )
 from ..settings import QueueSettings
-from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind
+from ..transport import AsyncClient, Delivery, QueueKind
 from ..transport.message import new_message_id
 from .core import (
     EnqueueResult,
     EnqueueStatus,
     RecoverReport,
     as_delivery,
+    must_spool,
     no_spool,
     open_spool,
     queue_spec,
-    result_error,
     spool_full,
+    spool_or_raise,
     to_message,
     validate,
 )
@@ -166,24 +165,17 @@ class AsyncQueues:
                 f"{self.client.settings.publish_window} enqueues unconfirmed "
                 f"(code 5: {WindowExceeded.hint})"
             )
+        entry = SpoolEntry(queue, message_id, bytes(body), clean)
         async with self._window:
-            if not self.client.ready or (self.spool is not None and len(self.spool)):
-                return await self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
-            message = OutgoingMessage(
-                bytes(body), "", queue, message_id, clean, persistent=True, mandatory=True
-            )
+            if must_spool(self.client.ready, self.spool):
+                return await self._to_spool(entry)
             picked = self.pool.pick() if self.pool is not None else None
             publisher = picked[1] if picked is not None else self.client
             try:
-                await publisher.publish(message, retry=False)
-            except (PublishNacked, WindowExceeded):
-                raise result_error(queue, PublishNacked("nacked")) from None
-            except RetryableError as exc:
-                if self.spool is None:
-                    raise result_error(queue, exc) from exc
-                return await self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+                await publisher.publish(to_message(entry), retry=False)
             except MiddlewareError as exc:
-                raise result_error(queue, exc) from exc
+                spool_or_raise(queue, exc, can_spool=self.spool is not None)
+                return await self._to_spool(entry)
         return EnqueueResult(message_id, EnqueueStatus.CONFIRMED)
 
     async def dequeue(

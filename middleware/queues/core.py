@@ -17,6 +17,7 @@ from ..errors import (
     PublishNacked,
     QueueDoesNotExist,
     QueueSaveFailed,
+    RetryableError,
     Unroutable,
 )
 from ..settings import QueueSettings
@@ -29,9 +30,11 @@ __all__ = [
     "EnqueueResult",
     "EnqueueStatus",
     "RecoverReport",
+    "must_spool",
     "open_spool",
     "queue_spec",
     "result_error",
+    "spool_or_raise",
     "validate",
 ]
 
@@ -98,6 +101,22 @@ def validate(
                 f"(code 4: {MessageMalformed.hint})"
             ) from None
     return out
+
+
+def must_spool(ready: bool, spool: Spool | None) -> bool:
+    """Spool instead of publishing: no connection, or earlier messages still wait (order)."""
+    return not ready or (spool is not None and len(spool) > 0)
+
+
+def spool_or_raise(queue: str, error: MiddlewareError, *, can_spool: bool) -> None:
+    """What a failed direct enqueue becomes: returns to spool it, or raises its result code.
+
+    A lost connection or a confirm timeout is spooled (resent later, duplicates
+    dropped by id); a nack is the broker refusing to store it (code 3), not retried.
+    """
+    if can_spool and isinstance(error, RetryableError) and not isinstance(error, PublishNacked):
+        return
+    raise result_error(queue, error) from error
 
 
 def result_error(queue: str, error: MiddlewareError) -> MiddlewareError:

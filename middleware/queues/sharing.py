@@ -14,17 +14,15 @@ default guarantees.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
-import json
 import logging
-import urllib.request
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..settings import Settings
 from ..transport import AsyncClient
+from ..transport.management import management_get
 
 __all__ = ["LeastLoaded", "NodePool", "RoundRobin", "SharingRule"]
 
@@ -133,11 +131,7 @@ class NodePool:
             await self.discover()
 
     def _listeners(self) -> list[dict[str, Any]]:
-        host, port, _ = self.settings.nodes[0]
-        url = f"http://{host}:{port + self.settings.management_port_offset}/api/overview"
-        request = urllib.request.Request(url)
-        token = f"{self.settings.username}:{self.settings.password.get_secret_value()}"
-        request.add_header("Authorization", "Basic " + base64.b64encode(token.encode()).decode())
-        with urllib.request.urlopen(request, timeout=3) as response:
-            listeners: list[dict[str, Any]] = json.loads(response.read()).get("listeners", [])
+        listeners: list[dict[str, Any]] = management_get(self.settings, "/api/overview").get(
+            "listeners", []
+        )
         return listeners

@@ -18,23 +18,22 @@ from ..errors import (
     BrokerUnreachable,
     EntityNotFound,
     MiddlewareError,
-    PublishNacked,
-    RetryableError,
     Unroutable,
 )
 from ..settings import QueueSettings
-from ..transport import Action, Delivery, OutgoingMessage, QueueKind, SyncClient
+from ..transport import Action, Delivery, QueueKind, SyncClient
 from ..transport.message import new_message_id
 from .core import (
     EnqueueResult,
     EnqueueStatus,
     RecoverReport,
     as_delivery,
+    must_spool,
     no_spool,
     open_spool,
     queue_spec,
-    result_error,
     spool_full,
+    spool_or_raise,
     to_message,
     validate,
 )
@@ -132,23 +131,14 @@ class SyncQueues:
         message_id = message_id or new_message_id()
         if self.spool is not None and len(self.spool) and time.monotonic() >= self._next_drain:
             self.recover()  # keep order: what waits goes first
-        if not self.client.ready or (self.spool is not None and len(self.spool)):
-            return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+        entry = SpoolEntry(queue, message_id, bytes(body), clean)
+        if must_spool(self.client.ready, self.spool):
+            return self._to_spool(entry)
         try:
-            self.client.publish(
-                OutgoingMessage(
-                    bytes(body), "", queue, message_id, clean, persistent=True, mandatory=True
-                ),
-                retry=False,
-            )
-        except PublishNacked:
-            raise result_error(queue, PublishNacked("nacked")) from None
-        except RetryableError as exc:
-            if self.spool is None:
-                raise result_error(queue, exc) from exc
-            return self._to_spool(SpoolEntry(queue, message_id, bytes(body), clean))
+            self.client.publish(to_message(entry), retry=False)
         except MiddlewareError as exc:
-            raise result_error(queue, exc) from exc
+            spool_or_raise(queue, exc, can_spool=self.spool is not None)
+            return self._to_spool(entry)
         return EnqueueResult(message_id, EnqueueStatus.CONFIRMED)
 
     def dequeue(self, queue: str, *, timeout: float | None = None) -> SyncQueueMessage | None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..localcluster.manager import _spawn, pid_alive
+from ..localcluster.manager import pid_alive, spawn_daemon
 
 __all__ = ["register"]
 
@@ -139,7 +139,7 @@ def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
     for name, argv in roles:
         key = f"{cluster.id}/{name}"
         log = args.state_dir / f"phoenix-{cluster.id}-{name}.log"
-        pids[key] = _spawn(
+        pids[key] = spawn_daemon(
             [*base, *argv, "--topology", str(args.topology.resolve())], dict(os.environ), log
         )
         print(f"{key:24} pid {pids[key]}  log {log}")

@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 Arguments = Mapping[str, Any]
+ROUTE_CACHE_SIZE = 4096
 
 
 class ExchangeType(StrEnum):
@@ -134,8 +135,14 @@ class TopologyRecord:
     queues: dict[str, QueueSpec] = field(default_factory=dict)
     bindings: dict[tuple[Any, ...], BindingSpec] = field(default_factory=dict)
     consumers: dict[str, ConsumerSpec] = field(default_factory=dict)
+    # (exchange, routing key) -> queues, for every type but headers; cleared on any change,
+    # so an e2e publish does not walk every binding
+    _routes: dict[tuple[str, str], frozenset[str]] = field(
+        default_factory=dict, repr=False, init=False, compare=False
+    )
 
     def add(self, spec: ExchangeSpec | QueueSpec | BindingSpec | ConsumerSpec) -> None:
+        self._routes.clear()
         match spec:
             case ExchangeSpec():
                 self.exchanges[spec.name] = spec
@@ -147,11 +154,13 @@ class TopologyRecord:
                 self.consumers[spec.tag] = spec
 
     def forget_queue(self, name: str) -> None:
+        self._routes.clear()
         self.queues.pop(name, None)
         self.bindings = {k: b for k, b in self.bindings.items() if b.queue != name}
         self.consumers = {t: c for t, c in self.consumers.items() if c.queue != name}
 
     def forget_exchange(self, name: str) -> None:
+        self._routes.clear()
         self.exchanges.pop(name, None)
         self.bindings = {k: b for k, b in self.bindings.items() if b.exchange != name}
 
@@ -179,11 +188,19 @@ class TopologyRecord:
         spec = self.exchanges.get(exchange)
         if spec is None:
             return frozenset()
-        return frozenset(
+        cacheable = spec.type is not ExchangeType.HEADERS
+        if cacheable and (cached := self._routes.get((exchange, routing_key))) is not None:
+            return cached
+        queues = frozenset(
             b.queue
             for b in self.bindings.values()
             if b.exchange == exchange and _binding_matches(spec, b, routing_key, headers or {})
         )
+        if cacheable:
+            if len(self._routes) >= ROUTE_CACHE_SIZE:
+                self._routes.clear()
+            self._routes[(exchange, routing_key)] = queues
+        return queues
 
 
 def _binding_matches(
