@@ -17,6 +17,7 @@ __all__ = [
     "Kind",
     "PhoenixMessage",
     "PhoenixTopology",
+    "control_inbox",
     "match_inbox",
     "router_inbox",
     "router_slave_inbox",
@@ -33,7 +34,9 @@ class Kind(StrEnum):
     JOIN = "join"  # a cluster joins the ring (to every routing master)
     HANDOVER = "handover"  # routing master -> its match masters: move an arc's subscriptions
     REPLICATE = "replicate"  # routing master -> routing slaves: a routing-table entry
-    ACK = "ack"  # routing slave -> routing master: replica entry stored
+    ACK = "ack"  # slave -> its master's control queue: replica entry stored
+    READ = "read"  # master -> slave: send me your replica (quorum read)
+    SNAPSHOT = "snapshot"  # slave -> master's control queue: a page of its replica
 
 
 class PhoenixMessage(BaseModel):
@@ -53,8 +56,15 @@ class PhoenixMessage(BaseModel):
     predicted_t: float | None = None  # heartbeat: the sender's predicted processing time
     cluster: str | None = None  # join / handover: the joining cluster
     arc: tuple[int, int] | None = None  # handover: ring interval (start, end] that moves
-    table: dict[str, Any] | None = None  # replicate: the entry (latency level sum and count)
+    table: dict[str, Any] | None = None  # replicate: the entry's document (or a tombstone)
     version: int | None = None  # replicate / ack: the entry's version
+    key: str | None = None  # replicate: the entry's key
+    state_kind: str | None = None  # replicate / read / snapshot: routing_table, subscription
+    request: str | None = None  # read / snapshot: which read this answers
+    reply_to: str | None = None  # read: the master's control queue
+    entries: dict[str, tuple[int, dict[str, Any]]] | None = None  # snapshot: key -> (v, doc)
+    last: bool = False  # snapshot: the final page
+    priority: int = Field(0, ge=0, le=MAX_PRIORITY)  # set by the routing master (latency level)
 
 
 class ClusterSpec(BaseModel):
@@ -74,6 +84,12 @@ class PhoenixTopology(BaseModel):
     clusters: tuple[ClusterSpec, ...] = Field(min_length=1)
     state_store: str = ".qosmq/phoenix-state.sqlite3"
     prefix: str = "phoenix"
+    #: deliveries a role holds unacknowledged: small, so a backlog waits in the broker's
+    #: priority queue and urgent events overtake it (the outer mechanism)
+    inbox_prefetch: int = Field(4, ge=1, le=1000)
+    outer: bool = True  # latency-level priorities between clusters
+    inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
+    read_timeout_s: float = Field(15.0, gt=0)  # how long a master waits for R replica replies
 
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:
@@ -115,3 +131,8 @@ def match_inbox(
 ) -> str:
     base = f"{topology.prefix}.{cluster}.match.{index}"
     return base if slave is None else f"{base}.slave.{slave}"
+
+
+def control_inbox(inbox: str) -> str:
+    """A master's control queue (acks, heartbeats, snapshots): never behind the data backlog."""
+    return f"{inbox}.control"

@@ -7,11 +7,16 @@ so a read always sees the latest acknowledged write.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Quorum", "Versioned"]
+__all__ = ["TOMBSTONE", "Quorum", "Versioned", "live", "merge_replicas"]
+
+#: A deleted entry is written as this document (with a new version), so a replica
+#: that missed the delete cannot bring the entry back at the next quorum read.
+TOMBSTONE: dict[str, Any] = {"_deleted": True}
+Entries = Mapping[str, tuple[int, dict[str, Any]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +57,25 @@ class Quorum:
             raise ValueError(f"a read needs {self.read} replies, got {len(responses)}")
         present = [v for v in responses.values() if v is not None]
         return max(present, key=lambda v: v.version, default=None)
+
+
+def merge_replicas(
+    replies: Sequence[Entries], *, at_least: int
+) -> dict[str, tuple[int, dict[str, Any]]]:
+    """A read of whole tables: per key, the newest version among ``at_least`` (R) replies.
+
+    Tombstones are kept (``live`` drops them), so the caller can repair its own copy.
+    """
+    if len(replies) < at_least:
+        raise ValueError(f"a read needs {at_least} replies, got {len(replies)}")
+    merged: dict[str, tuple[int, dict[str, Any]]] = {}
+    for reply in replies:
+        for key, (version, document) in reply.items():
+            if key not in merged or version > merged[key][0]:
+                merged[key] = (version, document)
+    return merged
+
+
+def live(entries: Entries) -> dict[str, tuple[int, dict[str, Any]]]:
+    """The entries that are not tombstones."""
+    return {k: (v, d) for k, (v, d) in entries.items() if d != TOMBSTONE}

@@ -9,21 +9,32 @@ Match masters keep subscriptions in a :class:`SubscriptionIndex`, persist them t
 the state store on change and reload them at start, and deliver matched events
 to each subscriber's own queue.
 
-Match slaves hold replicas of their master's subscriptions, match what the
-master dispatches to them, and report their predicted processing time T by
-heartbeat; the master sends each event to the broker with the smallest T.
+Masters replicate their state to their slaves (routing master -> routing
+slaves: the latencyMap table; match master -> match slaves: subscriptions).
+Every write carries a version, is persisted by the master and each slave in
+the state store, and counts as written once W of the N = slaves + 1 replicas
+acknowledged it; a master that starts reads its table back from R of N replicas
+(its own store and R - 1 slaves' snapshots), keeps the newest version per key
+and repairs its own copy (W + R > N: the read meets every acknowledged write).
+Acks, snapshots and heartbeats travel on a master's control queue, never behind
+the data backlog of its inbox.
+
+Match slaves match what the master dispatches to them and report their
+predicted processing time T by heartbeat; the master sends each event to the
+broker with the smallest T (the inner mechanism; ``inner = false``: the master
+matches everything itself).  Inboxes are consumed with a small prefetch so a
+backlog waits in RabbitMQ's priority queue and urgent events overtake it (the
+outer mechanism; ``outer = false``: every event has priority 0).
 
 A cluster that joins at run time is added by every routing master; the one
 whose arc shrank has its match masters hand exactly that arc's subscriptions to
-the joiner.
-
-Not built yet (issue #7 stays open): routing slaves, quorum acks for replica
-writes, recovery from failures (the later issue).
+the joiner.  Recovery from failures comes with the recovery issue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -40,16 +51,18 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .matching import Event, Filter, FilterError, SubscriptionIndex
 from .protocol import (
+    MAX_PRIORITY,
     Kind,
     PhoenixMessage,
     PhoenixTopology,
+    control_inbox,
     match_inbox,
     router_inbox,
     router_slave_inbox,
 )
-from .replicas import Quorum
+from .replicas import TOMBSTONE, Quorum, live, merge_replicas
 from .ring import ChordRing, Handover
-from .store import open_store
+from .store import StateStore, open_store
 from .timeliness import LatencyMap, QueuePredictor, choose_broker
 
 __all__ = ["MatchMaster", "MatchSlave", "PhoenixClient", "RouterMaster", "RouterSlave"]
@@ -114,61 +127,277 @@ class _Role:
             )
         )
 
-    async def serve(self, inbox: str, stop: asyncio.Event) -> None:
+    async def serve(self, inbox: str, stop: asyncio.Event, *, control: bool = False) -> None:
+        """Consume the control queue (masters), ``prepare``, then the inbox, until ``stop``."""
         client = await self.client_for(self.cluster)
+        if control:
+            await client.declare_queue(inbox_spec(control_inbox(inbox)))
+            await client.consume(control_inbox(inbox), self._on_control)
+        await self.prepare()
         await client.declare_queue(inbox_spec(inbox))
-        await client.consume(inbox, self._on_message)
+        await client.consume(inbox, self._on_message, prefetch=self.topology.inbox_prefetch)
         log.info("%s serving %s", type(self).__name__, inbox)
         await stop.wait()
         for c in self._clients.values():
             await c.close()
 
-    async def _on_message(self, delivery: Delivery) -> None:
+    async def prepare(self) -> None:
+        """Runs before the inbox is consumed (masters read their replicas back here)."""
+
+    @staticmethod
+    def _parse(delivery: Delivery) -> PhoenixMessage:
         try:
-            message = PhoenixMessage.model_validate_json(delivery.body)
+            return PhoenixMessage.model_validate_json(delivery.body)
         except ValueError as exc:
             raise DeadLetter(f"malformed Phoenix message: {exc}") from None
-        await self.handle(message)
+
+    async def _on_message(self, delivery: Delivery) -> None:
+        await self.handle(self._parse(delivery))
+
+    async def _on_control(self, delivery: Delivery) -> None:
+        await self.control(self._parse(delivery))
 
     async def handle(self, message: PhoenixMessage) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    async def control(self, message: PhoenixMessage) -> None:
+        """Acks, snapshots and heartbeats (masters)."""
+
+
+class _PendingRead:
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {}
+        self.done: set[str] = set()
+        self.changed = asyncio.Event()
+
+
+class _ReplicaSet:
+    """A master's replicas of one table: its own store plus one per slave (over RabbitMQ).
+
+    ``write`` persists locally and sends the versioned entry to every slave; the
+    entry counts as written once W of N acknowledged it (``written`` resolves then).
+    ``read`` asks the slaves for snapshots and merges R of N replies, newest version
+    per key, repairing the master's own copy.
+    """
+
+    PAGE = 5000
+
+    def __init__(
+        self, role: _Role, store: StateStore, kind: str, owner: str, slaves: Sequence[str]
+    ) -> None:
+        self.role, self.store, self.kind, self.owner = role, store, kind, owner
+        self.slaves = list(slaves)
+        self.quorum = Quorum.majority(len(self.slaves) + 1)
+        self.version = 0
+        self.pending: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
+        self._reads: dict[str, _PendingRead] = {}
+        self.control = ""  # the master's control queue, set by the master
+
+    async def read(self, timeout_s: float) -> dict[str, tuple[int, dict[str, Any]]]:
+        own = self.store.load(self.owner, self.kind)
+        replies = [own]
+        if self.quorum.read > 1:
+            request = uuid.uuid4().hex
+            pending = self._reads[request] = _PendingRead()
+            ask = PhoenixMessage(
+                kind=Kind.READ,
+                event_type="-",
+                request=request,
+                state_kind=self.kind,
+                reply_to=self.control,
+            )
+            for inbox in self.slaves:
+                await self.role.send(self.role.cluster, inbox, ask, MAX_PRIORITY)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while len(pending.done) < self.quorum.read - 1:
+                        await pending.changed.wait()
+                        pending.changed.clear()
+            except TimeoutError:
+                self.role.count("degraded_reads")
+                log.warning(
+                    "%s: read quorum R=%d not reached in %.0f s (%d replies); "
+                    "starting from what answered",
+                    self.owner,
+                    self.quorum.read,
+                    timeout_s,
+                    len(pending.done) + 1,
+                )
+            finally:
+                del self._reads[request]
+            replies += [pending.entries[b] for b in sorted(pending.done)]
+        merged = merge_replicas(replies, at_least=min(len(replies), self.quorum.read))
+        self.version = max((v for v, _ in merged.values()), default=0)
+        for key, (version, document) in merged.items():
+            if own.get(key, (-1, None))[0] < version:  # read repair of the master's copy
+                self.store.save(self.owner, self.kind, key, document, version)
+                self.role.count("read_repairs")
+        return live(merged)
+
+    def page(self, message: PhoenixMessage) -> None:
+        pending = self._reads.get(message.request or "")
+        if pending is None or message.broker is None:
+            return  # a reply to an earlier read
+        pending.entries.setdefault(message.broker, {}).update(message.entries or {})
+        if message.last:
+            pending.done.add(message.broker)
+            pending.changed.set()
+
+    async def write(self, key: str, document: dict[str, Any] | None) -> asyncio.Future[None]:
+        """Persist and replicate one entry (None: delete, as a tombstone)."""
+        self.version += 1
+        version, document = self.version, TOMBSTONE if document is None else document
+        self.store.save(self.owner, self.kind, key, document, version)
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pending[version] = ({"master"}, written)
+        self.acknowledged(version, "master")
+        entry = PhoenixMessage(
+            kind=Kind.REPLICATE,
+            event_type="-",
+            key=key,
+            state_kind=self.kind,
+            version=version,
+            table=document,
+        )
+        for inbox in self.slaves:  # ahead of any event backlog in the slave's inbox
+            await self.role.send(self.role.cluster, inbox, entry, MAX_PRIORITY)
+        return written
+
+    def acknowledged(self, version: int, replica: str) -> None:
+        pending = self.pending.get(version)
+        if pending is None:
+            return
+        acks, written = pending
+        acks.add(replica)
+        if self.quorum.written(acks):
+            del self.pending[version]  # W of N hold it: the entry is durable
+            if not written.done():
+                written.set_result(None)
+            self.role.count("replicated")
+
+    async def on_control(self, message: PhoenixMessage) -> bool:
+        if message.kind is Kind.ACK and message.version is not None and message.broker:
+            self.acknowledged(message.version, message.broker)
+        elif message.kind is Kind.SNAPSHOT:
+            self.page(message)
+        else:
+            return False
+        return True
+
+
+class _ReplicaHolder(_Role):
+    """A slave's side of a replica set: store entries, acknowledge, answer reads."""
+
+    replica_owner = ""
+    master_control = ""
+    store: StateStore
+
+    def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    async def hold(self, message: PhoenixMessage) -> bool:
+        if message.kind is Kind.REPLICATE and message.key and message.state_kind:
+            if message.table is None or message.version is None:
+                return True
+            self.store.save(
+                self.replica_owner, message.state_kind, message.key, message.table, message.version
+            )
+            self.apply(message.key, message.table)
+            self.count("replicas")
+            await self.send(
+                self.cluster,
+                self.master_control,
+                PhoenixMessage(
+                    kind=Kind.ACK,
+                    event_type="-",
+                    key=message.key,
+                    version=message.version,
+                    broker=self.replica_owner,
+                ),
+            )
+            return True
+        if message.kind is Kind.READ and message.state_kind and message.reply_to:
+            entries = list(self.store.load(self.replica_owner, message.state_kind).items())
+            pages = [
+                entries[i : i + _ReplicaSet.PAGE] for i in range(0, len(entries), _ReplicaSet.PAGE)
+            ] or [[]]
+            for n, page in enumerate(pages):
+                await self.send(
+                    self.cluster,
+                    message.reply_to,
+                    PhoenixMessage(
+                        kind=Kind.SNAPSHOT,
+                        event_type="-",
+                        request=message.request,
+                        state_kind=message.state_kind,
+                        entries=dict(page),
+                        last=n == len(pages) - 1,
+                        broker=self.replica_owner,
+                    ),
+                )
+            self.count("reads_answered")
+            return True
+        return False
 
 
 class RouterMaster(_Role):
     """Forwards along the ring; at the owner, hands over to a match master.
 
-    Its routing table (latencyMap entries) is replicated to the routing slaves; an
-    entry counts as written once W of the N = slaves + 1 replicas (itself included)
-    hold it (``Quorum.majority``).
+    Its routing table (latencyMap entries) is replicated to the routing slaves
+    (W of N acks) and read back from R of N replicas when it starts.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.slaves = self.topology.cluster(self.cluster).routing_slaves
-        self.quorum = Quorum.majority(self.slaves + 1)
-        self.version = 0
-        self.acks: dict[int, set[str]] = {}
+        self.store = open_store(self.topology.state_store)
+        slaves = self.topology.cluster(self.cluster).routing_slaves
+        self.inbox = router_inbox(self.topology, self.cluster)
+        self.replicas = _ReplicaSet(
+            self,
+            self.store,
+            "routing_table",
+            f"{self.cluster}/router",
+            [router_slave_inbox(self.topology, self.cluster, j) for j in range(slaves)],
+        )
+        self.replicas.control = control_inbox(self.inbox)
         self.ring = ChordRing(
             c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
         )
         self.latency = LatencyMap()
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.serve(router_inbox(self.topology, self.cluster), stop)
+        try:
+            await self.serve(self.inbox, stop, control=True)
+        finally:
+            self.store.close()
+
+    async def prepare(self) -> None:
+        table = await self.replicas.read(self.topology.read_timeout_s)
+        for event_type, (_, doc) in table.items():
+            self.latency.entries[event_type] = (int(doc["level_sum"]), int(doc["count"]))
+
+    async def control(self, message: PhoenixMessage) -> None:
+        await self.replicas.on_control(message)
+
+    def priority(self, message: PhoenixMessage) -> int:
+        """The latency level's priority: the highest any router on the path knows."""
+        if not self.topology.outer:
+            return 0
+        return max(message.priority, self.latency.priority(message.event_type))
 
     async def handle(self, message: PhoenixMessage) -> None:
         if message.kind is Kind.JOIN and message.cluster:
             await self._join(message.cluster)
             return
-        if message.kind is Kind.ACK and message.version is not None and message.broker:
-            self._acknowledged(message.version, message.broker)
-            return
         et = message.event_type
         if message.kind is Kind.SUBSCRIBE:
             self.latency.add(et, message.latency_level)
-            await self._replicate(et)
-        forwarded = message.model_copy(update={"hops": [*message.hops, self.cluster]})
-        priority = self.latency.priority(et)
+            total, count = self.latency.entries[et]
+            await self.replicas.write(et, {"level_sum": total, "count": count})
+        priority = self.priority(message)
+        forwarded = message.model_copy(
+            update={"hops": [*message.hops, self.cluster], "priority": priority}
+        )
         owner = self.ring.owner(et)
         if owner != self.cluster:
             next_hop = self.ring.route(self.cluster, et)[1]
@@ -181,30 +410,6 @@ class RouterMaster(_Role):
         await self.send(
             self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
         )
-
-    async def _replicate(self, event_type: str) -> None:
-        if not self.slaves:
-            return
-        self.version += 1
-        self.acks[self.version] = {"master"}
-        total, count = self.latency.entries[event_type]
-        entry = PhoenixMessage(
-            kind=Kind.REPLICATE,
-            event_type=event_type,
-            version=self.version,
-            table={"level_sum": total, "count": count},
-        )
-        for j in range(self.slaves):
-            await self.send(self.cluster, router_slave_inbox(self.topology, self.cluster, j), entry)
-
-    def _acknowledged(self, version: int, slave: str) -> None:
-        acks = self.acks.get(version)
-        if acks is None:
-            return
-        acks.add(slave)
-        if self.quorum.written(acks):
-            del self.acks[version]  # W of N hold it: the entry is durable
-            self.count("replicated")
 
     async def _join(self, cluster: str) -> None:
         """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
@@ -224,43 +429,37 @@ class RouterMaster(_Role):
                     cluster=cluster,
                     arc=(handover.start, handover.end),
                 ),
+                MAX_PRIORITY,
             )
 
 
-class RouterSlave(_Role):
+class RouterSlave(_ReplicaHolder):
     """Holds a replica of its routing master's table (persisted) and acknowledges each entry."""
 
     def __init__(self, *, slave: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.slave = slave
-        self.owner = f"{self.cluster}/router-slave-{slave}"
+        self.replica_owner = f"{self.cluster}/router-slave-{slave}"
+        self.master_control = control_inbox(router_inbox(self.topology, self.cluster))
         self.table: dict[str, dict[str, Any]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        store = open_store(self.topology.state_store)
-        self.table = {k: doc for k, (_, doc) in store.load(self.owner, "routing_table").items()}
-        self.store = store
-        await self.serve(router_slave_inbox(self.topology, self.cluster, self.slave), stop)
-        store.close()
+        self.store = open_store(self.topology.state_store)
+        try:
+            for key, (_, doc) in live(self.store.load(self.replica_owner, "routing_table")).items():
+                self.table[key] = doc
+            await self.serve(router_slave_inbox(self.topology, self.cluster, self.slave), stop)
+        finally:
+            self.store.close()
+
+    def apply(self, key: str, document: dict[str, Any]) -> None:
+        if document == TOMBSTONE:
+            self.table.pop(key, None)
+        else:
+            self.table[key] = document
 
     async def handle(self, message: PhoenixMessage) -> None:
-        if message.kind is not Kind.REPLICATE or message.table is None or message.version is None:
-            return
-        self.table[message.event_type] = message.table
-        self.store.save(
-            self.owner, "routing_table", message.event_type, message.table, message.version
-        )
-        self.count("replicas")
-        await self.send(
-            self.cluster,
-            router_inbox(self.topology, self.cluster),
-            PhoenixMessage(
-                kind=Kind.ACK,
-                event_type=message.event_type,
-                version=message.version,
-                broker=f"slave-{self.slave}",
-            ),
-        )
+        await self.hold(message)
 
 
 class _MatchBroker(_Role):
@@ -273,20 +472,27 @@ class _MatchBroker(_Role):
         self.index = index
         self.owner = f"{self.cluster}/match-{index}"  # subscriptions are the master's
         self.indexes: dict[str, SubscriptionIndex] = {}
-        self.queues: dict[str, str] = {}
+        self.queues: dict[str, tuple[str, str]] = {}  # sid -> (event type, subscriber queue)
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
 
-    def _add(self, sid: str, event_type: str, flt: Filter, queue: str) -> None:
-        self.indexes.setdefault(event_type, SubscriptionIndex()).add(sid, flt)
-        self.queues[sid] = queue
+    def _add(self, sid: str, document: dict[str, Any]) -> None:
+        if sid in self.queues:
+            self._remove(sid)
+        event_type = document["event_type"]
+        self.indexes.setdefault(event_type, SubscriptionIndex()).add(
+            sid, Filter.parse(document["filter"])
+        )
+        self.queues[sid] = (event_type, document["queue"])
 
-    def _load(self) -> None:
-        store = open_store(self.topology.state_store)
-        try:
-            for sid, (_, doc) in store.load(self.owner, "subscription").items():
-                self._add(sid, doc["event_type"], Filter.parse(doc["filter"]), doc["queue"])
-        finally:
-            store.close()
+    def _remove(self, sid: str) -> None:
+        where = self.queues.pop(sid, None)
+        if where is None:
+            return
+        event_type = where[0]
+        index = self.indexes[event_type]
+        index.remove(sid)
+        if not len(index):
+            del self.indexes[event_type]
 
     async def _match(self, message: PhoenixMessage) -> None:
         assert message.event is not None
@@ -298,13 +504,14 @@ class _MatchBroker(_Role):
         client = await self.client_for(self.cluster)
         body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
         for sid in matched:
+            queue = self.queues[sid][1]
             try:
                 await client.publish(
-                    OutgoingMessage(body, "", self.queues[sid], content_type="application/json")
+                    OutgoingMessage(body, "", queue, content_type="application/json")
                 )
                 self.count("delivered")
             except Unroutable:
-                log.warning("subscriber queue %s is gone", self.queues[sid])
+                log.warning("subscriber queue %s is gone", queue)
         self.predictor.completed()
 
     @property
@@ -312,86 +519,97 @@ class _MatchBroker(_Role):
         return self.owner
 
 
+def _subscription_document(message: PhoenixMessage) -> dict[str, Any]:
+    return {
+        "event_type": message.event_type,
+        "filter": message.filter,
+        "queue": message.queue,
+        "latency_level": message.latency_level,
+    }
+
+
 class MatchMaster(_MatchBroker):
-    """Keeps subscriptions (indexed, persisted, copied to its slaves); sends each event
-    to the broker with the smallest predicted processing time T, itself included."""
+    """Keeps subscriptions (indexed, persisted, replicated to its slaves by quorum) and
+    sends each event to the broker with the smallest predicted processing time T,
+    itself included."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store = open_store(self.topology.state_store)
-        self.slaves = self.topology.cluster(self.cluster).match_slaves
+        slaves = self.topology.cluster(self.cluster).match_slaves
+        self.inbox = match_inbox(self.topology, self.cluster, self.index)
         self.slave_t: dict[int, tuple[float, float]] = {}  # slave -> (T, received at)
-        self.subscriptions: dict[str, PhoenixMessage] = {}  # as received, for hand-over
+        self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
+        self.replicas = _ReplicaSet(
+            self,
+            self.store,
+            "subscription",
+            self.owner,
+            [match_inbox(self.topology, self.cluster, self.index, j) for j in range(slaves)],
+        )
+        self.replicas.control = control_inbox(self.inbox)
 
     async def run(self, stop: asyncio.Event) -> None:
-        for sid, (_, doc) in self.store.load(self.owner, "subscription").items():
-            self._subscribe(PhoenixMessage(kind=Kind.SUBSCRIBE, subscription_id=sid, **doc))
-        await self.serve(match_inbox(self.topology, self.cluster, self.index), stop)
-        self.store.close()
+        try:
+            await self.serve(self.inbox, stop, control=True)
+        finally:
+            self.store.close()
 
-    def _subscribe(self, message: PhoenixMessage) -> None:
-        assert message.subscription_id and message.queue
-        self._add(
-            message.subscription_id, message.event_type, Filter.parse(message.filter), message.queue
-        )
-        self.subscriptions[message.subscription_id] = message
+    async def prepare(self) -> None:
+        for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():
+            self._add(sid, doc)
+            self.subscriptions[sid] = doc
+        log.info("%s: %d subscriptions read back", self.owner, len(self.subscriptions))
+
+    async def control(self, message: PhoenixMessage) -> None:
+        if await self.replicas.on_control(message):
+            return
+        if message.kind is Kind.HEARTBEAT and message.broker and message.predicted_t is not None:
+            self.slave_t[int(message.broker.rsplit("-", 1)[1])] = (
+                message.predicted_t,
+                time.monotonic(),
+            )
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
         """Send the subscriptions of the arc's event types to the joining cluster."""
         handover = Handover(joiner, self.cluster, *arc)
-        moving = [m for m in self.subscriptions.values() if handover.covers(m.event_type)]
-        for message in moving:
-            sid = str(message.subscription_id)
+        moving = [
+            (sid, doc)
+            for sid, doc in self.subscriptions.items()
+            if handover.covers(doc["event_type"])
+        ]
+        for sid, doc in moving:
             await self.send(
                 joiner,
                 router_inbox(self.topology, joiner),
-                message.model_copy(update={"hops": [], "replica": False}),
+                PhoenixMessage(kind=Kind.SUBSCRIBE, subscription_id=sid, **doc),
             )
-            index = self.indexes[message.event_type]
-            index.remove(sid)
-            if not len(index):
-                del self.indexes[message.event_type]
-            del self.subscriptions[sid], self.queues[sid]
-            self.store.delete(self.owner, "subscription", sid)
+            self._remove(sid)
+            del self.subscriptions[sid]
+            await self.replicas.write(sid, None)
         self.count("handed_over", len(moving))
 
     async def handle(self, message: PhoenixMessage) -> None:
         if message.kind is Kind.HANDOVER and message.cluster and message.arc:
             await self._hand_over(message.cluster, message.arc)
         elif message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
-            self._subscribe(message)
-            self.store.save(
-                self.owner,
-                "subscription",
-                message.subscription_id,
-                {
-                    "event_type": message.event_type,
-                    "filter": message.filter,
-                    "queue": message.queue,
-                    "latency_level": message.latency_level,
-                },
-                1,
-            )
-            replica = message.model_copy(update={"replica": True})
-            for j in range(self.slaves):
-                await self.send(self.cluster, self._slave_inbox(j), replica)
+            doc = _subscription_document(message)
+            self._add(message.subscription_id, doc)
+            self.subscriptions[message.subscription_id] = doc
+            await self.replicas.write(message.subscription_id, doc)
         elif message.kind is Kind.ADVERTISE:
             self.store.save(self.owner, "advertisement", message.event_type, {}, 1)
-        elif message.kind is Kind.HEARTBEAT and message.broker and message.predicted_t is not None:
-            self.slave_t[int(message.broker.rsplit("-", 1)[1])] = (
-                message.predicted_t,
-                time.monotonic(),
-            )
         elif message.kind is Kind.PUBLISH and message.event is not None:
-            target = self.choose()
+            target = self.choose() if self.topology.inner else None
             if target is None:
                 await self._match(message)
             else:
                 self.count("dispatched")
                 await self.send(
                     self.cluster,
-                    self._slave_inbox(target),
-                    message.model_copy(update={"replica": True}),
+                    match_inbox(self.topology, self.cluster, self.index, target),
+                    message,
+                    message.priority,
                 )
 
     def choose(self) -> int | None:
@@ -406,41 +624,48 @@ class MatchMaster(_MatchBroker):
         chosen = choose_broker(predicted)
         return None if chosen == "self" else int(chosen.split("-")[1])
 
-    def _slave_inbox(self, j: int) -> str:
-        return match_inbox(self.topology, self.cluster, self.index, j)
 
-
-class MatchSlave(_MatchBroker):
-    """Holds a replica of its master's subscriptions, matches what the master sends it,
-    and reports its predicted T to the master every heartbeat."""
+class MatchSlave(_MatchBroker, _ReplicaHolder):
+    """Holds a replica of its master's subscriptions (persisted, acknowledged), matches
+    what the master sends it, and reports its predicted T to the master every heartbeat."""
 
     def __init__(self, *, slave: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.slave = slave
+        self.replica_owner = self.name
+        self.master_control = control_inbox(match_inbox(self.topology, self.cluster, self.index))
 
     @property
     def name(self) -> str:
         return f"{self.owner}/slave-{self.slave}"
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._load()  # the replica starts from the master's persisted state
+        self.store = open_store(self.topology.state_store)
+        for sid, (_, doc) in live(self.store.load(self.replica_owner, "subscription")).items():
+            self._add(sid, doc)
         beat = asyncio.create_task(self._heartbeat(stop))
-        await self.serve(match_inbox(self.topology, self.cluster, self.index, self.slave), stop)
-        beat.cancel()
+        try:
+            await self.serve(match_inbox(self.topology, self.cluster, self.index, self.slave), stop)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            self.store.close()
+
+    def apply(self, key: str, document: dict[str, Any]) -> None:
+        if document == TOMBSTONE:
+            self._remove(key)
+        else:
+            self._add(key, document)
 
     async def handle(self, message: PhoenixMessage) -> None:
-        if message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
-            self._add(
-                message.subscription_id,
-                message.event_type,
-                Filter.parse(message.filter),
-                message.queue,
-            )
-        elif message.kind is Kind.PUBLISH and message.event is not None:
+        if await self.hold(message):
+            return
+        if message.kind is Kind.PUBLISH and message.event is not None:
             await self._match(message)
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
-        master = match_inbox(self.topology, self.cluster, self.index)
+        master = self.master_control
         while not stop.is_set():
             await asyncio.sleep(self.HEARTBEAT_S)
             t = self.predictor.close_window(time.monotonic())

@@ -141,14 +141,19 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         for j in (0, 1):  # B's routing slaves hold the replicated table entry
             entry = store.load(f"B/router-slave-{j}", "routing_table")[event_type]
             assert entry[1] == {"level_sum": 1, "count": 1}
-        store.close()
         brokers_used = {m["broker"] for m in bursts}
         assert len(brokers_used) >= 2, brokers_used  # predicted-T dispatch inside cluster B
         assert all(b.startswith("B/match-0") for b in brokers_used)
         hops = got[-1]["hops"]
         assert hops[0] == "C" and hops[-1] == "B" and hops == ring.route("C", event_type)
-        # every role restarts: the match master reloads the subscription from the store
+        for j in (0, 1):  # B's match slaves hold acknowledged replicas of the subscription
+            replica = store.load(f"B/match-0/slave-{j}", "subscription")
+            assert [doc["queue"] for _, doc in replica.values()] == [queue]
+        # every role restarts; the masters' own copies are lost: they read their tables
+        # back from R of N replicas (the slaves' snapshots) and repair their own copies
         _phoenix("down", topology_file, state, urls)
+        store.snapshot("B/match-0", "subscription", {})
+        store.snapshot("B/router", "routing_table", {})
         _phoenix("up", topology_file, state, urls)
         again = asyncio.run(scenario(subscribe=False))
         assert [
@@ -157,6 +162,13 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
             if m["event"]["attributes"]["n"].startswith(("yes", "no"))
         ] == [f"yes{i}" for i in range(10)]
         assert len([m for m in again if m["event"]["attributes"]["n"].startswith("burst")]) == 150
+        repaired = store.load("B/match-0", "subscription")
+        assert [doc["queue"] for _, doc in repaired.values()] == [queue]
+        assert store.load("B/router", "routing_table")[event_type][1] == {
+            "level_sum": 1,
+            "count": 1,
+        }
+        store.close()
     finally:
         if (state / "phoenix.json").exists():
             _phoenix("down", topology_file, state, urls)

@@ -186,16 +186,49 @@ def test_quorum_reads_always_see_the_last_acknowledged_write() -> None:
 
 
 def test_router_counts_a_table_entry_written_at_w_of_n_acks() -> None:
-    from middleware.routing.protocol import PhoenixTopology
+    import asyncio
+
+    from middleware.routing.protocol import Kind, PhoenixTopology
     from middleware.routing.roles import RouterMaster
     from middleware.settings import Settings
 
     topology = PhoenixTopology.model_validate(
         {"clusters": [{"id": "B", "routing_slaves": 2}], "state_store": ":memory:"}
     )
-    router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
-    assert (router.quorum.replicas, router.quorum.write) == (3, 2)
-    router.acks[7] = {"master"}
-    router._acknowledged(7, "slave-1")  # master + one slave = W
-    router._acknowledged(7, "slave-0")  # late ack of an entry already written
-    assert router.counters["replicated"] == 1 and 7 not in router.acks
+
+    async def scenario() -> None:
+        router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
+        assert (router.replicas.quorum.replicas, router.replicas.quorum.write) == (3, 2)
+        sent: list[tuple[str, object, int]] = []
+
+        async def send(cluster: str, inbox: str, message: object, priority: int = 0) -> None:
+            sent.append((inbox, message, priority))
+
+        router.send = send  # type: ignore[method-assign]  # the wire is the integration tests'
+        written = await router.replicas.write("quotes", {"level_sum": 1, "count": 1})
+        assert [(inbox, p) for inbox, _, p in sent] == [
+            ("phoenix.B.router.slave.0", 9),
+            ("phoenix.B.router.slave.1", 9),
+        ]
+        assert all(m.kind is Kind.REPLICATE and m.version == 1 for _, m, _ in sent)  # type: ignore[attr-defined]
+        assert not written.done()  # the master alone is 1 of the W = 2
+        router.replicas.acknowledged(1, "B/router-slave-1")
+        assert written.done()
+        router.replicas.acknowledged(1, "B/router-slave-0")  # late ack of a written entry
+        assert router.counters["replicated"] == 1 and not router.replicas.pending
+        assert router.store.load("B/router", "routing_table")["quotes"][0] == 1
+        router.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_replica_merge_keeps_the_newest_version_and_honours_deletes() -> None:
+    from middleware.routing.replicas import TOMBSTONE, live, merge_replicas
+
+    master = {"a": (3, {"v": "a3"}), "b": (1, {"v": "b1"})}
+    slave0 = {"a": (2, {"v": "a2"}), "b": (4, TOMBSTONE), "c": (5, {"v": "c5"})}
+    merged = merge_replicas([master, slave0], at_least=2)
+    assert merged == {"a": (3, {"v": "a3"}), "b": (4, TOMBSTONE), "c": (5, {"v": "c5"})}
+    assert live(merged) == {"a": (3, {"v": "a3"}), "c": (5, {"v": "c5"})}
+    with pytest.raises(ValueError, match="needs 2 replies"):
+        merge_replicas([master], at_least=2)
