@@ -45,9 +45,26 @@ def register(sub: Any) -> None:
     balance.add_argument("--json", type=Path)
     balance.set_defaults(run=_run_balance)
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
-    phoenix.add_argument("--experiment", choices=("matching",), default="matching")
-    phoenix.add_argument("--subscriptions", default="10000,50000,100000,200000")
-    phoenix.add_argument("--events", type=int, default=20_000)
+    phoenix.add_argument(
+        "--experiment",
+        choices=("matching", "rate", "subscriptions"),
+        default="matching",
+        help="matching: (c) one match broker; rate: (a) response time vs event rate; "
+        "subscriptions: (b) response time vs subscriptions",
+    )
+    phoenix.add_argument(
+        "--subscriptions",
+        help="comma list (default: 10000,50000,100000,200000; rate: 200000)",
+    )
+    phoenix.add_argument("--events", type=int, default=20_000, help="matching: events")
+    phoenix.add_argument(
+        "--rates", help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)"
+    )
+    phoenix.add_argument("--mechanisms", default="none,inner,outer,both")
+    phoenix.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
+    phoenix.add_argument(
+        "--work-dir", type=Path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
+    )
     phoenix.add_argument("--json", type=Path)
     phoenix.set_defaults(run=_run_phoenix)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
@@ -283,8 +300,11 @@ def _run_balance(args: argparse.Namespace) -> int:
 
 
 def _run_phoenix(args: argparse.Namespace) -> int:
+    if args.experiment != "matching":
+        return _run_phoenix_timeliness(args)
     from .phoenix import matching_throughput
 
+    args.subscriptions = args.subscriptions or "10000,50000,100000,200000"
     rows = []
     print(
         f"{'subscriptions':>13} {'events/s':>9} {'matches/event':>13} {'work/event':>10} "
@@ -297,6 +317,56 @@ def _run_phoenix(args: argparse.Namespace) -> int:
             f"{n:>13} {row['events_per_s']:>9} {row['matches_per_event']:>13} "
             f"{row['work_per_event']:>10} {row['build_s']:>8}"
         )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
+    from .phoenix_timeliness import MECHANISMS, run_experiment
+
+    by_rate = args.experiment == "rate"
+    counts = [
+        int(x)
+        for x in (
+            args.subscriptions or ("200000" if by_rate else "10000,50000,100000,200000")
+        ).split(",")
+    ]
+    rates = [float(x) for x in (args.rates or ("100,200,400" if by_rate else "200")).split(",")]
+    mechanisms = args.mechanisms.split(",")
+    unknown = [m for m in mechanisms if m not in MECHANISMS]
+    if unknown:
+        print(f"unknown mechanisms {unknown}; choose from {', '.join(MECHANISMS)}", file=sys.stderr)
+        return 2
+    columns = (
+        "subscriptions",
+        "mechanism",
+        "rate",
+        "offered_per_s",
+        "events",
+        "delivered_events",
+        "mean_ms",
+        "p50_ms",
+        "p99_ms",
+        "urgent_mean_ms",
+        "bulk_mean_ms",
+    )
+    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns), flush=True)
+
+    def report(row: dict[str, Any]) -> None:
+        print(" ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns), flush=True)
+
+    rows = run_experiment(
+        args.settings,
+        directory=args.work_dir,
+        subscription_counts=counts,
+        rates=rates,
+        mechanisms=mechanisms,
+        duration_s=args.duration,
+        report=report,
+    )
+    for row in rows:
+        row.update(_provenance())
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

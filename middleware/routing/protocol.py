@@ -86,7 +86,7 @@ class PhoenixTopology(BaseModel):
     prefix: str = "phoenix"
     #: deliveries a role holds unacknowledged: small, so a backlog waits in the broker's
     #: priority queue and urgent events overtake it (the outer mechanism)
-    inbox_prefetch: int = Field(4, ge=1, le=1000)
+    inbox_prefetch: int = Field(16, ge=1, le=1000)
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
     read_timeout_s: float = Field(15.0, gt=0)  # how long a master waits for R replica replies

@@ -496,23 +496,32 @@ class _MatchBroker(_Role):
 
     async def _match(self, message: PhoenixMessage) -> None:
         assert message.event is not None
-        self.predictor.arrived()
+        self.predictor.arrived(now=time.monotonic())
         index = self.indexes.get(message.event_type)
         matched = index.match(message.event.attributes) if index else set()
         self.count("matched", len(matched))
         HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
-        client = await self.client_for(self.cluster)
-        body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
-        for sid in matched:
-            queue = self.queues[sid][1]
-            try:
-                await client.publish(
-                    OutgoingMessage(body, "", queue, content_type="application/json")
-                )
-                self.count("delivered")
-            except Unroutable:
-                log.warning("subscriber queue %s is gone", queue)
-        self.predictor.completed()
+        if matched:
+            client = await self.client_for(self.cluster)
+            body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
+            # one copy per subscriber queue, however many of its subscriptions matched;
+            # the copies are confirmed together, not one round trip each
+            queues = sorted({self.queues[sid][1] for sid in matched})
+            results = await asyncio.gather(
+                *(
+                    client.publish(OutgoingMessage(body, "", q, content_type="application/json"))
+                    for q in queues
+                ),
+                return_exceptions=True,
+            )
+            for queue, result in zip(queues, results, strict=True):
+                if isinstance(result, Unroutable):
+                    log.warning("subscriber queue %s is gone", queue)
+                elif isinstance(result, BaseException):
+                    raise result  # not settled: the inbox delivery is dead-lettered with why
+                else:
+                    self.count("delivered")
+        self.predictor.completed(now=time.monotonic())
 
     @property
     def name(self) -> str:
@@ -539,6 +548,7 @@ class MatchMaster(_MatchBroker):
         slaves = self.topology.cluster(self.cluster).match_slaves
         self.inbox = match_inbox(self.topology, self.cluster, self.index)
         self.slave_t: dict[int, tuple[float, float]] = {}  # slave -> (T, received at)
+        self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
         self.replicas = _ReplicaSet(
             self,
@@ -605,22 +615,29 @@ class MatchMaster(_MatchBroker):
                 await self._match(message)
             else:
                 self.count("dispatched")
+                started = time.monotonic()
                 await self.send(
                     self.cluster,
                     match_inbox(self.topology, self.cluster, self.index, target),
                     message,
                     message.priority,
                 )
+                hop = time.monotonic() - started
+                self.hop_s = hop if not self.hop_s else 0.9 * self.hop_s + 0.1 * hop
 
     def choose(self) -> int | None:
-        """None for itself, else the slave with the smallest fresh predicted T."""
+        """None for itself, else the slave with the smallest fresh predicted T.
+
+        A slave's T counts the hop to it (the measured cost of a dispatch): an idle
+        master keeps the work, a backlogged one sends it where it finishes sooner.
+        """
         now = time.monotonic()
         if now - self.predictor.last_close >= self.HEARTBEAT_S:
             self.predictor.close_window(now)
         predicted = {"self": self.predictor.predict(now)}
         for j, (t, at) in self.slave_t.items():
             if now - at <= 3 * self.HEARTBEAT_S:  # a silent slave gets nothing
-                predicted[f"slave-{j}"] = t
+                predicted[f"slave-{j}"] = t + self.hop_s
         chosen = choose_broker(predicted)
         return None if chosen == "self" else int(chosen.split("-")[1])
 

@@ -11,6 +11,11 @@ window t: a = NA/t, mu = NC/t; predicts its queue q(t) = max(0, q(t') + (a - mu)
 message i waits (i - 1)/mu and takes 1/mu, so the mean processing time is
 T(t) = (q(t) + 1) / (2 mu).  The master sends each event to the broker with the
 smallest T (itself included).
+
+NC/t is the service *rate* only while the broker is saturated; at light load it is
+the arrival rate, which makes an idle broker look slow (T = 1/(2a)).  A broker that
+reports when it starts and ends each event (``arrived(now=…)``/``completed(now=…)``)
+gets mu = NC / (time it was busy in the window): its capacity, as the model means.
 """
 
 from __future__ import annotations
@@ -100,21 +105,42 @@ class QueuePredictor:
     arrival_rate: float = 0.0
     service_rate: float = 0.0
     last_close: float = 0.0
+    in_progress: int = 0
+    busy_s: float = 0.0  # time with at least one event in progress, this window
+    busy_since: float | None = None
 
-    def arrived(self, n: int = 1) -> None:
+    def arrived(self, n: int = 1, *, now: float | None = None) -> None:
         self.arrivals += n
+        if now is not None:
+            if self.in_progress == 0:
+                self.busy_since = now
+            self.in_progress += n
 
-    def completed(self, n: int = 1) -> None:
+    def completed(self, n: int = 1, *, now: float | None = None) -> None:
         self.completions += n
+        if now is not None and self.in_progress > 0:
+            self.in_progress -= n
+            if self.in_progress <= 0 and self.busy_since is not None:
+                self.in_progress = 0
+                self.busy_s += now - self.busy_since
+                self.busy_since = None
 
     def close_window(self, now: float) -> float:
         """End the window at ``now``: update a, mu and q; return T."""
         elapsed = now - self.last_close if self.last_close else self.window_s
         if elapsed <= 0:
             raise ValueError("windows must move forward in time")
+        if self.busy_since is not None:  # still busy: count the window's share
+            self.busy_s += now - max(self.busy_since, now - elapsed)
+            self.busy_since = now
         self.arrival_rate = self.arrivals / elapsed
-        if self.completions or self.arrivals:  # an idle window keeps the last measured mu
+        if self.busy_s > 0 and self.completions:
+            self.service_rate = self.completions / min(self.busy_s, elapsed)  # capacity
+        elif self.busy_s > 0:  # busy, nothing finished: at most one per busy time
+            self.service_rate = min(self.service_rate or math.inf, 1 / self.busy_s)
+        elif self.completions or self.arrivals:  # an idle window keeps the last measured mu
             self.service_rate = self.completions / elapsed
+        self.busy_s = 0.0
         self.queue = predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
         self.arrivals = self.completions = 0
         self.last_close = now

@@ -100,6 +100,24 @@ def test_queue_prediction_hand_computed() -> None:
     assert choose_broker({"master": 0.7, "slave-1": 0.2, "slave-2": 0.2}) == "slave-1"
 
 
+def test_service_rate_from_busy_time_is_the_capacity_not_the_arrival_rate() -> None:
+    p = QueuePredictor(window_s=1.0)
+    p.last_close = 100.0
+    for k in range(10):  # 10 events in the second, each taking 5 ms: busy 50 ms
+        p.arrived(now=100.0 + k / 10)
+        p.completed(now=100.0 + k / 10 + 0.005)
+    t = p.close_window(101.0)
+    assert p.arrival_rate == pytest.approx(10)
+    assert p.service_rate == pytest.approx(200)  # 10 events / 0.05 s busy
+    assert t == pytest.approx(1 / 400)  # q = 0: (0 + 1) / (2 * 200)
+    p.arrived(now=101.2)  # an event still in progress at the window's end
+    p.close_window(101.5)
+    assert p.service_rate == pytest.approx(1 / 0.3)  # busy 0.3 s, nothing done
+    p.completed(now=101.6)
+    p.close_window(102.0)
+    assert p.service_rate == pytest.approx(1 / 0.1)  # busy 101.5 -> 101.6 in this window
+
+
 def test_malformed_filters_and_events_are_refused() -> None:
     for bad in (
         [("price", "~", 1)],

@@ -1,0 +1,389 @@
+"""Phoenix timeliness experiments (paper 000 §4, figures 9 and 10), on real processes.
+
+The paper's set-up: 3 clusters, each 1 routing master + 2 routing slaves + 1 match
+master + 2 match slaves (18 role processes, started by ``qosmq phoenix up``), and
+2 clients, one at cluster A and one at C, each subscribing half of the
+subscriptions and publishing half of the events.  Subscriptions are loaded into
+the state store before the roles start (as if subscribed earlier: the match
+masters and their slaves hold them, and every routing master on a subscription's
+path holds its latency level); the masters read them back by quorum at start.
+
+Mechanisms (table 1): ``none`` (no priorities, the match master matches every
+event itself), ``inner`` (predicted-T dispatch to the match slaves), ``outer``
+(latency-level priorities between clusters), ``both``.  Response time is
+publish -> first delivery of the event to a subscriber's queue, measured by the
+client (one host, one clock).  A ``raw`` row publishes the same events straight
+into the subscriber queue with aio-pika: the transport's floor in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..routing import ChordRing, LatencyMap
+from ..routing.protocol import PhoenixTopology
+from ..routing.roles import PhoenixClient
+from ..routing.store import open_store
+from ..settings import Settings
+from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+
+__all__ = ["MECHANISMS", "Deployment", "Workload", "measure", "run_experiment"]
+
+MECHANISMS = {"none": (False, False), "inner": (False, True), "outer": (True, False)}
+MECHANISMS["both"] = (True, True)  # (outer, inner)
+CLUSTERS = ("A", "B", "C")
+CLIENTS = ("A", "C")  # the clusters the two clients connect to
+
+
+@dataclass
+class Workload:
+    """Event types (levels 1..5 round robin), subscriptions and the event stream."""
+
+    subscriptions: int
+    types: int = 30
+    symbols_per_type: int = 0  # 0: subscriptions per type / 2 (about one match per event)
+    seed: int = 7
+    event_types: list[str] = field(init=False)
+    levels: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.event_types = [f"ev{i}" for i in range(self.types)]
+        self.levels = {t: 1 + i % 5 for i, t in enumerate(self.event_types)}
+        if not self.symbols_per_type:
+            self.symbols_per_type = max(1, self.subscriptions // self.types // 2)
+
+    def subscription_docs(self, prefix: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        """(id, subscriber's cluster, document) for every subscription, plus one probe each."""
+        rng = random.Random(self.seed)
+        for i in range(self.subscriptions):
+            event_type = self.event_types[i % self.types]
+            at = CLIENTS[i % 2]
+            yield (
+                f"s{i}",
+                at,
+                {
+                    "event_type": event_type,
+                    "filter": [
+                        ["symbol", "=", f"S{rng.randrange(self.symbols_per_type)}"],
+                        ["price", "<", rng.randrange(1, 1000)],
+                    ],
+                    "queue": subscriber_queue(prefix, at),
+                    "latency_level": self.levels[event_type],
+                },
+            )
+        for event_type in self.event_types:  # readiness probes
+            yield (
+                f"probe-{event_type}",
+                CLIENTS[0],
+                {
+                    "event_type": event_type,
+                    "filter": [["probe", "exists"]],
+                    "queue": f"{prefix}.probe",
+                    "latency_level": self.levels[event_type],
+                },
+            )
+
+    def event(self, rng: random.Random, seq: int) -> dict[str, Any]:
+        event_type = self.event_types[rng.randrange(self.types)]
+        return {
+            "event_type": event_type,
+            "attributes": {
+                "symbol": f"S{rng.randrange(self.symbols_per_type)}",
+                "price": rng.randrange(1000),
+                "seq": seq,
+                "t0": time.time(),
+            },
+        }
+
+
+def subscriber_queue(prefix: str, cluster: str) -> str:
+    return f"{prefix}.sub.{cluster}"
+
+
+class Deployment:
+    """A local 3-cluster Phoenix deployment in ``directory`` over the given brokers."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        prefix: str,
+        amqp_urls: Sequence[str],
+        routing_slaves: int = 2,
+        match_slaves: int = 2,
+        clusters: Sequence[str] = CLUSTERS,
+    ) -> None:
+        self.directory, self.prefix = directory, prefix
+        self.amqp_urls = list(amqp_urls)
+        self.routing_slaves, self.match_slaves = routing_slaves, match_slaves
+        self.clusters = list(clusters)
+        self.ring = ChordRing(self.clusters)
+        self.store_path = directory / "state.sqlite3"
+        self.topology_file = directory / "phoenix.toml"
+        self.state_dir = directory / "state"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.configure(outer=True, inner=True)
+
+    def configure(self, *, outer: bool, inner: bool) -> PhoenixTopology:
+        self.topology_file.write_text(
+            f'prefix = "{self.prefix}"\nstate_store = "{self.store_path}"\n'
+            f"outer = {str(outer).lower()}\ninner = {str(inner).lower()}\n"
+            + "".join(
+                f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
+                f"match_slaves = {self.match_slaves}\n"
+                for c in self.clusters
+            )
+        )
+        self.topology = PhoenixTopology.load(self.topology_file)
+        return self.topology
+
+    def preload(self, subscriptions: Iterator[tuple[str, str, dict[str, Any]]]) -> int:
+        """Write subscriptions and latency tables as the roles would hold them."""
+        per_owner: dict[str, dict[str, tuple[int, dict[str, Any]]]] = defaultdict(dict)
+        tables: dict[str, LatencyMap] = defaultdict(LatencyMap)
+        n = 0
+        for sid, at, doc in subscriptions:
+            event_type = doc["event_type"]
+            path = self.ring.route(at, event_type)
+            for router in path:  # every routing master on the path saw the subscription
+                tables[router].add(event_type, doc["latency_level"])
+            per_owner[path[-1]][sid] = (1, doc)
+            n += 1
+        store = open_store(str(self.store_path))
+        try:
+            for cluster in self.clusters:
+                docs = per_owner.get(cluster, {})
+                for owner in [
+                    f"{cluster}/match-0",
+                    *(f"{cluster}/match-0/slave-{j}" for j in range(self.match_slaves)),
+                ]:
+                    store.snapshot(owner, "subscription", docs)
+                entries = {
+                    et: (1, {"level_sum": total, "count": count})
+                    for et, (total, count) in tables[cluster].entries.items()
+                }
+                for owner in [
+                    f"{cluster}/router",
+                    *(f"{cluster}/router-slave-{j}" for j in range(self.routing_slaves)),
+                ]:
+                    store.snapshot(owner, "routing_table", entries)
+        finally:
+            store.close()
+        return n
+
+    def _cli(self, command: str) -> str:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "middleware.cli",
+                "phoenix",
+                command,
+                "--topology",
+                str(self.topology_file),
+                "--state-dir",
+                str(self.state_dir),
+            ],
+            env={**os.environ, "QOSMQ_AMQP_URLS": ",".join(self.amqp_urls)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+
+    def up(self) -> None:
+        self._cli("up")
+
+    def down(self) -> None:
+        if (self.state_dir / "phoenix.json").exists():
+            self._cli("down")
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Deployment]:
+        self.up()
+        try:
+            yield self
+        finally:
+            self.down()
+
+
+@contextlib.asynccontextmanager
+async def _clients(
+    settings: Settings, deployment: Deployment
+) -> AsyncIterator[tuple[AsyncClient, dict[str, PhoenixClient]]]:
+    client = await AsyncClient(settings=settings).connect()
+    try:
+        for at in CLIENTS:
+            await client.declare_queue(
+                QueueSpec(subscriber_queue(deployment.prefix, at), kind=QueueKind.CLASSIC)
+            )
+        await client.declare_queue(QueueSpec(f"{deployment.prefix}.probe", kind=QueueKind.CLASSIC))
+        yield (
+            client,
+            {at: PhoenixClient(client, topology=deployment.topology, cluster=at) for at in CLIENTS},
+        )
+    finally:
+        await client.close()
+
+
+async def wait_ready(
+    settings: Settings, deployment: Deployment, workload: Workload, timeout_s: float = 300
+) -> float:
+    """Probe every event type from both clients until each probe is delivered."""
+    started = time.monotonic()
+    async with _clients(settings, deployment) as (client, at):
+        missing = {(c, t) for c in CLIENTS for t in workload.event_types}
+        probe = f"{deployment.prefix}.probe"
+        while missing:
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"Phoenix not ready after {timeout_s:.0f} s: {sorted(missing)}")
+            for c, t in sorted(missing):
+                await at[c].publish({"event_type": t, "attributes": {"probe": f"{c}|{t}"}})
+            await asyncio.sleep(1.0)
+            while (d := await client.get(probe)) is not None:
+                c, t = json.loads(d.body)["event"]["attributes"]["probe"].split("|")
+                missing.discard((c, t))
+        await asyncio.sleep(1.0)
+        await client.delete_queue(probe)  # late duplicate probes
+    return time.monotonic() - started
+
+
+async def measure(
+    settings: Settings,
+    deployment: Deployment,
+    workload: Workload,
+    *,
+    rate: float,
+    duration_s: float,
+    raw: bool = False,
+    seed: int = 11,
+    drain_s: float = 3.0,
+) -> dict[str, Any]:
+    """Publish at ``rate`` events/s for ``duration_s`` (Poisson), half from each client;
+    return response-time statistics of the delivered events."""
+    rng = random.Random(seed)
+    first: dict[int, float] = {}
+    level_of: dict[int, int] = {}
+    last_arrival = [time.monotonic()]
+
+    async def on_delivery(delivery: Delivery) -> None:
+        now = time.time()
+        message = json.loads(delivery.body)
+        attributes = (message.get("event") or message)["attributes"]
+        seq = attributes["seq"]
+        if seq not in first:
+            first[seq] = now - attributes["t0"]
+        last_arrival[0] = time.monotonic()
+
+    async with _clients(settings, deployment) as (client, at):
+        for c in CLIENTS:
+            await client.consume(subscriber_queue(deployment.prefix, c), on_delivery, prefetch=512)
+        pending: set[asyncio.Task[None]] = set()
+        started = time.monotonic()
+        next_at, seq = started, 0
+        while next_at < started + duration_s:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            event = workload.event(rng, seq)
+            level_of[seq] = workload.levels[event["event_type"]]
+            if raw:
+                body = json.dumps({"event": event}).encode()
+                queue = subscriber_queue(deployment.prefix, CLIENTS[seq % 2])
+                coro = client.publish(OutgoingMessage(body, "", queue))
+            else:
+                coro = at[CLIENTS[seq % 2]].publish(event)
+            task = asyncio.create_task(coro)
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            seq += 1
+            next_at += rng.expovariate(rate)
+        sent_s = time.monotonic() - started
+        if pending:
+            await asyncio.gather(*pending)
+        while (quiet := time.monotonic() - last_arrival[0]) < drain_s:  # noqa: ASYNC110
+            await asyncio.sleep(drain_s - quiet)  # until nothing arrived for drain_s
+    times = sorted(first.values())
+    by_class: dict[str, list[float]] = defaultdict(list)
+    for s, t in first.items():
+        by_class["urgent" if level_of[s] <= 2 else "bulk" if level_of[s] >= 4 else "mid"].append(t)
+    return {
+        "rate": rate,
+        "offered_per_s": round(seq / sent_s, 1),
+        "events": seq,
+        "delivered_events": len(times),
+        "mean_ms": round(1000 * sum(times) / len(times), 1) if times else None,
+        "p50_ms": _pct(times, 50),
+        "p99_ms": _pct(times, 99),
+        "urgent_mean_ms": _mean_ms(by_class["urgent"]),
+        "bulk_mean_ms": _mean_ms(by_class["bulk"]),
+    }
+
+
+def _pct(sorted_values: list[float], p: float) -> float | None:
+    if not sorted_values:
+        return None
+    i = min(len(sorted_values) - 1, max(0, round(p / 100 * len(sorted_values)) - 1))
+    return round(1000 * sorted_values[i], 1)
+
+
+def _mean_ms(values: list[float]) -> float | None:
+    return round(1000 * sum(values) / len(values), 1) if values else None
+
+
+def run_experiment(
+    settings: Settings,
+    *,
+    directory: Path,
+    subscription_counts: Sequence[int],
+    rates: Sequence[float],
+    mechanisms: Sequence[str],
+    duration_s: float,
+    report: Any = print,
+) -> list[dict[str, Any]]:
+    """Every (subscriptions, mechanism, rate) cell, plus a raw row per (subscriptions, rate)."""
+    rows: list[dict[str, Any]] = []
+    for count in subscription_counts:
+        workload = Workload(count)
+        deployment = Deployment(
+            directory / f"subs-{count}",
+            prefix=f"bench-phx-{os.getpid()}-{count}",
+            amqp_urls=settings.amqp_urls,
+        )
+        loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
+        for rate in rates:
+            row = asyncio.run(
+                measure(settings, deployment, workload, rate=rate, duration_s=duration_s, raw=True)
+            )
+            rows.append({"subscriptions": count, "mechanism": "raw", **row})
+            report(rows[-1])
+        for mechanism in mechanisms:
+            outer, inner = MECHANISMS[mechanism]
+            deployment.configure(outer=outer, inner=inner)
+            with deployment.running():
+                ready_s = asyncio.run(wait_ready(settings, deployment, workload))
+                for rate in rates:
+                    row = asyncio.run(
+                        measure(settings, deployment, workload, rate=rate, duration_s=duration_s)
+                    )
+                    rows.append(
+                        {
+                            "subscriptions": count,
+                            "loaded": loaded,
+                            "mechanism": mechanism,
+                            "ready_s": round(ready_s, 1),
+                            **row,
+                        }
+                    )
+                    report(rows[-1])
+    return rows
