@@ -12,6 +12,7 @@ from .ring import ChordRing, Handover, ring_id
 from .timeliness import (
     LatencyMap,
     QueuePredictor,
+    RemoteBroker,
     choose_broker,
     mean_processing_time,
     predicted_queue,
@@ -28,6 +29,7 @@ __all__ = [
     "Predicate",
     "QueuePredictor",
     "Quorum",
+    "RemoteBroker",
     "SubscriptionIndex",
     "Versioned",
     "choose_broker",

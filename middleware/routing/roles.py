@@ -63,7 +63,7 @@ from .protocol import (
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
 from .ring import ChordRing, Handover
 from .store import StateStore, open_store
-from .timeliness import LatencyMap, QueuePredictor, choose_broker
+from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker
 
 __all__ = ["MatchMaster", "MatchSlave", "PhoenixClient", "RouterMaster", "RouterSlave"]
 
@@ -527,6 +527,36 @@ class _MatchBroker(_Role):
     def name(self) -> str:
         return self.owner
 
+    async def _observe(self, inbox: str, stop: asyncio.Event) -> None:
+        """Every window: read the inbox backlog from the broker, close the predictor's
+        window with it (q = backlog + in progress), and ``report``."""
+        while not stop.is_set():
+            await asyncio.sleep(self.HEARTBEAT_S)
+            try:
+                client = await self.client_for(self.cluster)
+                backlog = await client.queue_length(inbox)
+            except Exception as exc:
+                log.info("could not read the backlog of %s: %s", inbox, exc)
+                backlog = None
+            observed = None if backlog is None else backlog + self.predictor.in_progress
+            t = self.predictor.close_window(time.monotonic(), observed)
+            try:
+                await self.report(t)
+            except Exception as exc:
+                log.info("heartbeat of %s failed: %s", self.name, exc)
+
+    async def report(self, t: float) -> None:
+        """Masters keep their T; slaves send it to the master."""
+
+    async def _serve_observed(self, inbox: str, stop: asyncio.Event, *, control: bool) -> None:
+        observe = asyncio.create_task(self._observe(inbox, stop))
+        try:
+            await self.serve(inbox, stop, control=control)
+        finally:
+            observe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await observe
+
 
 def _subscription_document(message: PhoenixMessage) -> dict[str, Any]:
     return {
@@ -547,7 +577,7 @@ class MatchMaster(_MatchBroker):
         self.store = open_store(self.topology.state_store)
         slaves = self.topology.cluster(self.cluster).match_slaves
         self.inbox = match_inbox(self.topology, self.cluster, self.index)
-        self.slave_t: dict[int, tuple[float, float]] = {}  # slave -> (T, received at)
+        self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
         self.replicas = _ReplicaSet(
@@ -561,7 +591,7 @@ class MatchMaster(_MatchBroker):
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
-            await self.serve(self.inbox, stop, control=True)
+            await self._serve_observed(self.inbox, stop, control=True)
         finally:
             self.store.close()
 
@@ -574,9 +604,11 @@ class MatchMaster(_MatchBroker):
     async def control(self, message: PhoenixMessage) -> None:
         if await self.replicas.on_control(message):
             return
-        if message.kind is Kind.HEARTBEAT and message.broker and message.predicted_t is not None:
-            self.slave_t[int(message.broker.rsplit("-", 1)[1])] = (
-                message.predicted_t,
+        if message.kind is Kind.HEARTBEAT and message.broker and message.table is not None:
+            j = int(message.broker.rsplit("-", 1)[1])
+            self.slave_state.setdefault(j, RemoteBroker()).report(
+                float(message.table["queue"]),
+                float(message.table["service_rate"]),
                 time.monotonic(),
             )
 
@@ -615,6 +647,7 @@ class MatchMaster(_MatchBroker):
                 await self._match(message)
             else:
                 self.count("dispatched")
+                self.slave_state[target].sent += 1
                 started = time.monotonic()
                 await self.send(
                     self.cluster,
@@ -632,12 +665,10 @@ class MatchMaster(_MatchBroker):
         master keeps the work, a backlogged one sends it where it finishes sooner.
         """
         now = time.monotonic()
-        if now - self.predictor.last_close >= self.HEARTBEAT_S:
-            self.predictor.close_window(now)
         predicted = {"self": self.predictor.predict(now)}
-        for j, (t, at) in self.slave_t.items():
-            if now - at <= 3 * self.HEARTBEAT_S:  # a silent slave gets nothing
-                predicted[f"slave-{j}"] = t + self.hop_s
+        for j, state in self.slave_state.items():
+            if now - state.reported_at <= 3 * self.HEARTBEAT_S:  # a silent slave gets nothing
+                predicted[f"slave-{j}"] = state.predict(now) + self.hop_s
         chosen = choose_broker(predicted)
         return None if chosen == "self" else int(chosen.split("-")[1])
 
@@ -660,13 +691,13 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
         self.store = open_store(self.topology.state_store)
         for sid, (_, doc) in live(self.store.load(self.replica_owner, "subscription")).items():
             self._add(sid, doc)
-        beat = asyncio.create_task(self._heartbeat(stop))
         try:
-            await self.serve(match_inbox(self.topology, self.cluster, self.index, self.slave), stop)
+            await self._serve_observed(
+                match_inbox(self.topology, self.cluster, self.index, self.slave),
+                stop,
+                control=False,
+            )
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
             self.store.close()
 
     def apply(self, key: str, document: dict[str, Any]) -> None:
@@ -681,24 +712,21 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
         if message.kind is Kind.PUBLISH and message.event is not None:
             await self._match(message)
 
-    async def _heartbeat(self, stop: asyncio.Event) -> None:
-        master = self.master_control
-        while not stop.is_set():
-            await asyncio.sleep(self.HEARTBEAT_S)
-            t = self.predictor.close_window(time.monotonic())
-            try:
-                await self.send(
-                    self.cluster,
-                    master,
-                    PhoenixMessage(
-                        kind=Kind.HEARTBEAT,
-                        event_type="-",
-                        broker=f"slave-{self.slave}",
-                        predicted_t=t if t != float("inf") else 1e9,
-                    ),
-                )
-            except Exception as exc:
-                log.info("heartbeat to %s failed: %s", master, exc)
+    async def report(self, t: float) -> None:
+        await self.send(
+            self.cluster,
+            self.master_control,
+            PhoenixMessage(
+                kind=Kind.HEARTBEAT,
+                event_type="-",
+                broker=f"slave-{self.slave}",
+                predicted_t=t if t != float("inf") else 1e9,
+                table={
+                    "queue": self.predictor.queue,
+                    "service_rate": self.predictor.service_rate,
+                },
+            ),
+        )
 
 
 class PhoenixClient:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "LatencyMap",
     "QueuePredictor",
+    "RemoteBroker",
     "choose_broker",
     "mean_processing_time",
     "predicted_queue",
@@ -125,8 +126,13 @@ class QueuePredictor:
                 self.busy_s += now - self.busy_since
                 self.busy_since = None
 
-    def close_window(self, now: float) -> float:
-        """End the window at ``now``: update a, mu and q; return T."""
+    def close_window(self, now: float, observed_queue: float | None = None) -> float:
+        """End the window at ``now``: update a, mu and q; return T.
+
+        ``observed_queue``: the queue as measured now (the broker's backlog plus events
+        in progress), when the broker can see it; it replaces the predicted q, which
+        then runs forward from it until the next window.
+        """
         elapsed = now - self.last_close if self.last_close else self.window_s
         if elapsed <= 0:
             raise ValueError("windows must move forward in time")
@@ -141,7 +147,11 @@ class QueuePredictor:
         elif self.completions or self.arrivals:  # an idle window keeps the last measured mu
             self.service_rate = self.completions / elapsed
         self.busy_s = 0.0
-        self.queue = predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
+        self.queue = (
+            predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
+            if observed_queue is None
+            else max(0.0, observed_queue)
+        )
         self.arrivals = self.completions = 0
         self.last_close = now
         return mean_processing_time(self.queue, self.service_rate)
@@ -150,4 +160,30 @@ class QueuePredictor:
         """T at ``now`` between windows, extrapolating q with the last rates."""
         elapsed = max(0.0, now - self.last_close)
         q = predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
+        return mean_processing_time(q, self.service_rate)
+
+
+@dataclass
+class RemoteBroker:
+    """A master's view of one slave: its last report (q, mu) plus the events the
+    master sent it since, so a 0.5 s old report does not send it every event of the
+    next 0.5 s (herding): q(t) = max(0, q_report + sent - mu (t - t_report))."""
+
+    queue: float = 0.0
+    service_rate: float = 0.0
+    reported_at: float = 0.0
+    sent: int = 0
+
+    def report(self, queue: float, service_rate: float, now: float) -> None:
+        self.queue, self.service_rate, self.reported_at, self.sent = (
+            queue,
+            service_rate,
+            now,
+            0,
+        )
+
+    def predict(self, now: float) -> float:
+        q = predicted_queue(
+            self.queue + self.sent, 0.0, self.service_rate, max(0.0, now - self.reported_at)
+        )
         return mean_processing_time(q, self.service_rate)

@@ -100,6 +100,19 @@ def test_queue_prediction_hand_computed() -> None:
     assert choose_broker({"master": 0.7, "slave-1": 0.2, "slave-2": 0.2}) == "slave-1"
 
 
+def test_a_masters_view_of_a_slave_counts_what_it_sent_since_the_report() -> None:
+    from middleware.routing import RemoteBroker
+
+    slave = RemoteBroker()
+    slave.report(queue=2, service_rate=100, now=10.0)
+    assert slave.predict(10.0) == pytest.approx(3 / 200)  # (2 + 1) / (2 * 100)
+    slave.sent += 8  # dispatched since the report
+    assert slave.predict(10.05) == pytest.approx((2 + 8 - 5 + 1) / 200)  # 5 served in 50 ms
+    assert slave.predict(11.0) == pytest.approx(1 / 200)  # drained: q = 0
+    slave.report(queue=0, service_rate=100, now=11.0)
+    assert slave.sent == 0
+
+
 def test_service_rate_from_busy_time_is_the_capacity_not_the_arrival_rate() -> None:
     p = QueuePredictor(window_s=1.0)
     p.last_close = 100.0
@@ -116,6 +129,8 @@ def test_service_rate_from_busy_time_is_the_capacity_not_the_arrival_rate() -> N
     p.completed(now=101.6)
     p.close_window(102.0)
     assert p.service_rate == pytest.approx(1 / 0.1)  # busy 101.5 -> 101.6 in this window
+    # a measured backlog replaces the prediction: 30 waiting at mu = 10 -> T = 31 / 20
+    assert p.close_window(102.5, observed_queue=30) == pytest.approx(31 / 20)
 
 
 def test_malformed_filters_and_events_are_refused() -> None:
