@@ -62,6 +62,8 @@ def register(sub: Any) -> None:
     )
     phoenix.add_argument("--mechanisms", default="none,inner,outer,both")
     phoenix.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
+    phoenix.add_argument("--repeats", type=int, default=1, help="mechanism passes (rotated)")
+    phoenix.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell")
     phoenix.add_argument(
         "--work-dir", type=Path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
     )
@@ -323,7 +325,7 @@ def _run_phoenix(args: argparse.Namespace) -> int:
 
 
 def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
-    from .phoenix_timeliness import MECHANISMS, run_experiment
+    from .phoenix_timeliness import MECHANISMS, run_experiment, summarize
 
     by_rate = args.experiment == "rate"
     counts = [
@@ -363,12 +365,34 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         rates=rates,
         mechanisms=mechanisms,
         duration_s=args.duration,
+        repeats=args.repeats,
+        warmup_s=args.warmup,
         report=report,
     )
+    summary = summarize(rows)
+    print("\nmean over repeats; ratio = mean response time / the same rate's 'none'")
+    keys = (
+        "subscriptions",
+        "mechanism",
+        "rate",
+        "repeats",
+        "mean_ms",
+        "p99_ms",
+        "urgent_mean_ms",
+        "bulk_mean_ms",
+    )
+    print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys) + "  x none")
+    base = {
+        (r["subscriptions"], r["rate"]): r["mean_ms"] for r in summary if r["mechanism"] == "none"
+    }
+    for r in summary:
+        none = base.get((r["subscriptions"], r["rate"]))
+        r["x_none"] = round(r["mean_ms"] / none, 2) if none and r["mean_ms"] else None
+        print(" ".join(f"{r.get(k)!s:>{max(8, len(k))}}" for k in keys) + f"  {r['x_none']}")
     for row in rows:
         row.update(_provenance())
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2))
     return 0
 
 

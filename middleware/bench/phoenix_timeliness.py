@@ -39,7 +39,7 @@ from ..routing.store import open_store
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 
-__all__ = ["MECHANISMS", "Deployment", "Workload", "measure", "run_experiment"]
+__all__ = ["MECHANISMS", "Deployment", "Workload", "measure", "run_experiment", "summarize"]
 
 MECHANISMS = {"none": (False, False), "inner": (False, True), "outer": (True, False)}
 MECHANISMS["both"] = (True, True)  # (outer, inner)
@@ -349,9 +349,14 @@ def run_experiment(
     rates: Sequence[float],
     mechanisms: Sequence[str],
     duration_s: float,
+    repeats: int = 1,
+    warmup_s: float = 3.0,
     report: Any = print,
 ) -> list[dict[str, Any]]:
-    """Every (subscriptions, mechanism, rate) cell, plus a raw row per (subscriptions, rate)."""
+    """Every (subscriptions, repeat, mechanism, rate) cell, plus a raw row per
+    (subscriptions, rate).  Each repeat runs the mechanisms in a rotated order, and
+    every cell is preceded by ``warmup_s`` of unmeasured load at its rate, so no
+    mechanism always runs first on a cold deployment."""
     rows: list[dict[str, Any]] = []
     for count in subscription_counts:
         workload = Workload(count)
@@ -365,25 +370,62 @@ def run_experiment(
             row = asyncio.run(
                 measure(settings, deployment, workload, rate=rate, duration_s=duration_s, raw=True)
             )
-            rows.append({"subscriptions": count, "mechanism": "raw", **row})
+            rows.append({"subscriptions": count, "mechanism": "raw", "repeat": 0, **row})
             report(rows[-1])
-        for mechanism in mechanisms:
-            outer, inner = MECHANISMS[mechanism]
-            deployment.configure(outer=outer, inner=inner)
-            with deployment.running():
-                ready_s = asyncio.run(wait_ready(settings, deployment, workload))
-                for rate in rates:
-                    row = asyncio.run(
-                        measure(settings, deployment, workload, rate=rate, duration_s=duration_s)
-                    )
-                    rows.append(
-                        {
-                            "subscriptions": count,
-                            "loaded": loaded,
-                            "mechanism": mechanism,
-                            "ready_s": round(ready_s, 1),
-                            **row,
-                        }
-                    )
-                    report(rows[-1])
+        for repeat in range(repeats):
+            shift = (repeat + subscription_counts.index(count)) % len(mechanisms)
+            for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
+                outer, inner = MECHANISMS[mechanism]
+                deployment.configure(outer=outer, inner=inner)
+                with deployment.running():
+                    ready_s = asyncio.run(wait_ready(settings, deployment, workload))
+                    for rate in rates:
+                        if warmup_s > 0:
+                            asyncio.run(
+                                measure(
+                                    settings,
+                                    deployment,
+                                    workload,
+                                    rate=rate,
+                                    duration_s=warmup_s,
+                                    seed=99,
+                                    drain_s=1.0,
+                                )
+                            )
+                        row = asyncio.run(
+                            measure(
+                                settings, deployment, workload, rate=rate, duration_s=duration_s
+                            )
+                        )
+                        rows.append(
+                            {
+                                "subscriptions": count,
+                                "loaded": loaded,
+                                "mechanism": mechanism,
+                                "repeat": repeat,
+                                "ready_s": round(ready_s, 1),
+                                **row,
+                            }
+                        )
+                        report(rows[-1])
     return rows
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (subscriptions, mechanism, rate): the mean over repeats of each statistic."""
+    cells: dict[tuple[int, str, float], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        cells[(row["subscriptions"], row["mechanism"], row["rate"])].append(row)
+    out = []
+    for (count, mechanism, rate), group in cells.items():
+        summary: dict[str, Any] = {
+            "subscriptions": count,
+            "mechanism": mechanism,
+            "rate": rate,
+            "repeats": len(group),
+        }
+        for key in ("mean_ms", "p50_ms", "p99_ms", "urgent_mean_ms", "bulk_mean_ms"):
+            values = [r[key] for r in group if r.get(key) is not None]
+            summary[key] = round(sum(values) / len(values), 1) if values else None
+        out.append(summary)
+    return out
