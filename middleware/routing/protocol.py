@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -49,6 +49,7 @@ class PhoenixMessage(BaseModel):
     filter: list[list[Any]] = Field(default_factory=list)
     latency_level: int = Field(3, ge=1, le=5)
     queue: str | None = None  # the subscriber's own queue
+    confirm: Literal["broker", "e2e"] = "broker"  # subscribe: how deliveries are confirmed
     subscription_id: str | None = None
     hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
     replica: bool = False  # a master's copy for its slaves (subscribe) or a dispatch (publish)

@@ -46,6 +46,7 @@ from typing import Any
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
+from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
@@ -472,8 +473,11 @@ class _MatchBroker(_Role):
         self.index = index
         self.owner = f"{self.cluster}/match-{index}"  # subscriptions are the master's
         self.indexes: dict[str, SubscriptionIndex] = {}
-        self.queues: dict[str, tuple[str, str]] = {}  # sid -> (event type, subscriber queue)
+        # sid -> (event type, subscriber queue, confirm: "broker" or "e2e")
+        self.queues: dict[str, tuple[str, str, str]] = {}
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
+        self._e2e: AsyncConfirmPublisher | None = None
+        self._e2e_lock = asyncio.Lock()
 
     def _add(self, sid: str, document: dict[str, Any]) -> None:
         if sid in self.queues:
@@ -482,7 +486,7 @@ class _MatchBroker(_Role):
         self.indexes.setdefault(event_type, SubscriptionIndex()).add(
             sid, Filter.parse(document["filter"])
         )
-        self.queues[sid] = (event_type, document["queue"])
+        self.queues[sid] = (event_type, document["queue"], document.get("confirm", "broker"))
 
     def _remove(self, sid: str) -> None:
         where = self.queues.pop(sid, None)
@@ -497,31 +501,48 @@ class _MatchBroker(_Role):
     async def _match(self, message: PhoenixMessage) -> None:
         assert message.event is not None
         self.predictor.arrived(now=time.monotonic())
-        index = self.indexes.get(message.event_type)
-        matched = index.match(message.event.attributes) if index else set()
-        self.count("matched", len(matched))
-        HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
-        if matched:
-            client = await self.client_for(self.cluster)
-            body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
-            # one copy per subscriber queue, however many of its subscriptions matched;
-            # the copies are confirmed together, not one round trip each
-            queues = sorted({self.queues[sid][1] for sid in matched})
-            results = await asyncio.gather(
-                *(
-                    client.publish(OutgoingMessage(body, "", q, content_type="application/json"))
-                    for q in queues
-                ),
-                return_exceptions=True,
-            )
-            for queue, result in zip(queues, results, strict=True):
-                if isinstance(result, Unroutable):
-                    log.warning("subscriber queue %s is gone", queue)
-                elif isinstance(result, BaseException):
-                    raise result  # not settled: the inbox delivery is dead-lettered with why
-                else:
-                    self.count("delivered")
-        self.predictor.completed(now=time.monotonic())
+        try:
+            index = self.indexes.get(message.event_type)
+            matched = index.match(message.event.attributes) if index else set()
+            self.count("matched", len(matched))
+            HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
+            if matched:
+                await self._deliver(message, matched)
+        finally:
+            self.predictor.completed(now=time.monotonic())
+
+    async def _e2e_publisher(self, client: AsyncClient) -> AsyncConfirmPublisher:
+        async with self._e2e_lock:  # one publisher (one reply listener) per broker
+            if self._e2e is None:
+                self._e2e = await AsyncConfirmPublisher(client, mode="e2e").start()
+        return self._e2e
+
+    async def _deliver(self, message: PhoenixMessage, matched: set[str]) -> None:
+        """One copy per subscriber queue, however many of its subscriptions matched; the
+        copies are confirmed together (e2e subscriptions: once the subscriber handled it)."""
+        client = await self.client_for(self.cluster)
+        body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
+        queues: dict[str, str] = {}
+        for sid in matched:
+            _, queue, confirm = self.queues[sid]
+            if queues.get(queue) != "e2e":
+                queues[queue] = confirm
+        sends = []
+        for queue, confirm in sorted(queues.items()):
+            if confirm == "e2e":
+                publisher = await self._e2e_publisher(client)
+                sends.append(publisher.publish(body, routing_key=queue, expect=[queue]))
+            else:
+                outgoing = OutgoingMessage(body, "", queue, content_type="application/json")
+                sends.append(client.publish(outgoing))
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        for queue, result in zip(sorted(queues), results, strict=True):
+            if isinstance(result, Unroutable):
+                log.warning("subscriber queue %s is gone", queue)
+            elif isinstance(result, BaseException):
+                raise result  # not settled: the inbox delivery is dead-lettered with why
+            else:
+                self.count("delivered")
 
     @property
     def name(self) -> str:
@@ -564,6 +585,7 @@ def _subscription_document(message: PhoenixMessage) -> dict[str, Any]:
         "filter": message.filter,
         "queue": message.queue,
         "latency_level": message.latency_level,
+        "confirm": message.confirm,
     }
 
 
@@ -755,11 +777,20 @@ class PhoenixClient:
         filter: Iterable[Sequence[Any]] | None,
         latency_level: int,
         queue: str,
+        *,
+        confirm: str = "broker",
     ) -> str:
-        """Subscribe ``queue`` (declared here) to matching events; return the id."""
+        """Subscribe ``queue`` (declared here) to matching events; return the id.
+
+        ``confirm="e2e"``: the match broker counts an event delivered only once the
+        subscriber's handler took it (consume ``queue`` with ``AsyncConfirmConsumer``);
+        a rejection or silence past every resend dead-letters the event with the reason.
+        """
         flt = Filter.parse(filter)  # refuses a malformed filter before anything is sent
         if not 1 <= latency_level <= 5:
             raise FilterError(f"latency level must be 1..5, got {latency_level}")
+        if confirm not in ("broker", "e2e"):
+            raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
         await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
         sid = uuid.uuid4().hex
         await self._send(
@@ -769,6 +800,7 @@ class PhoenixClient:
                 latency_level=latency_level,
                 queue=queue,
                 subscription_id=sid,
+                confirm="e2e" if confirm == "e2e" else "broker",
                 filter=[
                     [
                         p.attribute,

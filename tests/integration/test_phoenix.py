@@ -340,3 +340,61 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
     assert min(overtaken) >= 0.25, overtaken  # every urgent event beat a quarter of the bulk
     _, fifo = positions(outer=False)
     assert max(fifo) < min(overtaken), (fifo, overtaken)  # the priorities made the difference
+
+
+def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
+    settings, brokers, tmp_path, name
+) -> None:
+    """A subscription with confirm="e2e": the match broker waits for the subscriber's
+    receipt; a handler that rejects an event gets it dead-lettered with the reason."""
+    from middleware.bench.phoenix_timeliness import Deployment
+    from middleware.confirms import AsyncConfirmConsumer
+    from middleware.errors import Reject
+    from middleware.transport import DEAD_LETTER_QUEUE
+
+    deployment = Deployment(
+        tmp_path, prefix=name, amqp_urls=brokers.urls, routing_slaves=0, match_slaves=0
+    )
+    event_type = next(f"e2e{i}" for i in range(2000) if deployment.ring.owner(f"e2e{i}") == "B")
+    queue = f"{name}.subscriber"
+
+    async def scenario() -> tuple[list[str], list[dict]]:
+        handled: list[str] = []
+        async with AsyncClient(settings=settings) as client:
+            at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
+            with pytest.raises(FilterError):
+                await at_a.subscribe(event_type, None, 1, queue, confirm="maybe")
+            await at_a.subscribe(event_type, [("n", "exists")], 1, queue, confirm="e2e")
+            consumer = AsyncConfirmConsumer(client)
+
+            async def handler(delivery) -> None:
+                n = json.loads(delivery.body)["event"]["attributes"]["n"]
+                handled.append(n)
+                if n == "bad":
+                    raise Reject("bad event")
+
+            await consumer.consume(queue, handler)
+            at_c = PhoenixClient(client, topology=deployment.topology, cluster="C")
+            deadline = time.monotonic() + 60
+            while "probe" not in handled and time.monotonic() < deadline:
+                await at_c.publish({"event_type": event_type, "attributes": {"n": "probe"}})
+                await asyncio.sleep(0.5)
+            for n in ("ok1", "bad", "ok2"):
+                await at_c.publish({"event_type": event_type, "attributes": {"n": n}})
+            deadline = time.monotonic() + 30
+            dead: list[dict] = []
+            while not dead and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                    if d.headers.get("x-qosmq-queue") == f"{name}.B.match.0":
+                        dead.append({"reason": d.headers["x-qosmq-reason"], **json.loads(d.body)})
+            await consumer.close()
+            return handled, dead
+
+    deployment.configure(outer=True, inner=False)
+    with deployment.running():
+        handled, dead = asyncio.run(scenario())
+    assert {"ok1", "ok2", "bad"} <= set(handled)
+    assert handled.count("bad") == 1  # rejected once, not redelivered
+    assert [d["event"]["attributes"]["n"] for d in dead] == ["bad"], dead
+    assert "bad event" in dead[0]["reason"] and queue in dead[0]["reason"], dead[0]["reason"]
