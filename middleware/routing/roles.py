@@ -550,7 +550,9 @@ class _MatchBroker(_Role):
 
     async def _observe(self, inbox: str, stop: asyncio.Event) -> None:
         """Every window: read the inbox backlog from the broker, close the predictor's
-        window with it (q = backlog + in progress), and ``report``."""
+        window with it (q = the events waiting in the broker; the ones in progress are
+        being served, several at a time, and do not delay a new one by a service time
+        each), and ``report``."""
         while not stop.is_set():
             await asyncio.sleep(self.HEARTBEAT_S)
             try:
@@ -559,8 +561,7 @@ class _MatchBroker(_Role):
             except Exception as exc:
                 log.info("could not read the backlog of %s: %s", inbox, exc)
                 backlog = None
-            observed = None if backlog is None else backlog + self.predictor.in_progress
-            t = self.predictor.close_window(time.monotonic(), observed)
+            t = self.predictor.close_window(time.monotonic(), backlog)
             try:
                 await self.report(t)
             except Exception as exc:

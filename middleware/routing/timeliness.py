@@ -129,9 +129,9 @@ class QueuePredictor:
     def close_window(self, now: float, observed_queue: float | None = None) -> float:
         """End the window at ``now``: update a, mu and q; return T.
 
-        ``observed_queue``: the queue as measured now (the broker's backlog plus events
-        in progress), when the broker can see it; it replaces the predicted q, which
-        then runs forward from it until the next window.
+        ``observed_queue``: the queue as measured now (the events waiting in the broker),
+        when the broker can see it; it replaces the predicted q, which then runs forward
+        from it until the next window.
         """
         elapsed = now - self.last_close if self.last_close else self.window_s
         if elapsed <= 0:
