@@ -684,10 +684,13 @@ class MatchMaster(_MatchBroker):
     def choose(self) -> int | None:
         """None for itself, else the slave with the smallest fresh predicted T.
 
-        A slave's T counts the hop to it (the measured cost of a dispatch): an idle
-        master keeps the work, a backlogged one sends it where it finishes sooner.
+        A master with nothing waiting keeps the event (no broker can start it sooner);
+        a backlogged one compares T, a slave's T counting the hop to it (the measured
+        cost of a dispatch), and sends the event where it finishes soonest.
         """
         now = time.monotonic()
+        if self.predictor.predicted_queue(now) < 1:
+            return None
         predicted = {"self": self.predictor.predict(now)}
         for j, state in self.slave_state.items():
             if now - state.reported_at <= 3 * self.HEARTBEAT_S:  # a silent slave gets nothing

@@ -156,6 +156,11 @@ class QueuePredictor:
         self.last_close = now
         return mean_processing_time(self.queue, self.service_rate)
 
+    def predicted_queue(self, now: float) -> float:
+        """q at ``now`` between windows, extrapolated with the last rates."""
+        elapsed = max(0.0, now - self.last_close)
+        return predicted_queue(self.queue, self.arrival_rate, self.service_rate, elapsed)
+
     def predict(self, now: float) -> float:
         """T at ``now`` between windows, extrapolating q with the last rates."""
         elapsed = max(0.0, now - self.last_close)

@@ -265,3 +265,31 @@ def test_replica_merge_keeps_the_newest_version_and_honours_deletes() -> None:
     assert live(merged) == {"a": (3, {"v": "a3"}), "c": (5, {"v": "c5"})}
     with pytest.raises(ValueError, match="needs 2 replies"):
         merge_replicas([master], at_least=2)
+
+
+def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
+    import time
+
+    from middleware.routing import RemoteBroker
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.routing.roles import MatchMaster
+    from middleware.settings import Settings
+
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "B", "match_slaves": 2}], "state_store": ":memory:"}
+    )
+    master = MatchMaster(settings=Settings.load(), topology=topology, cluster="B")
+    now = time.monotonic()
+    master.predictor.last_close, master.predictor.service_rate = now, 100.0
+    master.hop_s = 0.002
+    for j, q in ((0, 5.0), (1, 0.0)):
+        master.slave_state[j] = RemoteBroker()
+        master.slave_state[j].report(q, 100.0, now)
+    assert master.choose() is None  # nothing waiting at the master: it keeps the event
+    master.predictor.queue = 40.0  # T = 41/200 s at the master; slave 1: 1/200 + 2 ms
+    assert master.choose() == 1
+    master.slave_state[1].sent = 200  # what it was sent since its report counts
+    assert master.choose() == 0
+    master.slave_state[0].reported_at = master.slave_state[1].reported_at = now - 10
+    assert master.choose() is None  # silent slaves get nothing
+    master.store.close()
