@@ -47,7 +47,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
 from ..confirms.aio import AsyncConfirmPublisher
-from ..errors import DeadLetter, Unroutable
+from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .matching import Event, Filter, FilterError, SubscriptionIndex
@@ -165,6 +165,10 @@ class _Role:
         """Acks, snapshots and heartbeats (masters)."""
 
 
+class ReplicaTimeout(MiddlewareError):
+    """A replica write was given up before W of N replicas acknowledged it."""
+
+
 class _PendingRead:
     def __init__(self) -> None:
         self.entries: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {}
@@ -182,6 +186,7 @@ class _ReplicaSet:
     """
 
     PAGE = 5000
+    MAX_PENDING = 100_000  # writes waiting for W acks before the oldest are given up
 
     def __init__(
         self, role: _Role, store: StateStore, kind: str, owner: str, slaves: Sequence[str]
@@ -252,6 +257,13 @@ class _ReplicaSet:
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending[version] = ({"master"}, written)
         self.acknowledged(version, "master")
+        while len(self.pending) > self.MAX_PENDING:  # slaves silent for long: stop waiting
+            oldest = min(self.pending)
+            _, stale = self.pending.pop(oldest)
+            if not stale.done():
+                stale.set_exception(ReplicaTimeout(f"{self.owner}: entry v{oldest} below W"))
+                stale.exception()  # retrieved: nobody has to await it
+            self.role.count("unacknowledged")
         entry = PhoenixMessage(
             kind=Kind.REPLICATE,
             event_type="-",

@@ -293,3 +293,32 @@ def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
     master.slave_state[0].reported_at = master.slave_state[1].reported_at = now - 10
     assert master.choose() is None  # silent slaves get nothing
     master.store.close()
+
+
+def test_writes_never_acknowledged_are_given_up_oldest_first() -> None:
+    import asyncio
+
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.routing.roles import MatchMaster, ReplicaTimeout
+
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "B", "match_slaves": 2}], "state_store": ":memory:"}
+    )
+
+    async def scenario() -> None:
+        from middleware.settings import Settings
+
+        master = MatchMaster(settings=Settings.load(), topology=topology, cluster="B")
+
+        async def send(*_: object, **__: object) -> None:  # the slaves never answer
+            return None
+
+        master.send = send  # type: ignore[method-assign]
+        master.replicas.MAX_PENDING = 3
+        written = [await master.replicas.write(f"s{i}", {"q": i}) for i in range(5)]
+        assert sorted(master.replicas.pending) == [3, 4, 5]
+        assert isinstance(written[0].exception(), ReplicaTimeout)
+        assert master.counters["unacknowledged"] == 2 and not written[4].done()
+        master.store.close()
+
+    asyncio.run(scenario())
