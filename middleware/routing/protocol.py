@@ -90,6 +90,7 @@ class PhoenixTopology(BaseModel):
     inbox_prefetch: int = Field(16, ge=1, le=1000)
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
+    persist_interval_s: float = Field(60.0, gt=0)  # masters' periodic table snapshots
     read_timeout_s: float = Field(60.0, gt=0)  # how long a master waits for R replica replies
 
     def cluster(self, cluster_id: str) -> ClusterSpec:

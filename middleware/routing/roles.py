@@ -182,7 +182,8 @@ class _ReplicaSet:
     ``write`` persists locally and sends the versioned entry to every slave; the
     entry counts as written once W of N acknowledged it (``written`` resolves then).
     ``read`` asks the slaves for snapshots and merges R of N replies, newest version
-    per key, repairing the master's own copy.
+    per key, repairing the master's own copy.  ``persist_loop`` also writes the whole
+    table to the store periodically (besides every change), off the event loop.
     """
 
     PAGE = 5000
@@ -198,6 +199,30 @@ class _ReplicaSet:
         self.pending: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
         self._reads: dict[str, _PendingRead] = {}
         self.control = ""  # the master's control queue, set by the master
+        self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
+        self._dirty = False
+
+    async def persist_once(self) -> bool:
+        """Snapshot the table to the store (in a thread); False when nothing changed."""
+        if not self._dirty:
+            return False
+        self._dirty = False
+        copy = dict(self.entries)
+        await asyncio.to_thread(self.store.snapshot, self.owner, self.kind, copy)
+        for key, (version, document) in list(self.entries.items()):  # changed meanwhile
+            if copy.get(key, (None, None))[0] != version:
+                self.store.save(self.owner, self.kind, key, document, version)
+        self.role.count("snapshots")
+        return True
+
+    async def persist_loop(self, interval_s: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            try:
+                await self.persist_once()
+            except Exception as exc:
+                log.warning("%s: periodic snapshot failed: %s", self.owner, exc)
 
     async def read(self, timeout_s: float) -> dict[str, tuple[int, dict[str, Any]]]:
         own = self.store.load(self.owner, self.kind)
@@ -238,6 +263,7 @@ class _ReplicaSet:
             if own.get(key, (-1, None))[0] < version:  # read repair of the master's copy
                 self.store.save(self.owner, self.kind, key, document, version)
                 self.role.count("read_repairs")
+        self.entries = dict(merged)
         return live(merged)
 
     def page(self, message: PhoenixMessage) -> None:
@@ -254,6 +280,8 @@ class _ReplicaSet:
         self.version += 1
         version, document = self.version, TOMBSTONE if document is None else document
         self.store.save(self.owner, self.kind, key, document, version)
+        self.entries[key] = (version, document)
+        self._dirty = True
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending[version] = ({"master"}, written)
         self.acknowledged(version, "master")
@@ -379,9 +407,14 @@ class RouterMaster(_Role):
         self.latency = LatencyMap()
 
     async def run(self, stop: asyncio.Event) -> None:
+        persist = asyncio.create_task(
+            self.replicas.persist_loop(self.topology.persist_interval_s, stop)
+        )
         try:
             await self.serve(self.inbox, stop, control=True)
         finally:
+            stop.set()  # ends the persist loop after one last snapshot
+            await persist
             self.store.close()
 
     async def prepare(self) -> None:
@@ -625,9 +658,14 @@ class MatchMaster(_MatchBroker):
         self.replicas.control = control_inbox(self.inbox)
 
     async def run(self, stop: asyncio.Event) -> None:
+        persist = asyncio.create_task(
+            self.replicas.persist_loop(self.topology.persist_interval_s, stop)
+        )
         try:
             await self._serve_observed(self.inbox, stop, control=True)
         finally:
+            stop.set()  # ends the persist loop after one last snapshot
+            await persist
             self.store.close()
 
     async def prepare(self) -> None:

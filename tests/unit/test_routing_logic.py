@@ -322,3 +322,39 @@ def test_writes_never_acknowledged_are_given_up_oldest_first() -> None:
         master.store.close()
 
     asyncio.run(scenario())
+
+
+def test_masters_snapshot_their_table_periodically(tmp_path) -> None:
+    import asyncio
+
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.routing.replicas import TOMBSTONE
+    from middleware.routing.roles import RouterMaster
+    from middleware.settings import Settings
+
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "B"}], "state_store": str(tmp_path / "s.sqlite3")}
+    )
+
+    async def scenario() -> None:
+        router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
+        replicas = router.replicas
+        await replicas.write("a", {"level_sum": 1, "count": 1})
+        await replicas.write("b", {"level_sum": 2, "count": 1})
+        await replicas.write("b", None)  # deleted: a tombstone
+        router.store.snapshot("B/router", "routing_table", {})  # the store lost its copy
+        assert await replicas.persist_once() is True
+        assert await replicas.persist_once() is False  # nothing changed since
+        saved = router.store.load("B/router", "routing_table")
+        assert saved == {"a": (1, {"level_sum": 1, "count": 1}), "b": (3, TOMBSTONE)}
+        stop = asyncio.Event()
+        loop = asyncio.create_task(replicas.persist_loop(0.05, stop))
+        await replicas.write("c", {"level_sum": 5, "count": 1})
+        await asyncio.sleep(0.2)
+        stop.set()
+        await loop
+        assert router.store.load("B/router", "routing_table")["c"][0] == 4
+        assert router.counters["snapshots"] == 2
+        router.store.close()
+
+    asyncio.run(scenario())
