@@ -40,7 +40,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import Counter as PromCounter
@@ -214,6 +214,18 @@ class _ReplicaSet:
                 self.store.save(self.owner, self.kind, key, document, version)
         self.role.count("snapshots")
         return True
+
+    async def persisting(self, serving: Awaitable[None], stop: asyncio.Event) -> None:
+        """Run a master's ``serving`` with the periodic snapshots beside it; close the store."""
+        persist = asyncio.create_task(
+            self.persist_loop(self.role.topology.persist_interval_s, stop)
+        )
+        try:
+            await serving
+        finally:
+            stop.set()  # ends the persist loop after one last snapshot
+            await persist
+            self.store.close()
 
     async def persist_loop(self, interval_s: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -407,15 +419,7 @@ class RouterMaster(_Role):
         self.latency = LatencyMap()
 
     async def run(self, stop: asyncio.Event) -> None:
-        persist = asyncio.create_task(
-            self.replicas.persist_loop(self.topology.persist_interval_s, stop)
-        )
-        try:
-            await self.serve(self.inbox, stop, control=True)
-        finally:
-            stop.set()  # ends the persist loop after one last snapshot
-            await persist
-            self.store.close()
+        await self.replicas.persisting(self.serve(self.inbox, stop, control=True), stop)
 
     async def prepare(self) -> None:
         table = await self.replicas.read(self.topology.read_timeout_s)
@@ -658,15 +662,7 @@ class MatchMaster(_MatchBroker):
         self.replicas.control = control_inbox(self.inbox)
 
     async def run(self, stop: asyncio.Event) -> None:
-        persist = asyncio.create_task(
-            self.replicas.persist_loop(self.topology.persist_interval_s, stop)
-        )
-        try:
-            await self._serve_observed(self.inbox, stop, control=True)
-        finally:
-            stop.set()  # ends the persist loop after one last snapshot
-            await persist
-            self.store.close()
+        await self.replicas.persisting(self._serve_observed(self.inbox, stop, control=True), stop)
 
     async def prepare(self) -> None:
         for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():
