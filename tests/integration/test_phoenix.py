@@ -21,6 +21,7 @@ from middleware.transport import AsyncClient
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 BURST = 800
+FANOUT = 8
 
 
 def _phoenix(command: str, topology: Path, state: Path, urls: str) -> str:
@@ -74,6 +75,10 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
             await at_a.subscribe(
                 event_type, [("price", "<", 10), ("symbol", "prefix", "AB")], 1, queue
             )
+            for k in range(FANOUT):  # the burst also goes to FANOUT more queues, so that
+                # matching and delivering, not routing, is the slow step: B's match inbox
+                # is where the backlog forms
+                await at_a.subscribe(event_type, [("symbol", "=", "ABZ")], 1, f"{queue}.fan{k}")
         got: list[dict] = []
         deadline = time.monotonic() + 60
         probe = 0
@@ -131,6 +136,8 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         await asyncio.sleep(1)
         while (d := await client.get(queue)) is not None:
             got.append(json.loads(d.body))
+        for k in range(FANOUT):
+            await client.delete_queue(f"{queue}.fan{k}")
         await client.close()
         return got
 
@@ -150,7 +157,7 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         store = open_store(str(tmp_path / "state.sqlite3"))
         for j in (0, 1):  # B's routing slaves hold the replicated table entry
             entry = store.load(f"B/router-slave-{j}", "routing_table")[event_type]
-            assert entry[1] == {"level_sum": 1, "count": 1}
+            assert entry[1] == {"level_sum": 1 + FANOUT, "count": 1 + FANOUT}
         brokers_used = {m["broker"] for m in bursts}
         assert len(brokers_used) >= 2, brokers_used  # predicted-T dispatch inside cluster B
         assert all(b.startswith("B/match-0") for b in brokers_used)
@@ -158,7 +165,9 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         assert hops[0] == "C" and hops[-1] == "B" and hops == ring.route("C", event_type)
         for j in (0, 1):  # B's match slaves hold acknowledged replicas of the subscription
             replica = store.load(f"B/match-0/slave-{j}", "subscription")
-            assert [doc["queue"] for _, doc in replica.values()] == [queue]
+            assert sorted(doc["queue"] for _, doc in replica.values()) == sorted(
+                [queue, *(f"{queue}.fan{k}" for k in range(FANOUT))]
+            )
         # every role restarts; the masters' own copies are lost: they read their tables
         # back from R of N replicas (the slaves' snapshots) and repair their own copies
         _phoenix("down", topology_file, state, urls)
@@ -173,10 +182,12 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         ) == sorted(f"yes{i}" for i in range(10))
         assert len([m for m in again if m["event"]["attributes"]["n"].startswith("burst")]) == BURST
         repaired = store.load("B/match-0", "subscription")
-        assert [doc["queue"] for _, doc in repaired.values()] == [queue]
+        assert sorted(doc["queue"] for _, doc in repaired.values()) == sorted(
+            [queue, *(f"{queue}.fan{k}" for k in range(FANOUT))]
+        )
         assert store.load("B/router", "routing_table")[event_type][1] == {
-            "level_sum": 1,
-            "count": 1,
+            "level_sum": 1 + FANOUT,
+            "count": 1 + FANOUT,
         }
         store.close()
     finally:
