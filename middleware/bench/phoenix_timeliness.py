@@ -38,6 +38,7 @@ from ..routing.roles import PhoenixClient
 from ..routing.store import open_store
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from .stats import percentile
 
 __all__ = ["MECHANISMS", "Deployment", "Workload", "measure", "run_experiment", "summarize"]
 
@@ -330,11 +331,8 @@ async def measure(
     }
 
 
-def _pct(sorted_values: list[float], p: float) -> float | None:
-    if not sorted_values:
-        return None
-    i = min(len(sorted_values) - 1, max(0, round(p / 100 * len(sorted_values)) - 1))
-    return round(1000 * sorted_values[i], 1)
+def _pct(values: list[float], p: float) -> float | None:
+    return round(1000 * percentile(values, p), 1) if values else None
 
 
 def _mean_ms(values: list[float]) -> float | None:
