@@ -107,6 +107,7 @@ class AsyncClient:
         self._consumers: dict[str, _Consumer] = {}
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._reconnect_task: asyncio.Task[None] | None = None
+        self._closers: set[asyncio.Task[None]] = set()
         self._closing = False
         self._reply_handler: ReplyHandler | None = None
         self._fatal: MiddlewareError | None = None
@@ -449,8 +450,20 @@ class AsyncClient:
         self._live = _Down()
         self._ready.clear()
         log.warning("connection to %s lost (%s); failing over", live.node, exc or "closed")
+        # Finish closing the dead connection now, on this loop: left to aio-pika's __del__, its
+        # close() coroutine may be created when no loop runs and is then never awaited.
+        self._finish_close(live.connection)
         if self._reconnect_task is None or self._reconnect_task.done():
             self._reconnect_task = asyncio.ensure_future(self._reconnect())
+
+    def _finish_close(self, connection: AbstractConnection) -> None:
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                await connection.close()
+
+        task = asyncio.ensure_future(close())
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
 
     async def _reconnect(self) -> None:
         """Try the nodes in turn with backoff until one accepts and the replay succeeds."""
