@@ -370,7 +370,10 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         report=report,
     )
     summary = summarize(rows)
-    print("\nmean over repeats; ratio = mean response time / the same rate's 'none'")
+    print(
+        "\nmean over repeats (lowest-highest single repeat in brackets); "
+        "ratio = mean response time / the same rate's 'none'"
+    )
     keys = (
         "subscriptions",
         "mechanism",
@@ -388,7 +391,11 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
     for r in summary:
         none = base.get((r["subscriptions"], r["rate"]))
         r["x_none"] = round(r["mean_ms"] / none, 2) if none and r["mean_ms"] else None
-        print(" ".join(f"{r.get(k)!s:>{max(8, len(k))}}" for k in keys) + f"  {r['x_none']}")
+        spread = " ".join(
+            f"[{r[k][0]}-{r[k][1]}]" for k in ("mean_ms_range", "p99_ms_range") if r.get(k)
+        )
+        line = " ".join(f"{r.get(k)!s:>{max(8, len(k))}}" for k in keys)
+        print(f"{line}  {r['x_none']}  {spread}")
     for row in rows:
         row.update(_provenance())
     if args.json:

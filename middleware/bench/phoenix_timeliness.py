@@ -410,7 +410,8 @@ def run_experiment(
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (subscriptions, mechanism, rate): the mean over repeats of each statistic."""
+    """Per (subscriptions, mechanism, rate): the mean over repeats of each statistic, and
+    the lowest and highest mean and p99 of a single repeat (how far the repeats spread)."""
     cells: dict[tuple[int, str, float], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         cells[(row["subscriptions"], row["mechanism"], row["rate"])].append(row)
@@ -425,5 +426,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("mean_ms", "p50_ms", "p99_ms", "urgent_mean_ms", "bulk_mean_ms"):
             values = [r[key] for r in group if r.get(key) is not None]
             summary[key] = round(sum(values) / len(values), 1) if values else None
+            if key in ("mean_ms", "p99_ms"):
+                summary[f"{key}_range"] = [min(values), max(values)] if values else None
         out.append(summary)
     return out

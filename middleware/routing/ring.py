@@ -11,6 +11,7 @@ successor.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ BITS = 160
 SIZE = 1 << BITS
 
 
+@functools.lru_cache(maxsize=65536)  # routers hash every event's type: the types repeat
 def ring_id(key: str) -> int:
     """Position of ``key`` on the ring: SHA-1 as a 160-bit integer."""
     return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest(), "big")

@@ -358,3 +358,29 @@ def test_masters_snapshot_their_table_periodically(tmp_path) -> None:
         router.store.close()
 
     asyncio.run(scenario())
+
+
+def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
+    from middleware.bench.phoenix_timeliness import summarize
+
+    def row(mechanism: str, rate: float, mean: float, p99: float | None) -> dict[str, object]:
+        return {
+            "subscriptions": 1000,
+            "mechanism": mechanism,
+            "rate": rate,
+            "mean_ms": mean,
+            "p50_ms": mean,
+            "p99_ms": p99,
+            "urgent_mean_ms": None,
+            "bulk_mean_ms": mean,
+        }
+
+    rows = [row("none", 100, 10.0, 30.0), row("none", 100, 20.0, 50.0)]
+    rows += [row("none", 100, 60.0, None), row("inner", 100, 5.0, 9.0)]
+    summary = {(r["mechanism"], r["rate"]): r for r in summarize(rows)}
+    none = summary[("none", 100)]
+    assert none["repeats"] == 3
+    assert none["mean_ms"] == 30.0 and none["mean_ms_range"] == [10.0, 60.0]
+    assert none["p99_ms"] == 40.0 and none["p99_ms_range"] == [30.0, 50.0]  # None skipped
+    assert none["urgent_mean_ms"] is None and "urgent_mean_ms_range" not in none
+    assert summary[("inner", 100)]["mean_ms_range"] == [5.0, 5.0]
