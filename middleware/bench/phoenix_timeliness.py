@@ -40,7 +40,15 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .stats import percentile
 
-__all__ = ["MECHANISMS", "Deployment", "Workload", "measure", "run_experiment", "summarize"]
+__all__ = [
+    "MECHANISMS",
+    "Deployment",
+    "Workload",
+    "measure",
+    "phoenix_cli",
+    "run_experiment",
+    "summarize",
+]
 
 MECHANISMS = {"none": (False, False), "inner": (False, True), "outer": (True, False)}
 MECHANISMS["both"] = (True, True)  # (outer, inner)
@@ -185,24 +193,7 @@ class Deployment:
         return n
 
     def _cli(self, command: str) -> str:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "middleware.cli",
-                "phoenix",
-                command,
-                "--topology",
-                str(self.topology_file),
-                "--state-dir",
-                str(self.state_dir),
-            ],
-            env={**os.environ, "QOSMQ_AMQP_URLS": ",".join(self.amqp_urls)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+        return phoenix_cli(command, self.topology_file, self.state_dir, self.amqp_urls)
 
     def up(self) -> None:
         self._cli("up")
@@ -218,6 +209,36 @@ class Deployment:
             yield self
         finally:
             self.down()
+
+
+def phoenix_cli(
+    command: str,
+    topology_file: Path,
+    state_dir: Path,
+    amqp_urls: Sequence[str],
+    *arguments: str,
+    timeout_s: float = 120,
+) -> str:
+    """Run ``qosmq phoenix COMMAND`` for a topology (a subprocess, as a user would); stdout."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "middleware.cli",
+            "phoenix",
+            command,
+            "--topology",
+            str(topology_file),
+            "--state-dir",
+            str(state_dir),
+            *arguments,
+        ],
+        env={**os.environ, "QOSMQ_AMQP_URLS": ",".join(amqp_urls)},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=True,
+    ).stdout
 
 
 @contextlib.asynccontextmanager

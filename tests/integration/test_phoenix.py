@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.roles import PhoenixClient
@@ -19,32 +17,12 @@ from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 BURST = 800
 FANOUT = 8
 
 
-def _phoenix(command: str, topology: Path, state: Path, urls: str) -> str:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "middleware.cli",
-            "phoenix",
-            command,
-            "--topology",
-            str(topology),
-            "--state-dir",
-            str(state),
-        ],
-        env={**os.environ, "QOSMQ_AMQP_URLS": urls},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return proc.stdout
+def _phoenix(command: str, topology: Path, state: Path, urls: str, *arguments: str) -> str:
+    return phoenix_cli(command, topology, state, urls.split(","), *arguments)
 
 
 def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) -> None:
@@ -246,27 +224,7 @@ def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
         _phoenix("up", topology_file, state, urls)
         first = asyncio.run(before_join())
         assert first["hops"][-1] == "B" and first["broker"].startswith("B/")
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "middleware.cli",
-                "phoenix",
-                "join",
-                "--topology",
-                str(topology_file),
-                "--state-dir",
-                str(state),
-                "--cluster",
-                joiner,
-            ],
-            env={**os.environ, "QOSMQ_AMQP_URLS": urls},
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        out = _phoenix("join", topology_file, state, urls, "--cluster", joiner)
         assert f"{joiner} joined" in out
         moved = asyncio.run(after_join())
         # the subscription made at A while B owned the type now lives at the newcomer
