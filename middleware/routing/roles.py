@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 import uuid
@@ -62,7 +61,7 @@ from .protocol import (
     router_slave_inbox,
 )
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
-from .ring import ChordRing, Handover
+from .ring import ChordRing, Handover, ring_id
 from .store import StateStore, open_store
 from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker
 
@@ -455,7 +454,7 @@ class RouterMaster(_Role):
             await self.send(next_hop, router_inbox(self.topology, next_hop), forwarded, priority)
             return
         masters = self.topology.cluster(self.cluster).match_masters
-        index = int(hashlib.sha1(et.encode()).hexdigest(), 16) % masters  # routing table
+        index = ring_id(et) % masters  # routing table: SHA-1 of the type over the masters
         self.count("routed")
         await self.send(
             self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
