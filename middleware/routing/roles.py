@@ -297,7 +297,7 @@ class _ReplicaSet:
         self.pending[version] = ({"master"}, written)
         self.acknowledged(version, "master")
         while len(self.pending) > self.MAX_PENDING:  # slaves silent for long: stop waiting
-            oldest = min(self.pending)
+            oldest = next(iter(self.pending))  # versions are added in increasing order
             _, stale = self.pending.pop(oldest)
             if not stale.done():
                 stale.set_exception(ReplicaTimeout(f"{self.owner}: entry v{oldest} below W"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -267,18 +268,22 @@ def test_replica_merge_keeps_the_newest_version_and_honours_deletes() -> None:
         merge_replicas([master], at_least=2)
 
 
+def _role(cls: type, cluster: dict[str, object], state_store: str = ":memory:") -> Any:
+    """One Phoenix role of cluster B built in-process (its I/O is not started)."""
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.settings import Settings
+
+    topology = PhoenixTopology.model_validate({"clusters": [cluster], "state_store": state_store})
+    return cls(settings=Settings.load(), topology=topology, cluster=cluster["id"])
+
+
 def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
     import time
 
     from middleware.routing import RemoteBroker
-    from middleware.routing.protocol import PhoenixTopology
     from middleware.routing.roles import MatchMaster
-    from middleware.settings import Settings
 
-    topology = PhoenixTopology.model_validate(
-        {"clusters": [{"id": "B", "match_slaves": 2}], "state_store": ":memory:"}
-    )
-    master = MatchMaster(settings=Settings.load(), topology=topology, cluster="B")
+    master = _role(MatchMaster, {"id": "B", "match_slaves": 2})
     now = time.monotonic()
     master.predictor.last_close, master.predictor.service_rate = now, 100.0
     master.hop_s = 0.002
@@ -298,17 +303,10 @@ def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
 def test_writes_never_acknowledged_are_given_up_oldest_first() -> None:
     import asyncio
 
-    from middleware.routing.protocol import PhoenixTopology
     from middleware.routing.roles import MatchMaster, ReplicaTimeout
 
-    topology = PhoenixTopology.model_validate(
-        {"clusters": [{"id": "B", "match_slaves": 2}], "state_store": ":memory:"}
-    )
-
     async def scenario() -> None:
-        from middleware.settings import Settings
-
-        master = MatchMaster(settings=Settings.load(), topology=topology, cluster="B")
+        master = _role(MatchMaster, {"id": "B", "match_slaves": 2})
 
         async def send(*_: object, **__: object) -> None:  # the slaves never answer
             return None
@@ -327,17 +325,11 @@ def test_writes_never_acknowledged_are_given_up_oldest_first() -> None:
 def test_masters_snapshot_their_table_periodically(tmp_path) -> None:
     import asyncio
 
-    from middleware.routing.protocol import PhoenixTopology
     from middleware.routing.replicas import TOMBSTONE
     from middleware.routing.roles import RouterMaster
-    from middleware.settings import Settings
-
-    topology = PhoenixTopology.model_validate(
-        {"clusters": [{"id": "B"}], "state_store": str(tmp_path / "s.sqlite3")}
-    )
 
     async def scenario() -> None:
-        router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
+        router = _role(RouterMaster, {"id": "B"}, str(tmp_path / "s.sqlite3"))
         replicas = router.replicas
         await replicas.write("a", {"level_sum": 1, "count": 1})
         await replicas.write("b", {"level_sum": 2, "count": 1})
