@@ -309,6 +309,8 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
     assert min(overtaken) >= 0.25, overtaken  # every urgent event beat a quarter of the bulk
     _, fifo = positions(outer=False)
     assert max(fifo) < min(overtaken), (fifo, overtaken)  # the priorities made the difference
+    share, fifo_share = min(overtaken), max(fifo)
+    print(f"urgent ahead of >= {share:.0%} of the bulk ({fifo_share:.0%} without priorities)")
 
 
 def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
