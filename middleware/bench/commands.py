@@ -353,10 +353,11 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         "urgent_mean_ms",
         "bulk_mean_ms",
     )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns), flush=True)
+    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  cpu %", flush=True)
 
     def report(row: dict[str, Any]) -> None:
-        print(" ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns), flush=True)
+        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
+        print(f"{line}  {_cpu_text(row.get('cpu'))}", flush=True)
 
     rows = run_experiment(
         args.settings,
@@ -372,7 +373,8 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     print(
         "\nmean over repeats (lowest-highest single repeat in brackets); "
-        "ratio = mean response time / the same rate's 'none'"
+        "ratio = mean response time / the same rate's 'none'; cpu %: machine and steal of "
+        "all cores, client and the busiest role of each kind of one core"
     )
     keys = (
         "subscriptions",
@@ -395,12 +397,16 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
             f"[{r[k][0]}-{r[k][1]}]" for k in ("mean_ms_range", "p99_ms_range") if r.get(k)
         )
         line = " ".join(f"{r.get(k)!s:>{max(8, len(k))}}" for k in keys)
-        print(f"{line}  {r['x_none']}  {spread}")
+        print(f"{line}  {r['x_none']}  {spread}  {_cpu_text(r.get('cpu'))}")
     for row in rows:
         row.update(_provenance())
     if args.json:
         args.json.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2))
     return 0
+
+
+def _cpu_text(cpu: dict[str, float | None] | None) -> str:
+    return " ".join(f"{k}={v}" for k, v in (cpu or {}).items() if v is not None)
 
 
 def _run_queues(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from ..routing.roles import PhoenixClient
 from ..routing.store import open_store
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from .cpu import CpuMeter, busiest_by_kind
 from .stats import percentile
 
 __all__ = [
@@ -191,6 +192,11 @@ class Deployment:
         finally:
             store.close()
         return n
+
+    def processes(self) -> dict[str, int]:
+        """The running roles' PIDs by name (``A/router``, ...), as ``phoenix up`` wrote them."""
+        state = self.state_dir / "phoenix.json"
+        return json.loads(state.read_text()) if state.exists() else {}
 
     def _cli(self, command: str) -> str:
         return phoenix_cli(command, self.topology_file, self.state_dir, self.amqp_urls)
@@ -386,8 +392,9 @@ def run_experiment(
         )
         loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
         for rate in rates:
-            row = asyncio.run(
-                measure(settings, deployment, workload, rate=rate, duration_s=duration_s, raw=True)
+            row = _metered(
+                deployment,
+                measure(settings, deployment, workload, rate=rate, duration_s=duration_s, raw=True),
             )
             rows.append({"subscriptions": count, "mechanism": "raw", "repeat": 0, **row})
             report(rows[-1])
@@ -411,10 +418,11 @@ def run_experiment(
                                     drain_s=1.0,
                                 )
                             )
-                        row = asyncio.run(
+                        row = _metered(
+                            deployment,
                             measure(
                                 settings, deployment, workload, rate=rate, duration_s=duration_s
-                            )
+                            ),
                         )
                         rows.append(
                             {
@@ -430,9 +438,24 @@ def run_experiment(
     return rows
 
 
+def _metered(deployment: Deployment, cell: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """Run one measured cell; add where the CPU went meanwhile (``cpu``: the machine's busy
+    and steal % of all cores, the client's % of one core, the busiest role of each kind's)."""
+    with CpuMeter({"client": os.getpid(), **deployment.processes()}) as meter:
+        row = asyncio.run(cell)
+    cpu = meter.result
+    row["cpu"] = {
+        "machine": cpu["machine_pct"],
+        "steal": cpu["steal_pct"],
+        **busiest_by_kind(cpu["processes"]),
+    }
+    return row
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (subscriptions, mechanism, rate): the mean over repeats of each statistic, and
-    the lowest and highest mean and p99 of a single repeat (how far the repeats spread)."""
+    """Per (subscriptions, mechanism, rate): the mean over repeats of each statistic (and
+    of each CPU reading), and the lowest and highest mean and p99 of a single repeat (how
+    far the repeats spread)."""
     cells: dict[tuple[int, str, float], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         cells[(row["subscriptions"], row["mechanism"], row["rate"])].append(row)
@@ -449,5 +472,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             summary[key] = round(sum(values) / len(values), 1) if values else None
             if key in ("mean_ms", "p99_ms"):
                 summary[f"{key}_range"] = [min(values), max(values)] if values else None
+        cpu: dict[str, list[float]] = defaultdict(list)
+        for row in group:
+            for kind, pct in (row.get("cpu") or {}).items():
+                if pct is not None:
+                    cpu[kind].append(pct)
+        summary["cpu"] = {kind: round(sum(v) / len(v), 1) for kind, v in cpu.items()}
         out.append(summary)
     return out

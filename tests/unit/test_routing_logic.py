@@ -369,6 +369,8 @@ def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
 
     rows = [row("none", 100, 10.0, 30.0), row("none", 100, 20.0, 50.0)]
     rows += [row("none", 100, 60.0, None), row("inner", 100, 5.0, 9.0)]
+    rows[0]["cpu"] = {"machine": 50.0, "router": 20.0}
+    rows[1]["cpu"] = {"machine": 70.0, "router": None}
     summary = {(r["mechanism"], r["rate"]): r for r in summarize(rows)}
     none = summary[("none", 100)]
     assert none["repeats"] == 3
@@ -376,3 +378,5 @@ def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
     assert none["p99_ms"] == 40.0 and none["p99_ms_range"] == [30.0, 50.0]  # None skipped
     assert none["urgent_mean_ms"] is None and "urgent_mean_ms_range" not in none
     assert summary[("inner", 100)]["mean_ms_range"] == [5.0, 5.0]
+    assert none["cpu"] == {"machine": 60.0, "router": 20.0}  # rows without a reading skipped
+    assert summary[("inner", 100)]["cpu"] == {}

@@ -1,0 +1,103 @@
+"""Where the CPU went during a benchmark cell, read from Linux ``/proc``.
+
+A response time measured on a shared machine means little without what limited
+it: :class:`CpuMeter` reads the machine's busy and steal time (``/proc/stat``) and
+the CPU seconds of named processes (``/proc/PID/stat``) at the start and end of a
+cell, and reports each as a percentage (machine: of all cores; a process: of one
+core).  Where ``/proc`` is missing (not Linux) the readings are ``None``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["CpuMeter", "busiest_by_kind", "role_kind"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+def _machine() -> tuple[int, int, int] | None:
+    """(busy, steal, total) jiffies over all cores."""
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            values = [int(v) for v in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    steal = values[7] if len(values) > 7 else 0
+    total = sum(values[:8])  # guest time is already counted in user
+    return total - idle - steal, steal, total
+
+
+class CpuMeter:
+    """``with CpuMeter({"client": os.getpid(), ...}) as cpu: ...`` then ``cpu.result``."""
+
+    def __init__(self, processes: Mapping[str, int]) -> None:
+        self.processes = dict(processes)
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> CpuMeter:
+        self._wall = time.monotonic()
+        self._machine = _machine()
+        self._seconds = {name: _process_seconds(pid) for name, pid in self.processes.items()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(1e-9, time.monotonic() - self._wall)
+        machine = _machine()
+        if machine and self._machine and machine[2] > self._machine[2]:
+            busy, steal, total = (
+                after - before for after, before in zip(machine, self._machine, strict=True)
+            )
+            self.result["machine_pct"] = round(100 * busy / total, 1)
+            self.result["steal_pct"] = round(100 * steal / total, 1)
+        else:
+            self.result["machine_pct"] = self.result["steal_pct"] = None
+        self.result["cores"] = os.cpu_count()
+        processes: dict[str, float | None] = {}
+        for name, pid in self.processes.items():
+            before, after = self._seconds[name], _process_seconds(pid)
+            if before is None or after is None:
+                processes[name] = None  # not running at one end of the cell
+            else:
+                processes[name] = round(100 * (after - before) / wall, 1)
+        self.result["processes"] = processes
+
+
+_KINDS = (
+    (re.compile(r"router-slave-\d+$"), "router_slave"),
+    (re.compile(r"router$"), "router"),
+    (re.compile(r"matcher-\d+-slave-\d+$"), "match_slave"),
+    (re.compile(r"matcher-\d+$"), "match_master"),
+)
+
+
+def role_kind(name: str) -> str:
+    """``A/router`` -> router, ``A/matcher-0-slave-1`` -> match_slave; else the name."""
+    for pattern, kind in _KINDS:
+        if pattern.search(name):
+            return kind
+    return name
+
+
+def busiest_by_kind(processes: Mapping[str, float | None]) -> dict[str, float]:
+    """The busiest process of each kind, % of one core."""
+    out: dict[str, float] = {}
+    for name, pct in processes.items():
+        if pct is not None:
+            kind = role_kind(name)
+            out[kind] = max(out.get(kind, 0.0), pct)
+    return out
