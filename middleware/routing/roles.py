@@ -138,6 +138,7 @@ class _Role:
         await client.consume(inbox, self._on_message, prefetch=self.topology.inbox_prefetch)
         log.info("%s serving %s", type(self).__name__, inbox)
         await stop.wait()
+        log.info("%s of %s stopped; counters: %s", self.role, self.cluster, dict(self.counters))
         for c in self._clients.values():
             await c.close()
 
