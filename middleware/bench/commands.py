@@ -58,6 +58,13 @@ def register(sub: Any) -> None:
     )
     phoenix.add_argument("--events", type=int, default=20_000, help="matching: events")
     phoenix.add_argument(
+        "--symbols",
+        type=int,
+        default=50_000,
+        help="matching: distinct symbols the subscriptions pick from (fewer: more matches "
+        "per event)",
+    )
+    phoenix.add_argument(
         "--rates", help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)"
     )
     phoenix.add_argument("--mechanisms", default="none,inner,outer,both")
@@ -313,7 +320,10 @@ def _run_phoenix(args: argparse.Namespace) -> int:
         f"{'build s':>8}"
     )
     for n in (int(x) for x in args.subscriptions.split(",")):
-        row = {**matching_throughput(n, events=args.events), **_provenance()}
+        row = {
+            **matching_throughput(n, events=args.events, symbols=args.symbols),
+            **_provenance(),
+        }
         rows.append(row)
         print(
             f"{n:>13} {row['events_per_s']:>9} {row['matches_per_event']:>13} "

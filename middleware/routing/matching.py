@@ -15,9 +15,11 @@ exists).  :class:`SubscriptionIndex`:
 from __future__ import annotations
 
 import bisect
+import functools
+import operator
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -29,6 +31,7 @@ from ..errors import MiddlewareError
 __all__ = ["Event", "Filter", "FilterError", "Op", "Predicate", "SubscriptionIndex"]
 
 Scalar = str | int | float | bool
+_MISSING = object()
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -133,6 +136,46 @@ class Predicate:
         return {Op.LT: a < b, Op.LE: a <= b, Op.GT: a > b, Op.GE: a >= b}[self.op]  # type: ignore[operator]
 
 
+_ORDER = {Op.LT: operator.lt, Op.LE: operator.le, Op.GT: operator.gt, Op.GE: operator.ge}
+
+
+def _compile(p: Predicate) -> Callable[[Scalar], bool]:
+    """``p`` as a test of a present attribute value, same results as ``p.matches``;
+    the value's normal form is worked out once, not per event (the index's hot path).
+    Subscriptions share tests: one per (operator, typed value)."""
+    v = p.value
+    typed = tuple((type(m), m) for m in v) if isinstance(v, tuple) else (type(v), v)
+    return _compiled(p.op, typed)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _compiled(op: Op, typed: Any) -> Callable[[Scalar], bool]:
+    v = tuple(m for _, m in typed) if op is Op.IN else typed[1]
+    if op is Op.EXISTS:
+        return lambda x: True
+    if op is Op.PREFIX:
+        return lambda x: isinstance(x, str) and x.startswith(v)
+    if op is Op.IN:
+        members = frozenset(_key(m) for m in v)
+        return lambda x: _key(x) in members
+    kind, target = _key(v)  # type: ignore[arg-type]  # a scalar for every other operator
+    if op in (Op.EQ, Op.NE):
+        wanted = op is Op.EQ
+        if kind == "n":
+            return lambda x: (
+                (x == target and isinstance(x, int | float) and not isinstance(x, bool)) is wanted
+            )
+        if kind == "b":
+            return lambda x: (x is target) is wanted
+        return lambda x: (x == target and isinstance(x, str)) is wanted
+    compare = _ORDER[op]
+    if kind == "n":
+        return lambda x: (
+            isinstance(x, int | float) and not isinstance(x, bool) and compare(x, target)
+        )
+    return lambda x: isinstance(x, str) and compare(x, target)
+
+
 @dataclass(frozen=True, slots=True)
 class Filter:
     """A conjunction of predicates; no predicates matches every event of the type."""
@@ -170,6 +213,8 @@ class SubscriptionIndex:
         self.work = 0  # candidates checked + range postings counted: the cost of matching
         self._match_all: set[str] = set()
         self._anchored: dict[tuple[str, Any], set[str]] = defaultdict(set)
+        # sid -> the anchored subscription's other predicates, compiled: (attribute, test)
+        self._residual: dict[str, tuple[tuple[str, Callable[[Scalar], bool]], ...]] = {}
         self._eq: dict[tuple[str, Any], set[str]] = defaultdict(set)
         self._ne_all: dict[str, Counter[str]] = defaultdict(Counter)
         self._ne: dict[tuple[str, Any], Counter[str]] = defaultdict(Counter)
@@ -189,6 +234,9 @@ class SubscriptionIndex:
         anchor = _anchor(flt)
         if anchor is not None:
             self._index(sid, anchor, +1, self._anchored)
+            self._residual[sid] = tuple(
+                (p.attribute, _compile(p)) for p in flt.predicates if p is not anchor
+            )
         elif not flt.predicates:
             self._match_all.add(sid)
         else:
@@ -201,6 +249,7 @@ class SubscriptionIndex:
         anchor = _anchor(flt)
         if anchor is not None:
             self._index(sid, anchor, -1, self._anchored)
+            del self._residual[sid]
         else:
             for p in flt.predicates:
                 self._index(sid, p, -1, self._eq)
@@ -210,8 +259,14 @@ class SubscriptionIndex:
         for name, value in attributes.items():
             candidates = self._anchored.get((name, _key(value)), ())
             self.work += len(candidates)
-            for sid in candidates:
-                if sid not in found and self.filters[sid].matches(attributes):
+            for sid in candidates:  # the anchor holds (same key): test the rest
+                if sid in found:
+                    continue
+                for attribute, test in self._residual[sid]:
+                    x = attributes.get(attribute, _MISSING)
+                    if x is _MISSING or not test(x):  # type: ignore[arg-type]
+                        break
+                else:
                     found.add(sid)
         return found | self._count(attributes)
 

@@ -11,9 +11,11 @@ the newest copy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,6 +105,8 @@ class SQLiteStateStore:
 class MongoStateStore:
     """MongoDB through pymongo: one collection per kind (no dots in names)."""
 
+    BATCH = 5000  # documents per bulk write of a snapshot
+
     def __init__(
         self, url: str, *, database: str = "qosmq_phoenix", timeout_ms: int = 5000
     ) -> None:
@@ -116,21 +120,17 @@ class MongoStateStore:
         return self._db[f"state_{kind}"]
 
     def save(self, owner: str, kind: str, key: str, document: Document, version: int) -> None:
-        collection = self._collection(kind)
-        current = collection.find_one({"_id": f"{owner}|{key}"})
-        if current is not None and current["version"] > version:
-            return
-        collection.replace_one(
-            {"_id": f"{owner}|{key}"},
-            {
-                "_id": f"{owner}|{key}",
-                "owner": owner,
-                "key": key,
-                "version": version,
-                "doc": document,
-            },
-            upsert=True,
-        )
+        """One conditional upsert: it matches only an older (or equal) version, so a newer
+        stored copy makes the upsert's insert collide with its ``_id`` and nothing changes."""
+        from pymongo.errors import DuplicateKeyError
+
+        _id = f"{owner}|{key}"
+        with contextlib.suppress(DuplicateKeyError):  # a newer version is stored: it wins
+            self._collection(kind).replace_one(
+                {"_id": _id, "version": {"$lte": version}},
+                {"_id": _id, "owner": owner, "key": key, "version": version, "doc": document},
+                upsert=True,
+            )
 
     def delete(self, owner: str, kind: str, key: str) -> None:
         self._collection(kind).delete_one({"_id": f"{owner}|{key}"})
@@ -144,15 +144,32 @@ class MongoStateStore:
     def snapshot(
         self, owner: str, kind: str, documents: Mapping[str, tuple[int, Document]]
     ) -> None:
+        """Upsert every document tagged with a new generation, then delete the owner's
+        documents of older generations: a crash between the two leaves the old extra keys
+        beside a complete new copy (versions decide on load), never an empty table."""
+        from pymongo import ReplaceOne
+
         collection = self._collection(kind)
-        collection.delete_many({"owner": owner})
-        if documents:
-            collection.insert_many(
-                [
-                    {"_id": f"{owner}|{k}", "owner": owner, "key": k, "version": v, "doc": d}
-                    for k, (v, d) in documents.items()
-                ]
+        generation = uuid.uuid4().hex
+        writes = [
+            ReplaceOne(
+                {"_id": f"{owner}|{k}"},
+                {
+                    "_id": f"{owner}|{k}",
+                    "owner": owner,
+                    "key": k,
+                    "version": v,
+                    "doc": d,
+                    "generation": generation,
+                },
+                upsert=True,
             )
+            for k, (v, d) in documents.items()
+        ]
+        for i in range(0, len(writes), self.BATCH):
+            collection.bulk_write(writes[i : i + self.BATCH], ordered=False)
+        older = [{"generation": {"$exists": False}}, {"generation": {"$ne": generation}}]
+        collection.delete_many({"owner": owner, "$or": older})
 
     def close(self) -> None:
         self._client.close()

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,6 +112,50 @@ def test_snapshot_replaces_one_owner_and_kind(store: StateStore) -> None:
     assert store.load("B/m", "advertisement") == {"keep": (1, {"x": 2})}
     store.snapshot("A/m", "advertisement", {})
     assert store.load("A/m", "advertisement") == {}
+
+
+def test_snapshot_is_authoritative_and_takes_many_documents(store: StateStore) -> None:
+    store.save("A/m", "subscription", "s1", {"stale": True}, 9)
+    documents = {f"s{i}": (3, {"i": i}) for i in range(12_000)}  # more than one bulk write
+    store.snapshot("A/m", "subscription", documents)
+    assert store.load("A/m", "subscription") == documents
+
+
+def test_a_mongo_snapshot_cut_short_keeps_a_complete_copy(mongo_url: str) -> None:
+    """The process dies between writing the new copy and deleting the old one."""
+
+    class Dies(RuntimeError):
+        pass
+
+    class DyingStore(MongoStateStore):
+        def _collection(self, kind: str) -> Any:
+            collection = super()._collection(kind)
+
+            class Cut:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(collection, name)
+
+                def delete_many(self, *args: Any, **kwargs: Any) -> None:
+                    raise Dies("killed mid-snapshot")
+
+            return Cut()
+
+    database, owner = f"cut{os.getpid()}", f"cut{os.getpid()}/m"
+    store = MongoStateStore(mongo_url, database=database)
+    store.save(owner, "subscription", "gone", {"old": True}, 1)
+    store.save(owner, "subscription", "s1", {"v": 1}, 1)
+    store.close()
+    dying = DyingStore(mongo_url, database=database)
+    with pytest.raises(Dies):
+        dying.snapshot(owner, "subscription", {"s1": (2, {"v": 2}), "s2": (2, {"v": 2})})
+    dying.close()
+    store = MongoStateStore(mongo_url, database=database)
+    assert store.load(owner, "subscription") == {
+        "gone": (1, {"old": True}),  # left behind, not lost
+        "s1": (2, {"v": 2}),
+        "s2": (2, {"v": 2}),
+    }
+    store.close()
 
 
 def test_unknown_kind_is_refused(store: StateStore) -> None:

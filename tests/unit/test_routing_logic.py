@@ -15,6 +15,7 @@ from middleware.routing import (
     Filter,
     FilterError,
     LatencyMap,
+    Op,
     QueuePredictor,
     SubscriptionIndex,
     choose_broker,
@@ -152,7 +153,12 @@ def test_malformed_filters_and_events_are_refused() -> None:
         Event.parse({"event_type": "quote", "attributes": {"p": [1, 2]}})
 
 
-scalars = st.one_of(st.integers(-3, 3), st.sampled_from(["a", "ab", "b", "abc"]), st.booleans())
+scalars = st.one_of(
+    st.integers(-3, 3),
+    st.sampled_from([-1.5, 0.0, 1.0, 2.5]),
+    st.sampled_from(["a", "ab", "b", "abc"]),
+    st.booleans(),
+)
 ops = st.sampled_from(["=", "!=", "<", "<=", ">", ">=", "in", "prefix", "exists"])
 
 
@@ -167,7 +173,7 @@ def predicates(draw):
     if op == "prefix":
         return (attr, op, draw(st.sampled_from(["", "a", "ab", "b"])))
     if op in ("<", "<=", ">", ">="):
-        return (attr, op, draw(st.one_of(st.integers(-3, 3), st.sampled_from(["a", "b"]))))
+        return (attr, op, draw(st.one_of(st.integers(-3, 3), st.sampled_from([0.5, "a", "b"]))))
     return (attr, op, draw(scalars))
 
 
@@ -186,6 +192,31 @@ def test_index_matches_exactly_like_brute_force(specs, events) -> None:
     for attributes in events:
         expected = {sid for sid, flt in filters.items() if flt.matches(attributes)}
         assert index.match(attributes) == expected
+
+
+def test_compiled_predicates_agree_with_the_reference_on_every_value() -> None:
+    from middleware.routing.matching import Predicate, _compile  # the hot path, tested alone
+
+    values = [-1, 0, 1, 2, 0.0, 1.0, 1.5, True, False, "", "a", "ab", "b"]
+    checked = 0
+    for op in Op:
+        if op is Op.EXISTS:
+            operands: list[object] = [None]
+        elif op is Op.IN:
+            operands = [(1,), (True, "a"), (0.0, "b", False)]
+        elif op is Op.PREFIX:
+            operands = ["", "a", "ab"]
+        elif op in (Op.LT, Op.LE, Op.GT, Op.GE):
+            operands = [v for v in values if not isinstance(v, bool)]
+        else:
+            operands = values
+        for operand in operands:
+            p = Predicate("x", op, operand)  # type: ignore[arg-type]
+            test = _compile(p)
+            for x in values:
+                assert test(x) == p.matches({"x": x}), (op, operand, x)
+                checked += 1
+    assert checked > 500
 
 
 def test_matching_work_does_not_grow_with_subscriptions() -> None:
