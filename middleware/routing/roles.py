@@ -211,7 +211,9 @@ class _ReplicaSet:
         await asyncio.to_thread(self.store.snapshot, self.owner, self.kind, copy)
         for key, (version, document) in list(self.entries.items()):  # changed meanwhile
             if copy.get(key, (None, None))[0] != version:
-                self.store.save(self.owner, self.kind, key, document, version)
+                await asyncio.to_thread(
+                    self.store.save, self.owner, self.kind, key, document, version
+                )
         self.role.count("snapshots")
         return True
 
@@ -291,8 +293,10 @@ class _ReplicaSet:
         """Persist and replicate one entry (None: delete, as a tombstone)."""
         self.version += 1
         version, document = self.version, TOMBSTONE if document is None else document
-        self.store.save(self.owner, self.kind, key, document, version)
         self.entries[key] = (version, document)
+        # in a thread: the store may be busy (a snapshot, another process's transaction),
+        # and the loop goes on meanwhile; stores keep the newest version whatever the order
+        await asyncio.to_thread(self.store.save, self.owner, self.kind, key, document, version)
         self._dirty = True
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending[version] = ({"master"}, written)
@@ -352,8 +356,13 @@ class _ReplicaHolder(_Role):
         if message.kind is Kind.REPLICATE and message.key and message.state_kind:
             if message.table is None or message.version is None:
                 return True
-            self.store.save(
-                self.replica_owner, message.state_kind, message.key, message.table, message.version
+            await asyncio.to_thread(
+                self.store.save,
+                self.replica_owner,
+                message.state_kind,
+                message.key,
+                message.table,
+                message.version,
             )
             self.apply(message.key, message.table)
             self.count("replicas")
@@ -370,7 +379,8 @@ class _ReplicaHolder(_Role):
             )
             return True
         if message.kind is Kind.READ and message.state_kind and message.reply_to:
-            entries = list(self.store.load(self.replica_owner, message.state_kind).items())
+            table = await asyncio.to_thread(self.store.load, self.replica_owner, message.state_kind)
+            entries = list(table.items())
             pages = [
                 entries[i : i + _ReplicaSet.PAGE] for i in range(0, len(entries), _ReplicaSet.PAGE)
             ] or [[]]
@@ -709,7 +719,9 @@ class MatchMaster(_MatchBroker):
             self.subscriptions[message.subscription_id] = doc
             await self.replicas.write(message.subscription_id, doc)
         elif message.kind is Kind.ADVERTISE:
-            self.store.save(self.owner, "advertisement", message.event_type, {}, 1)
+            await asyncio.to_thread(
+                self.store.save, self.owner, "advertisement", message.event_type, {}, 1
+            )
         elif message.kind is Kind.PUBLISH and message.event is not None:
             target = self.choose() if self.topology.inner else None
             if target is None:

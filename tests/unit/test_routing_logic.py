@@ -383,6 +383,47 @@ def test_masters_snapshot_their_table_periodically(tmp_path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_replica_write_does_not_stall_the_loop_while_the_store_is_busy(tmp_path) -> None:
+    import asyncio
+    import threading
+    import time
+
+    from middleware.routing.roles import RouterMaster
+
+    async def scenario() -> None:
+        router = _role(RouterMaster, {"id": "B"}, str(tmp_path / "s.sqlite3"))
+        held = threading.Event()
+
+        def snapshot_elsewhere() -> None:  # another thread holds the store for 0.5 s
+            with router.store._lock:
+                held.set()
+                time.sleep(0.5)
+
+        busy = threading.Thread(target=snapshot_elsewhere)
+        busy.start()
+        held.wait()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        await router.replicas.write("a", {"level_sum": 1, "count": 1})
+        during = ticks - before
+        tick.cancel()
+        busy.join()
+        assert during >= 5, during  # the loop went on while the write waited for the store
+        assert router.store.load("B/router", "routing_table")["a"][0] == 1
+        router.store.close()
+
+    asyncio.run(scenario())
+
+
 def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
     from middleware.bench.phoenix_timeliness import summarize
 
