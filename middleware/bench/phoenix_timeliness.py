@@ -10,7 +10,8 @@ path holds its latency level); the masters read them back by quorum at start.
 
 Mechanisms (table 1): ``none`` (no priorities, the match master matches every
 event itself), ``inner`` (predicted-T dispatch to the match slaves), ``outer``
-(latency-level priorities between clusters), ``both``.  Response time is
+(latency-level priorities between clusters), ``both``, switched live on the
+running masters between cells (``qosmq phoenix configure``).  Response time is
 publish -> first delivery of the event to a subscriber's queue, measured by the
 client (one host, one clock).  A ``raw`` row publishes the same events straight
 into the subscriber queue with aio-pika: the transport's floor in the same run.
@@ -34,7 +35,7 @@ from typing import Any
 
 from ..routing import ChordRing, LatencyMap
 from ..routing.protocol import PhoenixTopology
-from ..routing.roles import PhoenixClient
+from ..routing.roles import PhoenixClient, reconfigure
 from ..routing.store import open_store
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
@@ -378,10 +379,12 @@ def run_experiment(
     warmup_s: float = 3.0,
     report: Any = print,
 ) -> list[dict[str, Any]]:
-    """Every (subscriptions, repeat, mechanism, rate) cell, plus a raw row per
-    (subscriptions, rate).  Each repeat runs the mechanisms in a rotated order, and
-    every cell is preceded by ``warmup_s`` of unmeasured load at its rate, so no
-    mechanism always runs first on a cold deployment."""
+    """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
+    (subscriptions, rate).  The roles start once per subscription count; the mechanisms
+    are switched live (``reconfigure``: the masters' control queues) and alternate within
+    each rate, in an order rotated per rate and repeat, so the mechanisms compared at a
+    rate run seconds apart under the same conditions.  Every cell is preceded by
+    ``warmup_s`` of unmeasured load at its rate."""
     rows: list[dict[str, Any]] = []
     for count in subscription_counts:
         workload = Workload(count)
@@ -398,14 +401,22 @@ def run_experiment(
             )
             rows.append({"subscriptions": count, "mechanism": "raw", "repeat": 0, **row})
             report(rows[-1])
-        for repeat in range(repeats):
-            shift = (repeat + subscription_counts.index(count)) % len(mechanisms)
-            for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
-                outer, inner = MECHANISMS[mechanism]
-                deployment.configure(outer=outer, inner=inner)
-                with deployment.running():
-                    ready_s = asyncio.run(wait_ready(settings, deployment, workload))
-                    for rate in rates:
+        with deployment.running():
+            ready_s = asyncio.run(wait_ready(settings, deployment, workload))
+            for repeat in range(repeats):
+                for r, rate in enumerate(rates):
+                    shift = (repeat + r + subscription_counts.index(count)) % len(mechanisms)
+                    for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
+                        outer, inner = MECHANISMS[mechanism]
+                        asyncio.run(
+                            reconfigure(
+                                settings,
+                                deployment.topology,
+                                deployment.clusters,
+                                outer=outer,
+                                inner=inner,
+                            )
+                        )
                         if warmup_s > 0:
                             asyncio.run(
                                 measure(

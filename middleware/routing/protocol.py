@@ -37,6 +37,7 @@ class Kind(StrEnum):
     ACK = "ack"  # slave -> its master's control queue: replica entry stored
     READ = "read"  # master -> slave: send me your replica (quorum read)
     SNAPSHOT = "snapshot"  # slave -> master's control queue: a page of its replica
+    CONFIGURE = "configure"  # operator -> masters' control queues: switch outer/inner live
 
 
 class PhoenixMessage(BaseModel):
@@ -62,7 +63,7 @@ class PhoenixMessage(BaseModel):
     key: str | None = None  # replicate: the entry's key
     state_kind: str | None = None  # replicate / read / snapshot: routing_table, subscription
     request: str | None = None  # read / snapshot: which read this answers
-    reply_to: str | None = None  # read: the master's control queue
+    reply_to: str | None = None  # read: the master's control queue; configure: the operator
     entries: dict[str, tuple[int, dict[str, Any]]] | None = None  # snapshot: key -> (v, doc)
     last: bool = False  # snapshot: the final page
     priority: int = Field(0, ge=0, le=MAX_PRIORITY)  # set by the routing master (latency level)

@@ -65,7 +65,14 @@ from .ring import ChordRing, Handover, ring_id
 from .store import StateStore, open_store
 from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker
 
-__all__ = ["MatchMaster", "MatchSlave", "PhoenixClient", "RouterMaster", "RouterSlave"]
+__all__ = [
+    "MatchMaster",
+    "MatchSlave",
+    "PhoenixClient",
+    "RouterMaster",
+    "RouterSlave",
+    "reconfigure",
+]
 
 log = logging.getLogger(__name__)
 ROLE_EVENTS = PromCounter(
@@ -156,7 +163,30 @@ class _Role:
         await self.handle(self._parse(delivery))
 
     async def _on_control(self, delivery: Delivery) -> None:
-        await self.control(self._parse(delivery))
+        message = self._parse(delivery)
+        if message.kind is Kind.CONFIGURE:
+            await self._configure(message, delivery.queue)
+        else:
+            await self.control(message)
+
+    async def _configure(self, message: PhoenixMessage, control: str) -> None:
+        """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters);
+        the topology file is not changed, so a restart goes back to it."""
+        switches = {k: v for k, v in (message.table or {}).items() if k in ("outer", "inner")}
+        if any(not isinstance(v, bool) for v in switches.values()):
+            raise DeadLetter(f"configure: outer/inner must be true or false, got {switches}")
+        self.topology = self.topology.model_copy(update=switches)
+        self.count("configured")
+        log.info("%s of %s configured live: %s", self.role, self.cluster, switches)
+        if message.reply_to:  # the operator's own queue: published to, never declared here
+            reply = PhoenixMessage(
+                kind=Kind.ACK, event_type="-", request=message.request, broker=control
+            )
+            client = await self.client_for(self.cluster)
+            with contextlib.suppress(Unroutable):  # the operator gave up and left
+                await client.publish(
+                    OutgoingMessage(reply.model_dump_json().encode(), "", message.reply_to)
+                )
 
     async def handle(self, message: PhoenixMessage) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -811,6 +841,84 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
                 },
             ),
         )
+
+
+async def reconfigure(
+    settings: Settings,
+    topology: PhoenixTopology,
+    clusters: Iterable[str],
+    *,
+    outer: bool | None = None,
+    inner: bool | None = None,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Switch ``outer``/``inner`` live on the routing and match masters of ``clusters``
+    (through their control queues, ahead of any backlog); return the control queues of
+    the masters that confirmed. Raises :class:`MiddlewareError` naming the ones that did
+    not answer in ``timeout_s``."""
+    switches = {k: v for k, v in (("outer", outer), ("inner", inner)) if v is not None}
+    request = uuid.uuid4().hex
+    expected: set[str] = set()
+    confirmed: set[str] = set()
+    done = asyncio.Event()
+    clients: dict[str, AsyncClient] = {}
+
+    async def on_reply(delivery: Delivery) -> None:
+        reply = PhoenixMessage.model_validate_json(delivery.body)
+        if reply.kind is Kind.ACK and reply.request == request and reply.broker:
+            confirmed.add(reply.broker)
+            if expected <= confirmed:
+                done.set()
+
+    try:
+        for cluster in clusters:
+            spec = topology.cluster(cluster)
+            key = ",".join(spec.amqp_urls) or "default"
+            if key not in clients:
+                update = {"amqp_urls": spec.amqp_urls} if spec.amqp_urls else {}
+                client = await AsyncClient(settings=settings.model_copy(update=update)).connect()
+                clients[key] = client
+                await client.declare_queue(inbox_spec(f"{topology.prefix}.configure.{request}"))
+                await client.consume(f"{topology.prefix}.configure.{request}", on_reply)
+            client = clients[key]
+            message = PhoenixMessage(
+                kind=Kind.CONFIGURE,
+                event_type="-",
+                table=switches,
+                request=request,
+                reply_to=f"{topology.prefix}.configure.{request}",
+            )
+            masters = [router_inbox(topology, cluster)]
+            masters += [match_inbox(topology, cluster, i) for i in range(spec.match_masters)]
+            for inbox in masters:
+                control = control_inbox(inbox)
+                expected.add(control)  # each master answers with the queue it was asked on
+                # not declared: a master that never ran has no control queue (unroutable),
+                # and one that is down does not apply a stale switch when it comes back
+                with contextlib.suppress(Unroutable):
+                    await client.publish(
+                        OutgoingMessage(
+                            message.model_dump_json().encode(),
+                            "",
+                            control,
+                            priority=MAX_PRIORITY,
+                            expiration_ms=int(timeout_s * 1000),
+                        )
+                    )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await done.wait()
+    finally:
+        for client in clients.values():
+            with contextlib.suppress(Exception):
+                await client.delete_queue(f"{topology.prefix}.configure.{request}")
+            await client.close()
+    missing = expected - confirmed
+    if missing:
+        raise MiddlewareError(
+            f"no confirmation of {switches} in {timeout_s:.0f} s from {', '.join(sorted(missing))}"
+        )
+    return sorted(confirmed)
 
 
 class PhoenixClient:

@@ -33,12 +33,17 @@ def register(roles: Any, sub: Any) -> None:
         ("up", _up, "start every role of the joined clusters"),
         ("down", _down, "stop every role"),
         ("join", _join, "start a listed cluster and join it to the ring"),
+        ("configure", _configure, "switch the outer/inner mechanisms of running roles live"),
     ):
         p = cmds.add_parser(name, help=help_)
         p.add_argument("--topology", type=Path, required=True)
         p.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
         if name == "join":
             p.add_argument("--cluster", required=True)
+        if name == "configure":
+            for switch in ("outer", "inner"):
+                p.add_argument(f"--{switch}", choices=("on", "off"))
+            p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
         p.set_defaults(run=run)
 
 
@@ -179,6 +184,40 @@ def _join(args: argparse.Namespace) -> int:
 
     asyncio.run(announce())
     print(f"{joiner.id} joined the ring of {', '.join(sorted(running))}")
+    return 0
+
+
+def _configure(args: argparse.Namespace) -> int:
+    """Every running cluster's masters switch live; the topology file stays as it is."""
+    from ..errors import MiddlewareError
+    from ..routing.protocol import PhoenixTopology
+    from ..routing.roles import reconfigure
+
+    if args.outer is None and args.inner is None:
+        print("phoenix configure: give --outer on|off and/or --inner on|off", file=sys.stderr)
+        return 2
+    topology = PhoenixTopology.load(args.topology)
+    state = args.state_dir / "phoenix.json"
+    running = (
+        sorted({key.split("/")[0] for key in json.loads(state.read_text())})
+        if (state.exists())
+        else [c.id for c in topology.clusters if c.joined]
+    )
+    try:
+        confirmed = asyncio.run(
+            reconfigure(
+                args.settings,
+                topology,
+                running,
+                outer=None if args.outer is None else args.outer == "on",
+                inner=None if args.inner is None else args.inner == "on",
+                timeout_s=args.timeout,
+            )
+        )
+    except MiddlewareError as exc:
+        print(f"phoenix configure: {exc}", file=sys.stderr)
+        return 1
+    print(f"configured live ({len(confirmed)} masters): {', '.join(confirmed)}")
     return 0
 
 

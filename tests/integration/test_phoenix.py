@@ -294,20 +294,30 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
             await client.delete_queue(queue)
             return order
 
-    def positions(outer: bool) -> tuple[int, list[float]]:
-        deployment.configure(outer=outer, inner=False)
-        with deployment.running():
-            order = asyncio.run(scenario())
+    def positions() -> list[float]:
+        order = asyncio.run(scenario())
         bulk = [i for i, n in enumerate(order) if n.startswith("b")]
         assert len(bulk) == 300, len(bulk)
         urgent = [i for i, n in enumerate(order) if n.startswith("u")]
         assert len(urgent) == 10
         # for each urgent event: the share of bulk deliveries that arrived after it
-        return len(order), [sum(b > u for b in bulk) / len(bulk) for u in urgent]
+        return [sum(b > u for b in bulk) / len(bulk) for u in urgent]
 
-    _, overtaken = positions(outer=True)
+    deployment.configure(outer=True, inner=False)
+    with deployment.running():
+        overtaken = positions()
+        # the same roles with the priorities switched off live (qosmq phoenix configure)
+        out = phoenix_cli(
+            "configure",
+            deployment.topology_file,
+            deployment.state_dir,
+            brokers.urls,
+            "--outer",
+            "off",
+        )
+        assert "configured live (6 masters)" in out, out  # 3 routers + 3 match masters
+        fifo = positions()
     assert min(overtaken) >= 0.25, overtaken  # every urgent event beat a quarter of the bulk
-    _, fifo = positions(outer=False)
     assert max(fifo) < min(overtaken), (fifo, overtaken)  # the priorities made the difference
     share, fifo_share = min(overtaken), max(fifo)
     print(f"urgent ahead of >= {share:.0%} of the bulk ({fifo_share:.0%} without priorities)")
@@ -369,3 +379,15 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
     assert handled.count("bad") == 1  # rejected once, not redelivered
     assert [d["event"]["attributes"]["n"] for d in dead] == ["bad"], dead
     assert "bad event" in dead[0]["reason"] and queue in dead[0]["reason"], dead[0]["reason"]
+
+
+def test_live_configure_names_the_masters_that_did_not_answer(settings, brokers, name) -> None:
+    """Nothing runs for this topology: the switch is not confirmed and says by whom."""
+    from middleware.errors import MiddlewareError
+    from middleware.routing.roles import reconfigure
+
+    topology = PhoenixTopology.model_validate({"prefix": name, "clusters": [{"id": "A"}]})
+    with pytest.raises(
+        MiddlewareError, match=rf"{name}\.A\.match\.0\.control, {name}\.A\.router\.control"
+    ):
+        asyncio.run(reconfigure(settings, topology, ["A"], inner=False, timeout_s=1.0))
