@@ -30,6 +30,7 @@ import platform
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -195,8 +196,11 @@ def run(args: argparse.Namespace) -> Path:
     interrupted = False
     payload = _settings_payload(settings)
     try:
-        with _progress(grid, args.no_progress) as advance:
+        with _progress(grid, args.no_progress) as advance, _StopAfterCell() as stop:
             for repeat, cell in grid.cells():
+                if stop.requested:
+                    interrupted = True
+                    break
                 result = (
                     spark.sparkContext.parallelize([asdict(cell)], 1)
                     .map(lambda c: _run_on_executor(payload, c))
@@ -210,8 +214,9 @@ def run(args: argparse.Namespace) -> Path:
                     _append_records(spark, out, cell, repeat, records)
                     records_written = True
                 advance(cell, result)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now
         interrupted = True
+    if interrupted:
         print("\ninterrupted: writing the finished cells", file=sys.stderr)
     try:
         summary = aggregate(spark, out, cells) if records_written else []
@@ -219,6 +224,35 @@ def run(args: argparse.Namespace) -> Path:
     finally:
         spark.stop()
     return out
+
+
+class _StopAfterCell:
+    """Ctrl-C while the grid runs: the running cell finishes, then the job stops and
+    writes what finished; a second Ctrl-C stops at once.  (A KeyboardInterrupt raised
+    inside a py4j call makes py4j cancel the command, and that fails with a Py4JError
+    instead; so the first Ctrl-C only asks.)  Outside the main thread: no handler."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopAfterCell:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops now
+        print(
+            "\ninterrupted: finishing the running cell (Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _append_records(
