@@ -870,48 +870,46 @@ async def reconfigure(
             if expected <= confirmed:
                 done.set()
 
+    reply_queue = f"{topology.prefix}.configure.{request}"
+    message = PhoenixMessage(
+        kind=Kind.CONFIGURE, event_type="-", table=switches, request=request, reply_to=reply_queue
+    )
     try:
-        for cluster in clusters:
+        targets: list[tuple[AsyncClient, str]] = []
+        for cluster in clusters:  # every master expected before any is asked (replies race)
             spec = topology.cluster(cluster)
             key = ",".join(spec.amqp_urls) or "default"
             if key not in clients:
                 update = {"amqp_urls": spec.amqp_urls} if spec.amqp_urls else {}
                 client = await AsyncClient(settings=settings.model_copy(update=update)).connect()
                 clients[key] = client
-                await client.declare_queue(inbox_spec(f"{topology.prefix}.configure.{request}"))
-                await client.consume(f"{topology.prefix}.configure.{request}", on_reply)
-            client = clients[key]
-            message = PhoenixMessage(
-                kind=Kind.CONFIGURE,
-                event_type="-",
-                table=switches,
-                request=request,
-                reply_to=f"{topology.prefix}.configure.{request}",
-            )
-            masters = [router_inbox(topology, cluster)]
-            masters += [match_inbox(topology, cluster, i) for i in range(spec.match_masters)]
-            for inbox in masters:
-                control = control_inbox(inbox)
-                expected.add(control)  # each master answers with the queue it was asked on
-                # not declared: a master that never ran has no control queue (unroutable),
-                # and one that is down does not apply a stale switch when it comes back
-                with contextlib.suppress(Unroutable):
-                    await client.publish(
-                        OutgoingMessage(
-                            message.model_dump_json().encode(),
-                            "",
-                            control,
-                            priority=MAX_PRIORITY,
-                            expiration_ms=int(timeout_s * 1000),
-                        )
+                await client.declare_queue(inbox_spec(reply_queue))
+                await client.consume(reply_queue, on_reply)
+            inboxes = [router_inbox(topology, cluster)]
+            inboxes += [match_inbox(topology, cluster, i) for i in range(spec.match_masters)]
+            for inbox in inboxes:  # each master answers with the queue it was asked on
+                targets.append((clients[key], control_inbox(inbox)))
+                expected.add(control_inbox(inbox))
+        for client, control in targets:
+            # not declared: a master that never ran has no control queue (unroutable),
+            # and one that is down does not apply a stale switch when it comes back
+            with contextlib.suppress(Unroutable):
+                await client.publish(
+                    OutgoingMessage(
+                        message.model_dump_json().encode(),
+                        "",
+                        control,
+                        priority=MAX_PRIORITY,
+                        expiration_ms=int(timeout_s * 1000),
                     )
+                )
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s if expected else 0):
                 await done.wait()
     finally:
         for client in clients.values():
             with contextlib.suppress(Exception):
-                await client.delete_queue(f"{topology.prefix}.configure.{request}")
+                await client.delete_queue(reply_queue)
             await client.close()
     missing = expected - confirmed
     if missing:
