@@ -71,6 +71,7 @@ __all__ = [
     "PhoenixClient",
     "RouterMaster",
     "RouterSlave",
+    "cluster_settings",
     "reconfigure",
 ]
 
@@ -86,6 +87,17 @@ HOPS = Histogram(
     ["cluster"],
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
 )
+
+
+def cluster_settings(
+    settings: Settings, topology: PhoenixTopology, cluster: str
+) -> tuple[str, Settings]:
+    """The settings for a cluster's RabbitMQ (its own ``amqp_urls``, else the process's),
+    and a key that is the same for clusters sharing one RabbitMQ (one connection each)."""
+    urls = topology.cluster(cluster).amqp_urls
+    if not urls:
+        return "default", settings
+    return ",".join(urls), settings.model_copy(update={"amqp_urls": urls})
 
 
 def inbox_spec(name: str) -> QueueSpec:
@@ -107,14 +119,8 @@ class _Role:
 
     async def client_for(self, cluster: str) -> AsyncClient:
         """One connection per cluster's RabbitMQ (the process's own when not configured)."""
-        spec = self.topology.cluster(cluster)
-        key = ",".join(spec.amqp_urls) or "default"
+        key, settings = cluster_settings(self.settings, self.topology, cluster)
         if key not in self._clients:
-            settings = (
-                self.settings.model_copy(update={"amqp_urls": spec.amqp_urls})
-                if spec.amqp_urls
-                else self.settings
-            )
             self._clients[key] = await AsyncClient(settings=settings).connect()
         return self._clients[key]
 
@@ -878,10 +884,9 @@ async def reconfigure(
         targets: list[tuple[AsyncClient, str]] = []
         for cluster in clusters:  # every master expected before any is asked (replies race)
             spec = topology.cluster(cluster)
-            key = ",".join(spec.amqp_urls) or "default"
+            key, cluster_conf = cluster_settings(settings, topology, cluster)
             if key not in clients:
-                update = {"amqp_urls": spec.amqp_urls} if spec.amqp_urls else {}
-                client = await AsyncClient(settings=settings.model_copy(update=update)).connect()
+                client = await AsyncClient(settings=cluster_conf).connect()
                 clients[key] = client
                 await client.declare_queue(inbox_spec(reply_queue))
                 await client.consume(reply_queue, on_reply)

@@ -154,7 +154,7 @@ def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
 def _join(args: argparse.Namespace) -> int:
     """Start the cluster's roles, then tell every routing master that it joined."""
     from ..routing.protocol import Kind, PhoenixMessage, PhoenixTopology, router_inbox
-    from ..routing.roles import inbox_spec
+    from ..routing.roles import cluster_settings, inbox_spec
     from ..transport import AsyncClient, OutgoingMessage
 
     topology = PhoenixTopology.load(args.topology)
@@ -171,10 +171,7 @@ def _join(args: argparse.Namespace) -> int:
     async def announce() -> None:
         message = PhoenixMessage(kind=Kind.JOIN, event_type="-", cluster=joiner.id)
         for cluster in sorted(running - {joiner.id}):
-            urls = topology.cluster(cluster).amqp_urls  # each cluster's own RabbitMQ, if set
-            settings = (
-                args.settings.model_copy(update={"amqp_urls": urls}) if urls else args.settings
-            )
+            _, settings = cluster_settings(args.settings, topology, cluster)  # its own RabbitMQ
             async with AsyncClient(settings=settings) as client:
                 inbox = router_inbox(topology, cluster)
                 await client.declare_queue(inbox_spec(inbox))

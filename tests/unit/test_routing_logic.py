@@ -452,3 +452,19 @@ def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
     assert summary[("inner", 100)]["mean_ms_range"] == [5.0, 5.0]
     assert none["cpu"] == {"machine": 60.0, "router": 20.0}  # rows without a reading skipped
     assert summary[("inner", 100)]["cpu"] == {}
+
+
+def test_clusters_on_one_rabbitmq_share_a_connection_key() -> None:
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.routing.roles import cluster_settings
+    from middleware.settings import Settings
+
+    own = ["amqp://127.0.0.1:6001/"]
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "A"}, {"id": "B", "amqp_urls": own}, {"id": "C", "amqp_urls": own}]}
+    )
+    settings = Settings.load()
+    assert cluster_settings(settings, topology, "A") == ("default", settings)
+    key_b, settings_b = cluster_settings(settings, topology, "B")
+    assert key_b == cluster_settings(settings, topology, "C")[0] == own[0]
+    assert list(settings_b.amqp_urls) == own
