@@ -137,3 +137,47 @@ def test_cli_bad_settings_exit_with_the_field(tmp_path) -> None:
     assert proc.returncode == 1
     assert "prefetch" in proc.stderr and "QOSMQ_PREFETCH" in proc.stderr
     assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_coalesced_writes_lose_nothing_and_share_socket_writes(settings, name, coalesce) -> None:
+    """A burst of confirmed publishes, consumed and acked on the same connection: every
+    message arrives once and the queue ends empty (every ack reached the broker), whether
+    the frames of a loop turn share a socket write (default) or each has its own."""
+    import asyncio
+
+    async def main() -> tuple[list[bytes], int, tuple[int, int] | None]:
+        custom = settings.model_copy(update={"coalesce_writes": coalesce})
+        async with AsyncClient(settings=custom) as client:
+            await client.declare_queue(QueueSpec(name, kind=QueueKind.CLASSIC))
+            got: list[bytes] = []
+            done = asyncio.Event()
+
+            async def handle(delivery) -> None:
+                got.append(delivery.body)
+                if len(got) == 400:
+                    done.set()
+
+            await client.consume(name, handle, prefetch=64)
+            await asyncio.gather(
+                *(client.publish(OutgoingMessage(f"m{i}".encode(), "", name)) for i in range(400))
+            )
+            await asyncio.wait_for(done.wait(), 30)
+            await asyncio.sleep(0.5)  # the last acks leave
+            writes = client.socket_writes
+        # closed: a delivery whose ack never reached the broker is ready again now
+        async with AsyncClient(settings=settings) as checker:
+            left = await checker.queue_length(name)
+            await checker.delete_queue(name)
+        return got, left, writes
+
+    got, left, writes = asyncio.run(main())
+    assert sorted(got) == sorted(f"m{i}".encode() for i in range(400))
+    assert left == 0
+    if coalesce:
+        assert writes is not None
+        frames, socket_writes = writes
+        assert frames > 800  # 400 publishes and 400 acks at least
+        assert socket_writes < frames  # some turns wrote several frames at once
+    else:
+        assert writes is None
