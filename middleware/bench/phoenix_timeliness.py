@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..routing import ChordRing, LatencyMap
-from ..routing.protocol import PhoenixTopology
+from ..routing.protocol import PhoenixTopology, role_queues
 from ..routing.roles import PhoenixClient, reconfigure
 from ..routing.store import open_store
 from ..settings import Settings
@@ -211,11 +211,25 @@ class Deployment:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Deployment]:
+        """The roles up for the block; then down, and the deployment's queues deleted (a
+        benchmark's deployment is thrown away: its inboxes would pile up in the broker)."""
         self.up()
         try:
             yield self
         finally:
             self.down()
+            asyncio.run(self.delete_queues())
+
+    async def delete_queues(self) -> int:
+        """Delete the roles' inboxes and control queues and the clients' queues; how many."""
+        names = role_queues(self.topology)
+        names += [subscriber_queue(self.prefix, at) for at in CLIENTS]
+        names.append(f"{self.prefix}.probe")
+        settings = Settings(amqp_urls=",".join(self.amqp_urls))
+        async with AsyncClient(settings=settings) as client:
+            for name in names:
+                await client.delete_queue(name)
+        return len(names)
 
 
 def phoenix_cli(

@@ -19,6 +19,7 @@ __all__ = [
     "PhoenixTopology",
     "control_inbox",
     "match_inbox",
+    "role_queues",
     "router_inbox",
     "router_slave_inbox",
 ]
@@ -139,3 +140,17 @@ def match_inbox(
 def control_inbox(inbox: str) -> str:
     """A master's control queue (acks, heartbeats, snapshots): never behind the data backlog."""
     return f"{inbox}.control"
+
+
+def role_queues(topology: PhoenixTopology) -> list[str]:
+    """Every inbox and control queue the topology's roles use (to remove a deployment)."""
+    names = []
+    for c in topology.clusters:
+        router = router_inbox(topology, c.id)
+        names += [router, control_inbox(router)]
+        names += [router_slave_inbox(topology, c.id, j) for j in range(c.routing_slaves)]
+        for i in range(c.match_masters):
+            master = match_inbox(topology, c.id, i)
+            names += [master, control_inbox(master)]
+            names += [match_inbox(topology, c.id, i, j) for j in range(c.match_slaves)]
+    return names

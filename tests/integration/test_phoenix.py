@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from middleware.bench.phoenix_timeliness import phoenix_cli
+from middleware.errors import EntityNotFound
 from middleware.routing import ChordRing, FilterError
-from middleware.routing.protocol import PhoenixTopology
+from middleware.routing.protocol import PhoenixTopology, role_queues
 from middleware.routing.roles import PhoenixClient
 from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
@@ -318,9 +319,27 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
         assert "configured live (6 masters)" in out, out  # 3 routers + 3 match masters
         fifo = positions()
     assert min(overtaken) >= 0.25, overtaken  # every urgent event beat a quarter of the bulk
+    assert _queues_left(settings, deployment) == []  # the deployment removed its queues
     assert max(fifo) < min(overtaken), (fifo, overtaken)  # the priorities made the difference
     share, fifo_share = min(overtaken), max(fifo)
     print(f"urgent ahead of >= {share:.0%} of the bulk ({fifo_share:.0%} without priorities)")
+
+
+def _queues_left(settings, deployment) -> list[str]:
+    """The deployment's role queues that still exist in the broker."""
+
+    async def check() -> list[str]:
+        left = []
+        async with AsyncClient(settings=settings) as client:
+            for queue in role_queues(deployment.topology):
+                try:
+                    await client.queue_length(queue)
+                    left.append(queue)
+                except EntityNotFound:
+                    pass
+        return left
+
+    return asyncio.run(check())
 
 
 def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
