@@ -76,6 +76,13 @@ def register(sub: Any) -> None:
     )
     phoenix.add_argument("--json", type=Path)
     phoenix.set_defaults(run=_run_phoenix)
+    transport = cmds.add_parser("transport", help="the asyncio client's cost per message vs raw")
+    transport.add_argument("--clients", default="raw,layer,layer-per-frame")
+    transport.add_argument("--messages", type=int, default=4000, help="per cell")
+    transport.add_argument("--size", type=int, default=100, help="message size in bytes")
+    transport.add_argument("--repeats", type=int, default=3, help="passes (order rotated)")
+    transport.add_argument("--json", type=Path)
+    transport.set_defaults(run=_run_transport)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
     queues.add_argument("--duration", type=float, default=10.0)
     queues.add_argument("--size", type=int, default=1500)
@@ -436,6 +443,68 @@ def _run_queues(args: argparse.Namespace) -> int:
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _run_transport(args: argparse.Namespace) -> int:
+    from .transport import CLIENTS, run_transport
+
+    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    unknown = sorted(set(clients) - set(CLIENTS))
+    if unknown or args.messages < 1 or args.repeats < 1:
+        print(
+            f"bench transport: --clients from {', '.join(CLIENTS)} (got {unknown}); "
+            "--messages and --repeats >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    header = f"{'client':16} {'repeat':>6} {'msg/s':>8} {'CPU us/msg':>10} {'frames/write':>12}"
+    print(header)
+
+    def report(r: dict[str, Any]) -> None:
+        fpw = "-" if r["frames_per_write"] is None else f"{r['frames_per_write']:.2f}"
+        print(
+            f"{r['client']:16} {r['repeat']:>6} {r['per_s']:>8.0f} "
+            f"{r['cpu_us_per_message']:>10.0f} {fpw:>12}"
+        )
+
+    rows = run_transport(
+        args.settings,
+        clients=clients,
+        messages=args.messages,
+        size=args.size,
+        repeats=args.repeats,
+        report=report,
+    )
+    summary = []
+    for client in clients:
+        mine = [r for r in rows if r["client"] == client]
+        summary.append(
+            {
+                "client": client,
+                "per_s": round(sum(r["per_s"] for r in mine) / len(mine), 1),
+                "cpu_us_per_message": round(
+                    sum(r["cpu_us_per_message"] for r in mine) / len(mine), 1
+                ),
+            }
+        )
+    raw = next((s for s in summary if s["client"] == "raw"), None)
+    print(f"\nmean of {args.repeats} passes{'' if raw is None else '; x raw: same run'}")
+    for s in summary:
+        ratio = (
+            ""
+            if raw is None
+            else (
+                f"  x raw: {s['per_s'] / raw['per_s']:.2f} msg/s, "
+                f"{s['cpu_us_per_message'] / raw['cpu_us_per_message']:.2f} CPU"
+            )
+        )
+        print(
+            f"{s['client']:16} {s['per_s']:>8.0f} msg/s {s['cpu_us_per_message']:>6.0f} us{ratio}"
+        )
+    if args.json:
+        records = {"cells": rows, "summary": summary, **_provenance()}
+        args.json.write_text(json.dumps(records, indent=2))
     return 0
 
 

@@ -181,3 +181,30 @@ def test_coalesced_writes_lose_nothing_and_share_socket_writes(settings, name, c
         assert socket_writes < frames  # some turns wrote several frames at once
     else:
         assert writes is None
+
+
+def test_transport_bench_runs_every_client_and_reports_its_cost(settings) -> None:
+    """``qosmq bench transport``: each client moves every message through the real broker,
+    in the order rotated per pass; the layer reports frames per socket write."""
+    from middleware.bench.transport import run_transport
+
+    rows = run_transport(
+        settings,
+        clients=["raw", "layer", "layer-per-frame"],
+        messages=200,
+        size=64,
+        repeats=2,
+        report=lambda row: None,
+    )
+    assert [r["client"] for r in rows] == [
+        "raw",
+        "layer",
+        "layer-per-frame",
+        "layer",
+        "layer-per-frame",
+        "raw",
+    ]
+    for row in rows:
+        assert row["per_s"] > 0 and row["cpu_us_per_message"] > 0
+        assert (row["frames_per_write"] is not None) == (row["client"] == "layer")
+    assert all(r["frames_per_write"] >= 1 for r in rows if r["client"] == "layer")

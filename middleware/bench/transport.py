@@ -1,0 +1,124 @@
+"""The asyncio client's cost per message, against raw aio-pika in the same run.
+
+One connection publishes ``messages`` confirmed messages (all started at once, the
+client's publish window bounding them) to a classic queue and consumes them back with
+acks: the work of one Phoenix hop per message.  Reported per cell: messages/s, the
+process's CPU per message, and frames per socket write (the layer's client only).
+Clients: ``raw`` (aio-pika's Exchange.publish and IncomingMessage.ack), ``layer`` (the
+AsyncClient with ``coalesce_writes``), ``layer-per-frame`` (``coalesce_writes=false``).
+Cells alternate within each repeat, so the clients compared ran seconds apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import aio_pika
+
+from ..settings import Settings
+from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+
+__all__ = ["CLIENTS", "run_transport", "transport_cell"]
+
+CLIENTS = ("raw", "layer", "layer-per-frame")
+
+
+async def transport_cell(
+    settings: Settings, client: str, *, messages: int, size: int
+) -> dict[str, Any]:
+    """Publish and consume ``messages`` through one connection of ``client``."""
+    if client not in CLIENTS:
+        raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
+    queue = f"bench-transport-{uuid.uuid4().hex[:8]}"
+    body = b"x" * size
+    done = asyncio.Event()
+    handled = 0
+
+    def on_handled() -> None:
+        nonlocal handled
+        handled += 1
+        if handled == messages:
+            done.set()
+
+    writes: tuple[int, int] | None = None
+    if client == "raw":
+        host, port, _ = settings.nodes[0]
+        password = settings.password.get_secret_value()
+        connection = await aio_pika.connect(f"amqp://{settings.username}:{password}@{host}:{port}/")
+        try:
+            publish_channel = await connection.channel(publisher_confirms=True)
+            consume_channel = await connection.channel()
+            await consume_channel.set_qos(prefetch_count=settings.prefetch)
+            q = await consume_channel.declare_queue(queue, auto_delete=False)
+
+            async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                on_handled()
+                await message.ack()
+
+            await q.consume(on_message)
+            window = asyncio.Semaphore(settings.publish_window)
+
+            async def send() -> None:
+                async with window:
+                    await publish_channel.default_exchange.publish(
+                        aio_pika.Message(body), routing_key=queue
+                    )
+
+            started, cpu = time.perf_counter(), time.process_time()
+            await asyncio.gather(*(send() for _ in range(messages)))
+            await asyncio.wait_for(done.wait(), 120)
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+            await q.delete(if_unused=False, if_empty=False)
+        finally:
+            await connection.close()
+    else:
+        custom = settings.model_copy(update={"coalesce_writes": client == "layer"})
+        async with AsyncClient(settings=custom) as layer:
+            await layer.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+
+            async def handle(_: Delivery) -> None:
+                on_handled()
+
+            await layer.consume(queue, handle)
+            before = layer.socket_writes or (0, 0)
+            started, cpu = time.perf_counter(), time.process_time()
+            await asyncio.gather(
+                *(layer.publish(OutgoingMessage(body, "", queue)) for _ in range(messages))
+            )
+            await asyncio.wait_for(done.wait(), 120)
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+            after = layer.socket_writes
+            if after is not None:
+                writes = (after[0] - before[0], after[1] - before[1])
+            await layer.delete_queue(queue)
+    return {
+        "client": client,
+        "messages": messages,
+        "size": size,
+        "per_s": round(messages / elapsed, 1),
+        "cpu_us_per_message": round(1e6 * cpu / messages, 1),
+        "frames_per_write": round(writes[0] / writes[1], 2) if writes and writes[1] else None,
+    }
+
+
+def run_transport(
+    settings: Settings,
+    *,
+    clients: list[str],
+    messages: int,
+    size: int,
+    repeats: int,
+    report: Any = print,
+) -> list[dict[str, Any]]:
+    """Every client once per repeat (order rotated per repeat); one record per cell."""
+    rows = []
+    for repeat in range(repeats):
+        shift = repeat % len(clients)
+        for client in [*clients[shift:], *clients[:shift]]:
+            row = asyncio.run(transport_cell(settings, client, messages=messages, size=size))
+            rows.append({"repeat": repeat, **row})
+            report(rows[-1])
+    return rows
