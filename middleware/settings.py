@@ -141,7 +141,9 @@ class Settings(BaseSettings):
     publish_timeout: float = Field(30.0, gt=0, description="seconds to wait for a broker confirm")
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
     coalesce_writes: bool = Field(
-        True, description="asyncio client: one socket write per event-loop turn, not per frame"
+        True,
+        description="asyncio client, amqp:// nodes: one socket write per event-loop turn, "
+        "not one per frame",
     )
     management_port_offset: int = Field(
         10000, ge=0, description="management API port = AMQP port + this (local clusters: 10000)"

@@ -424,8 +424,10 @@ class AsyncClient:
                 timeout=self.settings.connect_timeout,
                 heartbeat=self.settings.heartbeat,
                 client_properties={"connection_name": self.settings.client_name},
-                connection_class=(
-                    CoalescingConnection if self.settings.coalesce_writes else aio_pika.Connection
+                connection_class=(  # amqps: aiormq's own writer
+                    CoalescingConnection
+                    if self.settings.coalesce_writes and not node.tls
+                    else aio_pika.Connection
                 ),
             )
         except Exception as exc:

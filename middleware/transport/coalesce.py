@@ -22,7 +22,6 @@ among them (``aio_pika.connect(..., connection_class=CoalescingConnection)``).
 from __future__ import annotations
 
 import asyncio
-import ssl as ssl_module
 from typing import Any
 
 import aio_pika
@@ -86,23 +85,22 @@ class CoalescingWriter(asyncio.StreamWriter):
 
 
 class CoalescingTransportFactory(TransportFactory):
-    """aiormq's TCP/TLS connection, with a :class:`CoalescingWriter` (``writer``: the last)."""
+    """aiormq's TCP connection, with a :class:`CoalescingWriter` (``writer``: the last)."""
 
     writer: CoalescingWriter | None = None
 
     async def create(
         self, url: URL, **kwargs: Any
     ) -> tuple[asyncio.StreamReader, CoalescingWriter]:
-        provider = kwargs.pop("ssl_context_provider", None)
-        ssl: ssl_module.SSLContext | None = None
-        if url.scheme == "amqps" and provider is not None:
-            ssl = await provider.get_context()
+        if url.scheme == "amqps":  # TLS connections keep aiormq's own writer (not measured)
+            raise ValueError("CoalescingTransportFactory: plain amqp:// connections only")
+        kwargs.pop("ssl_context_provider", None)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=kwargs.pop("limit", STREAM_LIMIT), loop=loop)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         try:
             transport, _ = await loop.create_connection(
-                lambda: protocol, url.host or "localhost", url.port or 5672, ssl=ssl, **kwargs
+                lambda: protocol, url.host or "localhost", url.port or 5672, **kwargs
             )
         except OSError as exc:
             raise AMQPConnectionError(*exc.args) from exc

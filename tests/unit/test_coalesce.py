@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 from yarl import URL
 
 from middleware.transport.coalesce import CoalescingTransportFactory, CoalescingWriter
@@ -84,3 +85,8 @@ def test_close_flushes_what_was_written_before_it() -> None:
             assert await _collect(received, 10) == b"last-words"
 
     asyncio.run(main())
+
+
+def test_tls_urls_are_refused_not_silently_sent_in_clear() -> None:
+    with pytest.raises(ValueError, match="amqp://"):
+        asyncio.run(CoalescingTransportFactory().create(URL("amqps://127.0.0.1:5671/")))
