@@ -4,7 +4,10 @@ A response time measured on a shared machine means little without what limited
 it: :class:`CpuMeter` reads the machine's busy and steal time (``/proc/stat``) and
 the CPU seconds of named processes (``/proc/PID/stat``) at the start and end of a
 cell, and reports each as a percentage (machine: of all cores; a process: of one
-core).  Where ``/proc`` is missing (not Linux) the readings are ``None``.
+core).  It also reads each process's run delay (``/proc/PID/schedstat``: time its main
+thread was ready to run but waited for a core) as a percentage of the cell's wall time:
+a process at 20 % CPU that waits another 30 % is held back by the machine, not by its
+own work.  Where ``/proc`` is missing (not Linux) the readings are ``None``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def _process_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+def _run_delay_seconds(pid: int) -> float | None:
+    """Seconds the process's main thread spent runnable on a run queue, not running."""
+    try:
+        with open(f"/proc/{pid}/schedstat", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _machine() -> tuple[int, int, int] | None:
@@ -53,6 +65,7 @@ class CpuMeter:
         self._wall = time.monotonic()
         self._machine = _machine()
         self._seconds = {name: _process_seconds(pid) for name, pid in self.processes.items()}
+        self._delays = {name: _run_delay_seconds(pid) for name, pid in self.processes.items()}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -68,13 +81,18 @@ class CpuMeter:
             self.result["machine_pct"] = self.result["steal_pct"] = None
         self.result["cores"] = os.cpu_count()
         processes: dict[str, float | None] = {}
-        for name, pid in self.processes.items():
-            before, after = self._seconds[name], _process_seconds(pid)
-            if before is None or after is None:
-                processes[name] = None  # not running at one end of the cell
-            else:
-                processes[name] = round(100 * (after - before) / wall, 1)
+        waiting: dict[str, float | None] = {}
+        for name, pid in self.processes.items():  # None: not running at one end of the cell
+            processes[name] = _percent(self._seconds[name], _process_seconds(pid), wall)
+            waiting[name] = _percent(self._delays[name], _run_delay_seconds(pid), wall)
         self.result["processes"] = processes
+        self.result["waiting"] = waiting
+
+
+def _percent(before: float | None, after: float | None, wall: float) -> float | None:
+    if before is None or after is None:
+        return None
+    return round(100 * (after - before) / wall, 1)
 
 
 _KINDS = (

@@ -465,7 +465,8 @@ def run_experiment(
 
 def _metered(deployment: Deployment, cell: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     """Run one measured cell; add where the CPU went meanwhile (``cpu``: the machine's busy
-    and steal % of all cores, the client's % of one core, the busiest role of each kind's)."""
+    and steal % of all cores, the client's % of one core, the busiest role of each kind's;
+    ``KIND_wait``: the most-waiting process of each kind's run delay, % of the wall time)."""
     with CpuMeter({"client": os.getpid(), **deployment.processes()}) as meter:
         row = asyncio.run(cell)
     cpu = meter.result
@@ -473,6 +474,7 @@ def _metered(deployment: Deployment, cell: Coroutine[Any, Any, dict[str, Any]]) 
         "machine": cpu["machine_pct"],
         "steal": cpu["steal_pct"],
         **busiest_by_kind(cpu["processes"]),
+        **{f"{kind}_wait": pct for kind, pct in busiest_by_kind(cpu["waiting"]).items()},
     }
     return row
 
