@@ -468,3 +468,27 @@ def test_clusters_on_one_rabbitmq_share_a_connection_key() -> None:
     key_b, settings_b = cluster_settings(settings, topology, "B")
     assert key_b == cluster_settings(settings, topology, "C")[0] == own[0]
     assert list(settings_b.amqp_urls) == own
+
+
+def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """The queues a deployment deletes are exactly its roles' inboxes and control queues;
+    a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
+    from middleware.bench.phoenix_timeliness import Deployment
+    from middleware.routing.protocol import role_queues
+
+    deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])
+    names = role_queues(deployment.topology)
+    assert len(names) == len(set(names)) == 3 * (2 + 2 + 2 + 2)  # router+ctl, 2 slaves, ...
+    assert "px.A.router.control" in names and "px.C.match.0.slave.1" in names
+
+    async def unreachable() -> int:
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(deployment, "up", lambda: None)
+    monkeypatch.setattr(deployment, "down", lambda: None)
+    monkeypatch.setattr(deployment, "delete_queues", unreachable)
+    with deployment.running():
+        pass
+    assert "queues of px not deleted: connection refused" in capsys.readouterr().err
