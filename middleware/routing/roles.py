@@ -100,6 +100,13 @@ def cluster_settings(
     return ",".join(urls), settings.model_copy(update={"amqp_urls": urls})
 
 
+def outgoing(message: PhoenixMessage, queue: str, **options: Any) -> OutgoingMessage:
+    """A Phoenix message as every role and client publishes it: JSON, straight to ``queue``."""
+    return OutgoingMessage(
+        message.model_dump_json().encode(), "", queue, content_type="application/json", **options
+    )
+
+
 def inbox_spec(name: str) -> QueueSpec:
     """Every role inbox is declared alike, so any role may declare any inbox first."""
     return QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9)
@@ -130,15 +137,7 @@ class _Role:
         client = await self.client_for(cluster)
         if inbox not in client.topology.queues:
             await client.declare_queue(inbox_spec(inbox))
-        await client.publish(
-            OutgoingMessage(
-                message.model_dump_json().encode(),
-                "",
-                inbox,
-                priority=priority,
-                content_type="application/json",
-            )
-        )
+        await client.publish(outgoing(message, inbox, priority=priority))
 
     async def serve(self, inbox: str, stop: asyncio.Event, *, control: bool = False) -> None:
         """Consume the control queue (masters), ``prepare``, then the inbox, until ``stop``."""
@@ -190,9 +189,7 @@ class _Role:
             )
             client = await self.client_for(self.cluster)
             with contextlib.suppress(Unroutable):  # the operator gave up and left
-                await client.publish(
-                    OutgoingMessage(reply.model_dump_json().encode(), "", message.reply_to)
-                )
+                await client.publish(outgoing(reply, message.reply_to))
 
     async def handle(self, message: PhoenixMessage) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -900,12 +897,8 @@ async def reconfigure(
             # and one that is down does not apply a stale switch when it comes back
             with contextlib.suppress(Unroutable):
                 await client.publish(
-                    OutgoingMessage(
-                        message.model_dump_json().encode(),
-                        "",
-                        control,
-                        priority=MAX_PRIORITY,
-                        expiration_ms=int(timeout_s * 1000),
+                    outgoing(
+                        message, control, priority=MAX_PRIORITY, expiration_ms=int(timeout_s * 1000)
                     )
                 )
         with contextlib.suppress(TimeoutError):
@@ -935,11 +928,7 @@ class PhoenixClient:
     async def _send(self, message: PhoenixMessage) -> None:
         if self.inbox not in self.client.topology.queues:
             await self.client.declare_queue(inbox_spec(self.inbox))
-        await self.client.publish(
-            OutgoingMessage(
-                message.model_dump_json().encode(), "", self.inbox, content_type="application/json"
-            )
-        )
+        await self.client.publish(outgoing(message, self.inbox))
 
     async def advertise(self, event_type: str) -> None:
         await self._send(PhoenixMessage(kind=Kind.ADVERTISE, event_type=event_type))
