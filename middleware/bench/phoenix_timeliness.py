@@ -92,6 +92,7 @@ class Workload:
                     ],
                     "queue": subscriber_queue(prefix, at),
                     "latency_level": self.levels[event_type],
+                    "home": at,
                 },
             )
         for event_type in self.event_types:  # readiness probes
@@ -103,6 +104,7 @@ class Workload:
                     "filter": [["probe", "exists"]],
                     "queue": f"{prefix}.probe",
                     "latency_level": self.levels[event_type],
+                    "home": CLIENTS[0],
                 },
             )
 

@@ -53,6 +53,8 @@ class PhoenixMessage(BaseModel):
     queue: str | None = None  # the subscriber's own queue
     confirm: Literal["broker", "e2e"] = "broker"  # subscribe: how deliveries are confirmed
     subscription_id: str | None = None
+    # subscribe: the subscriber's cluster, whose RabbitMQ (and vhost) holds its queue
+    home: str | None = None
     hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
     replica: bool = False  # a master's copy for its slaves (subscribe) or a dispatch (publish)
     broker: str | None = None  # heartbeat sender / the broker that matched a delivery
@@ -74,6 +76,7 @@ class ClusterSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     amqp_urls: tuple[str, ...] = ()  # empty: the process's own settings
+    vhost: str | None = Field(None, min_length=1)  # None: the process's own settings
     match_masters: int = Field(1, ge=1, le=16)
     match_slaves: int = Field(0, ge=0, le=16)  # per match master
     joined: bool = True  # false: listed, but joins later (qosmq phoenix join)

@@ -46,7 +46,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
 from ..confirms.aio import AsyncConfirmPublisher
-from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..errors import ConfigurationError, DeadLetter, MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .matching import Event, Filter, FilterError, SubscriptionIndex
@@ -92,12 +92,17 @@ HOPS = Histogram(
 def cluster_settings(
     settings: Settings, topology: PhoenixTopology, cluster: str
 ) -> tuple[str, Settings]:
-    """The settings for a cluster's RabbitMQ (its own ``amqp_urls``, else the process's),
-    and a key that is the same for clusters sharing one RabbitMQ (one connection each)."""
-    urls = topology.cluster(cluster).amqp_urls
-    if not urls:
+    """The settings for a cluster's RabbitMQ (its own ``amqp_urls`` and ``vhost``, else
+    the process's), and a key that is the same for clusters sharing one RabbitMQ vhost
+    (one connection each)."""
+    spec = topology.cluster(cluster)
+    urls = spec.amqp_urls or settings.amqp_urls
+    vhost = spec.vhost or settings.vhost
+    if (urls, vhost) == (settings.amqp_urls, settings.vhost):
         return "default", settings
-    return ",".join(urls), settings.model_copy(update={"amqp_urls": urls})
+    return f"{','.join(urls)}|{vhost}", settings.model_copy(
+        update={"amqp_urls": urls, "vhost": vhost}
+    )
 
 
 def outgoing(message: PhoenixMessage, queue: str, **options: Any) -> OutgoingMessage:
@@ -200,6 +205,11 @@ class _Role:
 
 class ReplicaTimeout(MiddlewareError):
     """A replica write was given up before W of N replicas acknowledged it."""
+
+
+class SubscriptionUnconfirmed(MiddlewareError, TimeoutError):
+    """The owner's match master did not confirm a subscription (W of N replicas) in time;
+    it may still take effect later."""
 
 
 class _PendingRead:
@@ -484,6 +494,7 @@ class RouterMaster(_Role):
             return
         et = message.event_type
         if message.kind is Kind.SUBSCRIBE:
+            message = self._homed(message)
             self.latency.add(et, message.latency_level)
             total, count = self.latency.entries[et]
             await self.replicas.write(et, {"level_sum": total, "count": count})
@@ -503,6 +514,15 @@ class RouterMaster(_Role):
         await self.send(
             self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
         )
+
+    def _homed(self, subscription: PhoenixMessage) -> PhoenixMessage:
+        """The subscriber's cluster, where deliveries go: the entry router's when unsaid."""
+        home = subscription.home
+        if home is None:
+            home = subscription.hops[0] if subscription.hops else self.cluster
+        if home not in {c.id for c in self.topology.clusters}:
+            raise DeadLetter(f"subscribe: home cluster {home!r} is not in the topology")
+        return subscription.model_copy(update={"home": home})
 
     async def _join(self, cluster: str) -> None:
         """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
@@ -565,10 +585,10 @@ class _MatchBroker(_Role):
         self.index = index
         self.owner = f"{self.cluster}/match-{index}"  # subscriptions are the master's
         self.indexes: dict[str, SubscriptionIndex] = {}
-        # sid -> (event type, subscriber queue, confirm: "broker" or "e2e")
-        self.queues: dict[str, tuple[str, str, str]] = {}
+        # sid -> (event type, subscriber queue, confirm: "broker" or "e2e", home cluster)
+        self.queues: dict[str, tuple[str, str, str, str]] = {}
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
-        self._e2e: AsyncConfirmPublisher | None = None
+        self._e2e: dict[str, AsyncConfirmPublisher] = {}  # one per home cluster's RabbitMQ
         self._e2e_lock = asyncio.Lock()
 
     def _add(self, sid: str, document: dict[str, Any]) -> None:
@@ -578,7 +598,12 @@ class _MatchBroker(_Role):
         self.indexes.setdefault(event_type, SubscriptionIndex()).add(
             sid, Filter.parse(document["filter"])
         )
-        self.queues[sid] = (event_type, document["queue"], document.get("confirm", "broker"))
+        self.queues[sid] = (
+            event_type,
+            document["queue"],
+            document.get("confirm", "broker"),
+            document.get("home") or self.cluster,  # before homes were kept: the owner's
+        )
 
     def _remove(self, sid: str) -> None:
         where = self.queues.pop(sid, None)
@@ -603,34 +628,36 @@ class _MatchBroker(_Role):
         finally:
             self.predictor.completed(now=time.monotonic())
 
-    async def _e2e_publisher(self, client: AsyncClient) -> AsyncConfirmPublisher:
-        async with self._e2e_lock:  # one publisher (one reply listener) per broker
-            if self._e2e is None:
-                self._e2e = await AsyncConfirmPublisher(client, mode="e2e").start()
-        return self._e2e
+    async def _e2e_publisher(self, home: str) -> AsyncConfirmPublisher:
+        key, _ = cluster_settings(self.settings, self.topology, home)
+        async with self._e2e_lock:  # one publisher (one reply listener) per RabbitMQ
+            if key not in self._e2e:
+                client = await self.client_for(home)
+                self._e2e[key] = await AsyncConfirmPublisher(client, mode="e2e").start()
+        return self._e2e[key]
 
     async def _deliver(self, message: PhoenixMessage, matched: set[str]) -> None:
-        """One copy per subscriber queue, however many of its subscriptions matched; the
-        copies are confirmed together (e2e subscriptions: once the subscriber handled it)."""
-        client = await self.client_for(self.cluster)
+        """One copy per subscriber queue, however many of its subscriptions matched, on
+        the RabbitMQ of the subscriber's own cluster; the copies are confirmed together
+        (e2e subscriptions: once the subscriber handled it)."""
         body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
-        queues: dict[str, str] = {}
+        queues: dict[tuple[str, str], str] = {}  # (home cluster, queue) -> confirm
         for sid in matched:
-            _, queue, confirm = self.queues[sid]
-            if queues.get(queue) != "e2e":
-                queues[queue] = confirm
+            _, queue, confirm, home = self.queues[sid]
+            if queues.get((home, queue)) != "e2e":
+                queues[home, queue] = confirm
         sends = []
-        for queue, confirm in sorted(queues.items()):
+        for (home, queue), confirm in sorted(queues.items()):
             if confirm == "e2e":
-                publisher = await self._e2e_publisher(client)
+                publisher = await self._e2e_publisher(home)
                 sends.append(publisher.publish(body, routing_key=queue, expect=[queue]))
             else:
                 outgoing = OutgoingMessage(body, "", queue, content_type="application/json")
-                sends.append(client.publish(outgoing))
+                sends.append((await self.client_for(home)).publish(outgoing))
         results = await asyncio.gather(*sends, return_exceptions=True)
-        for queue, result in zip(sorted(queues), results, strict=True):
+        for (home, queue), result in zip(sorted(queues), results, strict=True):
             if isinstance(result, Unroutable):
-                log.warning("subscriber queue %s is gone", queue)
+                log.warning("subscriber queue %s of cluster %s is gone", queue, home)
             elif isinstance(result, BaseException):
                 raise result  # not settled: the inbox delivery is dead-lettered with why
             else:
@@ -679,6 +706,7 @@ def _subscription_document(message: PhoenixMessage) -> dict[str, Any]:
         "queue": message.queue,
         "latency_level": message.latency_level,
         "confirm": message.confirm,
+        "home": message.home,
     }
 
 
@@ -695,6 +723,7 @@ class MatchMaster(_MatchBroker):
         self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
+        self._confirming: set[asyncio.Task[None]] = set()  # subscribe confirmations in flight
         self.replicas = _ReplicaSet(
             self,
             self.store,
@@ -750,7 +779,11 @@ class MatchMaster(_MatchBroker):
             doc = _subscription_document(message)
             self._add(message.subscription_id, doc)
             self.subscriptions[message.subscription_id] = doc
-            await self.replicas.write(message.subscription_id, doc)
+            written = await self.replicas.write(message.subscription_id, doc)
+            if message.reply_to:  # answered once W of N hold it; the inbox goes on meanwhile
+                task = asyncio.create_task(self._confirm_subscription(message, written))
+                self._confirming.add(task)
+                task.add_done_callback(self._confirming.discard)
         elif message.kind is Kind.ADVERTISE:
             await asyncio.to_thread(
                 self.store.save, self.owner, "advertisement", message.event_type, {}, 1
@@ -771,6 +804,32 @@ class MatchMaster(_MatchBroker):
                 )
                 hop = time.monotonic() - started
                 self.hop_s = hop if not self.hop_s else 0.9 * self.hop_s + 0.1 * hop
+
+    async def _confirm_subscription(
+        self, message: PhoenixMessage, written: asyncio.Future[None]
+    ) -> None:
+        """Tell the subscriber its subscription is in place: matched from now on here and
+        held by W of N replicas (or why not)."""
+        assert message.reply_to
+        try:
+            await written
+            outcome: dict[str, Any] | None = None
+        except ReplicaTimeout as exc:
+            outcome = {"error": str(exc)}
+        reply = PhoenixMessage(
+            kind=Kind.ACK,
+            event_type=message.event_type,
+            subscription_id=message.subscription_id,
+            broker=self.owner,
+            table=outcome,
+        )
+        try:
+            client = await self.client_for(message.home or self.cluster)
+            await client.publish(outgoing(reply, message.reply_to))
+        except Unroutable:
+            log.info("subscriber of %s left before its confirmation", message.subscription_id)
+        except MiddlewareError as exc:  # the subscriber times out and says so
+            log.warning("confirmation of %s not sent: %s", message.subscription_id, exc)
 
     def choose(self) -> int | None:
         """None for itself, else the slave with the smallest fresh predicted T.
@@ -921,9 +980,46 @@ class PhoenixClient:
     """The wrapped publisher/subscriber: talks to one cluster's routing master."""
 
     def __init__(self, client: AsyncClient, *, topology: PhoenixTopology, cluster: str) -> None:
-        topology.cluster(cluster)
+        key, wanted = cluster_settings(client.settings, topology, cluster)
+        if key != "default":  # the inbox and the subscriber queues live on the cluster's
+            raise ConfigurationError(
+                f"cluster {cluster!r} is on {','.join(wanted.amqp_urls)} vhost "
+                f"{wanted.vhost!r}, the client on {','.join(client.settings.amqp_urls)} vhost "
+                f"{client.settings.vhost!r}: connect it there (PhoenixClient.connect)"
+            )
         self.client, self.topology, self.cluster = client, topology, cluster
         self.inbox = router_inbox(topology, cluster)
+        self._replies: str | None = None  # this client's queue for subscribe confirmations
+        self._awaited: dict[str, asyncio.Future[PhoenixMessage]] = {}
+
+    @classmethod
+    async def connect(
+        cls, settings: Settings, *, topology: PhoenixTopology, cluster: str
+    ) -> PhoenixClient:
+        """A client of ``cluster`` on its own RabbitMQ and vhost (``close`` it when done)."""
+        _, wanted = cluster_settings(settings, topology, cluster)
+        return cls(await AsyncClient(settings=wanted).connect(), topology=topology, cluster=cluster)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def _reply_queue(self) -> str:
+        if self._replies is None:
+            name = f"{self.topology.prefix}.{self.cluster}.client.{uuid.uuid4().hex}"
+            spec = QueueSpec(name, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
+            await self.client.declare_queue(spec)
+            await self.client.consume(name, self._on_reply)
+            self._replies = name
+        return self._replies
+
+    async def _on_reply(self, delivery: Delivery) -> None:
+        try:
+            reply = PhoenixMessage.model_validate_json(delivery.body)
+        except ValueError as exc:
+            raise DeadLetter(f"malformed subscribe confirmation: {exc}") from None
+        waiter = self._awaited.get(reply.subscription_id or "")
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
 
     async def _send(self, message: PhoenixMessage) -> None:
         if self.inbox not in self.client.topology.queues:
@@ -941,8 +1037,14 @@ class PhoenixClient:
         queue: str,
         *,
         confirm: str = "broker",
+        wait_s: float | None = 30.0,
     ) -> str:
         """Subscribe ``queue`` (declared here) to matching events; return the id.
+
+        Returns once the event type's owner has the subscription in place (matched from
+        then on, held by W of N replicas); raises :class:`SubscriptionUnconfirmed` when
+        that is not confirmed in ``wait_s`` (it may still take effect).  ``wait_s=None``
+        returns as soon as the subscription is sent.
 
         ``confirm="e2e"``: the match broker counts an event delivered only once the
         subscriber's handler took it (consume ``queue`` with ``AsyncConfirmConsumer``);
@@ -953,31 +1055,68 @@ class PhoenixClient:
             raise FilterError(f"latency level must be 1..5, got {latency_level}")
         if confirm not in ("broker", "e2e"):
             raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
+        if wait_s is not None and wait_s <= 0:
+            raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
         await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
         sid = uuid.uuid4().hex
-        await self._send(
-            PhoenixMessage(
-                kind=Kind.SUBSCRIBE,
-                event_type=event_type,
-                latency_level=latency_level,
-                queue=queue,
-                subscription_id=sid,
-                confirm="e2e" if confirm == "e2e" else "broker",
-                filter=[
-                    [
-                        p.attribute,
-                        p.op.value,
-                        *(
-                            []
-                            if p.value is None
-                            else [list(p.value) if isinstance(p.value, tuple) else p.value]
-                        ),
-                    ]
-                    for p in flt.predicates
-                ],
+        reply_to = None if wait_s is None else await self._reply_queue()
+        waiter = asyncio.get_running_loop().create_future()
+        if reply_to:
+            self._awaited[sid] = waiter
+        try:
+            await self._send(
+                self._subscription(sid, event_type, flt, latency_level, queue, confirm, reply_to)
             )
-        )
+            if wait_s is None:
+                return sid
+            try:
+                async with asyncio.timeout(wait_s):
+                    reply = await waiter
+            except TimeoutError:
+                raise SubscriptionUnconfirmed(
+                    f"subscription {sid} to {event_type!r}: the owner's match master did not "
+                    f"confirm it in {wait_s:g} s (it may still take effect)"
+                ) from None
+        finally:
+            self._awaited.pop(sid, None)
+        if reply.table and reply.table.get("error"):
+            raise SubscriptionUnconfirmed(
+                f"subscription {sid} to {event_type!r} at {reply.broker}: {reply.table['error']}"
+            )
         return sid
+
+    def _subscription(
+        self,
+        sid: str,
+        event_type: str,
+        flt: Filter,
+        latency_level: int,
+        queue: str,
+        confirm: str,
+        reply_to: str | None,
+    ) -> PhoenixMessage:
+        return PhoenixMessage(
+            kind=Kind.SUBSCRIBE,
+            event_type=event_type,
+            home=self.cluster,
+            latency_level=latency_level,
+            queue=queue,
+            subscription_id=sid,
+            confirm="e2e" if confirm == "e2e" else "broker",
+            filter=[
+                [
+                    p.attribute,
+                    p.op.value,
+                    *(
+                        []
+                        if p.value is None
+                        else [list(p.value) if isinstance(p.value, tuple) else p.value]
+                    ),
+                ]
+                for p in flt.predicates
+            ],
+            reply_to=reply_to,
+        )
 
     async def publish(self, event: Event | dict[str, Any]) -> None:
         event = event if isinstance(event, Event) else Event.parse(event)

@@ -99,6 +99,10 @@ def _up(args: argparse.Namespace) -> int:
     if state.exists() and any(pid_alive(p) for p in json.loads(state.read_text()).values()):
         print("phoenix: already up (qosmq phoenix down first)", file=sys.stderr)
         return 1
+    problem = _unreachable(args.settings, topology, [c.id for c in topology.clusters if c.joined])
+    if problem:
+        print(f"phoenix: {problem}", file=sys.stderr)
+        return 2
     args.state_dir.mkdir(parents=True, exist_ok=True)
     pids: dict[str, int] = {}
     for cluster in topology.clusters:
@@ -106,6 +110,33 @@ def _up(args: argparse.Namespace) -> int:
             pids.update(_start_cluster(args, cluster))
     state.write_text(json.dumps(pids, indent=2))
     return 0
+
+
+def _unreachable(settings: Any, topology: Any, clusters: list[str]) -> str | None:
+    """Connect once to each cluster's RabbitMQ and vhost before any role starts: a wrong
+    URL, vhost or credential is named here, not found later in a role's log."""
+    from ..errors import MiddlewareError
+    from ..routing.roles import cluster_settings
+    from ..transport import AsyncClient
+
+    async def check() -> str | None:
+        seen: set[str] = set()
+        for cluster in clusters:
+            key, conf = cluster_settings(settings, topology, cluster)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                async with AsyncClient(settings=conf):  # one try per node
+                    pass
+            except MiddlewareError as exc:
+                return (
+                    f"cluster {cluster!r} (amqp_urls {','.join(conf.amqp_urls)}, "
+                    f"vhost {conf.vhost!r}): {exc}"
+                )
+        return None
+
+    return asyncio.run(check())
 
 
 def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
@@ -164,6 +195,10 @@ def _join(args: argparse.Namespace) -> int:
     if any(key.startswith(f"{joiner.id}/") and pid_alive(pid) for key, pid in pids.items()):
         print(f"phoenix: {joiner.id} is already running", file=sys.stderr)
         return 1
+    problem = _unreachable(args.settings, topology, [joiner.id])
+    if problem:
+        print(f"phoenix: {problem}", file=sys.stderr)
+        return 2
     pids.update(_start_cluster(args, joiner))
     state.write_text(json.dumps(pids, indent=2))
     running = {key.split("/")[0] for key in pids}

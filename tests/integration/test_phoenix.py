@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -410,3 +411,122 @@ def test_live_configure_names_the_masters_that_did_not_answer(settings, brokers,
         MiddlewareError, match=rf"{name}\.A\.match\.0\.control, {name}\.A\.router\.control"
     ):
         asyncio.run(reconfigure(settings, topology, ["A"], inner=False, timeout_s=1.0))
+
+
+def _management(settings, method: str, path: str, body: dict | None = None) -> int:
+    """One call to the management API of the test cluster's first node; the HTTP status."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    host, port, _ = settings.nodes[0]
+    request = urllib.request.Request(
+        f"http://{host}:{port + settings.management_port_offset}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    request.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
+    settings, brokers, tmp_path, name
+) -> None:
+    """Each cluster on a vhost of its own: a subscription made at A for a type owned by B
+    is confirmed once B's match master and W of its 2 replicas hold it, and then every
+    matching event published at C lands in A's vhost (none in B's, where matching ran)."""
+    import urllib.parse
+
+    from middleware.routing.roles import SubscriptionUnconfirmed
+
+    try:
+        _management(settings, "GET", "/api/overview")
+    except OSError:
+        pytest.skip("needs the brokers' management API (AMQP port + offset) to create vhosts")
+    vhosts = {c: f"/{name}-{c.lower()}" for c in "ABC"}
+    quoted = {c: urllib.parse.quote(v, safe="") for c, v in vhosts.items()}
+    for c in "ABC":
+        assert _management(settings, "PUT", f"/api/vhosts/{quoted[c]}", {}) in (201, 204)
+        grant = {"configure": ".*", "write": ".*", "read": ".*"}
+        assert _management(settings, "PUT", f"/api/permissions/{quoted[c]}/guest", grant) in (
+            201,
+            204,
+        )
+    ring = ChordRing(["A", "B", "C"])
+    event_type = next(f"trades{i}" for i in range(1000) if ring.owner(f"trades{i}") == "B")
+    topology_file = tmp_path / "phoenix.toml"
+    topology_file.write_text(
+        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+        + "".join(
+            f'[[cluster]]\nid = "{c}"\nvhost = "{vhosts[c]}"\n'
+            f"match_slaves = {2 if c == 'B' else 0}\n"
+            for c in "ABC"
+        )
+    )
+    topology = PhoenixTopology.load(topology_file)
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue = f"{name}.subscriber"
+
+    async def scenario() -> list[str]:
+        at_a = await PhoenixClient.connect(settings, topology=topology, cluster="A")
+        at_c = await PhoenixClient.connect(settings, topology=topology, cluster="C")
+        try:
+            # confirmed: B matches it from now on, no probing for a live path needed
+            await at_a.subscribe(event_type, [("price", "<", 10)], 2, queue, wait_s=60)
+            for i in range(20):
+                await at_c.publish({"event_type": event_type, "attributes": {"price": i}})
+            got: list[str] = []
+            deadline = time.monotonic() + 30
+            while len(got) < 10 and time.monotonic() < deadline:
+                while (d := await at_a.client.get(queue)) is not None:
+                    message = json.loads(d.body)
+                    assert message["broker"].startswith("B/match-0")
+                    got.append(message["event"]["attributes"]["price"])
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
+            while (d := await at_a.client.get(queue)) is not None:
+                got.append(json.loads(d.body)["event"]["attributes"]["price"])
+            return got
+        finally:
+            await at_a.close()
+            await at_c.close()
+
+    async def unconfirmed() -> None:
+        at_a = await PhoenixClient.connect(settings, topology=topology, cluster="A")
+        try:
+            with pytest.raises(SubscriptionUnconfirmed, match="did not confirm it in 2 s"):
+                await at_a.subscribe(event_type, None, 1, f"{queue}.late", wait_s=2)
+        finally:
+            await at_a.close()
+
+    try:
+        missing = tmp_path / "missing.toml"  # a vhost nobody created: refused before any role
+        missing.write_text(f'prefix = "{name}"\n[[cluster]]\nid = "A"\nvhost = "/{name}-nowhere"\n')
+        with pytest.raises(subprocess.CalledProcessError) as refused:
+            _phoenix("up", missing, tmp_path / "nowhere", urls)
+        assert "cluster 'A'" in refused.value.stderr and f"/{name}-nowhere" in refused.value.stderr
+        assert not (tmp_path / "nowhere" / "phoenix.json").exists()
+
+        _phoenix("up", topology_file, state, urls)
+        got = asyncio.run(scenario())
+        assert sorted(got) == list(range(10)), got  # each matching event once, in A's vhost
+        queue_path = urllib.parse.quote(queue, safe="")
+        assert _management(settings, "GET", f"/api/queues/{quoted['A']}/{queue_path}") == 200
+        for c in "BC":  # neither the subscriber queue nor a stray copy elsewhere
+            assert _management(settings, "GET", f"/api/queues/{quoted[c]}/{queue_path}") == 404
+        for c in "ABC":  # each role's inbox lives in its cluster's vhost
+            inbox = urllib.parse.quote(f"{name}.{c}.router", safe="")
+            assert _management(settings, "GET", f"/api/queues/{quoted[c]}/{inbox}") == 200
+        _phoenix("down", topology_file, state, urls)
+        asyncio.run(unconfirmed())  # nobody at B to confirm it: said, not hung
+    finally:
+        if (state / "phoenix.json").exists():
+            _phoenix("down", topology_file, state, urls)
+        for c in "ABC":
+            _management(settings, "DELETE", f"/api/vhosts/{quoted[c]}")

@@ -461,13 +461,45 @@ def test_clusters_on_one_rabbitmq_share_a_connection_key() -> None:
 
     own = ["amqp://127.0.0.1:6001/"]
     topology = PhoenixTopology.model_validate(
-        {"clusters": [{"id": "A"}, {"id": "B", "amqp_urls": own}, {"id": "C", "amqp_urls": own}]}
+        {
+            "clusters": [
+                {"id": "A"},
+                {"id": "B", "amqp_urls": own},
+                {"id": "C", "amqp_urls": own},
+                {"id": "D", "vhost": "/d"},
+                {"id": "E", "amqp_urls": own, "vhost": "/d"},
+            ]
+        }
     )
     settings = Settings.load()
     assert cluster_settings(settings, topology, "A") == ("default", settings)
     key_b, settings_b = cluster_settings(settings, topology, "B")
-    assert key_b == cluster_settings(settings, topology, "C")[0] == own[0]
-    assert list(settings_b.amqp_urls) == own
+    assert key_b == cluster_settings(settings, topology, "C")[0] == f"{own[0]}|/"
+    assert list(settings_b.amqp_urls) == own and settings_b.vhost == "/"
+    # a vhost of the process's own RabbitMQ, and one of another RabbitMQ: each its own key
+    key_d, settings_d = cluster_settings(settings, topology, "D")
+    assert settings_d.amqp_urls == settings.amqp_urls and settings_d.vhost == "/d"
+    key_e, settings_e = cluster_settings(settings, topology, "E")
+    assert list(settings_e.amqp_urls) == own and settings_e.vhost == "/d"
+    assert len({"default", key_b, key_d, key_e}) == 4
+
+
+def test_a_phoenix_client_refuses_a_connection_to_another_clusters_rabbitmq() -> None:
+    from middleware.errors import ConfigurationError
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.routing.roles import PhoenixClient
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient
+
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "A"}, {"id": "B", "vhost": "/b"}]}
+    )
+    client = AsyncClient(settings=Settings.load())  # never connected: refused before any I/O
+    PhoenixClient(client, topology=topology, cluster="A")
+    with pytest.raises(ConfigurationError, match=r"cluster 'B' is on .* vhost '/b'"):
+        PhoenixClient(client, topology=topology, cluster="B")
+    with pytest.raises(ConfigurationError, match="not in the topology"):
+        PhoenixClient(client, topology=topology, cluster="Z")
 
 
 def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup(
