@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import Counter as PromCounter
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import ConfigurationError, DeadLetter, MiddlewareError, Unroutable
@@ -71,6 +71,7 @@ __all__ = [
     "PhoenixClient",
     "RouterMaster",
     "RouterSlave",
+    "SubscriptionUnconfirmed",
     "cluster_settings",
     "reconfigure",
 ]
@@ -80,6 +81,16 @@ ROLE_EVENTS = PromCounter(
     "qosmq_phoenix_events_total",
     "Phoenix messages by role and outcome",
     ["cluster", "role", "outcome"],
+)
+INBOX_LENGTH = Gauge(
+    "qosmq_phoenix_inbox_length",
+    "events waiting in a role's inbox, as the broker counts them",
+    ["cluster", "role", "inbox"],
+)
+PREDICTED_T = Gauge(
+    "qosmq_phoenix_predicted_seconds",
+    "a match broker's predicted mean processing time T = (q + 1) / (2 mu)",
+    ["cluster", "broker"],
 )
 HOPS = Histogram(
     "qosmq_phoenix_hops",
@@ -118,6 +129,9 @@ def inbox_spec(name: str) -> QueueSpec:
 
 
 class _Role:
+    GAUGE_S = 1.0  # how often a role reads its inbox length for the metric
+    observes_inbox = False  # match brokers read it every window themselves
+
     def __init__(self, *, settings: Settings, topology: PhoenixTopology, cluster: str) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
@@ -154,13 +168,30 @@ class _Role:
         await client.declare_queue(inbox_spec(inbox))
         await client.consume(inbox, self._on_message, prefetch=self.topology.inbox_prefetch)
         log.info("%s serving %s", type(self).__name__, inbox)
-        await stop.wait()
+        if self.observes_inbox:
+            await stop.wait()
+        else:
+            watch = asyncio.create_task(self._watch_inbox(client, inbox, stop))
+            await stop.wait()
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         log.info("%s of %s stopped; counters: %s", self.role, self.cluster, dict(self.counters))
         for c in self._clients.values():
             await c.close()
 
     async def prepare(self) -> None:
         """Runs before the inbox is consumed (masters read their replicas back here)."""
+
+    async def _watch_inbox(self, client: AsyncClient, inbox: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                INBOX_LENGTH.labels(self.cluster, self.role, inbox).set(
+                    await client.queue_length(inbox)
+                )
+            except Exception as exc:  # a metric is not worth a role
+                log.info("could not read the length of %s: %s", inbox, exc)
+            await asyncio.sleep(self.GAUGE_S)
 
     @staticmethod
     def _parse(delivery: Delivery) -> PhoenixMessage:
@@ -579,6 +610,7 @@ class _MatchBroker(_Role):
     """Matching and delivery shared by match masters and match slaves."""
 
     HEARTBEAT_S = 0.5
+    observes_inbox = True
 
     def __init__(self, *, index: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -677,10 +709,12 @@ class _MatchBroker(_Role):
             try:
                 client = await self.client_for(self.cluster)
                 backlog = await client.queue_length(inbox)
+                INBOX_LENGTH.labels(self.cluster, self.role, inbox).set(backlog)
             except Exception as exc:
                 log.info("could not read the backlog of %s: %s", inbox, exc)
                 backlog = None
             t = self.predictor.close_window(time.monotonic(), backlog)
+            PREDICTED_T.labels(self.cluster, self.name).set(t)
             try:
                 await self.report(t)
             except Exception as exc:

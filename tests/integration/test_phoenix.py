@@ -434,13 +434,38 @@ def _management(settings, method: str, path: str, body: dict | None = None) -> i
         return exc.code
 
 
+def _role_metrics(state: Path, cluster: str, role: str) -> str:
+    """The Prometheus text of a running role (``QOSMQ_METRICS_PORT=0``: its log names it)."""
+    import re
+    import urllib.request
+
+    log = state / f"phoenix-{cluster}-{role}.log"
+    deadline = time.monotonic() + 30
+    while not (found := re.search(r"metrics: (http://\S+)", log.read_text())):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    with urllib.request.urlopen(found.group(1), timeout=5) as response:
+        return response.read().decode()
+
+
+def _sample(text: str, metric: str, **labels: str) -> float:
+    """The value of one sample of ``metric`` whose labels include ``labels``."""
+    for line in text.splitlines():
+        if line.startswith(metric + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {metric} with {labels} in:\n{text}")
+
+
 def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
-    settings, brokers, tmp_path, name
+    settings, brokers, tmp_path, name, monkeypatch
 ) -> None:
     """Each cluster on a vhost of its own: a subscription made at A for a type owned by B
     is confirmed once B's match master and W of its 2 replicas hold it, and then every
-    matching event published at C lands in A's vhost (none in B's, where matching ran)."""
+    matching event published at C lands in A's vhost (none in B's, where matching ran).
+    Every role serves its metrics: events by outcome, inbox lengths, predicted T, hops."""
     import urllib.parse
+
+    monkeypatch.setenv("QOSMQ_METRICS_PORT", "0")  # each role process: a free port
 
     from middleware.routing.roles import SubscriptionUnconfirmed
 
@@ -523,6 +548,23 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
         for c in "ABC":  # each role's inbox lives in its cluster's vhost
             inbox = urllib.parse.quote(f"{name}.{c}.router", safe="")
             assert _management(settings, "GET", f"/api/queues/{quoted[c]}/{inbox}") == 200
+        matcher = _role_metrics(state, "B", "matcher-0")
+        events = "qosmq_phoenix_events_total"
+        assert _sample(matcher, events, cluster="B", role="MatchMaster", outcome="matched") >= 1
+        assert _sample(matcher, events, role="MatchMaster", outcome="delivered") >= 1
+        assert _sample(matcher, events, role="MatchMaster", outcome="replicated") >= 1
+        inbox_b = f"{name}.B.match.0"
+        assert _sample(matcher, "qosmq_phoenix_inbox_length", inbox=inbox_b) == 0
+        assert _sample(matcher, "qosmq_phoenix_predicted_seconds", broker="B/match-0") >= 0
+        assert _sample(matcher, "qosmq_phoenix_hops_count", cluster="B") >= 1
+        slave = _role_metrics(state, "B", "matcher-0-slave-1")
+        assert _sample(slave, "qosmq_phoenix_inbox_length", inbox=f"{inbox_b}.slave.1") == 0
+        assert _sample(slave, "qosmq_phoenix_predicted_seconds", broker="B/match-0/slave-1") >= 0
+        router_c = _role_metrics(state, "C", "router")
+        assert (
+            _sample(router_c, events, cluster="C", role="RouterMaster", outcome="forwarded") >= 20
+        )
+        assert _sample(router_c, "qosmq_phoenix_inbox_length", inbox=f"{name}.C.router") == 0
         _phoenix("down", topology_file, state, urls)
         asyncio.run(unconfirmed())  # nobody at B to confirm it: said, not hung
     finally:
