@@ -30,6 +30,8 @@ MAX_PRIORITY = 9
 class Kind(StrEnum):
     ADVERTISE = "advertise"
     SUBSCRIBE = "subscribe"
+    UNSUBSCRIBE = "unsubscribe"  # client -> the type's owner, along the ring like subscribe
+    UNSUBSCRIBED = "unsubscribed"  # owner's match master -> routers that counted its level
     PUBLISH = "publish"
     HEARTBEAT = "heartbeat"
     JOIN = "join"  # a cluster joins the ring (to every routing master)

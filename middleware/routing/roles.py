@@ -524,11 +524,19 @@ class RouterMaster(_Role):
             await self._join(message.cluster)
             return
         et = message.event_type
-        if message.kind is Kind.SUBSCRIBE:
+        if message.kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBE):
             message = self._homed(message)
+        if message.kind is Kind.SUBSCRIBE:
             self.latency.add(et, message.latency_level)
-            total, count = self.latency.entries[et]
-            await self.replicas.write(et, {"level_sum": total, "count": count})
+        elif message.kind is Kind.UNSUBSCRIBED:
+            self.latency.remove(et, message.latency_level)
+        if message.kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBED):
+            entry = self.latency.entries.get(et)
+            await self.replicas.write(
+                et, None if entry is None else {"level_sum": entry[0], "count": entry[1]}
+            )
+            if message.kind is Kind.UNSUBSCRIBED:
+                return
         priority = self.priority(message)
         forwarded = message.model_copy(
             update={"hops": [*message.hops, self.cluster], "priority": priority}
@@ -547,7 +555,8 @@ class RouterMaster(_Role):
         )
 
     def _homed(self, subscription: PhoenixMessage) -> PhoenixMessage:
-        """The subscriber's cluster, where deliveries go: the entry router's when unsaid."""
+        """The subscriber's cluster, where deliveries and confirmations go: the entry
+        router's when unsaid."""
         home = subscription.home
         if home is None:
             home = subscription.hops[0] if subscription.hops else self.cluster
@@ -741,6 +750,7 @@ def _subscription_document(message: PhoenixMessage) -> dict[str, Any]:
         "latency_level": message.latency_level,
         "confirm": message.confirm,
         "home": message.home,
+        "path": message.hops,  # the routing masters that counted its latency level
     }
 
 
@@ -799,7 +809,11 @@ class MatchMaster(_MatchBroker):
             await self.send(
                 joiner,
                 router_inbox(self.topology, joiner),
-                PhoenixMessage(kind=Kind.SUBSCRIBE, subscription_id=sid, **doc),
+                PhoenixMessage(
+                    kind=Kind.SUBSCRIBE,
+                    subscription_id=sid,
+                    **{k: v for k, v in doc.items() if k != "path"},
+                ),
             )
             self._remove(sid)
             del self.subscriptions[sid]
@@ -814,10 +828,9 @@ class MatchMaster(_MatchBroker):
             self._add(message.subscription_id, doc)
             self.subscriptions[message.subscription_id] = doc
             written = await self.replicas.write(message.subscription_id, doc)
-            if message.reply_to:  # answered once W of N hold it; the inbox goes on meanwhile
-                task = asyncio.create_task(self._confirm_subscription(message, written))
-                self._confirming.add(task)
-                task.add_done_callback(self._confirming.discard)
+            self._confirm(message, written, {})
+        elif message.kind is Kind.UNSUBSCRIBE and message.subscription_id:
+            await self._unsubscribe(message)
         elif message.kind is Kind.ADVERTISE:
             await asyncio.to_thread(
                 self.store.save, self.owner, "advertisement", message.event_type, {}, 1
@@ -839,15 +852,51 @@ class MatchMaster(_MatchBroker):
                 hop = time.monotonic() - started
                 self.hop_s = hop if not self.hop_s else 0.9 * self.hop_s + 0.1 * hop
 
-    async def _confirm_subscription(
-        self, message: PhoenixMessage, written: asyncio.Future[None]
+    async def _unsubscribe(self, message: PhoenixMessage) -> None:
+        """Forget the subscription here and in the replicas (a tombstone), and tell the
+        routing masters that counted its latency level to take it out of latencyMap."""
+        sid = message.subscription_id
+        assert sid
+        doc = self.subscriptions.pop(sid, None)
+        if doc is None or doc["event_type"] != message.event_type:
+            if doc is not None:  # another type's: not this one to remove
+                self.subscriptions[sid] = doc
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            self._confirm(message, done, {"removed": False})
+            return
+        self._remove(sid)
+        written = await self.replicas.write(sid, None)
+        self.count("unsubscribed")
+        taken_out = PhoenixMessage(
+            kind=Kind.UNSUBSCRIBED,
+            event_type=doc["event_type"],
+            latency_level=doc["latency_level"],
+        )
+        for cluster in dict.fromkeys(doc.get("path") or []):
+            with contextlib.suppress(Unroutable):  # a cluster that left counts nothing
+                await self.send(
+                    cluster, router_inbox(self.topology, cluster), taken_out, MAX_PRIORITY
+                )
+        self._confirm(message, written, {"removed": True})
+
+    def _confirm(
+        self, message: PhoenixMessage, written: asyncio.Future[None], result: dict[str, Any]
     ) -> None:
-        """Tell the subscriber its subscription is in place: matched from now on here and
-        held by W of N replicas (or why not)."""
+        """Answer a client's (un)subscribe once W of N replicas hold it, if it asked; the
+        inbox goes on meanwhile."""
+        if message.reply_to:
+            task = asyncio.create_task(self._confirm_written(message, written, result))
+            self._confirming.add(task)
+            task.add_done_callback(self._confirming.discard)
+
+    async def _confirm_written(
+        self, message: PhoenixMessage, written: asyncio.Future[None], result: dict[str, Any]
+    ) -> None:
         assert message.reply_to
         try:
             await written
-            outcome: dict[str, Any] | None = None
+            outcome: dict[str, Any] = result
         except ReplicaTimeout as exc:
             outcome = {"error": str(exc)}
         reply = PhoenixMessage(
@@ -1094,30 +1143,60 @@ class PhoenixClient:
         await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
         sid = uuid.uuid4().hex
         reply_to = None if wait_s is None else await self._reply_queue()
-        waiter = asyncio.get_running_loop().create_future()
-        if reply_to:
+        subscription = self._subscription(
+            sid, event_type, flt, latency_level, queue, confirm, reply_to
+        )
+        await self._request(subscription, wait_s)
+        return sid
+
+    async def unsubscribe(
+        self, event_type: str, subscription_id: str, *, wait_s: float | None = 30.0
+    ) -> bool:
+        """Remove a subscription (made through any cluster) of ``event_type``; the routing
+        masters that counted its latency level take it out of latencyMap.
+
+        Returns once the owner removed it and W of N replicas hold the removal: True, or
+        False when the owner does not know it (removed before, or never made).  Raises
+        :class:`SubscriptionUnconfirmed` like :meth:`subscribe`; ``wait_s=None`` only
+        sends it (and returns True)."""
+        if wait_s is not None and wait_s <= 0:
+            raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
+        message = PhoenixMessage(
+            kind=Kind.UNSUBSCRIBE,
+            event_type=event_type,
+            home=self.cluster,
+            subscription_id=subscription_id,
+            reply_to=None if wait_s is None else await self._reply_queue(),
+        )
+        reply = await self._request(message, wait_s)
+        return reply is None or bool((reply.table or {}).get("removed"))
+
+    async def _request(
+        self, message: PhoenixMessage, wait_s: float | None
+    ) -> PhoenixMessage | None:
+        """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""
+        sid = message.subscription_id or ""
+        what = f"{message.kind.value} {sid} of {message.event_type!r}"
+        waiter: asyncio.Future[PhoenixMessage] = asyncio.get_running_loop().create_future()
+        if wait_s is not None:
             self._awaited[sid] = waiter
         try:
-            await self._send(
-                self._subscription(sid, event_type, flt, latency_level, queue, confirm, reply_to)
-            )
+            await self._send(message)
             if wait_s is None:
-                return sid
+                return None
             try:
                 async with asyncio.timeout(wait_s):
                     reply = await waiter
             except TimeoutError:
                 raise SubscriptionUnconfirmed(
-                    f"subscription {sid} to {event_type!r}: the owner's match master did not "
-                    f"confirm it in {wait_s:g} s (it may still take effect)"
+                    f"{what}: the owner's match master did not confirm it in {wait_s:g} s "
+                    "(it may still take effect)"
                 ) from None
         finally:
             self._awaited.pop(sid, None)
         if reply.table and reply.table.get("error"):
-            raise SubscriptionUnconfirmed(
-                f"subscription {sid} to {event_type!r} at {reply.broker}: {reply.table['error']}"
-            )
-        return sid
+            raise SubscriptionUnconfirmed(f"{what} at {reply.broker}: {reply.table['error']}")
+        return reply
 
     def _subscription(
         self,

@@ -50,10 +50,15 @@ class LatencyMap:
         self.entries[event_type] = (total + level, count + 1)
 
     def remove(self, event_type: str, level: int) -> None:
+        """Take one subscription's level out (an unknown type is left alone: a router
+        that joined after the subscription passed never counted it)."""
+        if event_type not in self.entries:
+            return
         total, count = self.entries[event_type]
-        self.entries[event_type] = (total - level, count - 1)
-        if count == 1:
+        if count <= 1:
             del self.entries[event_type]
+        else:
+            self.entries[event_type] = (max(count - 1, total - level), count - 1)
 
     def mean_level(self, event_type: str) -> float | None:
         total, count = self.entries.get(event_type, (0, 0))

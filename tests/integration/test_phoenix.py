@@ -572,3 +572,93 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
             _phoenix("down", topology_file, state, urls)
         for c in "ABC":
             _management(settings, "DELETE", f"/api/vhosts/{quoted[c]}")
+
+
+def test_unsubscribe_stops_deliveries_and_takes_its_level_out_of_latency_maps(
+    settings, brokers, tmp_path, name
+) -> None:
+    """Two subscriptions made at A to a type owned by B (levels 1 and 5); removing the
+    first stops its deliveries at once (confirmed: the owner and W of N replicas dropped
+    it), and every routing master that counted its level takes it out — in its own
+    store and its slave's replica; removing the last one leaves no latencyMap entry."""
+    from middleware.routing.replicas import live
+
+    ring = ChordRing(["A", "B", "C"])
+    event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
+    path = ring.route("A", event_type)  # the routing masters a subscription from A passes
+    topology_file = tmp_path / "phoenix.toml"
+    topology_file.write_text(
+        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+        + "".join(
+            f'[[cluster]]\nid = "{c}"\nmatch_slaves = {1 if c == "B" else 0}\n'
+            f"routing_slaves = {1 if c == 'B' else 0}\n"
+            for c in "ABC"
+        )
+    )
+    topology = PhoenixTopology.load(topology_file)
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    kept, dropped = f"{name}.kept", f"{name}.dropped"
+    store = open_store(str(tmp_path / "state.sqlite3"))
+
+    def levels() -> dict[str, tuple[int, int] | None]:
+        """(level sum, count) of the type per routing master (and B's slave), as stored."""
+        owners = [f"{c}/router" for c in path] + ["B/router-slave-0"]
+        found = {}
+        for owner in owners:
+            entry = live(store.load(owner, "routing_table")).get(event_type)
+            found[owner] = None if entry is None else (entry[1]["level_sum"], entry[1]["count"])
+        return found
+
+    async def settled(expected: tuple[int, int] | None) -> dict[str, tuple[int, int] | None]:
+        """The stored levels once every router (and the slave's replica) shows ``expected``:
+        routers apply a change from their inboxes, beside the client's confirmation."""
+        deadline = time.monotonic() + 15
+        found = levels()
+        while any(v != expected for v in found.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            found = levels()
+        return found
+
+    async def scenario() -> tuple[list, list, list, bool, bool]:
+        async with AsyncClient(settings=settings) as client:
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            at_c = PhoenixClient(client, topology=topology, cluster="C")
+            urgent = await at_a.subscribe(event_type, [("price", "<", 10)], 1, dropped)
+            bulk = await at_a.subscribe(event_type, [("price", "<", 10)], 5, kept)
+            before = await settled((6, 2))
+            assert await at_a.unsubscribe(event_type, urgent) is True
+            again = await at_a.unsubscribe(event_type, urgent)
+            after = await settled((5, 1))
+            for i in range(5):
+                await at_c.publish({"event_type": event_type, "attributes": {"price": i}})
+            got: list[int] = []
+            deadline = time.monotonic() + 30
+            while len(got) < 5 and time.monotonic() < deadline:
+                while (d := await client.get(kept)) is not None:
+                    got.append(json.loads(d.body)["event"]["attributes"]["price"])
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1)
+            stray = []
+            while (d := await client.get(dropped)) is not None:
+                stray.append(json.loads(d.body))
+            last = await at_a.unsubscribe(event_type, bulk)
+            gone = await settled(None)
+            for queue in (kept, dropped):
+                await client.delete_queue(queue)
+            return [before, after, gone], got, stray, again, last
+
+    try:
+        _phoenix("up", topology_file, state, urls)
+        (before, after, gone), got, stray, again, last = asyncio.run(scenario())
+        assert before == {owner: (6, 2) for owner in before}, before
+        assert after == {owner: (5, 1) for owner in after}, after
+        assert again is False  # the owner no longer knows it
+        assert sorted(got) == list(range(5)) and stray == []
+        assert last is True and gone == {owner: None for owner in before}, gone
+        for owner in ("B/match-0", "B/match-0/slave-0"):  # tombstones, no live subscription
+            assert live(store.load(owner, "subscription")) == {}
+    finally:
+        store.close()
+        if (state / "phoenix.json").exists():
+            _phoenix("down", topology_file, state, urls)

@@ -87,6 +87,25 @@ def test_latency_map_priorities() -> None:
         lm.add("x", 6)
 
 
+def test_latency_map_takes_an_unsubscribed_level_out() -> None:
+    lm = LatencyMap(levels=5)
+    lm.add("mixed", 1)
+    lm.add("mixed", 4)
+    lm.add("mixed", 4)
+    lm.remove("mixed", 1)
+    assert lm.entries["mixed"] == (8, 2) and lm.priority("mixed") == 2  # mean 4: 9*1/4
+    lm.remove("mixed", 4)
+    lm.remove("mixed", 4)
+    assert "mixed" not in lm.entries and lm.priority("mixed") == 0
+    lm.remove("mixed", 3)  # a router that never counted it (joined later): left alone
+    lm.remove("never", 2)
+    assert lm.entries == {}
+    lm.add("t", 2)
+    lm.add("t", 2)
+    lm.remove("t", 5)  # a level it never had: the mean stays a level (>= 1), not below
+    assert lm.entries["t"] == (1, 1)
+
+
 def test_queue_prediction_hand_computed() -> None:
     assert predicted_queue(10, 50, 30, 0.5) == 20.0
     assert predicted_queue(10, 10, 40, 0.5) == 0.0
