@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from ..routing import ChordRing, LatencyMap
+from ..routing.client import PhoenixClient
 from ..routing.protocol import PhoenixTopology, role_queues
-from ..routing.roles import PhoenixClient, reconfigure
+from ..routing.roles import reconfigure
 from ..routing.store import open_store
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, DeadLetter
 from .matching import Event
 
 __all__ = [
@@ -72,6 +72,14 @@ class PhoenixMessage(BaseModel):
     entries: dict[str, tuple[int, dict[str, Any]]] | None = None  # snapshot: key -> (v, doc)
     last: bool = False  # snapshot: the final page
     priority: int = Field(0, ge=0, le=MAX_PRIORITY)  # set by the routing master (latency level)
+
+
+def parse_message(body: bytes, what: str = "Phoenix message") -> PhoenixMessage:
+    """A message as a role or client receives it; malformed: dead-lettered with why."""
+    try:
+        return PhoenixMessage.model_validate_json(body)
+    except ValueError as exc:
+        raise DeadLetter(f"malformed {what}: {exc}") from None
 
 
 class ClusterSpec(BaseModel):

@@ -46,10 +46,10 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from ..confirms.aio import AsyncConfirmPublisher
-from ..errors import ConfigurationError, DeadLetter, MiddlewareError, Unroutable
+from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
-from .matching import Event, Filter, FilterError, SubscriptionIndex
+from .matching import Filter, SubscriptionIndex
 from .protocol import (
     MAX_PRIORITY,
     Kind,
@@ -57,6 +57,7 @@ from .protocol import (
     PhoenixTopology,
     control_inbox,
     match_inbox,
+    parse_message,
     router_inbox,
     router_slave_inbox,
 )
@@ -68,10 +69,8 @@ from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker
 __all__ = [
     "MatchMaster",
     "MatchSlave",
-    "PhoenixClient",
     "RouterMaster",
     "RouterSlave",
-    "SubscriptionUnconfirmed",
     "cluster_settings",
     "reconfigure",
 ]
@@ -195,10 +194,7 @@ class _Role:
 
     @staticmethod
     def _parse(delivery: Delivery) -> PhoenixMessage:
-        try:
-            return PhoenixMessage.model_validate_json(delivery.body)
-        except ValueError as exc:
-            raise DeadLetter(f"malformed Phoenix message: {exc}") from None
+        return parse_message(delivery.body)
 
     async def _on_message(self, delivery: Delivery) -> None:
         await self.handle(self._parse(delivery))
@@ -236,11 +232,6 @@ class _Role:
 
 class ReplicaTimeout(MiddlewareError):
     """A replica write was given up before W of N replicas acknowledged it."""
-
-
-class SubscriptionUnconfirmed(MiddlewareError, TimeoutError):
-    """The owner's match master did not confirm a subscription (W of N replicas) in time;
-    it may still take effect later."""
 
 
 class _PendingRead:
@@ -1057,182 +1048,3 @@ async def reconfigure(
             f"no confirmation of {switches} in {timeout_s:.0f} s from {', '.join(sorted(missing))}"
         )
     return sorted(confirmed)
-
-
-class PhoenixClient:
-    """The wrapped publisher/subscriber: talks to one cluster's routing master."""
-
-    def __init__(self, client: AsyncClient, *, topology: PhoenixTopology, cluster: str) -> None:
-        key, wanted = cluster_settings(client.settings, topology, cluster)
-        if key != "default":  # the inbox and the subscriber queues live on the cluster's
-            raise ConfigurationError(
-                f"cluster {cluster!r} is on {','.join(wanted.amqp_urls)} vhost "
-                f"{wanted.vhost!r}, the client on {','.join(client.settings.amqp_urls)} vhost "
-                f"{client.settings.vhost!r}: connect it there (PhoenixClient.connect)"
-            )
-        self.client, self.topology, self.cluster = client, topology, cluster
-        self.inbox = router_inbox(topology, cluster)
-        self._replies: str | None = None  # this client's queue for subscribe confirmations
-        self._awaited: dict[str, asyncio.Future[PhoenixMessage]] = {}
-
-    @classmethod
-    async def connect(
-        cls, settings: Settings, *, topology: PhoenixTopology, cluster: str
-    ) -> PhoenixClient:
-        """A client of ``cluster`` on its own RabbitMQ and vhost (``close`` it when done)."""
-        _, wanted = cluster_settings(settings, topology, cluster)
-        return cls(await AsyncClient(settings=wanted).connect(), topology=topology, cluster=cluster)
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    async def _reply_queue(self) -> str:
-        if self._replies is None:
-            name = f"{self.topology.prefix}.{self.cluster}.client.{uuid.uuid4().hex}"
-            spec = QueueSpec(name, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
-            await self.client.declare_queue(spec)
-            await self.client.consume(name, self._on_reply)
-            self._replies = name
-        return self._replies
-
-    async def _on_reply(self, delivery: Delivery) -> None:
-        try:
-            reply = PhoenixMessage.model_validate_json(delivery.body)
-        except ValueError as exc:
-            raise DeadLetter(f"malformed subscribe confirmation: {exc}") from None
-        waiter = self._awaited.get(reply.subscription_id or "")
-        if waiter is not None and not waiter.done():
-            waiter.set_result(reply)
-
-    async def _send(self, message: PhoenixMessage) -> None:
-        if self.inbox not in self.client.topology.queues:
-            await self.client.declare_queue(inbox_spec(self.inbox))
-        await self.client.publish(outgoing(message, self.inbox))
-
-    async def advertise(self, event_type: str) -> None:
-        await self._send(PhoenixMessage(kind=Kind.ADVERTISE, event_type=event_type))
-
-    async def subscribe(
-        self,
-        event_type: str,
-        filter: Iterable[Sequence[Any]] | None,
-        latency_level: int,
-        queue: str,
-        *,
-        confirm: str = "broker",
-        wait_s: float | None = 30.0,
-    ) -> str:
-        """Subscribe ``queue`` (declared here) to matching events; return the id.
-
-        Returns once the event type's owner has the subscription in place (matched from
-        then on, held by W of N replicas); raises :class:`SubscriptionUnconfirmed` when
-        that is not confirmed in ``wait_s`` (it may still take effect).  ``wait_s=None``
-        returns as soon as the subscription is sent.
-
-        ``confirm="e2e"``: the match broker counts an event delivered only once the
-        subscriber's handler took it (consume ``queue`` with ``AsyncConfirmConsumer``);
-        a rejection or silence past every resend dead-letters the event with the reason.
-        """
-        flt = Filter.parse(filter)  # refuses a malformed filter before anything is sent
-        if not 1 <= latency_level <= 5:
-            raise FilterError(f"latency level must be 1..5, got {latency_level}")
-        if confirm not in ("broker", "e2e"):
-            raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
-        if wait_s is not None and wait_s <= 0:
-            raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
-        await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
-        sid = uuid.uuid4().hex
-        reply_to = None if wait_s is None else await self._reply_queue()
-        subscription = self._subscription(
-            sid, event_type, flt, latency_level, queue, confirm, reply_to
-        )
-        await self._request(subscription, wait_s)
-        return sid
-
-    async def unsubscribe(
-        self, event_type: str, subscription_id: str, *, wait_s: float | None = 30.0
-    ) -> bool:
-        """Remove a subscription (made through any cluster) of ``event_type``; the routing
-        masters that counted its latency level take it out of latencyMap.
-
-        Returns once the owner removed it and W of N replicas hold the removal: True, or
-        False when the owner does not know it (removed before, or never made).  Raises
-        :class:`SubscriptionUnconfirmed` like :meth:`subscribe`; ``wait_s=None`` only
-        sends it (and returns True)."""
-        if wait_s is not None and wait_s <= 0:
-            raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
-        message = PhoenixMessage(
-            kind=Kind.UNSUBSCRIBE,
-            event_type=event_type,
-            home=self.cluster,
-            subscription_id=subscription_id,
-            reply_to=None if wait_s is None else await self._reply_queue(),
-        )
-        reply = await self._request(message, wait_s)
-        return reply is None or bool((reply.table or {}).get("removed"))
-
-    async def _request(
-        self, message: PhoenixMessage, wait_s: float | None
-    ) -> PhoenixMessage | None:
-        """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""
-        sid = message.subscription_id or ""
-        what = f"{message.kind.value} {sid} of {message.event_type!r}"
-        waiter: asyncio.Future[PhoenixMessage] = asyncio.get_running_loop().create_future()
-        if wait_s is not None:
-            self._awaited[sid] = waiter
-        try:
-            await self._send(message)
-            if wait_s is None:
-                return None
-            try:
-                async with asyncio.timeout(wait_s):
-                    reply = await waiter
-            except TimeoutError:
-                raise SubscriptionUnconfirmed(
-                    f"{what}: the owner's match master did not confirm it in {wait_s:g} s "
-                    "(it may still take effect)"
-                ) from None
-        finally:
-            self._awaited.pop(sid, None)
-        if reply.table and reply.table.get("error"):
-            raise SubscriptionUnconfirmed(f"{what} at {reply.broker}: {reply.table['error']}")
-        return reply
-
-    def _subscription(
-        self,
-        sid: str,
-        event_type: str,
-        flt: Filter,
-        latency_level: int,
-        queue: str,
-        confirm: str,
-        reply_to: str | None,
-    ) -> PhoenixMessage:
-        return PhoenixMessage(
-            kind=Kind.SUBSCRIBE,
-            event_type=event_type,
-            home=self.cluster,
-            latency_level=latency_level,
-            queue=queue,
-            subscription_id=sid,
-            confirm="e2e" if confirm == "e2e" else "broker",
-            filter=[
-                [
-                    p.attribute,
-                    p.op.value,
-                    *(
-                        []
-                        if p.value is None
-                        else [list(p.value) if isinstance(p.value, tuple) else p.value]
-                    ),
-                ]
-                for p in flt.predicates
-            ],
-            reply_to=reply_to,
-        )
-
-    async def publish(self, event: Event | dict[str, Any]) -> None:
-        event = event if isinstance(event, Event) else Event.parse(event)
-        await self._send(
-            PhoenixMessage(kind=Kind.PUBLISH, event_type=event.event_type, event=event)
-        )

@@ -13,8 +13,8 @@ import pytest
 from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.errors import EntityNotFound
 from middleware.routing import ChordRing, FilterError
+from middleware.routing.client import PhoenixClient
 from middleware.routing.protocol import PhoenixTopology, role_queues
-from middleware.routing.roles import PhoenixClient
 from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
 
@@ -467,7 +467,7 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
 
     monkeypatch.setenv("QOSMQ_METRICS_PORT", "0")  # each role process: a free port
 
-    from middleware.routing.roles import SubscriptionUnconfirmed
+    from middleware.routing.client import SubscriptionUnconfirmed
 
     try:
         _management(settings, "GET", "/api/overview")
@@ -660,5 +660,82 @@ def test_unsubscribe_stops_deliveries_and_takes_its_level_out_of_latency_maps(
             assert live(store.load(owner, "subscription")) == {}
     finally:
         store.close()
+        if (state / "phoenix.json").exists():
+            _phoenix("down", topology_file, state, urls)
+
+
+def test_the_sync_client_subscribes_publishes_and_unsubscribes(
+    settings, brokers, tmp_path, name
+) -> None:
+    """The pika face, blocking: a confirmed subscription at A for a type owned by C gets
+    the matching events published at B; unsubscribed, it gets no more; a malformed
+    filter and a wrong cluster connection are refused before anything is sent."""
+    from middleware.errors import ConfigurationError
+    from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
+    from middleware.transport import SyncClient
+
+    ring = ChordRing(["A", "B", "C"])
+    event_type = next(f"orders{i}" for i in range(1000) if ring.owner(f"orders{i}") == "C")
+    topology_file = tmp_path / "phoenix.toml"
+    topology_file.write_text(
+        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+        + "".join(f'[[cluster]]\nid = "{c}"\n' for c in "ABC")
+    )
+    topology = PhoenixTopology.load(topology_file)
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue = f"{name}.subscriber"
+
+    def drain(client: SyncClient, want: int) -> list[int]:
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(got) < want and time.monotonic() < deadline:
+            while (d := client.get(queue)) is not None:
+                got.append(json.loads(d.body)["event"]["attributes"]["qty"])
+            time.sleep(0.1)
+        time.sleep(0.5)
+        while (d := client.get(queue)) is not None:
+            got.append(json.loads(d.body)["event"]["attributes"]["qty"])
+        return got
+
+    try:
+        _phoenix("up", topology_file, state, urls)
+        with (
+            SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a,
+            SyncPhoenixClient.connect(settings, topology=topology, cluster="B") as at_b,
+        ):
+            with pytest.raises(FilterError):
+                at_a.subscribe(event_type, [("qty", "between", 1)], 1, queue)
+            other = topology.model_copy(
+                update={
+                    "clusters": (
+                        *topology.clusters[:2],
+                        topology.clusters[2].model_copy(update={"vhost": "/elsewhere"}),
+                    )
+                }
+            )
+            with pytest.raises(ConfigurationError, match="cluster 'C'"):
+                SyncPhoenixClient(at_a.client, topology=other, cluster="C")
+            sid = at_a.subscribe(event_type, [("qty", ">=", 100)], 2, queue)
+            at_a.advertise(event_type)
+            for qty in (50, 100, 150, 99, 200):
+                at_b.publish({"event_type": event_type, "attributes": {"qty": qty}})
+            assert sorted(drain(at_a.client, 3)) == [100, 150, 200]
+            assert at_a.unsubscribe(event_type, sid) is True
+            assert at_a.unsubscribe(event_type, sid) is False
+            for qty in (300, 400):
+                at_b.publish({"event_type": event_type, "attributes": {"qty": qty}})
+            # a barrier: a second subscription's event arrives after the two above
+            probe = at_a.subscribe(event_type, [("qty", "=", 7)], 2, queue)
+            at_b.publish({"event_type": event_type, "attributes": {"qty": 7}})
+            assert drain(at_a.client, 1) == [7]  # not 300 or 400
+            at_a.unsubscribe(event_type, probe)
+            at_a.client.delete_queue(queue)
+        _phoenix("down", topology_file, state, urls)
+        with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
+            with pytest.raises(SubscriptionUnconfirmed, match="did not confirm it in 1 s"):
+                at_a.subscribe(event_type, None, 1, f"{queue}.late", wait_s=1)
+            at_a.client.delete_queue(f"{queue}.late")
+    finally:
         if (state / "phoenix.json").exists():
             _phoenix("down", topology_file, state, urls)

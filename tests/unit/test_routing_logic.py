@@ -505,8 +505,8 @@ def test_clusters_on_one_rabbitmq_share_a_connection_key() -> None:
 
 def test_a_phoenix_client_refuses_a_connection_to_another_clusters_rabbitmq() -> None:
     from middleware.errors import ConfigurationError
+    from middleware.routing.client import PhoenixClient
     from middleware.routing.protocol import PhoenixTopology
-    from middleware.routing.roles import PhoenixClient
     from middleware.settings import Settings
     from middleware.transport import AsyncClient
 

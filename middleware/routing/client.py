@@ -1,0 +1,332 @@
+"""The wrapped Phoenix publisher/subscriber: one core without I/O, two faces.
+
+:class:`PhoenixClient` (asyncio, on :class:`~middleware.transport.AsyncClient`) and
+:class:`SyncPhoenixClient` (pika, on :class:`~middleware.transport.SyncClient`) talk to
+one cluster's routing master through its inbox, on that cluster's RabbitMQ and vhost.
+They build the same messages and read the same confirmations through
+:class:`ClientCore`, so the two faces cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..errors import ConfigurationError, MiddlewareError
+from ..settings import Settings
+from ..transport import AsyncClient, Delivery, QueueKind, QueueSpec, SyncClient
+from .matching import Event, Filter, FilterError
+from .protocol import Kind, PhoenixMessage, PhoenixTopology, parse_message, router_inbox
+from .roles import cluster_settings, inbox_spec, outgoing
+
+__all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
+
+
+class SubscriptionUnconfirmed(MiddlewareError, TimeoutError):
+    """The owner's match master did not confirm a subscribe or unsubscribe (W of N
+    replicas) in time, or said why it could not; it may still take effect later."""
+
+
+class ClientCore:
+    """What both faces share, without I/O: the cluster check, the messages, the
+    confirmations."""
+
+    def __init__(self, settings: Settings, topology: PhoenixTopology, cluster: str) -> None:
+        key, wanted = cluster_settings(settings, topology, cluster)
+        if key != "default":  # the inbox and the subscriber queues live on the cluster's
+            raise ConfigurationError(
+                f"cluster {cluster!r} is on {','.join(wanted.amqp_urls)} vhost "
+                f"{wanted.vhost!r}, the client on {','.join(settings.amqp_urls)} vhost "
+                f"{settings.vhost!r}: connect it there (PhoenixClient.connect)"
+            )
+        self.topology, self.cluster = topology, cluster
+        self.inbox = router_inbox(topology, cluster)
+        #: this client's queue for confirmations (exclusive: goes with the connection)
+        self.reply_queue = f"{topology.prefix}.{cluster}.client.{uuid.uuid4().hex}"
+
+    @staticmethod
+    def settings_for(settings: Settings, topology: PhoenixTopology, cluster: str) -> Settings:
+        return cluster_settings(settings, topology, cluster)[1]
+
+    def reply_spec(self) -> QueueSpec:
+        return QueueSpec(self.reply_queue, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
+
+    @staticmethod
+    def check_wait(wait_s: float | None) -> None:
+        if wait_s is not None and wait_s <= 0:
+            raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
+
+    def advertisement(self, event_type: str) -> PhoenixMessage:
+        return PhoenixMessage(kind=Kind.ADVERTISE, event_type=event_type)
+
+    def publication(self, event: Event | dict[str, Any]) -> PhoenixMessage:
+        event = event if isinstance(event, Event) else Event.parse(event)
+        return PhoenixMessage(kind=Kind.PUBLISH, event_type=event.event_type, event=event)
+
+    def subscription(
+        self,
+        event_type: str,
+        filter: Iterable[Sequence[Any]] | None,
+        latency_level: int,
+        queue: str,
+        confirm: str,
+        wait_s: float | None,
+    ) -> PhoenixMessage:
+        """A validated subscribe (refused before anything is sent), with a new id."""
+        flt = Filter.parse(filter)
+        if not 1 <= latency_level <= 5:
+            raise FilterError(f"latency level must be 1..5, got {latency_level}")
+        if confirm not in ("broker", "e2e"):
+            raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
+        self.check_wait(wait_s)
+        return PhoenixMessage(
+            kind=Kind.SUBSCRIBE,
+            event_type=event_type,
+            home=self.cluster,
+            latency_level=latency_level,
+            queue=queue,
+            subscription_id=uuid.uuid4().hex,
+            confirm="e2e" if confirm == "e2e" else "broker",
+            filter=[
+                [
+                    p.attribute,
+                    p.op.value,
+                    *(
+                        []
+                        if p.value is None
+                        else [list(p.value) if isinstance(p.value, tuple) else p.value]
+                    ),
+                ]
+                for p in flt.predicates
+            ],
+            reply_to=None if wait_s is None else self.reply_queue,
+        )
+
+    def unsubscription(
+        self, event_type: str, subscription_id: str, wait_s: float | None
+    ) -> PhoenixMessage:
+        self.check_wait(wait_s)
+        return PhoenixMessage(
+            kind=Kind.UNSUBSCRIBE,
+            event_type=event_type,
+            home=self.cluster,
+            subscription_id=subscription_id,
+            reply_to=None if wait_s is None else self.reply_queue,
+        )
+
+    @staticmethod
+    def reply(delivery: Delivery) -> PhoenixMessage:
+        return parse_message(delivery.body, "subscribe confirmation")
+
+    @staticmethod
+    def _what(request: PhoenixMessage) -> str:
+        return f"{request.kind.value} {request.subscription_id} of {request.event_type!r}"
+
+    def unconfirmed(self, request: PhoenixMessage, wait_s: float) -> SubscriptionUnconfirmed:
+        return SubscriptionUnconfirmed(
+            f"{self._what(request)}: the owner's match master did not confirm it in "
+            f"{wait_s:g} s (it may still take effect)"
+        )
+
+    def outcome(self, request: PhoenixMessage, reply: PhoenixMessage | None) -> bool:
+        """Subscribe: True.  Unsubscribe: whether the owner knew it (True unconfirmed).
+        Raises when the owner said why it could not."""
+        if reply is None:
+            return True
+        table = reply.table or {}
+        if table.get("error"):
+            raise SubscriptionUnconfirmed(
+                f"{self._what(request)} at {reply.broker}: {table['error']}"
+            )
+        return request.kind is Kind.SUBSCRIBE or bool(table.get("removed"))
+
+
+class PhoenixClient:
+    """The asyncio face: talks to one cluster's routing master."""
+
+    def __init__(self, client: AsyncClient, *, topology: PhoenixTopology, cluster: str) -> None:
+        self.core = ClientCore(client.settings, topology, cluster)
+        self.client, self.topology, self.cluster = client, topology, cluster
+        self._listening = False
+        self._awaited: dict[str, asyncio.Future[PhoenixMessage]] = {}
+
+    @classmethod
+    async def connect(
+        cls, settings: Settings, *, topology: PhoenixTopology, cluster: str
+    ) -> PhoenixClient:
+        """A client of ``cluster`` on its own RabbitMQ and vhost (``close`` it when done)."""
+        wanted = ClientCore.settings_for(settings, topology, cluster)
+        return cls(await AsyncClient(settings=wanted).connect(), topology=topology, cluster=cluster)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def _on_reply(self, delivery: Delivery) -> None:
+        reply = self.core.reply(delivery)
+        waiter = self._awaited.get(reply.subscription_id or "")
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    async def _send(self, message: PhoenixMessage) -> None:
+        if self.core.inbox not in self.client.topology.queues:
+            await self.client.declare_queue(inbox_spec(self.core.inbox))
+        await self.client.publish(outgoing(message, self.core.inbox))
+
+    async def _request(self, request: PhoenixMessage, wait_s: float | None) -> bool:
+        """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""
+        if wait_s is None:
+            await self._send(request)
+            return self.core.outcome(request, None)
+        if not self._listening:
+            await self.client.declare_queue(self.core.reply_spec())
+            await self.client.consume(self.core.reply_queue, self._on_reply)
+            self._listening = True
+        sid = request.subscription_id or ""
+        waiter = self._awaited[sid] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(request)
+            try:
+                async with asyncio.timeout(wait_s):
+                    reply = await waiter
+            except TimeoutError:
+                raise self.core.unconfirmed(request, wait_s) from None
+        finally:
+            self._awaited.pop(sid, None)
+        return self.core.outcome(request, reply)
+
+    async def advertise(self, event_type: str) -> None:
+        await self._send(self.core.advertisement(event_type))
+
+    async def subscribe(
+        self,
+        event_type: str,
+        filter: Iterable[Sequence[Any]] | None,
+        latency_level: int,
+        queue: str,
+        *,
+        confirm: str = "broker",
+        wait_s: float | None = 30.0,
+    ) -> str:
+        """Subscribe ``queue`` (declared here) to matching events; return the id.
+
+        Returns once the event type's owner has the subscription in place (matched from
+        then on, held by W of N replicas); raises :class:`SubscriptionUnconfirmed` when
+        that is not confirmed in ``wait_s`` (it may still take effect).  ``wait_s=None``
+        returns as soon as the subscription is sent.
+
+        ``confirm="e2e"``: the match broker counts an event delivered only once the
+        subscriber's handler took it (consume ``queue`` with ``AsyncConfirmConsumer``);
+        a rejection or silence past every resend dead-letters the event with the reason.
+        """
+        request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
+        await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+        await self._request(request, wait_s)
+        assert request.subscription_id
+        return request.subscription_id
+
+    async def unsubscribe(
+        self, event_type: str, subscription_id: str, *, wait_s: float | None = 30.0
+    ) -> bool:
+        """Remove a subscription (made through any cluster) of ``event_type``; the routing
+        masters that counted its latency level take it out of latencyMap.
+
+        Returns once the owner removed it and W of N replicas hold the removal: True, or
+        False when the owner does not know it (removed before, or never made).  Raises
+        :class:`SubscriptionUnconfirmed` like :meth:`subscribe`; ``wait_s=None`` only
+        sends it (and returns True)."""
+        return await self._request(
+            self.core.unsubscription(event_type, subscription_id, wait_s), wait_s
+        )
+
+    async def publish(self, event: Event | dict[str, Any]) -> None:
+        await self._send(self.core.publication(event))
+
+
+class SyncPhoenixClient:
+    """The sync face (pika): the same verbs, messages and confirmations, blocking.
+
+    Confirmations are read inside the call that waits for them (the client's
+    :meth:`~middleware.transport.SyncClient.run`), as pika's blocking connection does
+    everything on the caller's thread."""
+
+    def __init__(self, client: SyncClient, *, topology: PhoenixTopology, cluster: str) -> None:
+        self.core = ClientCore(client.settings, topology, cluster)
+        self.client, self.topology, self.cluster = client, topology, cluster
+        self._listening = False
+        self._replies: dict[str, PhoenixMessage] = {}
+        self._declared = False
+
+    @classmethod
+    def connect(
+        cls, settings: Settings, *, topology: PhoenixTopology, cluster: str
+    ) -> SyncPhoenixClient:
+        """A client of ``cluster`` on its own RabbitMQ and vhost (``close`` it when done)."""
+        wanted = ClientCore.settings_for(settings, topology, cluster)
+        return cls(SyncClient(settings=wanted).connect(), topology=topology, cluster=cluster)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> SyncPhoenixClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _on_reply(self, delivery: Delivery) -> None:
+        reply = self.core.reply(delivery)
+        if reply.subscription_id:
+            self._replies[reply.subscription_id] = reply
+
+    def _send(self, message: PhoenixMessage) -> None:
+        if not self._declared:
+            self.client.declare_queue(inbox_spec(self.core.inbox))
+            self._declared = True
+        self.client.publish(outgoing(message, self.core.inbox))
+
+    def _request(self, request: PhoenixMessage, wait_s: float | None) -> bool:
+        if wait_s is None:
+            self._send(request)
+            return self.core.outcome(request, None)
+        if not self._listening:
+            self.client.declare_queue(self.core.reply_spec())
+            self.client.consume(self.core.reply_queue, self._on_reply)
+            self._listening = True
+        sid = request.subscription_id or ""
+        self._send(request)
+        self.client.run(wait_s, until=lambda: sid in self._replies)
+        reply = self._replies.pop(sid, None)
+        if reply is None:
+            raise self.core.unconfirmed(request, wait_s)
+        return self.core.outcome(request, reply)
+
+    def advertise(self, event_type: str) -> None:
+        self._send(self.core.advertisement(event_type))
+
+    def subscribe(
+        self,
+        event_type: str,
+        filter: Iterable[Sequence[Any]] | None,
+        latency_level: int,
+        queue: str,
+        *,
+        confirm: str = "broker",
+        wait_s: float | None = 30.0,
+    ) -> str:
+        """As :meth:`PhoenixClient.subscribe` (e2e: consume with ``SyncConfirmConsumer``)."""
+        request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
+        self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+        self._request(request, wait_s)
+        assert request.subscription_id
+        return request.subscription_id
+
+    def unsubscribe(
+        self, event_type: str, subscription_id: str, *, wait_s: float | None = 30.0
+    ) -> bool:
+        """As :meth:`PhoenixClient.unsubscribe`."""
+        return self._request(self.core.unsubscription(event_type, subscription_id, wait_s), wait_s)
+
+    def publish(self, event: Event | dict[str, Any]) -> None:
+        self._send(self.core.publication(event))
