@@ -552,7 +552,9 @@ class RouterMaster(_Role):
         if home is None:
             home = subscription.hops[0] if subscription.hops else self.cluster
         if home not in {c.id for c in self.topology.clusters}:
-            raise DeadLetter(f"subscribe: home cluster {home!r} is not in the topology")
+            raise DeadLetter(
+                f"{subscription.kind.value}: home cluster {home!r} is not in the topology"
+            )
         return subscription.model_copy(update={"home": home})
 
     async def _join(self, cluster: str) -> None:
@@ -797,13 +799,18 @@ class MatchMaster(_MatchBroker):
             if handover.covers(doc["event_type"])
         ]
         for sid, doc in moving:
+            fields = {k: v for k, v in doc.items() if k not in ("path", "home")}
             await self.send(
                 joiner,
                 router_inbox(self.topology, joiner),
                 PhoenixMessage(
                     kind=Kind.SUBSCRIBE,
                     subscription_id=sid,
-                    **{k: v for k, v in doc.items() if k != "path"},
+                    # deliveries still go home; the routers that counted its level so far
+                    # stay on its path, so an unsubscribe reaches them too
+                    home=doc.get("home") or self.cluster,
+                    hops=doc.get("path") or [],
+                    **fields,
                 ),
             )
             self._remove(sid)

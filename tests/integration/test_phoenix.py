@@ -15,6 +15,7 @@ from middleware.errors import EntityNotFound
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import PhoenixClient
 from middleware.routing.protocol import PhoenixTopology, role_queues
+from middleware.routing.replicas import live
 from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
 
@@ -212,15 +213,33 @@ def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
                     return message
         raise AssertionError(f"no {tag} event reached the subscriber")
 
+    sid = ""
+
     async def before_join() -> dict:
+        nonlocal sid
         async with AsyncClient(settings=settings) as client:
             at_a = PhoenixClient(client, topology=topology, cluster="A")
-            await at_a.subscribe(event_type, [("v", "=", 1)], 2, queue)
+            sid = await at_a.subscribe(event_type, [("v", "=", 1)], 2, queue)
             return await until_delivered(client, "before")
 
-    async def after_join() -> dict:
+    async def after_join() -> tuple[dict, bool]:
         async with AsyncClient(settings=settings) as client:
-            return await until_delivered(client, "after")
+            moved = await until_delivered(client, "after")
+            # removed at its new owner; every router that counted its level forgets it
+            removed = await PhoenixClient(client, topology=topology, cluster="A").unsubscribe(
+                event_type, sid
+            )
+            return moved, removed
+
+    path = [f"{c}/router" for c in ring.route("A", event_type)]  # where it was subscribed
+
+    def counted(routers: list[str]) -> dict[str, object]:
+        """The latencyMap entry of the type in each router's store."""
+        store = open_store(str(tmp_path / "state.sqlite3"))
+        try:
+            return {r: live(store.load(r, "routing_table")).get(event_type) for r in routers}
+        finally:
+            store.close()
 
     try:
         _phoenix("up", topology_file, state, urls)
@@ -228,9 +247,16 @@ def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
         assert first["hops"][-1] == "B" and first["broker"].startswith("B/")
         out = _phoenix("join", topology_file, state, urls, "--cluster", joiner)
         assert f"{joiner} joined" in out
-        moved = asyncio.run(after_join())
+        assert all(counted(path).values())  # the path's routers count its level
+        moved, removed = asyncio.run(after_join())
         # the subscription made at A while B owned the type now lives at the newcomer
         assert moved["hops"][-1] == joiner and moved["broker"].startswith(f"{joiner}/")
+        assert removed is True
+        routers = [*path, f"{joiner}/router"]  # ... and so does the newcomer's, since
+        deadline = time.monotonic() + 15
+        while any(counted(routers).values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(counted(routers).values()), counted(routers)
     finally:
         if (state / "phoenix.json").exists():
             _phoenix("down", topology_file, state, urls)
