@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
@@ -474,6 +475,19 @@ def _role_metrics(state: Path, cluster: str, role: str) -> str:
         return response.read().decode()
 
 
+def _settled(
+    state: Path, cluster: str, role: str, metric: str, want: float, **labels: str
+) -> float:
+    """A role's sample once it reads ``want`` (gauges are read every second or window,
+    counters move with the role's last settlements), or its last reading after 15 s."""
+    deadline = time.monotonic() + 15
+    while (value := _sample(_role_metrics(state, cluster, role), metric, **labels)) != want:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return value
+
+
 def _sample(text: str, metric: str, **labels: str) -> float:
     """The value of one sample of ``metric`` whose labels include ``labels``."""
     for line in text.splitlines():
@@ -524,12 +538,30 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
     state = tmp_path / "state"
     queue = f"{name}.subscriber"
 
+    handled: list[int] = []
+
     async def scenario() -> list[str]:
+        from middleware.confirms import AsyncConfirmConsumer
+
         at_a = await PhoenixClient.connect(settings, topology=topology, cluster="A")
         at_c = await PhoenixClient.connect(settings, topology=topology, cluster="C")
+        consumer = AsyncConfirmConsumer(at_a.client)
+
+        all_handled = asyncio.Event()
+
+        async def handler(delivery) -> None:
+            handled.append(json.loads(delivery.body)["event"]["attributes"]["price"])
+            if len(handled) >= 10:
+                all_handled.set()
+
         try:
             # confirmed: B matches it from now on, no probing for a live path needed
             await at_a.subscribe(event_type, [("price", "<", 10)], 2, queue, wait_s=60)
+            # and an e2e one: B's receipts listener and A's subscriber across vhosts
+            await at_a.subscribe(
+                event_type, [("price", "<", 10)], 2, f"{queue}.e2e", confirm="e2e", wait_s=60
+            )
+            await consumer.consume(f"{queue}.e2e", handler)
             for i in range(20):
                 await at_c.publish({"event_type": event_type, "attributes": {"price": i}})
             got: list[str] = []
@@ -543,8 +575,12 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
             await asyncio.sleep(0.5)
             while (d := await at_a.client.get(queue)) is not None:
                 got.append(json.loads(d.body)["event"]["attributes"]["price"])
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(30):
+                    await all_handled.wait()
             return got
         finally:
+            await consumer.close()
             await at_a.close()
             await at_c.close()
 
@@ -567,6 +603,7 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
         _phoenix("up", topology_file, state, urls)
         got = asyncio.run(scenario())
         assert sorted(got) == list(range(10)), got  # each matching event once, in A's vhost
+        assert sorted(handled) == list(range(10)), handled  # e2e: handled once each
         queue_path = urllib.parse.quote(queue, safe="")
         assert _management(settings, "GET", f"/api/queues/{quoted['A']}/{queue_path}") == 200
         for c in "BC":  # neither the subscriber queue nor a stray copy elsewhere
@@ -577,20 +614,22 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
         matcher = _role_metrics(state, "B", "matcher-0")
         events = "qosmq_phoenix_events_total"
         assert _sample(matcher, events, cluster="B", role="MatchMaster", outcome="matched") >= 1
-        assert _sample(matcher, events, role="MatchMaster", outcome="delivered") >= 1
+        # 20 copies, the e2e ones counted once A's handler took them (receipts crossed back)
+        assert _settled(state, "B", "matcher-0", events, 20, outcome="delivered") == 20
         assert _sample(matcher, events, role="MatchMaster", outcome="replicated") >= 1
         inbox_b = f"{name}.B.match.0"
-        assert _sample(matcher, "qosmq_phoenix_inbox_length", inbox=inbox_b) == 0
+        length = "qosmq_phoenix_inbox_length"
+        assert _settled(state, "B", "matcher-0", length, 0, inbox=inbox_b) == 0
         assert _sample(matcher, "qosmq_phoenix_predicted_seconds", broker="B/match-0") >= 0
         assert _sample(matcher, "qosmq_phoenix_hops_count", cluster="B") >= 1
         slave = _role_metrics(state, "B", "matcher-0-slave-1")
-        assert _sample(slave, "qosmq_phoenix_inbox_length", inbox=f"{inbox_b}.slave.1") == 0
+        assert _settled(state, "B", "matcher-0-slave-1", length, 0, inbox=f"{inbox_b}.slave.1") == 0
         assert _sample(slave, "qosmq_phoenix_predicted_seconds", broker="B/match-0/slave-1") >= 0
         router_c = _role_metrics(state, "C", "router")
         assert (
             _sample(router_c, events, cluster="C", role="RouterMaster", outcome="forwarded") >= 20
         )
-        assert _sample(router_c, "qosmq_phoenix_inbox_length", inbox=f"{name}.C.router") == 0
+        assert _settled(state, "C", "router", length, 0, inbox=f"{name}.C.router") == 0
         _phoenix("down", topology_file, state, urls)
         asyncio.run(unconfirmed())  # nobody at B to confirm it: said, not hung
     finally:
