@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -34,6 +35,7 @@ def register(roles: Any, sub: Any) -> None:
         ("down", _down, "stop every role"),
         ("join", _join, "start a listed cluster and join it to the ring"),
         ("configure", _configure, "switch the outer/inner mechanisms of running roles live"),
+        ("status", _status, "every role: process alive, inbox backlog (exit 1 if one is down)"),
     ):
         p = cmds.add_parser(name, help=help_)
         p.add_argument("--topology", type=Path, required=True)
@@ -251,6 +253,67 @@ def _configure(args: argparse.Namespace) -> int:
         return 1
     print(f"configured live ({len(confirmed)} masters): {', '.join(confirmed)}")
     return 0
+
+
+def _inbox_of(topology: Any, key: str) -> str:
+    """The inbox of a role as ``phoenix up`` names it (``B/matcher-0-slave-1``)."""
+    from ..routing.protocol import match_inbox, router_inbox, router_slave_inbox
+
+    cluster, role = key.split("/", 1)
+    if role == "router":
+        return router_inbox(topology, cluster)
+    if found := re.fullmatch(r"router-slave-(\d+)", role):
+        return router_slave_inbox(topology, cluster, int(found[1]))
+    if found := re.fullmatch(r"matcher-(\d+)(?:-slave-(\d+))?", role):
+        slave = None if found[2] is None else int(found[2])
+        return match_inbox(topology, cluster, int(found[1]), slave)
+    raise ValueError(f"unknown role {key!r} in phoenix.json")
+
+
+def _status(args: argparse.Namespace) -> int:
+    """One line per role: process alive or not, its inbox and the events waiting there."""
+    from ..errors import EntityNotFound, MiddlewareError
+    from ..routing.protocol import PhoenixTopology
+    from ..routing.roles import cluster_settings
+    from ..transport import AsyncClient
+
+    topology = PhoenixTopology.load(args.topology)
+    state = args.state_dir / "phoenix.json"
+    if not state.exists():
+        print("phoenix: nothing running (no phoenix.json)", file=sys.stderr)
+        return 1
+    pids: dict[str, int] = json.loads(state.read_text())
+    inboxes = {key: _inbox_of(topology, key) for key in pids}
+
+    async def backlogs() -> tuple[dict[str, int | None], list[str]]:
+        found: dict[str, int | None] = {}
+        problems: list[str] = []
+        for cluster in sorted({key.split("/")[0] for key in pids}):
+            _, conf = cluster_settings(args.settings, topology, cluster)
+            try:
+                async with AsyncClient(settings=conf) as client:
+                    for key in sorted(k for k in pids if k.startswith(f"{cluster}/")):
+                        try:
+                            found[key] = await client.queue_length(inboxes[key])
+                        except EntityNotFound:
+                            found[key] = None
+            except MiddlewareError as exc:
+                problems.append(f"cluster {cluster!r}: {exc}")
+        return found, problems
+
+    waiting, problems = asyncio.run(backlogs())
+    down = [key for key, pid in pids.items() if not pid_alive(pid)]
+    print(f"{'role':28} {'pid':>8}  {'process':8} {'waiting':>8}  inbox")
+    for key in sorted(pids):
+        depth = waiting.get(key)
+        shown = "-" if depth is None else str(depth)
+        alive = "down" if key in down else "running"
+        print(f"{key:28} {pids[key]:>8}  {alive:8} {shown:>8}  {inboxes[key]}")
+    for problem in problems:
+        print(f"phoenix: {problem}", file=sys.stderr)
+    if down:
+        print(f"phoenix: {len(down)} role(s) down: {', '.join(sorted(down))}", file=sys.stderr)
+    return 1 if down or problems else 0
 
 
 def _down(args: argparse.Namespace) -> int:

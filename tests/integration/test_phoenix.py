@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 
 from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.errors import EntityNotFound
+from middleware.localcluster.manager import pid_alive
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import PhoenixClient
 from middleware.routing.protocol import PhoenixTopology, role_queues
@@ -796,6 +800,21 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             assert drain(at_a.client, 1) == [7]  # not 300 or 400
             at_a.unsubscribe(event_type, probe)
             at_a.client.delete_queue(queue)
+        # status: every role's process and inbox; a killed role makes it fail, by name
+        report = _phoenix("status", topology_file, state, urls)
+        pids = json.loads((state / "phoenix.json").read_text())
+        for key in pids:
+            assert re.search(rf"^{re.escape(key)} +{pids[key]} +running +\d+ ", report, re.M), report
+        assert f"{name}.C.match.0 " not in report and f"{name}.C.match.0\n" in report
+        os.kill(pids["C/matcher-0"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(pids["C/matcher-0"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(subprocess.CalledProcessError) as failed:
+            _phoenix("status", topology_file, state, urls)
+        assert failed.value.returncode == 1
+        assert "1 role(s) down: C/matcher-0" in failed.value.stderr
+        assert re.search(r"^C/matcher-0 +\d+ +down ", failed.value.stdout, re.M)
         _phoenix("down", topology_file, state, urls)
         with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
             with pytest.raises(SubscriptionUnconfirmed, match="did not confirm it in 1 s"):
