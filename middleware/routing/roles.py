@@ -134,7 +134,8 @@ class _Role:
     def __init__(self, *, settings: Settings, topology: PhoenixTopology, cluster: str) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
-        self._clients: dict[str, AsyncClient] = {}
+        self._clients: dict[str, AsyncClient] = {}  # one per RabbitMQ and vhost
+        self._cluster_clients: dict[str, AsyncClient] = {}  # cluster -> its client
         self.counters: Counter[str] = Counter()
         self.role = type(self).__name__
 
@@ -143,11 +144,15 @@ class _Role:
         ROLE_EVENTS.labels(self.cluster, self.role, outcome).inc(n)
 
     async def client_for(self, cluster: str) -> AsyncClient:
-        """One connection per cluster's RabbitMQ (the process's own when not configured)."""
-        key, settings = cluster_settings(self.settings, self.topology, cluster)
-        if key not in self._clients:
-            self._clients[key] = await AsyncClient(settings=settings).connect()
-        return self._clients[key]
+        """One connection per cluster's RabbitMQ (the process's own when not configured),
+        shared by the clusters on the same RabbitMQ and vhost."""
+        client = self._cluster_clients.get(cluster)  # the hot path: every forward, delivery
+        if client is None:
+            key, settings = cluster_settings(self.settings, self.topology, cluster)
+            if key not in self._clients:
+                self._clients[key] = await AsyncClient(settings=settings).connect()
+            client = self._cluster_clients[cluster] = self._clients[key]
+        return client
 
     async def send(
         self, cluster: str, inbox: str, message: PhoenixMessage, priority: int = 0
@@ -622,7 +627,7 @@ class _MatchBroker(_Role):
         # sid -> (event type, subscriber queue, confirm: "broker" or "e2e", home cluster)
         self.queues: dict[str, tuple[str, str, str, str]] = {}
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
-        self._e2e: dict[str, AsyncConfirmPublisher] = {}  # one per home cluster's RabbitMQ
+        self._e2e: dict[AsyncClient, AsyncConfirmPublisher] = {}  # one per connection
         self._e2e_lock = asyncio.Lock()
 
     def _add(self, sid: str, document: dict[str, Any]) -> None:
@@ -663,12 +668,11 @@ class _MatchBroker(_Role):
             self.predictor.completed(now=time.monotonic())
 
     async def _e2e_publisher(self, home: str) -> AsyncConfirmPublisher:
-        key, _ = cluster_settings(self.settings, self.topology, home)
+        client = await self.client_for(home)
         async with self._e2e_lock:  # one publisher (one reply listener) per RabbitMQ
-            if key not in self._e2e:
-                client = await self.client_for(home)
-                self._e2e[key] = await AsyncConfirmPublisher(client, mode="e2e").start()
-        return self._e2e[key]
+            if client not in self._e2e:
+                self._e2e[client] = await AsyncConfirmPublisher(client, mode="e2e").start()
+        return self._e2e[client]
 
     async def _deliver(self, message: PhoenixMessage, matched: set[str]) -> None:
         """One copy per subscriber queue, however many of its subscriptions matched, on

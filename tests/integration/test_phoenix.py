@@ -33,20 +33,34 @@ def _phoenix(command: str, topology: Path, state: Path, urls: str, *arguments: s
     return phoenix_cli(command, topology, state, urls.split(","), *arguments)
 
 
+def _topology(
+    tmp_path: Path, name: str, clusters: dict[str, dict[str, object]]
+) -> tuple[Path, PhoenixTopology]:
+    """The test's topology file (clusters with their own TOML fields) and its model."""
+
+    def toml(value: object) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f'"{value}"' if isinstance(value, str) else str(value)
+
+    text = f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+    for cluster, fields in clusters.items():
+        text += f'[[cluster]]\nid = "{cluster}"\n'
+        text += "".join(f"{key} = {toml(value)}\n" for key, value in fields.items())
+    path = tmp_path / "phoenix.toml"
+    path.write_text(text)
+    return path, PhoenixTopology.load(path)
+
+
 def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) -> None:
     clusters = ["A", "B", "C"]
     ring = ChordRing(clusters)
     event_type = next(f"quotes{i}" for i in range(1000) if ring.owner(f"quotes{i}") == "B")
-    topology_file = tmp_path / "phoenix.toml"
-    topology_file.write_text(
-        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
-        + "".join(
-            f'[[cluster]]\nid = "{c}"\nmatch_slaves = {2 if c == "B" else 0}\n'
-            f"routing_slaves = {2 if c == 'B' else 0}\n"
-            for c in clusters
-        )
+    topology_file, topology = _topology(
+        tmp_path,
+        name,
+        {c: {"match_slaves": 2 * (c == "B"), "routing_slaves": 2 * (c == "B")} for c in clusters},
     )
-    topology = PhoenixTopology.load(topology_file)
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue = f"{name}.subscriber"
@@ -193,13 +207,9 @@ def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
         for i in range(20000)
         if ring.owner(f"ticks{i}") == "B" and after.owner(f"ticks{i}") == joiner
     )
-    topology_file = tmp_path / "phoenix.toml"
-    topology_file.write_text(
-        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
-        + "".join(f'[[cluster]]\nid = "{c}"\n' for c in ("A", "B", "C"))
-        + f'[[cluster]]\nid = "{joiner}"\njoined = false\n'
+    topology_file, topology = _topology(
+        tmp_path, name, {"A": {}, "B": {}, "C": {}, joiner: {"joined": False}}
     )
-    topology = PhoenixTopology.load(topology_file)
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue = f"{name}.subscriber"
@@ -528,16 +538,9 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
         )
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"trades{i}" for i in range(1000) if ring.owner(f"trades{i}") == "B")
-    topology_file = tmp_path / "phoenix.toml"
-    topology_file.write_text(
-        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
-        + "".join(
-            f'[[cluster]]\nid = "{c}"\nvhost = "{vhosts[c]}"\n'
-            f"match_slaves = {2 if c == 'B' else 0}\n"
-            for c in "ABC"
-        )
+    topology_file, topology = _topology(
+        tmp_path, name, {c: {"vhost": vhosts[c], "match_slaves": 2 * (c == "B")} for c in "ABC"}
     )
-    topology = PhoenixTopology.load(topology_file)
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue = f"{name}.subscriber"
@@ -655,16 +658,11 @@ def test_unsubscribe_stops_deliveries_and_takes_its_level_out_of_latency_maps(
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
     path = ring.route("A", event_type)  # the routing masters a subscription from A passes
-    topology_file = tmp_path / "phoenix.toml"
-    topology_file.write_text(
-        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
-        + "".join(
-            f'[[cluster]]\nid = "{c}"\nmatch_slaves = {1 if c == "B" else 0}\n'
-            f"routing_slaves = {1 if c == 'B' else 0}\n"
-            for c in "ABC"
-        )
+    topology_file, topology = _topology(
+        tmp_path,
+        name,
+        {c: {"match_slaves": int(c == "B"), "routing_slaves": int(c == "B")} for c in "ABC"},
     )
-    topology = PhoenixTopology.load(topology_file)
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     kept, dropped = f"{name}.kept", f"{name}.dropped"
@@ -745,12 +743,7 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
 
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"orders{i}" for i in range(1000) if ring.owner(f"orders{i}") == "C")
-    topology_file = tmp_path / "phoenix.toml"
-    topology_file.write_text(
-        f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
-        + "".join(f'[[cluster]]\nid = "{c}"\n' for c in "ABC")
-    )
-    topology = PhoenixTopology.load(topology_file)
+    topology_file, topology = _topology(tmp_path, name, {c: {} for c in "ABC"})
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue = f"{name}.subscriber"
@@ -804,7 +797,9 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
         report = _phoenix("status", topology_file, state, urls)
         pids = json.loads((state / "phoenix.json").read_text())
         for key in pids:
-            assert re.search(rf"^{re.escape(key)} +{pids[key]} +running +\d+ ", report, re.M), report
+            assert re.search(rf"^{re.escape(key)} +{pids[key]} +running +\d+ ", report, re.M), (
+                report
+            )
         assert f"{name}.C.match.0 " not in report and f"{name}.C.match.0\n" in report
         os.kill(pids["C/matcher-0"], signal.SIGKILL)
         deadline = time.monotonic() + 10
