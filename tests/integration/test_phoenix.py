@@ -739,7 +739,9 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
     filter and a wrong cluster connection are refused before anything is sent."""
     from middleware.errors import ConfigurationError
     from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
-    from middleware.transport import SyncClient
+    from middleware.routing.protocol import Kind, PhoenixMessage
+    from middleware.routing.roles import outgoing
+    from middleware.transport import DEAD_LETTER_QUEUE, SyncClient
 
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"orders{i}" for i in range(1000) if ring.owner(f"orders{i}") == "C")
@@ -793,6 +795,24 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             assert drain(at_a.client, 1) == [7]  # not 300 or 400
             at_a.unsubscribe(event_type, probe)
             at_a.client.delete_queue(queue)
+            # a subscribe naming a home cluster the topology does not have: dead-lettered
+            # by A's router with the reason, nothing counted or forwarded
+            stray = PhoenixMessage(
+                kind=Kind.SUBSCRIBE,
+                event_type=event_type,
+                home="Z",
+                queue=queue,
+                subscription_id="stray",
+            )
+            at_a.client.publish(outgoing(stray, f"{name}.A.router"))
+            reasons: list[str] = []
+            deadline = time.monotonic() + 15
+            while not reasons and time.monotonic() < deadline:
+                while (d := at_a.client.get(DEAD_LETTER_QUEUE)) is not None:
+                    if d.headers.get("x-qosmq-queue") == f"{name}.A.router":
+                        reasons.append(d.headers["x-qosmq-reason"])
+                time.sleep(0.2)
+            assert reasons and "home cluster 'Z' is not in the topology" in reasons[0], reasons
         # status: every role's process and inbox; a killed role makes it fail, by name
         report = _phoenix("status", topology_file, state, urls)
         pids = json.loads((state / "phoenix.json").read_text())
