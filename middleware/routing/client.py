@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from ..errors import ConfigurationError, MiddlewareError
+from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
+from ..errors import ConfigurationError, DeadLetter, MiddlewareError
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, QueueKind, QueueSpec, SyncClient
 from .matching import Event, Filter, FilterError
@@ -117,6 +118,14 @@ class ClientCore:
         )
 
     @staticmethod
+    def delivered(delivery: Delivery) -> tuple[Event, PhoenixMessage]:
+        """A matched event as it lands in a subscriber queue (with its hops and broker)."""
+        message = parse_message(delivery.body, "Phoenix delivery")
+        if message.kind is not Kind.PUBLISH or message.event is None:
+            raise DeadLetter(f"not a Phoenix event delivery: {message.kind.value}")
+        return message.event, message
+
+    @staticmethod
     def reply(delivery: Delivery) -> PhoenixMessage:
         return parse_message(delivery.body, "subscribe confirmation")
 
@@ -151,6 +160,7 @@ class PhoenixClient:
         self.client, self.topology, self.cluster = client, topology, cluster
         self._listening = False
         self._awaited: dict[str, asyncio.Future[PhoenixMessage]] = {}
+        self._receipts: AsyncConfirmConsumer | None = None  # e2e subscriptions' consumer
 
     @classmethod
     async def connect(
@@ -161,7 +171,32 @@ class PhoenixClient:
         return cls(await AsyncClient(settings=wanted).connect(), topology=topology, cluster=cluster)
 
     async def close(self) -> None:
+        if self._receipts is not None:
+            await self._receipts.close()
         await self.client.close()
+
+    async def consume(
+        self,
+        queue: str,
+        handler: Callable[[Event, PhoenixMessage], Awaitable[None]],
+        *,
+        e2e: bool = False,
+        prefetch: int | None = None,
+    ) -> str:
+        """Handle the events delivered into ``queue``: ``handler(event, message)`` (the
+        message carries the hops and the broker that matched it); returns the consumer
+        tag.  ``e2e=True`` for a ``confirm="e2e"`` subscription: the receipt goes back
+        once the handler returned (``Reject`` from it: a negative receipt).  A body that
+        is not a Phoenix event is dead-lettered with the reason."""
+
+        async def on_delivery(delivery: Delivery) -> None:
+            await handler(*self.core.delivered(delivery))
+
+        if not e2e:
+            return await self.client.consume(queue, on_delivery, prefetch=prefetch)
+        if self._receipts is None:
+            self._receipts = AsyncConfirmConsumer(self.client)
+        return await self._receipts.consume(queue, on_delivery, prefetch=prefetch)
 
     async def _on_reply(self, delivery: Delivery) -> None:
         reply = self.core.reply(delivery)
@@ -257,6 +292,7 @@ class SyncPhoenixClient:
         self._listening = False
         self._replies: dict[str, PhoenixMessage] = {}
         self._declared = False
+        self._receipts: SyncConfirmConsumer | None = None  # e2e subscriptions' consumer
 
     @classmethod
     def connect(
@@ -268,6 +304,29 @@ class SyncPhoenixClient:
 
     def close(self) -> None:
         self.client.close()
+
+    def consume(
+        self,
+        queue: str,
+        handler: Callable[[Event, PhoenixMessage], None],
+        *,
+        e2e: bool = False,
+        prefetch: int | None = None,
+    ) -> str:
+        """As :meth:`PhoenixClient.consume`; the events are handled inside :meth:`run`."""
+
+        def on_delivery(delivery: Delivery) -> None:
+            handler(*self.core.delivered(delivery))
+
+        if not e2e:
+            return self.client.consume(queue, on_delivery, prefetch=prefetch)
+        if self._receipts is None:
+            self._receipts = SyncConfirmConsumer(self.client)
+        return self._receipts.consume(queue, on_delivery, prefetch=prefetch)
+
+    def run(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None) -> None:
+        """Handle deliveries for ``seconds`` (forever if None) or until ``until()``."""
+        self.client.run(seconds, until=until)
 
     def __enter__(self) -> SyncPhoenixClient:
         return self

@@ -390,7 +390,6 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
     """A subscription with confirm="e2e": the match broker waits for the subscriber's
     receipt; a handler that rejects an event gets it dead-lettered with the reason."""
     from middleware.bench.phoenix_timeliness import Deployment
-    from middleware.confirms import AsyncConfirmConsumer
     from middleware.errors import Reject
     from middleware.transport import DEAD_LETTER_QUEUE
 
@@ -407,15 +406,14 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
             with pytest.raises(FilterError):
                 await at_a.subscribe(event_type, None, 1, queue, confirm="maybe")
             await at_a.subscribe(event_type, [("n", "exists")], 1, queue, confirm="e2e")
-            consumer = AsyncConfirmConsumer(client)
 
-            async def handler(delivery) -> None:
-                n = json.loads(delivery.body)["event"]["attributes"]["n"]
-                handled.append(n)
-                if n == "bad":
+            async def handler(event, message) -> None:
+                assert message.broker.startswith("B/match-0")
+                handled.append(event.attributes["n"])
+                if event.attributes["n"] == "bad":
                     raise Reject("bad event")
 
-            await consumer.consume(queue, handler)
+            await at_a.consume(queue, handler, e2e=True)
             at_c = PhoenixClient(client, topology=deployment.topology, cluster="C")
             deadline = time.monotonic() + 60
             while "probe" not in handled and time.monotonic() < deadline:
@@ -430,7 +428,7 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
                 while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
                     if d.headers.get("x-qosmq-queue") == f"{name}.B.match.0":
                         dead.append({"reason": d.headers["x-qosmq-reason"], **json.loads(d.body)})
-            await consumer.close()
+            await at_a.close()  # its receipts consumer first, then the connection
             return handled, dead
 
     deployment.configure(outer=True, inner=False)
@@ -548,16 +546,12 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
     handled: list[int] = []
 
     async def scenario() -> list[str]:
-        from middleware.confirms import AsyncConfirmConsumer
-
         at_a = await PhoenixClient.connect(settings, topology=topology, cluster="A")
         at_c = await PhoenixClient.connect(settings, topology=topology, cluster="C")
-        consumer = AsyncConfirmConsumer(at_a.client)
-
         all_handled = asyncio.Event()
 
-        async def handler(delivery) -> None:
-            handled.append(json.loads(delivery.body)["event"]["attributes"]["price"])
+        async def handler(event, message) -> None:
+            handled.append(event.attributes["price"])
             if len(handled) >= 10:
                 all_handled.set()
 
@@ -568,7 +562,7 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
             await at_a.subscribe(
                 event_type, [("price", "<", 10)], 2, f"{queue}.e2e", confirm="e2e", wait_s=60
             )
-            await consumer.consume(f"{queue}.e2e", handler)
+            await at_a.consume(f"{queue}.e2e", handler, e2e=True)
             for i in range(20):
                 await at_c.publish({"event_type": event_type, "attributes": {"price": i}})
             got: list[str] = []
@@ -587,7 +581,6 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
                     await all_handled.wait()
             return got
         finally:
-            await consumer.close()
             await at_a.close()
             await at_c.close()
 
@@ -741,7 +734,7 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
     from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
     from middleware.routing.protocol import Kind, PhoenixMessage
     from middleware.routing.roles import outgoing
-    from middleware.transport import DEAD_LETTER_QUEUE, SyncClient
+    from middleware.transport import DEAD_LETTER_QUEUE, OutgoingMessage
 
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"orders{i}" for i in range(1000) if ring.owner(f"orders{i}") == "C")
@@ -750,17 +743,15 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
     state = tmp_path / "state"
     queue = f"{name}.subscriber"
 
-    def drain(client: SyncClient, want: int) -> list[int]:
-        got: list[int] = []
-        deadline = time.monotonic() + 30
-        while len(got) < want and time.monotonic() < deadline:
-            while (d := client.get(queue)) is not None:
-                got.append(json.loads(d.body)["event"]["attributes"]["qty"])
-            time.sleep(0.1)
-        time.sleep(0.5)
-        while (d := client.get(queue)) is not None:
-            got.append(json.loads(d.body)["event"]["attributes"]["qty"])
-        return got
+    got: list[int] = []
+
+    def drain(client: SyncPhoenixClient, want: int) -> list[int]:
+        """The events the client's consumer handled, once ``want`` arrived (and 0.5 s)."""
+        client.run(30, until=lambda: len(got) >= want)
+        client.run(0.5)
+        taken = got[:]
+        got.clear()
+        return taken
 
     try:
         _phoenix("up", topology_file, state, urls)
@@ -781,10 +772,11 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             with pytest.raises(ConfigurationError, match="cluster 'C'"):
                 SyncPhoenixClient(at_a.client, topology=other, cluster="C")
             sid = at_a.subscribe(event_type, [("qty", ">=", 100)], 2, queue)
+            at_a.consume(queue, lambda event, message: got.append(event.attributes["qty"]))
             at_a.advertise(event_type)
             for qty in (50, 100, 150, 99, 200):
                 at_b.publish({"event_type": event_type, "attributes": {"qty": qty}})
-            assert sorted(drain(at_a.client, 3)) == [100, 150, 200]
+            assert sorted(drain(at_a, 3)) == [100, 150, 200]
             assert at_a.unsubscribe(event_type, sid) is True
             assert at_a.unsubscribe(event_type, sid) is False
             for qty in (300, 400):
@@ -792,8 +784,13 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             # a barrier: a second subscription's event arrives after the two above
             probe = at_a.subscribe(event_type, [("qty", "=", 7)], 2, queue)
             at_b.publish({"event_type": event_type, "attributes": {"qty": 7}})
-            assert drain(at_a.client, 1) == [7]  # not 300 or 400
+            assert drain(at_a, 1) == [7]  # not 300 or 400
             at_a.unsubscribe(event_type, probe)
+            # a body that is no Phoenix event, in the subscriber queue: dead-lettered,
+            # the handler never sees it
+            at_a.client.publish(OutgoingMessage(b"junk", "", queue))
+            at_a.run(1)
+            assert got == []
             at_a.client.delete_queue(queue)
             # a subscribe naming a home cluster the topology does not have: dead-lettered
             # by A's router with the reason, nothing counted or forwarded
@@ -807,12 +804,14 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             at_a.client.publish(outgoing(stray, f"{name}.A.router"))
             reasons: list[str] = []
             deadline = time.monotonic() + 15
-            while not reasons and time.monotonic() < deadline:
+            while len(reasons) < 2 and time.monotonic() < deadline:
                 while (d := at_a.client.get(DEAD_LETTER_QUEUE)) is not None:
-                    if d.headers.get("x-qosmq-queue") == f"{name}.A.router":
+                    if d.headers.get("x-qosmq-queue") in (f"{name}.A.router", queue):
                         reasons.append(d.headers["x-qosmq-reason"])
                 time.sleep(0.2)
-            assert reasons and "home cluster 'Z' is not in the topology" in reasons[0], reasons
+            assert len(reasons) == 2, reasons
+            assert any("malformed Phoenix delivery" in r for r in reasons), reasons
+            assert any("home cluster 'Z' is not in the topology" in r for r in reasons), reasons
         # status: every role's process and inbox; a killed role makes it fail, by name
         report = _phoenix("status", topology_file, state, urls)
         pids = json.loads((state / "phoenix.json").read_text())
