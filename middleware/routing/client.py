@@ -90,18 +90,7 @@ class ClientCore:
             queue=queue,
             subscription_id=uuid.uuid4().hex,
             confirm="e2e" if confirm == "e2e" else "broker",
-            filter=[
-                [
-                    p.attribute,
-                    p.op.value,
-                    *(
-                        []
-                        if p.value is None
-                        else [list(p.value) if isinstance(p.value, tuple) else p.value]
-                    ),
-                ]
-                for p in flt.predicates
-            ],
+            filter=flt.spec(),
             reply_to=None if wait_s is None else self.reply_queue,
         )
 
@@ -252,8 +241,8 @@ class PhoenixClient:
         returns as soon as the subscription is sent.
 
         ``confirm="e2e"``: the match broker counts an event delivered only once the
-        subscriber's handler took it (consume ``queue`` with ``AsyncConfirmConsumer``);
-        a rejection or silence past every resend dead-letters the event with the reason.
+        subscriber's handler took it (``consume(queue, handler, e2e=True)``); a rejection
+        or silence past every resend dead-letters the event with the reason.
         """
         request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
         await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
@@ -291,7 +280,6 @@ class SyncPhoenixClient:
         self.client, self.topology, self.cluster = client, topology, cluster
         self._listening = False
         self._replies: dict[str, PhoenixMessage] = {}
-        self._declared = False
         self._receipts: SyncConfirmConsumer | None = None  # e2e subscriptions' consumer
 
     @classmethod
@@ -340,9 +328,8 @@ class SyncPhoenixClient:
             self._replies[reply.subscription_id] = reply
 
     def _send(self, message: PhoenixMessage) -> None:
-        if not self._declared:
+        if self.core.inbox not in self.client.topology.queues:
             self.client.declare_queue(inbox_spec(self.core.inbox))
-            self._declared = True
         self.client.publish(outgoing(message, self.core.inbox))
 
     def _request(self, request: PhoenixMessage, wait_s: float | None) -> bool:
@@ -374,7 +361,7 @@ class SyncPhoenixClient:
         confirm: str = "broker",
         wait_s: float | None = 30.0,
     ) -> str:
-        """As :meth:`PhoenixClient.subscribe` (e2e: consume with ``SyncConfirmConsumer``)."""
+        """As :meth:`PhoenixClient.subscribe`."""
         request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
         self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
         self._request(request, wait_s)

@@ -204,6 +204,21 @@ class Filter:
             predicates.append(Predicate(str(item[0]), op, value))
         return cls(tuple(predicates))
 
+    def spec(self) -> list[list[Any]]:
+        """The JSON form :meth:`parse` reads: ``[[attribute, op, value?], ...]``."""
+        return [
+            [
+                p.attribute,
+                p.op.value,
+                *(
+                    []
+                    if p.value is None
+                    else [list(p.value) if isinstance(p.value, tuple) else p.value]
+                ),
+            ]
+            for p in self.predicates
+        ]
+
 
 class SubscriptionIndex:
     """Subscriptions of one event type, matched by counting satisfied predicates."""

@@ -859,14 +859,11 @@ class MatchMaster(_MatchBroker):
         routing masters that counted its latency level to take it out of latencyMap."""
         sid = message.subscription_id
         assert sid
-        doc = self.subscriptions.pop(sid, None)
-        if doc is None or doc["event_type"] != message.event_type:
-            if doc is not None:  # another type's: not this one to remove
-                self.subscriptions[sid] = doc
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            self._confirm(message, done, {"removed": False})
+        doc = self.subscriptions.get(sid)
+        if doc is None or doc["event_type"] != message.event_type:  # unknown here
+            self._confirm(message, None, {"removed": False})
             return
+        del self.subscriptions[sid]
         self._remove(sid)
         written = await self.replicas.write(sid, None)
         self.count("unsubscribed")
@@ -883,21 +880,28 @@ class MatchMaster(_MatchBroker):
         self._confirm(message, written, {"removed": True})
 
     def _confirm(
-        self, message: PhoenixMessage, written: asyncio.Future[None], result: dict[str, Any]
+        self,
+        message: PhoenixMessage,
+        written: asyncio.Future[None] | None,
+        result: dict[str, Any],
     ) -> None:
-        """Answer a client's (un)subscribe once W of N replicas hold it, if it asked; the
-        inbox goes on meanwhile."""
+        """Answer a client's (un)subscribe once W of N replicas hold it (``written``;
+        None: nothing was written), if it asked; the inbox goes on meanwhile."""
         if message.reply_to:
             task = asyncio.create_task(self._confirm_written(message, written, result))
             self._confirming.add(task)
             task.add_done_callback(self._confirming.discard)
 
     async def _confirm_written(
-        self, message: PhoenixMessage, written: asyncio.Future[None], result: dict[str, Any]
+        self,
+        message: PhoenixMessage,
+        written: asyncio.Future[None] | None,
+        result: dict[str, Any],
     ) -> None:
         assert message.reply_to
         try:
-            await written
+            if written is not None:
+                await written
             outcome: dict[str, Any] = result
         except ReplicaTimeout as exc:
             outcome = {"error": str(exc)}

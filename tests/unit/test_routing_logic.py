@@ -213,6 +213,16 @@ def test_index_matches_exactly_like_brute_force(specs, events) -> None:
         assert index.match(attributes) == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(predicates(), max_size=4))
+def test_a_filter_survives_its_json_form(spec) -> None:
+    """What a client sends (``Filter.spec`` through JSON) parses back to the same filter."""
+    import json
+
+    flt = Filter.parse(spec)
+    assert Filter.parse(json.loads(json.dumps(flt.spec()))) == flt
+
+
 def test_compiled_predicates_agree_with_the_reference_on_every_value() -> None:
     from middleware.routing.matching import Predicate, _compile  # the hot path, tested alone
 
