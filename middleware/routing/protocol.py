@@ -103,6 +103,9 @@ class PhoenixTopology(BaseModel):
     #: deliveries a role holds unacknowledged: small, so a backlog waits in the broker's
     #: priority queue and urgent events overtake it (the outer mechanism)
     inbox_prefetch: int = Field(16, ge=1, le=1000)
+    #: messages a role sends to the same inbox and priority in one event-loop turn leave
+    #: together, up to this many in one AMQP message (1: one AMQP message each)
+    batch_max: int = Field(32, ge=1, le=1000)
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
     persist_interval_s: float = Field(60.0, gt=0)  # masters' periodic table snapshots

@@ -731,6 +731,7 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
     the matching events published at B; unsubscribed, it gets no more; a malformed
     filter and a wrong cluster connection are refused before anything is sent."""
     from middleware.errors import ConfigurationError
+    from middleware.routing.batching import encode
     from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
     from middleware.routing.protocol import Kind, PhoenixMessage
     from middleware.routing.roles import outgoing
@@ -777,6 +778,18 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             for qty in (50, 100, 150, 99, 200):
                 at_b.publish({"event_type": event_type, "attributes": {"qty": qty}})
             assert sorted(drain(at_a, 3)) == [100, 150, 200]
+            # a batch (as roles send each other under load) with a malformed element,
+            # into B's router: the good ones are routed, the bad one dead-lettered alone
+            batch = [
+                outgoing(PhoenixMessage(kind=Kind.PUBLISH, event_type=event_type, event=e), "")
+                for e in (
+                    {"event_type": event_type, "attributes": {"qty": 120}},
+                    {"event_type": event_type, "attributes": {"qty": 130}},
+                )
+            ]
+            body = encode([batch[0].body, b'{"kind": "publish", "qty": 1}', batch[1].body])
+            at_b.client.publish(OutgoingMessage(body, "", f"{name}.B.router"))
+            assert sorted(drain(at_a, 2)) == [120, 130]
             assert at_a.unsubscribe(event_type, sid) is True
             assert at_a.unsubscribe(event_type, sid) is False
             for qty in (300, 400):
@@ -804,12 +817,19 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
             at_a.client.publish(outgoing(stray, f"{name}.A.router"))
             reasons: list[str] = []
             deadline = time.monotonic() + 15
-            while len(reasons) < 2 and time.monotonic() < deadline:
+            while len(reasons) < 3 and time.monotonic() < deadline:
                 while (d := at_a.client.get(DEAD_LETTER_QUEUE)) is not None:
-                    if d.headers.get("x-qosmq-queue") in (f"{name}.A.router", queue):
+                    if d.headers.get("x-qosmq-queue") in (
+                        f"{name}.A.router",
+                        f"{name}.B.router",
+                        queue,
+                    ):
                         reasons.append(d.headers["x-qosmq-reason"])
+                        if "batch" in reasons[-1]:
+                            assert json.loads(d.body) == {"kind": "publish", "qty": 1}
                 time.sleep(0.2)
-            assert len(reasons) == 2, reasons
+            assert len(reasons) == 3, reasons
+            assert any("malformed Phoenix message in a batch" in r for r in reasons), reasons
             assert any("malformed Phoenix delivery" in r for r in reasons), reasons
             assert any("home cluster 'Z' is not in the topology" in r for r in reasons), reasons
         # status: every role's process and inbox; a killed role makes it fail, by name

@@ -1,0 +1,125 @@
+"""Adaptive batching of role-to-role messages.
+
+Under load a role has many messages in flight at once (its inbox prefetch), and
+the ones it sends to the same inbox with the same priority in one event-loop turn
+leave as one AMQP message: a JSON array of Phoenix messages.  A lone message
+still leaves alone, as the plain JSON object, at the end of the loop turn it was
+sent in: there is no timer, so batching adds no wait at light load and grows with
+the backlog, which is when a message per event costs most (one publish, confirm,
+delivery and ack per AMQP message, in the broker and in every Python role).
+
+Priorities are kept: messages of different priorities never share a batch, so an
+urgent event does not wait behind, or ride with, bulk ones.  Each sender awaits
+the broker's confirm of the AMQP message that carries its own.
+
+``split`` is the receiving side (pure): an object or an array, each element
+validated alone, so one malformed element is dead-lettered with its reason and
+the others are handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from pydantic import TypeAdapter, ValidationError
+
+from .protocol import PhoenixMessage, parse_message
+
+__all__ = ["Batcher", "encode", "split"]
+
+Publish = Callable[[str, str, bytes, int], Awaitable[None]]  # cluster, queue, body, priority
+_MANY = TypeAdapter(list[PhoenixMessage])
+
+
+def encode(bodies: list[bytes]) -> bytes:
+    """One body for several JSON messages: the message itself when alone."""
+    return bodies[0] if len(bodies) == 1 else b"[" + b",".join(bodies) + b"]"
+
+
+def split(body: bytes) -> tuple[list[PhoenixMessage], list[tuple[bytes, str]]]:
+    """The messages of one body (an object, or an array of them) and the elements
+    that are not messages, each as ``(its JSON, why)``."""
+    if body.lstrip()[:1] != b"[":
+        return [parse_message(body)], []  # a malformed object: DeadLetter, as before
+    try:
+        return _MANY.validate_json(body), []
+    except ValidationError:
+        pass
+    try:
+        elements = json.loads(body)
+    except ValueError as exc:
+        return [], [(body, f"malformed Phoenix batch: {exc}")]
+    good: list[PhoenixMessage] = []
+    bad: list[tuple[bytes, str]] = []
+    for element in elements:
+        try:
+            good.append(PhoenixMessage.model_validate(element))
+        except ValidationError as exc:
+            raw = json.dumps(element).encode()
+            bad.append((raw, f"malformed Phoenix message in a batch: {exc}"))
+    return good, bad
+
+
+@dataclass(slots=True)
+class _Open:
+    future: asyncio.Future[None]
+    bodies: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+
+class Batcher:
+    """Sends a message, in one AMQP message with the others sent to the same
+    ``(cluster, queue, priority)`` in the same loop turn (at most ``max_messages``
+    or about ``max_bytes`` together; ``max_messages = 1``: one AMQP message each)."""
+
+    def __init__(self, publish: Publish, *, max_messages: int, max_bytes: int = 256_000) -> None:
+        self._publish = publish
+        self.max_messages, self.max_bytes = max_messages, max_bytes
+        self._open: dict[tuple[str, str, int], _Open] = {}
+        self._flushing: set[asyncio.Task[None]] = set()
+        self.sent = self.batches = 0  # messages, AMQP messages (for the counters)
+
+    async def send(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
+        if self.max_messages <= 1:
+            self.sent += 1
+            self.batches += 1
+            await self._publish(cluster, queue, body, priority)
+            return
+        key = (cluster, queue, priority)
+        batch = self._open.get(key)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self._open[key] = _Open(loop.create_future())
+            loop.call_soon(self._close, key, batch)
+        batch.bodies.append(body)
+        batch.size += len(body)
+        if len(batch.bodies) >= self.max_messages or batch.size >= self.max_bytes:
+            self._close(key, batch)  # full: leaves now, the next one opens a new batch
+        # shielded: a sender that is cancelled does not cancel the others' publish
+        await asyncio.shield(batch.future)
+
+    def _close(self, key: tuple[str, str, int], batch: _Open) -> None:
+        if self._open.get(key) is not batch:
+            return  # already closed (full)
+        del self._open[key]
+        task = asyncio.get_running_loop().create_task(self._flush(key, batch))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _flush(self, key: tuple[str, str, int], batch: _Open) -> None:
+        cluster, queue, priority = key
+        self.sent += len(batch.bodies)
+        self.batches += 1
+        try:
+            await self._publish(cluster, queue, encode(batch.bodies), priority)
+        except asyncio.CancelledError:
+            batch.future.cancel()
+            raise
+        except Exception as exc:
+            batch.future.set_exception(exc)
+            batch.future.exception()  # every sender awaits it; none left is not an error
+        else:
+            batch.future.set_result(None)

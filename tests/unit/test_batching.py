@@ -1,0 +1,147 @@
+"""Adaptive batching of role-to-role messages (the logic; over RabbitMQ in test_phoenix)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from middleware.errors import DeadLetter, Unroutable
+from middleware.routing.batching import Batcher, encode, split
+from middleware.routing.protocol import Kind, PhoenixMessage
+
+
+def _body(n: int, event_type: str = "quotes") -> bytes:
+    message = PhoenixMessage(
+        kind=Kind.PUBLISH,
+        event_type=event_type,
+        event={"event_type": event_type, "attributes": {"n": n}},
+    )
+    return message.model_dump_json().encode()
+
+
+class _Recorder:
+    """Stands in for the publish of one AMQP message: records what would leave."""
+
+    def __init__(self, fail: BaseException | None = None, delay: float = 0.0) -> None:
+        self.published: list[tuple[str, str, bytes, int]] = []
+        self.fail, self.delay = fail, delay
+
+    async def __call__(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        self.published.append((cluster, queue, body, priority))
+
+
+def test_a_lone_message_leaves_alone_as_the_plain_object() -> None:
+    async def run() -> _Recorder:
+        publish = _Recorder()
+        await Batcher(publish, max_messages=32).send("A", "inbox", _body(1), 0)
+        return publish
+
+    publish = asyncio.run(run())
+    assert publish.published == [("A", "inbox", _body(1), 0)]
+    assert split(publish.published[0][2]) == ([PhoenixMessage.model_validate_json(_body(1))], [])
+
+
+def test_sends_of_one_loop_turn_share_an_amqp_message_per_inbox_and_priority() -> None:
+    async def run() -> tuple[_Recorder, Batcher]:
+        publish = _Recorder()
+        batcher = Batcher(publish, max_messages=32)
+        sends = [batcher.send("A", "inbox", _body(i), 0) for i in range(5)]
+        sends += [batcher.send("A", "inbox", _body(i), 7) for i in range(5, 8)]  # urgent
+        sends += [batcher.send("B", "inbox", _body(8), 0)]
+        await asyncio.gather(*sends)
+        return publish, batcher
+
+    publish, batcher = asyncio.run(run())
+    by_key = {(c, q, p): body for c, q, body, p in publish.published}
+    assert len(publish.published) == 3
+    bulk, _ = split(by_key["A", "inbox", 0])
+    urgent, _ = split(by_key["A", "inbox", 7])
+    assert [m.event.attributes["n"] for m in bulk if m.event] == [0, 1, 2, 3, 4]
+    assert [m.event.attributes["n"] for m in urgent if m.event] == [5, 6, 7]
+    assert json.loads(by_key["B", "inbox", 0])["event"]["attributes"] == {"n": 8}
+    assert (batcher.sent, batcher.batches) == (9, 3)
+
+
+def test_a_full_batch_leaves_at_once_and_the_next_one_opens() -> None:
+    async def run() -> _Recorder:
+        publish = _Recorder()
+        batcher = Batcher(publish, max_messages=4)
+        await asyncio.gather(*(batcher.send("A", "q", _body(i), 0) for i in range(10)))
+        return publish
+
+    sizes = [len(split(body)[0]) for _, _, body, _ in asyncio.run(run()).published]
+    assert sizes == [4, 4, 2]
+
+
+def test_max_bytes_closes_a_batch() -> None:
+    async def run() -> _Recorder:
+        publish = _Recorder()
+        batcher = Batcher(publish, max_messages=100, max_bytes=3 * len(_body(0)))
+        await asyncio.gather(*(batcher.send("A", "q", _body(0), 0) for i in range(7)))
+        return publish
+
+    assert [len(split(b)[0]) for _, _, b, _ in asyncio.run(run()).published] == [3, 3, 1]
+
+
+def test_one_message_per_amqp_message_when_batching_is_off() -> None:
+    async def run() -> _Recorder:
+        publish = _Recorder()
+        batcher = Batcher(publish, max_messages=1)
+        await asyncio.gather(*(batcher.send("A", "q", _body(i), 0) for i in range(3)))
+        return publish
+
+    assert [body for _, _, body, _ in asyncio.run(run()).published] == [_body(i) for i in range(3)]
+
+
+def test_every_sender_of_a_batch_hears_that_its_publish_failed() -> None:
+    async def run() -> list[object]:
+        batcher = Batcher(_Recorder(fail=Unroutable("no inbox")), max_messages=32)
+        sends = [batcher.send("A", "q", _body(i), 0) for i in range(3)]
+        return await asyncio.gather(*sends, return_exceptions=True)
+
+    assert all(isinstance(r, Unroutable) for r in asyncio.run(run()))
+
+
+def test_a_cancelled_sender_does_not_cancel_the_others_publish() -> None:
+    async def run() -> tuple[_Recorder, list[object]]:
+        publish = _Recorder(delay=0.05)
+        batcher = Batcher(publish, max_messages=32)
+        tasks = [asyncio.create_task(batcher.send("A", "q", _body(i), 0)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        tasks[0].cancel()
+        return publish, await asyncio.gather(*tasks, return_exceptions=True)
+
+    publish, results = asyncio.run(run())
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert results[1:] == [None, None]
+    assert len(split(publish.published[0][2])[0]) == 3  # all three left together
+
+
+def test_split_keeps_the_good_elements_and_names_each_bad_one() -> None:
+    bad = {"kind": "publish"}  # no event_type
+    body = b"[" + _body(1) + b"," + json.dumps(bad).encode() + b"," + _body(2) + b"]"
+    good, malformed = split(body)
+    assert [m.event.attributes["n"] for m in good if m.event] == [1, 2]
+    assert len(malformed) == 1
+    raw, why = malformed[0]
+    assert json.loads(raw) == bad and "event_type" in why and "batch" in why
+
+
+def test_split_of_a_body_that_is_not_json() -> None:
+    good, malformed = split(b"[1, 2")
+    assert (
+        good == [] and malformed[0][0] == b"[1, 2" and "malformed Phoenix batch" in malformed[0][1]
+    )
+    with pytest.raises(DeadLetter, match="malformed Phoenix message"):
+        split(b'{"kind": "nope"}')
+
+
+def test_encode_is_the_object_alone_and_an_array_for_several() -> None:
+    assert encode([_body(1)]) == _body(1)
+    assert json.loads(encode([_body(1), _body(2)]))[1]["event"]["attributes"] == {"n": 2}
