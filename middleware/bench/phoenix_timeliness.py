@@ -55,6 +55,10 @@ __all__ = [
 
 MECHANISMS = {"none": (False, False), "inner": (False, True), "outer": (True, False)}
 MECHANISMS["both"] = (True, True)  # (outer, inner)
+#: not a paper mechanism: "none" with every role message in an AMQP message of its own
+#: (batch_max = 1), to measure what batching between roles does in the same run
+MECHANISMS["none-unbatched"] = (False, False)
+UNBATCHED = {"none-unbatched"}
 CLUSTERS = ("A", "B", "C")
 CLIENTS = ("A", "C")  # the clusters the two clients connect to
 
@@ -435,6 +439,9 @@ def run_experiment(
                                 deployment.clusters,
                                 outer=outer,
                                 inner=inner,
+                                batch_max=(
+                                    1 if mechanism in UNBATCHED else deployment.topology.batch_max
+                                ),
                             )
                         )
                         if warmup_s > 0:

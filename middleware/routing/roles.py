@@ -45,6 +45,7 @@ from typing import Any
 
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
+from pydantic import ValidationError
 
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, Unroutable
@@ -85,7 +86,7 @@ ROLE_EVENTS = PromCounter(
 )
 INBOX_LENGTH = Gauge(
     "qosmq_phoenix_inbox_length",
-    "events waiting in a role's inbox, as the broker counts them",
+    "AMQP messages waiting in a role's inbox, as the broker counts them (a batch is one)",
     ["cluster", "role", "inbox"],
 )
 PREDICTED_T = Gauge(
@@ -141,6 +142,7 @@ class _Role:
         self.counters: Counter[str] = Counter()
         self.role = type(self).__name__
         self.batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
+        self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
 
     def count(self, outcome: str, n: int = 1) -> None:
         self.counters[outcome] += n
@@ -216,6 +218,8 @@ class _Role:
         their onward sends batch again).  In a batch, a malformed element or one whose
         handling failed is dead-lettered alone, with its reason; the rest are handled."""
         messages, malformed = split(delivery.body)
+        self.received[0] += 1
+        self.received[1] += len(messages) + len(malformed)
         if len(messages) == 1 and not malformed:
             await handle(messages[0])  # errors settle the delivery, as for any consumer
             return
@@ -246,12 +250,18 @@ class _Role:
         await self._each(delivery, one)
 
     async def _configure(self, message: PhoenixMessage, control: str) -> None:
-        """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters);
-        the topology file is not changed, so a restart goes back to it."""
-        switches = {k: v for k, v in (message.table or {}).items() if k in ("outer", "inner")}
-        if any(not isinstance(v, bool) for v in switches.values()):
-            raise DeadLetter(f"configure: outer/inner must be true or false, got {switches}")
-        self.topology = self.topology.model_copy(update=switches)
+        """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters)
+        and how many messages a batch may carry (``batch_max``); the topology file is not
+        changed, so a restart goes back to it."""
+        table = message.table or {}
+        switches = {k: v for k, v in table.items() if k in ("outer", "inner", "batch_max")}
+        try:
+            self.topology = PhoenixTopology.model_validate(
+                {**self.topology.model_dump(), **switches}, strict=True
+            )
+        except ValidationError as exc:
+            raise DeadLetter(f"configure: {exc.errors(include_url=False)}") from None
+        self.batcher.max_messages = self.topology.batch_max
         self.count("configured")
         log.info("%s of %s configured live: %s", self.role, self.cluster, switches)
         if message.reply_to:  # the operator's own queue: published to, never declared here
@@ -748,11 +758,15 @@ class _MatchBroker(_Role):
             await asyncio.sleep(self.HEARTBEAT_S)
             try:
                 client = await self.client_for(self.cluster)
-                backlog = await client.queue_length(inbox)
-                INBOX_LENGTH.labels(self.cluster, self.role, inbox).set(backlog)
+                waiting = await client.queue_length(inbox)
+                INBOX_LENGTH.labels(self.cluster, self.role, inbox).set(waiting)
+                # the broker counts AMQP messages; under load each carries a batch
+                amqp, messages = self.received
+                backlog = waiting * (messages / amqp if amqp else 1.0)
             except Exception as exc:
                 log.info("could not read the backlog of %s: %s", inbox, exc)
                 backlog = None
+            self.received = [0, 0]
             t = self.predictor.close_window(time.monotonic(), backlog)
             PREDICTED_T.labels(self.cluster, self.name).set(t)
             try:
@@ -1035,13 +1049,16 @@ async def reconfigure(
     *,
     outer: bool | None = None,
     inner: bool | None = None,
+    batch_max: int | None = None,
     timeout_s: float = 30.0,
 ) -> list[str]:
-    """Switch ``outer``/``inner`` live on the routing and match masters of ``clusters``
+    """Switch ``outer``/``inner`` (and ``batch_max``) live on the routing and match
+    masters of ``clusters``
     (through their control queues, ahead of any backlog); return the control queues of
     the masters that confirmed. Raises :class:`MiddlewareError` naming the ones that did
     not answer in ``timeout_s``."""
-    switches = {k: v for k, v in (("outer", outer), ("inner", inner)) if v is not None}
+    asked = (("outer", outer), ("inner", inner), ("batch_max", batch_max))
+    switches = {k: v for k, v in asked if v is not None}
     request = uuid.uuid4().hex
     expected: set[str] = set()
     confirmed: set[str] = set()

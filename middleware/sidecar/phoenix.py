@@ -34,7 +34,7 @@ def register(roles: Any, sub: Any) -> None:
         ("up", _up, "start every role of the joined clusters"),
         ("down", _down, "stop every role"),
         ("join", _join, "start a listed cluster and join it to the ring"),
-        ("configure", _configure, "switch the outer/inner mechanisms of running roles live"),
+        ("configure", _configure, "switch outer/inner (and batching) of running roles live"),
         ("status", _status, "every role: process alive, inbox backlog (exit 1 if one is down)"),
     ):
         p = cmds.add_parser(name, help=help_)
@@ -45,6 +45,9 @@ def register(roles: Any, sub: Any) -> None:
         if name == "configure":
             for switch in ("outer", "inner"):
                 p.add_argument(f"--{switch}", choices=("on", "off"))
+            p.add_argument(
+                "--batch-max", type=int, help="messages per batch between roles (1: no batching)"
+            )
             p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
         p.set_defaults(run=run)
 
@@ -227,8 +230,11 @@ def _configure(args: argparse.Namespace) -> int:
     from ..routing.protocol import PhoenixTopology
     from ..routing.roles import reconfigure
 
-    if args.outer is None and args.inner is None:
-        print("phoenix configure: give --outer on|off and/or --inner on|off", file=sys.stderr)
+    if args.outer is None and args.inner is None and args.batch_max is None:
+        print(
+            "phoenix configure: give --outer on|off, --inner on|off and/or --batch-max N",
+            file=sys.stderr,
+        )
         return 2
     topology = PhoenixTopology.load(args.topology)
     state = args.state_dir / "phoenix.json"
@@ -245,6 +251,7 @@ def _configure(args: argparse.Namespace) -> int:
                 running,
                 outer=None if args.outer is None else args.outer == "on",
                 inner=None if args.inner is None else args.inner == "on",
+                batch_max=args.batch_max,
                 timeout_s=args.timeout,
             )
         )

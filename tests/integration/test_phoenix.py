@@ -357,9 +357,16 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
             brokers.urls,
             "--outer",
             "off",
+            "--batch-max",
+            "1",
         )
         assert "configured live (6 masters)" in out, out  # 3 routers + 3 match masters
         fifo = positions()
+    # the burst left C's router in batches (logged at stop: role messages, AMQP messages)
+    counters = (deployment.state_dir / "phoenix-C-router.log").read_text()
+    sent = int(re.search(r"'sent': (\d+)", counters).group(1))
+    amqp_sent = int(re.search(r"'amqp_sent': (\d+)", counters).group(1))
+    assert amqp_sent < sent, counters
     assert min(overtaken) >= 0.25, overtaken  # every urgent event beat a quarter of the bulk
     assert _queues_left(settings, deployment) == []  # the deployment removed its queues
     assert max(fifo) < min(overtaken), (fifo, overtaken)  # the priorities made the difference
