@@ -20,15 +20,17 @@ the others are handled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pydantic import TypeAdapter, ValidationError
 
 from .protocol import PhoenixMessage, parse_message
 
-__all__ = ["Batcher", "encode", "split"]
+__all__ = ["Batcher", "PriorityGate", "encode", "split"]
 
 Publish = Callable[[str, str, bytes, int], Awaitable[None]]  # cluster, queue, body, priority
 _MANY = TypeAdapter(list[PhoenixMessage])
@@ -123,3 +125,52 @@ class Batcher:
             batch.future.exception()  # every sender awaits it; none left is not an error
         else:
             batch.future.set_result(None)
+
+
+class PriorityGate:
+    """At most ``capacity`` messages handled at once, the most urgent waiting one next
+    (first come, first served within a priority).
+
+    A role consumes its inbox with a prefetch of deliveries, and a delivery may carry a
+    batch: the gate keeps the events a role works on at once to the prefetch, as before
+    batching, and lets the ones it holds beyond that wait in priority order, so an urgent
+    event that arrives behind a batch of bulk ones does not queue behind all of them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = self.free = capacity
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = 0
+
+    @property
+    def waiting(self) -> int:
+        return sum(not f.done() for _, _, f in self._waiting)
+
+    async def acquire(self, priority: int) -> None:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        heapq.heappush(self._waiting, (-priority, self._seq, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # given a slot while being cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            _, _, future = heapq.heappop(self._waiting)
+            if not future.done():
+                future.set_result(None)  # the slot goes straight to the next waiter
+                return
+        self.free += 1
+
+    @contextlib.asynccontextmanager
+    async def slot(self, priority: int) -> AsyncIterator[None]:
+        await self.acquire(priority)
+        try:
+            yield
+        finally:
+            self.release()

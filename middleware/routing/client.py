@@ -17,7 +17,8 @@ from typing import Any
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
 from ..errors import ConfigurationError, DeadLetter, MiddlewareError
 from ..settings import Settings
-from ..transport import AsyncClient, Delivery, QueueKind, QueueSpec, SyncClient
+from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from .batching import Batcher
 from .matching import Event, Filter, FilterError
 from .protocol import Kind, PhoenixMessage, PhoenixTopology, parse_message, router_inbox
 from .roles import cluster_settings, inbox_spec, outgoing
@@ -150,6 +151,8 @@ class PhoenixClient:
         self._listening = False
         self._awaited: dict[str, asyncio.Future[PhoenixMessage]] = {}
         self._receipts: AsyncConfirmConsumer | None = None  # e2e subscriptions' consumer
+        # what is sent in one loop turn (a gather of publishes) leaves in one AMQP message
+        self._batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
 
     @classmethod
     async def connect(
@@ -196,7 +199,13 @@ class PhoenixClient:
     async def _send(self, message: PhoenixMessage) -> None:
         if self.core.inbox not in self.client.topology.queues:
             await self.client.declare_queue(inbox_spec(self.core.inbox))
-        await self.client.publish(outgoing(message, self.core.inbox))
+        body = message.model_dump_json().encode()
+        await self._batcher.send(self.cluster, self.core.inbox, body, 0)
+
+    async def _publish_body(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
+        await self.client.publish(
+            OutgoingMessage(body, "", queue, content_type="application/json", priority=priority)
+        )
 
     async def _request(self, request: PhoenixMessage, wait_s: float | None) -> bool:
         """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""

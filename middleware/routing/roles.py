@@ -52,7 +52,7 @@ from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
-from .batching import Batcher, split
+from .batching import Batcher, PriorityGate, split
 from .matching import Filter, SubscriptionIndex
 from .protocol import (
     MAX_PRIORITY,
@@ -143,6 +143,8 @@ class _Role:
         self.role = type(self).__name__
         self.batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
         self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
+        # inbox messages handled at once: the prefetch, however the deliveries are batched
+        self.gate = PriorityGate(topology.inbox_prefetch)
 
     def count(self, outcome: str, n: int = 1) -> None:
         self.counters[outcome] += n
@@ -212,18 +214,30 @@ class _Role:
             await asyncio.sleep(self.GAUGE_S)
 
     async def _each(
-        self, delivery: Delivery, handle: Callable[[PhoenixMessage], Awaitable[None]]
+        self,
+        delivery: Delivery,
+        handle: Callable[[PhoenixMessage], Awaitable[None]],
+        gate: PriorityGate | None = None,
     ) -> None:
         """Handle every message a delivery carries (one, or a batch: concurrently, so
-        their onward sends batch again).  In a batch, a malformed element or one whose
-        handling failed is dead-lettered alone, with its reason; the rest are handled."""
+        their onward sends batch again), each through ``gate`` when given.  In a batch, a
+        malformed element or one whose handling failed is dead-lettered alone, with its
+        reason; the rest are handled."""
         messages, malformed = split(delivery.body)
         self.received[0] += 1
         self.received[1] += len(messages) + len(malformed)
+
+        async def gated(message: PhoenixMessage) -> None:
+            if gate is None:
+                await handle(message)
+                return
+            async with gate.slot(self.urgency(message)):
+                await handle(message)
+
         if len(messages) == 1 and not malformed:
-            await handle(messages[0])  # errors settle the delivery, as for any consumer
+            await gated(messages[0])  # errors settle the delivery, as for any consumer
             return
-        results = await asyncio.gather(*map(handle, messages), return_exceptions=True)
+        results = await asyncio.gather(*map(gated, messages), return_exceptions=True)
         failed = [*malformed]
         for message, result in zip(messages, results, strict=True):
             if isinstance(result, asyncio.CancelledError):
@@ -237,8 +251,12 @@ class _Role:
                 await client.dead_letter(dataclasses.replace(delivery, body=body), reason)
         self.count("batches_received")
 
+    def urgency(self, message: PhoenixMessage) -> int:
+        """Where a message waits in the gate: its priority (routers: the one they give it)."""
+        return message.priority
+
     async def _on_message(self, delivery: Delivery) -> None:
-        await self._each(delivery, self.handle)
+        await self._each(delivery, self.handle, self.gate)
 
     async def _on_control(self, delivery: Delivery) -> None:
         async def one(message: PhoenixMessage) -> None:
@@ -552,6 +570,9 @@ class RouterMaster(_Role):
 
     async def control(self, message: PhoenixMessage) -> None:
         await self.replicas.on_control(message)
+
+    def urgency(self, message: PhoenixMessage) -> int:
+        return self.priority(message)
 
     def priority(self, message: PhoenixMessage) -> int:
         """The latency level's priority: the highest any router on the path knows."""

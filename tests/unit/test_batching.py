@@ -8,7 +8,7 @@ import json
 import pytest
 
 from middleware.errors import DeadLetter, Unroutable
-from middleware.routing.batching import Batcher, encode, split
+from middleware.routing.batching import Batcher, PriorityGate, encode, split
 from middleware.routing.protocol import Kind, PhoenixMessage
 
 
@@ -145,3 +145,50 @@ def test_split_of_a_body_that_is_not_json() -> None:
 def test_encode_is_the_object_alone_and_an_array_for_several() -> None:
     assert encode([_body(1)]) == _body(1)
     assert json.loads(encode([_body(1), _body(2)]))[1]["event"]["attributes"] == {"n": 2}
+
+
+def test_the_gate_lets_the_most_urgent_waiting_message_in_next() -> None:
+    async def run() -> list[str]:
+        gate = PriorityGate(2)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def work(name: str, priority: int) -> None:
+            async with gate.slot(priority):
+                order.append(name)
+                await release.wait()
+
+        tasks = [asyncio.create_task(work(f"bulk{i}", 1)) for i in range(5)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(work(f"urgent{i}", 9)) for i in range(2)]
+        await asyncio.sleep(0)
+        assert (gate.free, gate.waiting) == (0, 5)  # two at work, five waiting
+        release.set()
+        await asyncio.gather(*tasks)
+        assert (gate.free, gate.waiting) == (2, 0)
+        return order
+
+    assert asyncio.run(run()) == ["bulk0", "bulk1", "urgent0", "urgent1", "bulk2", "bulk3", "bulk4"]
+
+
+def test_a_waiter_cancelled_gives_its_place_up_and_loses_no_slot() -> None:
+    async def run() -> int:
+        gate = PriorityGate(1)
+        await gate.acquire(0)
+        waiter = asyncio.create_task(gate.acquire(5))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        gate.release()
+        # given the slot and cancelled before it ran: the slot is passed on
+        await gate.acquire(0)
+        second = asyncio.create_task(gate.acquire(5))
+        await asyncio.sleep(0)
+        gate.release()  # the slot goes to ``second`` ...
+        second.cancel()  # ... which is cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        return gate.free
+
+    assert asyncio.run(run()) == 1
