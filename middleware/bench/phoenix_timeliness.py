@@ -274,8 +274,11 @@ def phoenix_cli(
 
 @contextlib.asynccontextmanager
 async def _clients(
-    settings: Settings, deployment: Deployment
+    settings: Settings, deployment: Deployment, batch_max: int | None = None
 ) -> AsyncIterator[tuple[AsyncClient, dict[str, PhoenixClient]]]:
+    topology = deployment.topology
+    if batch_max is not None:  # the clients batch their publishes as the roles do
+        topology = topology.model_copy(update={"batch_max": batch_max})
     client = await AsyncClient(settings=settings).connect()
     try:
         for at in CLIENTS:
@@ -285,7 +288,7 @@ async def _clients(
         await client.declare_queue(QueueSpec(f"{deployment.prefix}.probe", kind=QueueKind.CLASSIC))
         yield (
             client,
-            {at: PhoenixClient(client, topology=deployment.topology, cluster=at) for at in CLIENTS},
+            {at: PhoenixClient(client, topology=topology, cluster=at) for at in CLIENTS},
         )
     finally:
         await client.close()
@@ -323,6 +326,7 @@ async def measure(
     raw: bool = False,
     seed: int = 11,
     drain_s: float = 3.0,
+    batch_max: int | None = None,
 ) -> dict[str, Any]:
     """Publish at ``rate`` events/s for ``duration_s`` (Poisson), half from each client;
     return response-time statistics of the delivered events."""
@@ -340,7 +344,7 @@ async def measure(
             first[seq] = now - attributes["t0"]
         last_arrival[0] = time.monotonic()
 
-    async with _clients(settings, deployment) as (client, at):
+    async with _clients(settings, deployment, batch_max) as (client, at):
         for c in CLIENTS:
             await client.consume(subscriber_queue(deployment.prefix, c), on_delivery, prefetch=512)
         pending: set[asyncio.Task[None]] = set()
@@ -432,6 +436,7 @@ def run_experiment(
                     shift = (repeat + r + subscription_counts.index(count)) % len(mechanisms)
                     for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
                         outer, inner = MECHANISMS[mechanism]
+                        batch_max = 1 if mechanism in UNBATCHED else deployment.topology.batch_max
                         asyncio.run(
                             reconfigure(
                                 settings,
@@ -439,9 +444,7 @@ def run_experiment(
                                 deployment.clusters,
                                 outer=outer,
                                 inner=inner,
-                                batch_max=(
-                                    1 if mechanism in UNBATCHED else deployment.topology.batch_max
-                                ),
+                                batch_max=batch_max,
                             )
                         )
                         if warmup_s > 0:
@@ -454,12 +457,18 @@ def run_experiment(
                                     duration_s=warmup_s,
                                     seed=99,
                                     drain_s=1.0,
+                                    batch_max=batch_max,
                                 )
                             )
                         row = _metered(
                             deployment,
                             measure(
-                                settings, deployment, workload, rate=rate, duration_s=duration_s
+                                settings,
+                                deployment,
+                                workload,
+                                rate=rate,
+                                duration_s=duration_s,
+                                batch_max=batch_max,
                             ),
                         )
                         rows.append(
