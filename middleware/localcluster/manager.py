@@ -98,8 +98,10 @@ class LocalCluster:
         return pids
 
     def beam_pid(self, node: NodeLayout) -> int | None:
+        """The node's running beam: as recorded, or (a start that failed before it was
+        recorded, e.g. a peer crashed) the one the node's own PID file names."""
         pid = self._pids(node).get("beam")
-        return pid if pid_alive(pid) else None
+        return pid if pid_alive(pid) else _beam_of(node)
 
     @property
     def epmd_pid(self) -> int | None:
@@ -320,6 +322,19 @@ class LocalCluster:
                 return True
             time.sleep(0.1)
         return False
+
+
+def _beam_of(node: NodeLayout) -> int | None:
+    """The PID in the node's PID file if that process is this node's beam (its
+    environment names this PID file: a stale file's PID reused by another process is not
+    taken)."""
+    try:
+        pid = int(node.pid_file.read_text().strip())
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    mine = f"RABBITMQ_PID_FILE={node.pid_file}".encode() in environ
+    return pid if mine and pid_alive(pid) else None
 
 
 def spawn_daemon(argv: list[str], env: dict[str, str], log_path: Path) -> int:

@@ -41,3 +41,33 @@ def test_bad_sizes_are_refused(size: int) -> None:
 def test_unknown_node_is_named() -> None:
     with pytest.raises(KeyError, match="qosmq-1, qosmq-2, qosmq-3"):
         ClusterLayout(state_dir=Path("/tmp/x")).find("nope")
+
+
+def test_down_finds_a_node_a_failed_start_never_recorded(tmp_path: Path) -> None:
+    """A start that failed (a peer crashed) records no beam PID for the nodes that did
+    come up; ``down`` still finds each by the PID file its environment names, and leaves
+    a process that only has the PID file's number (a stale file) alone."""
+    import os
+    import subprocess
+
+    from middleware.localcluster.manager import LocalCluster, pid_alive
+
+    cluster = LocalCluster(ClusterLayout(state_dir=tmp_path, size=2, base_port=5990))
+    first, second = cluster.layout.nodes
+    for node in (first, second):
+        node.directory.mkdir(parents=True)
+    node_env = {**os.environ, "RABBITMQ_PID_FILE": str(first.pid_file)}
+    orphan = subprocess.Popen(["sleep", "60"], env=node_env)  # stands for node 1's beam
+    stranger = subprocess.Popen(["sleep", "60"])  # a process whose PID a stale file holds
+    try:
+        first.pid_file.write_text(f"{orphan.pid}\n")
+        second.pid_file.write_text(f"{stranger.pid}\n")
+        assert cluster.beam_pid(first) == orphan.pid
+        assert cluster.beam_pid(second) is None
+        cluster.down(timeout=5)
+        orphan.wait(timeout=5)
+        assert not pid_alive(orphan.pid) and stranger.poll() is None
+    finally:
+        for process in (orphan, stranger):
+            process.kill()
+            process.wait()
