@@ -781,9 +781,10 @@ class _MatchBroker(_Role):
                 client = await self.client_for(self.cluster)
                 waiting = await client.queue_length(inbox)
                 INBOX_LENGTH.labels(self.cluster, self.role, inbox).set(waiting)
-                # the broker counts AMQP messages; under load each carries a batch
+                # the broker counts AMQP messages, and under load each carries a batch;
+                # the events held here beyond the gate wait too
                 amqp, messages = self.received
-                backlog = waiting * (messages / amqp if amqp else 1.0)
+                backlog = waiting * (messages / amqp if amqp else 1.0) + self.gate.waiting
             except Exception as exc:
                 log.info("could not read the backlog of %s: %s", inbox, exc)
                 backlog = None
@@ -1074,9 +1075,8 @@ async def reconfigure(
     timeout_s: float = 30.0,
 ) -> list[str]:
     """Switch ``outer``/``inner`` (and ``batch_max``) live on the routing and match
-    masters of ``clusters``
-    (through their control queues, ahead of any backlog); return the control queues of
-    the masters that confirmed. Raises :class:`MiddlewareError` naming the ones that did
+    masters of ``clusters`` (through their control queues, ahead of any backlog); return
+    the control queues of the masters that confirmed. Raises :class:`MiddlewareError` naming the ones that did
     not answer in ``timeout_s``."""
     asked = (("outer", outer), ("inner", inner), ("batch_max", batch_max))
     switches = {k: v for k, v in asked if v is not None}
