@@ -1076,8 +1076,8 @@ async def reconfigure(
 ) -> list[str]:
     """Switch ``outer``/``inner`` (and ``batch_max``) live on the routing and match
     masters of ``clusters`` (through their control queues, ahead of any backlog); return
-    the control queues of the masters that confirmed. Raises :class:`MiddlewareError` naming the ones that did
-    not answer in ``timeout_s``."""
+    the control queues of the masters that confirmed. Raises :class:`MiddlewareError`
+    naming the ones that did not answer in ``timeout_s``."""
     asked = (("outer", outer), ("inner", inner), ("batch_max", batch_max))
     switches = {k: v for k, v in asked if v is not None}
     request = uuid.uuid4().hex
