@@ -95,23 +95,23 @@ class Batcher:
         if batch is None:
             loop = asyncio.get_running_loop()
             batch = self._open[key] = _Open(loop.create_future())
-            loop.call_soon(self._close, key, batch)
+            # starts at the next loop turn, when this turn's sends have joined the batch
+            task = loop.create_task(self._flush(key, batch))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
         batch.bodies.append(body)
         batch.size += len(body)
         if len(batch.bodies) >= self.max_messages or batch.size >= self.max_bytes:
-            self._close(key, batch)  # full: leaves now, the next one opens a new batch
+            self._close(key, batch)  # full: the next send opens a new batch
         # shielded: a sender that is cancelled does not cancel the others' publish
         await asyncio.shield(batch.future)
 
     def _close(self, key: tuple[str, str, int], batch: _Open) -> None:
-        if self._open.get(key) is not batch:
-            return  # already closed (full)
-        del self._open[key]
-        task = asyncio.get_running_loop().create_task(self._flush(key, batch))
-        self._flushing.add(task)
-        task.add_done_callback(self._flushing.discard)
+        if self._open.get(key) is batch:
+            del self._open[key]
 
     async def _flush(self, key: tuple[str, str, int], batch: _Open) -> None:
+        self._close(key, batch)
         cluster, queue, priority = key
         self.sent += len(batch.bodies)
         self.batches += 1
