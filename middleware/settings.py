@@ -11,6 +11,7 @@ environment variable that sets it, and the expected form.
 from __future__ import annotations
 
 import contextvars
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -145,6 +146,9 @@ class Settings(BaseSettings):
         description="asyncio client, amqp:// nodes: one socket write per event-loop turn, "
         "not one per frame",
     )
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        "auto", description="auto: uvloop where installed, else asyncio's own loop"
+    )
     management_port_offset: int = Field(
         10000, ge=0, description="management API port = AMQP port + this (local clusters: 10000)"
     )
@@ -152,6 +156,13 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     metrics_host: str = Field("127.0.0.1", description="address of the Prometheus endpoint")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="0 = any free port")
+
+    @field_validator("event_loop")
+    @classmethod
+    def _loop_installed(cls, value: str) -> str:
+        if value == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ValueError("uvloop is not installed (pip install uvloop); use auto or asyncio")
+        return value
 
     @field_validator("amqp_urls", mode="before")
     @classmethod

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .. import __version__, runtime
 from ..settings import Settings
 from .confirms import MODES, CellSpec, run_cell_sync
 
@@ -160,7 +160,7 @@ def run_confirms_grid(settings: Settings, cells: list[CellSpec]) -> list[dict[st
                 "error": f"{type(exc).__name__}: {exc}",
                 "confirmed_per_s": float("nan"),
             }
-        row.update(_provenance())
+        row.update(_provenance(settings))
         rows.append(row)
     add_ratios(rows)
     return rows
@@ -178,9 +178,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             )
 
 
-def _provenance() -> dict[str, Any]:
+def _provenance(settings: Settings | None = None) -> dict[str, Any]:
     return {
         "version": __version__,
+        "event_loop": runtime.loop_name(settings.event_loop if settings else "auto"),
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -268,8 +269,6 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_balance(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .balance import BalanceCell, run_balance_cell
 
     try:
@@ -295,8 +294,10 @@ def _run_balance(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        row = asyncio.run(run_balance_cell(args.settings, cell))
-        row.update(_provenance())
+        row = runtime.run(
+            run_balance_cell(args.settings, cell), event_loop=args.settings.event_loop
+        )
+        row.update(_provenance(args.settings))
         rows.append(row)
     head = (
         f"{'algorithm':12} {'rate':>6} {'handled/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
@@ -329,7 +330,7 @@ def _run_phoenix(args: argparse.Namespace) -> int:
     for n in (int(x) for x in args.subscriptions.split(",")):
         row = {
             **matching_throughput(n, events=args.events, symbols=args.symbols),
-            **_provenance(),
+            **_provenance(args.settings),
         }
         rows.append(row)
         print(
@@ -416,7 +417,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         line = " ".join(f"{r.get(k)!s:>{max(8, len(k))}}" for k in keys)
         print(f"{line}  {r['x_none']}  {spread}  {_cpu_text(r.get('cpu'))}")
     for row in rows:
-        row.update(_provenance())
+        row.update(_provenance(args.settings))
     if args.json:
         args.json.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2))
     return 0
@@ -427,16 +428,17 @@ def _cpu_text(cpu: dict[str, float | None] | None) -> str:
 
 
 def _run_queues(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .queues import run_queue_bench
 
-    rows = asyncio.run(
-        run_queue_bench(args.settings, duration_s=args.duration, size=args.size, window=args.window)
+    rows = runtime.run(
+        run_queue_bench(
+            args.settings, duration_s=args.duration, size=args.size, window=args.window
+        ),
+        event_loop=args.settings.event_loop,
     )
     print(f"{'cell':8} {'messages':>9} {'seconds':>8} {'msg/s':>9} {'x raw':>6} {'x enqueue':>9}")
     for r in rows:
-        r.update(_provenance())
+        r.update(_provenance(args.settings))
         print(
             f"{r['cell']:8} {r['messages']:>9} {r['seconds']:>8.2f} {r['per_s']:>9.0f} "
             f"{r['ratio_vs_raw']:>6.2f} {r['ratio_vs_enqueue']:>9.2f}"
@@ -503,14 +505,12 @@ def _run_transport(args: argparse.Namespace) -> int:
             f"{s['client']:16} {s['per_s']:>8.0f} msg/s {s['cpu_us_per_message']:>6.0f} us{ratio}"
         )
     if args.json:
-        records = {"cells": rows, "summary": summary, **_provenance()}
+        records = {"cells": rows, "summary": summary, **_provenance(args.settings)}
         args.json.write_text(json.dumps(records, indent=2))
     return 0
 
 
 def _run_spool(args: argparse.Namespace) -> int:
-    import asyncio
-
     from ..queues import AsyncQueues, Spool
     from ..transport import AsyncClient
 
@@ -529,7 +529,7 @@ def _run_spool(args: argparse.Namespace) -> int:
         print(json.dumps({"replayed": report.replayed, "remaining": report.remaining}))
         return 0 if report.remaining == 0 else 1
 
-    return asyncio.run(drain())
+    return runtime.run(drain(), event_loop=settings.event_loop)
 
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:

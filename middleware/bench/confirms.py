@@ -24,6 +24,7 @@ from typing import Any
 
 import aio_pika
 
+from .. import runtime
 from ..confirms import AsyncConfirmConsumer, AsyncConfirmPublisher, ConfirmMode
 from ..settings import Settings
 from ..transport import (
@@ -82,7 +83,7 @@ class _Tally:
 
 def run_cell_sync(settings: Settings, spec: CellSpec, *, records: bool = False) -> dict[str, Any]:
     """Run one cell in a fresh event loop (for Spark executors and the CLI)."""
-    return asyncio.run(run_cell(settings, spec, records=records))
+    return runtime.run(run_cell(settings, spec, records=records), event_loop=settings.event_loop)
 
 
 async def run_cell(settings: Settings, spec: CellSpec, *, records: bool = False) -> dict[str, Any]:

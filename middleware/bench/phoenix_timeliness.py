@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import runtime
 from ..routing import ChordRing, LatencyMap
 from ..routing.client import PhoenixClient
 from ..routing.protocol import PhoenixTopology, role_queues
 from ..routing.roles import reconfigure
 from ..routing.store import open_store
+from ..runtime import EventLoopName
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from .cpu import CpuMeter, busiest_by_kind
@@ -226,7 +228,7 @@ class Deployment:
         finally:
             self.down()
             try:
-                asyncio.run(self.delete_queues())
+                runtime.run(self.delete_queues())
             except Exception as exc:  # the measured cells stand; say what was left behind
                 print(f"phoenix bench: queues of {self.prefix} not deleted: {exc}", file=sys.stderr)
 
@@ -414,6 +416,7 @@ def run_experiment(
     rate run seconds apart under the same conditions.  Every cell is preceded by
     ``warmup_s`` of unmeasured load at its rate."""
     rows: list[dict[str, Any]] = []
+    loop = settings.event_loop
     for count in subscription_counts:
         workload = Workload(count)
         deployment = Deployment(
@@ -426,18 +429,19 @@ def run_experiment(
             row = _metered(
                 deployment,
                 measure(settings, deployment, workload, rate=rate, duration_s=duration_s, raw=True),
+                loop,
             )
             rows.append({"subscriptions": count, "mechanism": "raw", "repeat": 0, **row})
             report(rows[-1])
         with deployment.running():
-            ready_s = asyncio.run(wait_ready(settings, deployment, workload))
+            ready_s = runtime.run(wait_ready(settings, deployment, workload), event_loop=loop)
             for repeat in range(repeats):
                 for r, rate in enumerate(rates):
                     shift = (repeat + r + subscription_counts.index(count)) % len(mechanisms)
                     for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
                         outer, inner = MECHANISMS[mechanism]
                         batch_max = 1 if mechanism in UNBATCHED else deployment.topology.batch_max
-                        asyncio.run(
+                        runtime.run(
                             reconfigure(
                                 settings,
                                 deployment.topology,
@@ -445,10 +449,11 @@ def run_experiment(
                                 outer=outer,
                                 inner=inner,
                                 batch_max=batch_max,
-                            )
+                            ),
+                            event_loop=loop,
                         )
                         if warmup_s > 0:
-                            asyncio.run(
+                            runtime.run(
                                 measure(
                                     settings,
                                     deployment,
@@ -458,7 +463,8 @@ def run_experiment(
                                     seed=99,
                                     drain_s=1.0,
                                     batch_max=batch_max,
-                                )
+                                ),
+                                event_loop=loop,
                             )
                         row = _metered(
                             deployment,
@@ -470,6 +476,7 @@ def run_experiment(
                                 duration_s=duration_s,
                                 batch_max=batch_max,
                             ),
+                            loop,
                         )
                         rows.append(
                             {
@@ -485,12 +492,15 @@ def run_experiment(
     return rows
 
 
-def _metered(deployment: Deployment, cell: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+def _metered(
+    deployment: Deployment, cell: Coroutine[Any, Any, dict[str, Any]], loop: EventLoopName
+) -> dict[str, Any]:
     """Run one measured cell; add where the CPU went meanwhile (``cpu``: the machine's busy
     and steal % of all cores, the client's % of one core, the busiest role of each kind's;
     ``KIND_wait``: the most-waiting process of each kind's run delay, % of the wall time)."""
     with CpuMeter({"client": os.getpid(), **deployment.processes()}) as meter:
-        row = asyncio.run(cell)
+        row = runtime.run(cell, event_loop=loop)
+    row["event_loop"] = runtime.loop_name(loop)  # the client's; the roles' settings decide theirs
     cpu = meter.result
     row["cpu"] = {
         "machine": cpu["machine_pct"],

@@ -18,6 +18,7 @@ from typing import Any
 
 import aio_pika
 
+from .. import runtime
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 
@@ -118,7 +119,10 @@ def run_transport(
     for repeat in range(repeats):
         shift = repeat % len(clients)
         for client in [*clients[shift:], *clients[:shift]]:
-            row = asyncio.run(transport_cell(settings, client, messages=messages, size=size))
+            row = runtime.run(
+                transport_cell(settings, client, messages=messages, size=size),
+                event_loop=settings.event_loop,
+            )
             rows.append({"repeat": repeat, **row})
             report(rows[-1])
     return rows

@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import Any
 
+from .. import runtime
 from ..balancer import BalancerSidecar, declare_replicated_topic
 from ..observability import start_metrics_server
 
@@ -56,5 +57,5 @@ def _run_balancer(args: argparse.Namespace) -> int:
         )
         await sidecar.run(stop=stop)
 
-    asyncio.run(main())
+    runtime.run(main(), event_loop=settings.event_loop)
     return 0

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import runtime
 from ..localcluster.manager import pid_alive, spawn_daemon
 
 __all__ = ["register"]
@@ -66,7 +67,7 @@ def _serve(role: Any, settings: Any) -> int:
             loop.add_signal_handler(sig, stop.set)
         await role.run(stop)
 
-    asyncio.run(main())
+    runtime.run(main(), event_loop=settings.event_loop)
     return 0
 
 
@@ -141,7 +142,7 @@ def _unreachable(settings: Any, topology: Any, clusters: list[str]) -> str | Non
                 )
         return None
 
-    return asyncio.run(check())
+    return runtime.run(check(), event_loop=settings.event_loop)
 
 
 def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
@@ -219,7 +220,7 @@ def _join(args: argparse.Namespace) -> int:
                     OutgoingMessage(message.model_dump_json().encode(), "", inbox, priority=9)
                 )
 
-    asyncio.run(announce())
+    runtime.run(announce(), event_loop=args.settings.event_loop)
     print(f"{joiner.id} joined the ring of {', '.join(sorted(running))}")
     return 0
 
@@ -244,7 +245,7 @@ def _configure(args: argparse.Namespace) -> int:
         else [c.id for c in topology.clusters if c.joined]
     )
     try:
-        confirmed = asyncio.run(
+        confirmed = runtime.run(
             reconfigure(
                 args.settings,
                 topology,
@@ -253,7 +254,8 @@ def _configure(args: argparse.Namespace) -> int:
                 inner=None if args.inner is None else args.inner == "on",
                 batch_max=args.batch_max,
                 timeout_s=args.timeout,
-            )
+            ),
+            event_loop=args.settings.event_loop,
         )
     except MiddlewareError as exc:
         print(f"phoenix configure: {exc}", file=sys.stderr)
@@ -308,7 +310,7 @@ def _status(args: argparse.Namespace) -> int:
                 problems.append(f"cluster {cluster!r}: {exc}")
         return found, problems
 
-    waiting, problems = asyncio.run(backlogs())
+    waiting, problems = runtime.run(backlogs(), event_loop=args.settings.event_loop)
     down = [key for key, pid in pids.items() if not pid_alive(pid)]
     print(f"{'role':28} {'pid':>8}  {'process':8} {'waiting':>8}  inbox")
     for key in sorted(pids):
