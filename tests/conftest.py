@@ -28,6 +28,7 @@ import pytest
 
 from middleware.localcluster import ClusterLayout, LocalCluster
 from middleware.localcluster.manager import _amqp_handshake
+from middleware.runtime import EventLoopName, loop_factory
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, SyncClient
 
@@ -131,8 +132,9 @@ def name() -> str:
 class LoopThread:
     """An event loop in a thread, so one test body can drive the async client."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, event_loop: EventLoopName = "asyncio") -> None:
+        factory = loop_factory(event_loop)
+        self.loop = factory() if factory else asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
@@ -161,10 +163,11 @@ class Face:
     kind: str
 
     def __init__(self, kind: str, settings: Settings) -> None:
-        self.kind = kind
+        """``kind``: ``sync``, ``async`` (asyncio's loop) or ``async-uvloop``."""
+        self.kind = "async" if kind.startswith("async") else kind
         self.settings = settings
-        if kind == "async":
-            self.loop = LoopThread()
+        if self.kind == "async":
+            self.loop = LoopThread("uvloop" if kind == "async-uvloop" else "asyncio")
             self.client: Any = AsyncClient(settings=settings)
         else:
             self.client = SyncClient(settings=settings)

@@ -449,14 +449,18 @@ def _run_queues(args: argparse.Namespace) -> int:
 
 
 def _run_transport(args: argparse.Namespace) -> int:
-    from .transport import CLIENTS, run_transport
+    from .transport import CLIENTS, LOOPS, run_transport, split_client
 
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
-    unknown = sorted(set(clients) - set(CLIENTS))
+    unknown = sorted(
+        c
+        for c in clients
+        if split_client(c)[0] not in CLIENTS or split_client(c)[1] not in (None, *LOOPS)
+    )
     if unknown or args.messages < 1 or args.repeats < 1:
         print(
-            f"bench transport: --clients from {', '.join(CLIENTS)} (got {unknown}); "
-            "--messages and --repeats >= 1",
+            f"bench transport: --clients from {', '.join(CLIENTS)}, each optionally "
+            f"@{'|@'.join(LOOPS)} (got {unknown}); --messages and --repeats >= 1",
             file=sys.stderr,
         )
         return 2
@@ -490,7 +494,10 @@ def _run_transport(args: argparse.Namespace) -> int:
                 ),
             }
         )
-    raw = next((s for s in summary if s["client"] == "raw"), None)
+    # the baseline: plain "raw", else the first raw cell named with its loop
+    raw = next((s for s in summary if s["client"] == "raw"), None) or next(
+        (s for s in summary if split_client(s["client"])[0] == "raw"), None
+    )
     print(f"\nmean of {args.repeats} passes{'' if raw is None else '; x raw: same run'}")
     for s in summary:
         ratio = (

@@ -6,7 +6,9 @@ acks: the work of one Phoenix hop per message.  Reported per cell: messages/s, t
 process's CPU per message, and frames per socket write (the layer's client only).
 Clients: ``raw`` (aio-pika's Exchange.publish and IncomingMessage.ack), ``layer`` (the
 AsyncClient with ``coalesce_writes``), ``layer-per-frame`` (``coalesce_writes=false``).
-Cells alternate within each repeat, so the clients compared ran seconds apart.
+Cells alternate within each repeat, so the clients compared ran seconds apart.  A
+client named ``NAME@LOOP`` (``raw@asyncio``, ``layer@uvloop``) runs on that event loop,
+a bare name on the settings' (``event_loop``), so one run can compare the loops too.
 """
 
 from __future__ import annotations
@@ -14,17 +16,25 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 
 from .. import runtime
+from ..runtime import EventLoopName
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 
-__all__ = ["CLIENTS", "run_transport", "transport_cell"]
+__all__ = ["CLIENTS", "LOOPS", "run_transport", "split_client", "transport_cell"]
 
 CLIENTS = ("raw", "layer", "layer-per-frame")
+LOOPS = ("asyncio", "uvloop")
+
+
+def split_client(client: str) -> tuple[str, str | None]:
+    """``layer@uvloop`` -> (``layer``, ``uvloop``); a bare name: no loop of its own."""
+    name, _, loop = client.partition("@")
+    return name, loop or None
 
 
 async def transport_cell(
@@ -119,10 +129,15 @@ def run_transport(
     for repeat in range(repeats):
         shift = repeat % len(clients)
         for client in [*clients[shift:], *clients[:shift]]:
+            name, loop = split_client(client)
+            if loop is not None and loop not in LOOPS:
+                raise ValueError(f"event loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+            event_loop = settings.event_loop if loop is None else cast(EventLoopName, loop)
             row = runtime.run(
-                transport_cell(settings, client, messages=messages, size=size),
-                event_loop=settings.event_loop,
+                transport_cell(settings, name, messages=messages, size=size),
+                event_loop=event_loop,
             )
+            row.update(client=client, event_loop=runtime.loop_name(event_loop))
             rows.append({"repeat": repeat, **row})
             report(rows[-1])
     return rows

@@ -49,7 +49,7 @@ class Publisher(threading.Thread):
         self.client.close()
 
 
-@pytest.mark.parametrize("kind", ["async", "sync"])
+@pytest.mark.parametrize("kind", ["async", "async-uvloop", "sync"])
 def test_consumer_keeps_receiving_after_its_node_is_killed(
     kind, settings, brokers, local_cluster, name
 ) -> None:
@@ -64,7 +64,7 @@ def test_consumer_keeps_receiving_after_its_node_is_killed(
     try:
         consumer.pump(20, until=lambda: len(got) >= 100)
         victim = brokers.node_of_url(consumer.client.connected_node)
-        dead = consumer.client._live.connection if kind == "async" else None
+        dead = consumer.client._live.connection if consumer.kind == "async" else None
         local_cluster.kill(victim)
         killed_at = len(got)
         consumer.pump(30, until=lambda: len(got) >= killed_at + 200)
@@ -86,10 +86,11 @@ def test_consumer_keeps_receiving_after_its_node_is_killed(
     consumer.close()
 
 
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
 def test_no_confirmed_message_is_lost_when_the_publishers_node_is_killed(
-    settings, brokers, local_cluster, name
+    event_loop, settings, brokers, local_cluster, name
 ) -> None:
-    loop = LoopThread()
+    loop = LoopThread(event_loop)
     client = AsyncClient(settings=settings)
     total = 4000
 
@@ -131,11 +132,13 @@ def test_no_confirmed_message_is_lost_when_the_publishers_node_is_killed(
     assert len(confirmed) == total, f"{failed} publishes failed instead of failing over"
 
 
-@pytest.mark.parametrize("fault", ["cut", "blackhole"])
-def test_link_failure_through_the_proxy_is_survived(fault, settings, brokers, name) -> None:
+@pytest.mark.parametrize(
+    ("fault", "kind"), [("cut", "async"), ("blackhole", "async"), ("cut", "async-uvloop")]
+)
+def test_link_failure_through_the_proxy_is_survived(fault, kind, settings, brokers, name) -> None:
     ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in brokers.urls]
     p1, p2 = FaultProxy(ports[0]), FaultProxy(ports[-1])
-    client = Face("async", _with_urls(settings, p1.url, p2.url))
+    client = Face(kind, _with_urls(settings, p1.url, p2.url))
     try:
         client.call("connect")
         assert client.client.connected_node.endswith(f":{p1.port}")

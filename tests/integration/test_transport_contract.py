@@ -139,12 +139,19 @@ def test_cli_bad_settings_exit_with_the_field(tmp_path) -> None:
     assert time.monotonic() - started < 15
 
 
-@pytest.mark.parametrize("coalesce", [True, False])
-def test_coalesced_writes_lose_nothing_and_share_socket_writes(settings, name, coalesce) -> None:
+@pytest.mark.parametrize(
+    ("coalesce", "event_loop"), [(True, "asyncio"), (False, "asyncio"), (True, "uvloop")]
+)
+def test_coalesced_writes_lose_nothing_and_share_socket_writes(
+    settings, name, coalesce, event_loop
+) -> None:
     """A burst of confirmed publishes, consumed and acked on the same connection: every
     message arrives once and the queue ends empty (every ack reached the broker), whether
-    the frames of a loop turn share a socket write (default) or each has its own."""
+    the frames of a loop turn share a socket write (default) or each has its own, on
+    asyncio's loop and on uvloop's."""
     import asyncio
+
+    from middleware import runtime
 
     async def main() -> tuple[list[bytes], int, tuple[int, int] | None]:
         custom = settings.model_copy(update={"coalesce_writes": coalesce})
@@ -171,7 +178,7 @@ def test_coalesced_writes_lose_nothing_and_share_socket_writes(settings, name, c
             await checker.delete_queue(name)
         return got, left, writes
 
-    got, left, writes = asyncio.run(main())
+    got, left, writes = runtime.run(main(), event_loop=event_loop)
     assert sorted(got) == sorted(f"m{i}".encode() for i in range(400))
     assert left == 0
     if coalesce:
@@ -208,3 +215,27 @@ def test_transport_bench_runs_every_client_and_reports_its_cost(settings) -> Non
         assert row["per_s"] > 0 and row["cpu_us_per_message"] > 0
         assert (row["frames_per_write"] is not None) == (row["client"] == "layer")
     assert all(r["frames_per_write"] >= 1 for r in rows if r["client"] == "layer")
+
+
+def test_transport_bench_runs_a_client_on_the_loop_it_names(settings) -> None:
+    """``NAME@LOOP`` cells run on that loop (and say so); bare names on the settings'."""
+    from middleware.bench.transport import run_transport
+
+    custom = settings.model_copy(update={"event_loop": "asyncio"})
+    rows = run_transport(
+        custom,
+        clients=["raw@uvloop", "layer@uvloop", "layer"],
+        messages=200,
+        size=64,
+        repeats=1,
+        report=lambda row: None,
+    )
+    assert [(r["client"], r["event_loop"]) for r in rows] == [
+        ("raw@uvloop", "uvloop"),
+        ("layer@uvloop", "uvloop"),
+        ("layer", "asyncio"),
+    ]
+    assert all(r["messages"] == 200 and r["per_s"] > 0 for r in rows)
+    assert rows[1]["frames_per_write"] is not None  # the coalescing writer on uvloop
+    with pytest.raises(ValueError, match="event loop must be one of"):
+        run_transport(custom, clients=["layer@trio"], messages=1, size=1, repeats=1)
