@@ -60,6 +60,8 @@ def _serve(role: Any, settings: Any) -> int:
         port = start_metrics_server(host=settings.metrics_host, port=settings.metrics_port)
         print(f"metrics: http://{settings.metrics_host}:{port}/metrics", file=sys.stderr)
 
+    print(f"event loop: {runtime.loop_name(settings.event_loop)}", file=sys.stderr)
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from middleware import runtime
 from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.errors import EntityNotFound
 from middleware.localcluster.manager import pid_alive
@@ -367,6 +368,8 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
     sent = int(re.search(r"'sent': (\d+)", counters).group(1))
     amqp_sent = int(re.search(r"'amqp_sent': (\d+)", counters).group(1))
     assert amqp_sent < sent, counters
+    # the roles run on the loop their settings give (auto: uvloop, a dependency)
+    assert f"event loop: {runtime.loop_name('auto')}" in counters, counters
     assert min(overtaken) >= 0.25, overtaken  # every urgent event beat a quarter of the bulk
     assert _queues_left(settings, deployment) == []  # the deployment removed its queues
     assert max(fifo) < min(overtaken), (fifo, overtaken)  # the priorities made the difference
