@@ -24,6 +24,7 @@ from aio_pika.abc import (
     AbstractConnection,
     AbstractIncomingMessage,
 )
+from aiormq.abc import DeliveredMessage
 from tenacity import AsyncRetrying, retry_if_exception_type
 
 from ..errors import (
@@ -201,12 +202,12 @@ class AsyncClient:
         if handler is None:
             return
 
-        async def on_reply(msg: AbstractIncomingMessage) -> None:
-            handler(_to_delivery(msg, REPLY_TO))
+        async def on_reply(msg: DeliveredMessage) -> None:
+            handler(_from_delivered(msg, REPLY_TO))
 
         try:
-            queue = await live.plain_channel.get_queue(REPLY_TO, ensure=False)
-            await queue.consume(on_reply, no_ack=True)
+            channel = await live.plain_channel.get_underlay_channel()
+            await channel.basic_consume(REPLY_TO, on_reply, no_ack=True)
         except Exception as exc:
             raise translate_aio(exc) from exc
 
@@ -600,18 +601,22 @@ class AsyncClient:
         try:
             channel = await live.connection.channel(publisher_confirms=False)
             await channel.set_qos(prefetch_count=spec.prefetch)
-            queue = await channel.get_queue(spec.queue, ensure=False)
 
-            async def on_message(msg: AbstractIncomingMessage) -> None:
+            # aiormq's consumer straight: aio-pika's Queue.consume wraps every delivery in an
+            # IncomingMessage and a second task, and its ack waits for the frame to drain
+            async def on_message(msg: DeliveredMessage) -> None:
                 await self._deliver(msg, spec.queue, consumer)
 
-            await queue.consume(on_message, consumer_tag=spec.tag, exclusive=spec.exclusive)
+            underlay = await channel.get_underlay_channel()
+            await underlay.basic_consume(
+                spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
+            )
         except Exception as exc:
             raise translate_aio(exc) from exc
         live.consumer_channels[spec.tag] = channel
 
-    async def _deliver(self, msg: AbstractIncomingMessage, queue: str, consumer: _Consumer) -> None:
-        delivery = _to_delivery(msg, queue)
+    async def _deliver(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
+        delivery = _from_delivered(msg, queue)
         try:
             await consumer.handler(delivery)
             outcome = outcome_of(None)
@@ -634,19 +639,20 @@ class AsyncClient:
         if consumer.on_settled is not None:
             await consumer.on_settled(delivery, outcome)
 
-    async def _settle(
-        self, msg: AbstractIncomingMessage, delivery: Delivery, outcome: Outcome
-    ) -> None:
+    async def _settle(self, msg: DeliveredMessage, delivery: Delivery, outcome: Outcome) -> None:
+        """Settle on the delivery's channel; the frame leaves with the loop turn's others
+        (``wait=False``: not awaiting its drain; a channel already closed raises)."""
+        channel, tag = msg.channel, delivery.delivery_tag
         match outcome.action:
             case Action.ACK:
-                await msg.ack()
+                await channel.basic_ack(tag, wait=False)
             case Action.REJECT:
-                await msg.reject(requeue=False)
+                await channel.basic_reject(tag, requeue=False, wait=False)
             case Action.REQUEUE:
-                await msg.nack(requeue=True)
+                await channel.basic_nack(tag, requeue=True, wait=False)
             case Action.DEAD_LETTER:
                 await self.dead_letter(delivery, outcome.reason)
-                await msg.ack()
+                await channel.basic_ack(tag, wait=False)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
@@ -677,6 +683,27 @@ def _to_aio_message(message: OutgoingMessage) -> aio_pika.Message:
         correlation_id=message.correlation_id,
         expiration=message.expiration_ms / 1000 if message.expiration_ms is not None else None,
         content_type=message.content_type,
+    )
+
+
+def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
+    """A consumer's delivery, from aiormq's message (no aio-pika object in between)."""
+    props = msg.header.properties
+    return Delivery(
+        body=msg.body,
+        queue=queue,
+        exchange=msg.exchange or "",
+        routing_key=msg.routing_key or "",
+        message_id=props.message_id,
+        correlation_id=props.correlation_id,
+        reply_to=props.reply_to,
+        content_type=props.content_type,
+        priority=props.priority,
+        timestamp=props.timestamp.timestamp() if props.timestamp else None,
+        redelivered=bool(msg.redelivered),
+        delivery_tag=msg.delivery_tag or 0,
+        persistent=props.delivery_mode == 2,
+        headers=dict(props.headers or {}),
     )
 
 
