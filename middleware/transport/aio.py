@@ -22,7 +22,6 @@ import aiormq
 from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
-    AbstractIncomingMessage,
 )
 from aiormq.abc import DeliveredMessage
 from tenacity import AsyncRetrying, retry_if_exception_type
@@ -286,9 +285,11 @@ class AsyncClient:
         """Take one message (basic.get, acked on receipt), or None if the queue is empty."""
 
         async def take(ch: AbstractChannel) -> Delivery | None:
-            q = await ch.get_queue(queue, ensure=False)
-            msg = await q.get(no_ack=True, fail=False)
-            return None if msg is None else _to_delivery(msg, queue)
+            underlay = await ch.get_underlay_channel()
+            msg = await underlay.basic_get(queue, no_ack=True)
+            if isinstance(msg.delivery, aiormq.spec.Basic.GetEmpty):
+                return None
+            return _from_delivered(msg, queue)
 
         result: Delivery | None = await self._on_temp_channel(take)
         return result
@@ -687,7 +688,8 @@ def _properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:
 
 
 def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
-    """A consumer's delivery, from aiormq's message (no aio-pika object in between)."""
+    """A delivery (consumed or taken with basic.get), from aiormq's message (no aio-pika
+    object in between)."""
     props = msg.header.properties
     return Delivery(
         body=msg.body,
@@ -704,23 +706,4 @@ def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
         delivery_tag=msg.delivery_tag or 0,
         persistent=props.delivery_mode == 2,
         headers=dict(props.headers or {}),
-    )
-
-
-def _to_delivery(msg: AbstractIncomingMessage, queue: str) -> Delivery:
-    return Delivery(
-        body=msg.body,
-        queue=queue,
-        exchange=msg.exchange or "",
-        routing_key=msg.routing_key or "",
-        message_id=msg.message_id,
-        correlation_id=msg.correlation_id,
-        reply_to=msg.reply_to,
-        content_type=msg.content_type,
-        priority=msg.priority,
-        timestamp=msg.timestamp.timestamp() if msg.timestamp else None,
-        redelivered=bool(msg.redelivered),
-        delivery_tag=msg.delivery_tag or 0,
-        persistent=msg.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
-        headers=dict(msg.headers or {}),
     )
