@@ -3,9 +3,9 @@
 ``auto`` (the default) takes uvloop where it is installed (a dependency on Linux and
 macOS) and asyncio's own loop elsewhere; ``uvloop`` insists on it (a configuration
 error at start-up when it is missing); ``asyncio`` keeps the standard loop.  uvloop
-runs the loop, its callbacks and the socket transports in C (libuv): a Phoenix role
-spends most of its CPU in loop turns, frame writes and reads, and little in its own
-logic (the README's "Event loop" figures).
+runs the loop, its callbacks and the socket transports in C (libuv); a hop's CPU is
+mostly aiormq's framing and pydantic, so the gain is a few per cent (the README's
+"Event loop" figures).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from .errors import ConfigurationError
+from .runtime import EventLoopName
 
 __all__ = [
     "LOCAL_CLUSTER_URLS",
@@ -146,7 +147,7 @@ class Settings(BaseSettings):
         description="asyncio client, amqp:// nodes: one socket write per event-loop turn, "
         "not one per frame",
     )
-    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+    event_loop: EventLoopName = Field(
         "auto", description="auto: uvloop where installed, else asyncio's own loop"
     )
     management_port_offset: int = Field(
