@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from .errors import ConfigurationError
 
-__all__ = ["EventLoopName", "loop_factory", "loop_name", "run"]
+__all__ = ["EventLoopName", "loop_factory", "loop_name", "run", "uvloop_installed"]
 
 T = TypeVar("T")
 EventLoopName = Literal["auto", "asyncio", "uvloop"]
@@ -30,11 +30,15 @@ def _uvloop() -> Any:
     return uvloop
 
 
+def uvloop_installed() -> bool:
+    return _uvloop() is not None
+
+
 def loop_name(choice: EventLoopName) -> Literal["asyncio", "uvloop"]:
     """The loop ``choice`` gives on this machine."""
     if choice == "asyncio":
         return "asyncio"
-    if _uvloop() is not None:
+    if uvloop_installed():
         return "uvloop"
     if choice == "uvloop":
         raise ConfigurationError(

@@ -11,7 +11,6 @@ environment variable that sets it, and the expected form.
 from __future__ import annotations
 
 import contextvars
-import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -34,7 +33,7 @@ from pydantic_settings import (
 )
 
 from .errors import ConfigurationError
-from .runtime import EventLoopName
+from .runtime import EventLoopName, uvloop_installed
 
 __all__ = [
     "LOCAL_CLUSTER_URLS",
@@ -161,7 +160,7 @@ class Settings(BaseSettings):
     @field_validator("event_loop")
     @classmethod
     def _loop_installed(cls, value: str) -> str:
-        if value == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        if value == "uvloop" and not uvloop_installed():
             raise ValueError("uvloop is not installed (pip install uvloop); use auto or asyncio")
         return value
 

@@ -178,10 +178,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             )
 
 
-def _provenance(settings: Settings | None = None) -> dict[str, Any]:
+def _provenance(settings: Settings) -> dict[str, Any]:
     return {
         "version": __version__,
-        "event_loop": runtime.loop_name(settings.event_loop if settings else "auto"),
+        "event_loop": runtime.loop_name(settings.event_loop),
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
