@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -684,7 +685,15 @@ def _properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:
         message_id=message.message_id,
         priority=message.priority or 0,
         reply_to=message.reply_to,
+        timestamp=_amqp_timestamp(message.timestamp),
     )
+
+
+def _amqp_timestamp(seconds: float | None) -> datetime.datetime | None:
+    """AMQP carries whole seconds since the epoch; aiormq takes them as an aware datetime."""
+    if seconds is None:
+        return None
+    return datetime.datetime.fromtimestamp(int(seconds), tz=datetime.timezone.utc)
 
 
 def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:

@@ -502,6 +502,7 @@ def _to_pika_properties(message: OutgoingMessage) -> pika.BasicProperties:
         correlation_id=message.correlation_id,
         expiration=str(message.expiration_ms) if message.expiration_ms is not None else None,
         content_type=message.content_type,
+        timestamp=None if message.timestamp is None else int(message.timestamp),
     )
 
 
@@ -516,7 +517,7 @@ def _to_delivery(method: Any, props: pika.BasicProperties, body: bytes, queue: s
         reply_to=props.reply_to,
         content_type=props.content_type,
         priority=props.priority,
-        timestamp=float(props.timestamp) if props.timestamp else None,
+        timestamp=None if props.timestamp is None else float(props.timestamp),
         redelivered=bool(getattr(method, "redelivered", False)),
         delivery_tag=int(getattr(method, "delivery_tag", 0) or 0),
         persistent=props.delivery_mode == 2,

@@ -46,6 +46,42 @@ def test_publish_consume_roundtrip(face, name) -> None:
     face.call("delete_queue", name)
 
 
+def test_every_message_property_arrives(face, name) -> None:
+    """What a publisher sets is what the consumer (and basic.get) reads, on both faces."""
+    face.call("declare_queue", QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9))
+    sent = OutgoingMessage(
+        b'{"n": 1}',
+        "",
+        name,
+        message_id="m-1",
+        headers={"tenant": "t1", "n": 3},
+        persistent=True,
+        priority=7,
+        reply_to="replies",
+        correlation_id="c-1",
+        expiration_ms=60_000,
+        content_type="application/json",
+        timestamp=1_763_840_000.9,  # AMQP carries whole seconds
+    )
+    face.call("publish", sent)
+    face.call("publish", sent)
+    got = [face.call("get", name)]
+    face.consume(name, got.append)
+    face.pump(10, until=lambda: len(got) >= 2)
+    assert len(got) == 2
+    for delivery in got:
+        assert delivery is not None
+        assert (delivery.body, delivery.queue, delivery.routing_key) == (sent.body, name, name)
+        assert delivery.message_id == "m-1"
+        assert delivery.headers == {"tenant": "t1", "n": 3}
+        assert delivery.persistent
+        assert delivery.priority == 7
+        assert (delivery.reply_to, delivery.correlation_id) == ("replies", "c-1")
+        assert delivery.content_type == "application/json"
+        assert delivery.timestamp == 1_763_840_000.0
+    face.call("delete_queue", name)
+
+
 def test_unroutable_and_missing_exchange_are_named_errors(face, name) -> None:
     face.call("declare_exchange", ExchangeSpec(name, ExchangeType.DIRECT))
     with pytest.raises(Unroutable):

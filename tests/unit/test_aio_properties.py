@@ -20,6 +20,7 @@ def _aio_pika(message: OutgoingMessage) -> aio_pika.Message:
         correlation_id=message.correlation_id,
         expiration=message.expiration_ms / 1000 if message.expiration_ms is not None else None,
         content_type=message.content_type,
+        timestamp=message.timestamp,
     )
 
 
@@ -39,6 +40,7 @@ def _aio_pika(message: OutgoingMessage) -> aio_pika.Message:
             correlation_id="c1",
             expiration_ms=1500,
             content_type="application/json",
+            timestamp=1_763_840_000.0,
         ),
         OutgoingMessage(b"", expiration_ms=0, priority=0),
     ],
@@ -47,3 +49,8 @@ def test_properties_equal_aio_pikas(message: OutgoingMessage) -> None:
     ours, theirs = _properties(message), _aio_pika(message).properties
     assert ours == theirs
     assert ours.marshal() == theirs.marshal()  # the same bytes on the wire
+
+
+def test_a_fractional_timestamp_goes_out_as_whole_seconds_like_aio_pikas() -> None:
+    message = OutgoingMessage(b"x", timestamp=1_763_840_000.75)
+    assert _properties(message).marshal() == _aio_pika(message).properties.marshal()
