@@ -693,7 +693,7 @@ def _amqp_timestamp(seconds: float | None) -> datetime.datetime | None:
     """AMQP carries whole seconds since the epoch; aiormq takes them as an aware datetime."""
     if seconds is None:
         return None
-    return datetime.datetime.fromtimestamp(int(seconds), tz=datetime.timezone.utc)
+    return datetime.datetime.fromtimestamp(int(seconds), tz=datetime.UTC)
 
 
 def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
