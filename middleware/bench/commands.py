@@ -191,7 +191,8 @@ def _provenance(settings: Settings) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'mode':15} {'queues':>6} {'confirmed/s':>11} {'p50 ms':>8} {'p95 ms':>8} "
-        f"{'p99 ms':>8} {'lost':>5} {'dups':>5} {'x persistent':>12} {'x raw':>6}"
+        f"{'p99 ms':>8} {'lost':>5} {'dups':>5} {'x persistent':>12} {'x raw':>6} "
+        f"{'client cpu %':>12} {'cpu µs/msg':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -202,13 +203,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['mode']:15} {r['queues']:>6} {r['confirmed_per_s']:>11.0f} "
             f"{r['confirm_p50_ms']:>8.1f} {r['confirm_p95_ms']:>8.1f} {r['confirm_p99_ms']:>8.1f} "
             f"{r['lost']:>5} {r['duplicates']:>5} {_ratio(r['ratio_vs_persistent']):>12} "
-            f"{_ratio(r['ratio_vs_raw']):>6}"
+            f"{_ratio(r['ratio_vs_raw']):>6} {_number(r.get('client_cpu_pct')):>12} "
+            f"{_number(r.get('client_cpu_us_per_msg')):>10}"
         )
     return "\n".join(lines)
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _run_confirms(args: argparse.Namespace) -> int:

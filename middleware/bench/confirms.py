@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,7 @@ from ..transport import (
     QueueKind,
     QueueSpec,
 )
+from .cpu import CpuMeter
 from .stats import percentile
 
 __all__ = ["MODES", "CellSpec", "run_cell", "run_cell_sync"]
@@ -107,7 +109,8 @@ async def run_cell(settings: Settings, spec: CellSpec, *, records: bool = False)
         closers += closers_p
         started = time.perf_counter()
         deadline = started + spec.duration_s
-        await asyncio.gather(*(p(deadline, tally) for p in producers))
+        with CpuMeter({"client": os.getpid()}) as cpu:
+            await asyncio.gather(*(p(deadline, tally) for p in producers))
         elapsed = time.perf_counter() - started
         await _drain(tally, spec)
     finally:
@@ -121,7 +124,27 @@ async def run_cell(settings: Settings, spec: CellSpec, *, records: bool = False)
             with contextlib.suppress(Exception):
                 await admin.delete_exchange(x)
         await admin.close()
-    return _summarise(spec, tally, elapsed, records)
+    return _summarise(spec, tally, elapsed, records) | _cpu_fields(cpu.result, elapsed, tally)
+
+
+def _cpu_fields(cpu: dict[str, Any], elapsed: float, tally: _Tally) -> dict[str, Any]:
+    """Where the cell's CPU went: the client process (every producer and consumer of the
+    cell runs in it) in % of one core, its wait for a core, the machine's busy %, and the
+    client's CPU per confirmed message (steadier than messages/s on a shared machine)."""
+    client = cpu["processes"]["client"]
+    confirmed = len(tally.confirmed)
+    return {
+        "client_cpu_pct": client,
+        "client_wait_pct": cpu["waiting"]["client"],
+        "machine_pct": cpu["machine_pct"],
+        "steal_pct": cpu["steal_pct"],
+        "cores": cpu["cores"],
+        "client_cpu_us_per_msg": (
+            round(client / 100 * elapsed / confirmed * 1e6, 1)
+            if client is not None and confirmed
+            else None
+        ),
+    }
 
 
 async def _start_consumers(

@@ -48,6 +48,8 @@ PAPER = {  # paper 003 §4: e2e over the persistent baseline
     "optimisation 1": {1: 3.08, 2: 2.01, 15: 1.409, 30: 1.403, "mean >3 queues": 1.429},
     "optimisation 2": {1: 3.48, 2: 2.16, 15: 1.526, 30: 1.534, "mean >3 queues": 1.565},
 }
+#: Measured by the executor around each cell (``run_cell``); averaged over repeats.
+CPU_KEYS = ("client_cpu_pct", "client_wait_pct", "machine_pct", "client_cpu_us_per_msg")
 SETUP_S = 4.0  # measured per-cell set-up and drain overhead, for the estimate
 
 
@@ -315,12 +317,17 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
             values = d.pop(name) or [math.nan] * 4
             for p, v in zip(("p50", "p95", "p99", "p999"), values, strict=True):
                 d[f"{name.split('_')[0]}_{p}_ms"] = v
-        dups = [
-            c.get("duplicates", 0)
-            for c in cells
-            if (c["mode"], c["queues"], c["repeat"]) == (d["mode"], d["queues"], d["repeat"])
-        ]
-        d["duplicates"] = dups[0] if dups else 0
+        cell = next(
+            (
+                c
+                for c in cells
+                if (c["mode"], c["queues"], c["repeat"]) == (d["mode"], d["queues"], d["repeat"])
+            ),
+            {},
+        )
+        d["duplicates"] = cell.get("duplicates", 0)
+        for key in CPU_KEYS:  # measured by the executor around the cell (None off Linux)
+            d[key] = cell.get(key)
         rows.append(d)
     return summarise_repeats(rows)
 
@@ -344,6 +351,9 @@ def summarise_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             s[key] = sum(r[key] for r in reps)
         for key in [k for k in reps[0] if k.endswith("_ms")]:
             s[key] = _mean([r[key] for r in reps])
+        for key in CPU_KEYS:
+            known = [r[key] for r in reps if r.get(key) is not None]
+            s[key] = _mean(known) if known else None
         summary.append(s)
     base = {s["queues"]: s["confirmed_per_s_mean"] for s in summary if s["mode"] == "persistent"}
     for s in summary:
@@ -489,15 +499,16 @@ def _report(
         "## Summary (mean ± stddev over repeats)",
         "",
         "| mode | queues | confirmed/s | confirm p50 / p99 ms | e2e p50 ms | lost | dups |"
-        " x persistent |",
-        "|---|---|---|---|---|---|---|---|",
+        " x persistent | client CPU % | CPU µs/msg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
             f"| {s['mode']} | {s['queues']} | {s['confirmed_per_s_mean']:.0f} ± "
             f"{s['confirmed_per_s_std']:.0f} | {s['confirm_p50_ms']:.1f} / "
             f"{s['confirm_p99_ms']:.1f} | {s['e2e_p50_ms']:.1f} | {s['lost']} | "
-            f"{s['duplicates']} | {_x(s['ratio_vs_persistent'])} |"
+            f"{s['duplicates']} | {_x(s['ratio_vs_persistent'])} | "
+            f"{_n(s.get('client_cpu_pct'))} | {_n(s.get('client_cpu_us_per_msg'))} |"
         )
     lines += ["", *[f"![{c}]({c})" for c in charts], ""]
     return "\n".join(lines)
@@ -570,6 +581,10 @@ def _std(values: Sequence[float]) -> float:
 
 def _x(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:.2f}x"
+
+
+def _n(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _hms(seconds: float) -> str:

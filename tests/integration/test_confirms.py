@@ -325,3 +325,19 @@ def test_consumer_process_killed_holding_unacked_messages(
     duplicates = sum(n - 1 for n in handled.values())
     # only deliveries the killed process had handled but not yet acked come back twice
     assert duplicates <= 50, duplicates
+
+
+def test_confirms_bench_cell_counts_every_message_and_its_client_cpu(settings) -> None:
+    """`qosmq bench confirms` cells: nothing lost, and the client's CPU per message measured."""
+    from middleware.bench.commands import format_table
+    from middleware.bench.confirms import CellSpec, run_cell_sync
+
+    spec = CellSpec("e2e", 1, producers_per_queue=1, consumers_per_queue=1, duration_s=1.5)
+    row = run_cell_sync(settings, spec)
+    assert row["confirmed"] > 0 and row["lost"] == 0 and row["failed"] == 0
+    seconds = row["client_cpu_pct"] / 100 * row["duration_s"]
+    assert 0 < seconds <= row["duration_s"] * (row["cores"] or 1)
+    assert row["client_cpu_us_per_msg"] == pytest.approx(seconds / row["confirmed"] * 1e6, rel=0.05)
+    assert row["client_wait_pct"] is not None and 0 <= row["machine_pct"] <= 100
+    table = format_table([{**row, "ratio_vs_persistent": None, "ratio_vs_raw": None}])
+    assert "cpu µs/msg" in table and f"{row['client_cpu_us_per_msg']:.0f}" in table

@@ -70,11 +70,14 @@ def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, c
     for mode, s in summary.items():
         assert counts[mode] == s["published"] == cells[mode]["published"] > 0
         assert s["confirmed"] == cells[mode]["confirmed"] and s["lost"] == 0
+        # where the CPU went: the executor measured its own process around the cell
+        assert 0 < s["client_cpu_pct"] == cells[mode]["client_cpu_pct"]
+        assert s["client_cpu_us_per_msg"] == cells[mode]["client_cpu_us_per_msg"] > 0
     ratio = summary["e2e"]["confirmed_per_s_mean"] / summary["persistent"]["confirmed_per_s_mean"]
     assert summary["e2e"]["ratio_vs_persistent"] == pytest.approx(ratio)
     assert summary["persistent"]["ratio_vs_persistent"] == pytest.approx(1.0)
     report = (out / "report.md").read_text()
-    assert "3.08x" in report and f"{ratio:.2f}x" in report
+    assert "3.08x" in report and f"{ratio:.2f}x" in report and "CPU µs/msg" in report
     assert os.environ["QOSMQ_AMQP_URLS"].split(",")[0] in report
 
 
