@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -79,7 +80,25 @@ class ConfirmSettings(_Frozen):
     receipt_linger_ms: float = Field(
         5.0, ge=0, le=10000, description="longest wait to fill a batch"
     )
+    receipt_linger_busy_ms: float = Field(
+        25.0,
+        ge=0,
+        le=10000,
+        description="longest wait to fill a batch while the process sends more than "
+        "receipt_busy_rate receipts/s (at least receipt_linger_ms)",
+    )
+    receipt_busy_rate: float = Field(
+        500.0, gt=0, description="receipts/s a process sends above which batches wait longer"
+    )
     dedup_window: int = Field(100_000, ge=1, description="(queue, id) pairs remembered")
+
+    @field_validator("receipt_linger_busy_ms")
+    @classmethod
+    def _busy_not_shorter(cls, value: float, info: ValidationInfo) -> float:
+        quiet = info.data.get("receipt_linger_ms")
+        if quiet is not None and value < quiet:
+            raise ValueError(f"must be at least receipt_linger_ms ({quiet})")
+        return value
 
 
 class QueueSettings(_Frozen):

@@ -23,6 +23,7 @@ from ..transport.policy import backoff
 from ..transport.topology import TopologyRecord
 from .modes import ConfirmMode
 from .tracking import (
+    PROCESS_RECEIPT_LOAD,
     RECEIPT_HEADER,
     ConfirmTracker,
     DuplicateFilter,
@@ -201,7 +202,11 @@ class ConsumerCore:
     def __init__(self, confirms: ConfirmSettings) -> None:
         self.dedup = DuplicateFilter(confirms.dedup_window)
         self.batcher = ReceiptBatcher(
-            max_batch=confirms.receipt_batch, linger_s=confirms.receipt_linger_ms / 1000
+            max_batch=confirms.receipt_batch,
+            linger_s=confirms.receipt_linger_ms / 1000,
+            busy_linger_s=confirms.receipt_linger_busy_ms / 1000,
+            busy_rate=confirms.receipt_busy_rate,
+            load=PROCESS_RECEIPT_LOAD,
         )
         self._in_progress: set[tuple[str, str]] = set()
         # per delivery object (handler and settle hook see the same one): the answer to repeat

@@ -14,6 +14,7 @@ receiving differ.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -177,21 +178,73 @@ class ConfirmTracker:
 
 
 # ----------------------------------------------------------------- consumer
+class ReceiptLoad:
+    """How many receipts per second a process sends, over windows of ``window_s``.
+
+    Shared by every consumer of a process (:data:`PROCESS_RECEIPT_LOAD`): the CPU a
+    receipt message costs is the process's, whichever consumer sends it.
+    """
+
+    def __init__(self, *, window_s: float = 0.25, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self._clock = window_s, clock
+        self._started = clock()
+        self._count = 0
+        self.rate = 0.0  # receipts/s over the last full window
+
+    def note(self, n: int = 1) -> None:
+        now = self._clock()
+        self._count += n
+        elapsed = now - self._started
+        if elapsed >= self.window_s:
+            self.rate = self._count / elapsed
+            self._started, self._count = now, 0
+
+
+#: The receipt load of this process, shared by its consumers.
+PROCESS_RECEIPT_LOAD = ReceiptLoad()
+
+
 class ReceiptBatcher:
-    """Receipts per publisher address, released by count or after ``linger_s``."""
+    """Receipts per publisher address, released by count or after a linger.
+
+    The linger depends on the process's load.  While the process sends fewer than
+    ``busy_rate`` receipts per second, a batch waits ``linger_s`` (a light load keeps
+    a short confirm); above it, ``busy_linger_s``, so a consumer process under load
+    sends one receipt message per many receipts instead of one per one or two, which
+    is most of what e2e costs a client beyond the ``broker`` mode.
+    """
 
     def __init__(
-        self, *, max_batch: int, linger_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        max_batch: int,
+        linger_s: float,
+        busy_linger_s: float | None = None,
+        busy_rate: float = math.inf,
+        load: ReceiptLoad | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_batch, self.linger_s, self._clock = max_batch, linger_s, clock
-        self._batches: dict[str, tuple[float, list[Receipt]]] = {}
+        self.busy_linger_s = linger_s if busy_linger_s is None else max(busy_linger_s, linger_s)
+        self.busy_rate = busy_rate
+        self.load = load if load is not None else ReceiptLoad(clock=clock)
+        self._batches: dict[str, tuple[float, list[Receipt]]] = {}  # address -> (deadline, batch)
 
     def __len__(self) -> int:
         return sum(len(b) for _, b in self._batches.values())
 
+    @property
+    def busy(self) -> bool:
+        return self.load.rate >= self.busy_rate
+
     def add(self, reply_to: str, receipt: Receipt) -> list[tuple[str, list[Receipt]]]:
         """Queue a receipt; return the batches that are full."""
-        _, batch = self._batches.setdefault(reply_to, (self._clock(), []))
+        self.load.note()
+        pending = self._batches.get(reply_to)
+        if pending is None:
+            linger = self.busy_linger_s if self.busy else self.linger_s
+            pending = self._batches[reply_to] = (self._clock() + linger, [])
+        batch = pending[1]
         batch.append(receipt)
         if len(batch) >= self.max_batch:
             del self._batches[reply_to]
@@ -199,9 +252,9 @@ class ReceiptBatcher:
         return []
 
     def due(self) -> list[tuple[str, list[Receipt]]]:
-        """Batches whose oldest receipt has waited ``linger_s``."""
+        """Batches whose linger has passed."""
         now = self._clock()
-        ready = [k for k, (started, _) in self._batches.items() if now - started >= self.linger_s]
+        ready = [k for k, (deadline, _) in self._batches.items() if now >= deadline]
         return [(k, self._batches.pop(k)[1]) for k in ready]
 
     def drain(self) -> list[tuple[str, list[Receipt]]]:

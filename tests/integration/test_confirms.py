@@ -341,3 +341,38 @@ def test_confirms_bench_cell_counts_every_message_and_its_client_cpu(settings) -
     assert row["client_wait_pct"] is not None and 0 <= row["machine_pct"] <= 100
     table = format_table([{**row, "ratio_vs_persistent": None, "ratio_vs_raw": None}])
     assert "cpu µs/msg" in table and f"{row['client_cpu_us_per_msg']:.0f}" in table
+
+
+def _receipts_per_message(settings: Settings, name: str, busy_rate: float) -> float:
+    """Confirm a burst of 2 000 e2e publishes; the receipts each receipt message carried."""
+    tuned = _fast(
+        settings,
+        receipt_timeout=30,
+        receipt_linger_ms=0,
+        receipt_linger_busy_ms=30,
+        receipt_busy_rate=busy_rate,
+    )
+    e2e = E2E("async", tuned, _fanout(name, [name]))
+
+    async def handler(d: Delivery) -> None:
+        pass
+
+    async def burst() -> None:
+        await asyncio.gather(*(e2e.publisher.publish(b"x", exchange=name) for _ in range(2000)))
+
+    try:
+        e2e.loop.run(e2e.consumer.consume(name, handler))
+        e2e.loop.run(burst(), timeout=120)
+        core = e2e.consumer.core
+        assert core.receipts_sent == 2000
+        return core.receipts_sent / core.batches_sent
+    finally:
+        e2e.close()
+
+
+def test_a_busy_consumer_sends_several_receipts_per_message(settings, name) -> None:
+    """Above receipt_busy_rate receipts/s a batch waits receipt_linger_busy_ms, not the short
+    linger: a burst is confirmed with far fewer receipt messages than receipts."""
+    quiet = _receipts_per_message(settings, name + ".quiet", busy_rate=1e9)  # never busy
+    busy = _receipts_per_message(settings, name + ".busy", busy_rate=100)
+    assert busy >= 8 and busy >= 2 * quiet, (quiet, busy)

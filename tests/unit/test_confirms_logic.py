@@ -12,6 +12,7 @@ from middleware.confirms.tracking import (
     DuplicateFilter,
     Receipt,
     ReceiptBatcher,
+    ReceiptLoad,
     Resolution,
     decode_receipts,
     encode_receipts,
@@ -78,6 +79,33 @@ def test_batcher_by_count_and_by_linger() -> None:
     assert b.due() == []
     clock.now = 0.005
     assert [k for k, _ in b.due()] == ["p2"] and len(b) == 0
+
+
+def test_batcher_waits_longer_while_the_process_is_busy() -> None:
+    clock = Clock()
+    load = ReceiptLoad(window_s=0.25, clock=clock)
+    b = ReceiptBatcher(
+        max_batch=1000, linger_s=0.005, busy_linger_s=0.025, busy_rate=500, load=load, clock=clock
+    )
+    b.add("p1", Receipt("0", "q"))  # quiet: the short linger
+    clock.now = 0.005
+    assert [k for k, _ in b.due()] == ["p1"]
+    for i in range(200):  # 200 receipts in 0.25 s: 800/s
+        clock.now = 0.005 + i * 0.00125
+        b.add("p2", Receipt(str(i), "q"))
+    clock.now = 0.26
+    b.drain()
+    b.add("p3", Receipt("x", "q"))
+    assert load.rate >= 500 and b.busy
+    clock.now = 0.26 + 0.005
+    assert b.due() == []  # busy: the batch waits the long linger
+    clock.now = 0.26 + 0.025
+    assert [k for k, _ in b.due()] == ["p3"]
+    clock.now = 10.0  # a quiet spell: the next receipt ends the window at a low rate
+    b.add("p4", Receipt("y", "q"))
+    assert not b.busy
+    clock.now = 10.005
+    assert [k for k, _ in b.due()] == ["p4"]
 
 
 def test_duplicate_filter_is_bounded() -> None:

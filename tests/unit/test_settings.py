@@ -46,6 +46,11 @@ def test_nested_env_and_toml_with_env_winning(tmp_path, monkeypatch: pytest.Monk
         ({"retry": {"attempts": 0}}, "retry.attempts", "QOSMQ_RETRY__ATTEMPTS"),
         ({"tls": {"ca_file": "/nonexistent/ca.pem"}}, "tls", "QOSMQ_TLS"),
         ({"publish_windw": 3}, "publish_windw", "QOSMQ_PUBLISH_WINDW"),
+        (
+            {"confirms": {"receipt_linger_ms": 10, "receipt_linger_busy_ms": 5}},
+            "confirms.receipt_linger_busy_ms",
+            "QOSMQ_CONFIRMS__RECEIPT_LINGER_BUSY_MS",
+        ),
     ],
 )
 def test_bad_settings_name_field_and_env(overrides, field, env) -> None:
