@@ -76,7 +76,7 @@ def register(sub: Any) -> None:
     )
     phoenix.add_argument("--json", type=Path)
     phoenix.set_defaults(run=_run_phoenix)
-    transport = cmds.add_parser("transport", help="the asyncio client's cost per message vs raw")
+    transport = cmds.add_parser("transport", help="the clients' cost per message vs raw")
     transport.add_argument("--clients", default="raw,layer,layer-per-frame")
     transport.add_argument("--messages", type=int, default=4000, help="per cell")
     transport.add_argument("--size", type=int, default=100, help="message size in bytes")
@@ -455,18 +455,20 @@ def _run_queues(args: argparse.Namespace) -> int:
 
 
 def _run_transport(args: argparse.Namespace) -> int:
-    from .transport import CLIENTS, LOOPS, run_transport, split_client
+    from .transport import CLIENTS, LOOPS, SYNC_CLIENTS, run_transport, split_client
 
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     unknown = sorted(
         c
         for c in clients
-        if split_client(c)[0] not in CLIENTS or split_client(c)[1] not in (None, *LOOPS)
+        if split_client(c)[0] not in CLIENTS
+        or split_client(c)[1] not in (None, *LOOPS)
+        or (split_client(c)[0] in SYNC_CLIENTS and split_client(c)[1] is not None)
     )
     if unknown or args.messages < 1 or args.repeats < 1:
         print(
-            f"bench transport: --clients from {', '.join(CLIENTS)}, each optionally "
-            f"@{'|@'.join(LOOPS)} (got {unknown}); --messages and --repeats >= 1",
+            f"bench transport: --clients from {', '.join(CLIENTS)}, the asyncio ones "
+            f"optionally @{'|@'.join(LOOPS)} (got {unknown}); --messages and --repeats >= 1",
             file=sys.stderr,
         )
         return 2
@@ -500,18 +502,21 @@ def _run_transport(args: argparse.Namespace) -> int:
                 ),
             }
         )
-    # the baseline: plain "raw", else the first raw cell named with its loop
+    # the baselines: the sync face against raw pika; the asyncio clients against plain
+    # "raw", else the first raw cell named with its loop
+    raw_pika = next((s for s in summary if s["client"] == "raw-pika"), None)
     raw = next((s for s in summary if s["client"] == "raw"), None) or next(
         (s for s in summary if split_client(s["client"])[0] == "raw"), None
     )
-    print(f"\nmean of {args.repeats} passes{'' if raw is None else '; x raw: same run'}")
+    print(f"\nmean of {args.repeats} passes; x raw: against the same face's raw client, same run")
     for s in summary:
+        base = raw_pika if s["client"] in SYNC_CLIENTS else raw
         ratio = (
             ""
-            if raw is None
+            if base is None
             else (
-                f"  x raw: {s['per_s'] / raw['per_s']:.2f} msg/s, "
-                f"{s['cpu_us_per_message'] / raw['cpu_us_per_message']:.2f} CPU"
+                f"  x {base['client']}: {s['per_s'] / base['per_s']:.2f} msg/s, "
+                f"{s['cpu_us_per_message'] / base['cpu_us_per_message']:.2f} CPU"
             )
         )
         print(

@@ -5,7 +5,9 @@ client's publish window bounding them) to a classic queue and consumes them back
 acks: the work of one Phoenix hop per message.  Reported per cell: messages/s, the
 process's CPU per message, and frames per socket write (the layer's client only).
 Clients: ``raw`` (aio-pika's Exchange.publish and IncomingMessage.ack), ``layer`` (the
-AsyncClient with ``coalesce_writes``), ``layer-per-frame`` (``coalesce_writes=false``).
+AsyncClient with ``coalesce_writes``), ``layer-per-frame`` (``coalesce_writes=false``);
+for the sync face, ``raw-pika`` (pika's BlockingConnection: publish with confirms, one
+at a time, then consume and ack) and ``layer-sync`` (the SyncClient doing the same).
 Cells alternate within each repeat, so the clients compared ran seconds apart.  A
 client named ``NAME@LOOP`` (``raw@asyncio``, ``layer@uvloop``) runs on that event loop,
 a bare name on the settings' (``event_loop``), so one run can compare the loops too.
@@ -19,15 +21,25 @@ import uuid
 from typing import Any, cast
 
 import aio_pika
+import pika
 
 from .. import runtime
 from ..runtime import EventLoopName
 from ..settings import Settings
-from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from ..transport import (
+    AsyncClient,
+    Delivery,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
 
 __all__ = ["CLIENTS", "LOOPS", "run_transport", "split_client", "transport_cell"]
 
-CLIENTS = ("raw", "layer", "layer-per-frame")
+ASYNC_CLIENTS = ("raw", "layer", "layer-per-frame")
+SYNC_CLIENTS = ("raw-pika", "layer-sync")
+CLIENTS = (*ASYNC_CLIENTS, *SYNC_CLIENTS)
 LOOPS = ("asyncio", "uvloop")
 
 
@@ -41,8 +53,8 @@ async def transport_cell(
     settings: Settings, client: str, *, messages: int, size: int
 ) -> dict[str, Any]:
     """Publish and consume ``messages`` through one connection of ``client``."""
-    if client not in CLIENTS:
-        raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
+    if client not in ASYNC_CLIENTS:
+        raise ValueError(f"client must be one of {', '.join(ASYNC_CLIENTS)}, got {client!r}")
     queue = f"bench-transport-{uuid.uuid4().hex[:8]}"
     body = b"x" * size
     done = asyncio.Event()
@@ -105,6 +117,74 @@ async def transport_cell(
             if after is not None:
                 writes = (after[0] - before[0], after[1] - before[1])
             await layer.delete_queue(queue)
+    return _row(client, messages, size, elapsed, cpu, writes)
+
+
+def sync_transport_cell(
+    settings: Settings, client: str, *, messages: int, size: int
+) -> dict[str, Any]:
+    """The sync face's cell: publish ``messages`` confirmed one by one (a blocking
+    channel's confirms), then consume them back with acks, on one connection."""
+    if client not in SYNC_CLIENTS:
+        raise ValueError(f"client must be one of {', '.join(SYNC_CLIENTS)}, got {client!r}")
+    queue = f"bench-transport-{uuid.uuid4().hex[:8]}"
+    body = b"x" * size
+    handled = 0
+    if client == "raw-pika":
+        host, port, _ = settings.nodes[0]
+        credentials = pika.PlainCredentials(settings.username, settings.password.get_secret_value())
+        connection = pika.BlockingConnection(
+            pika.ConnectionParameters(host, port, credentials=credentials)
+        )
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            channel.queue_declare(queue)
+            channel.basic_qos(prefetch_count=settings.prefetch)
+
+            def on_message(ch: Any, method: Any, _props: Any, _body: bytes) -> None:
+                nonlocal handled
+                handled += 1
+                ch.basic_ack(method.delivery_tag)
+
+            started, cpu = time.perf_counter(), time.process_time()
+            for _ in range(messages):
+                channel.basic_publish("", queue, body, mandatory=True)
+            channel.basic_consume(queue, on_message)
+            while handled < messages and time.perf_counter() - started < 120:
+                connection.process_data_events(time_limit=0.1)
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+            channel.queue_delete(queue)
+        finally:
+            connection.close()
+    else:
+        with SyncClient(settings=settings) as layer:
+            layer.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+
+            def handle(_: Delivery) -> None:
+                nonlocal handled
+                handled += 1
+
+            started, cpu = time.perf_counter(), time.process_time()
+            for _ in range(messages):
+                layer.publish(OutgoingMessage(body, "", queue))
+            layer.consume(queue, handle)
+            layer.run(120, until=lambda: handled >= messages)
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+            layer.delete_queue(queue)
+    if handled < messages:
+        raise RuntimeError(f"{client}: {handled} of {messages} messages came back")
+    return _row(client, messages, size, elapsed, cpu, None)
+
+
+def _row(
+    client: str,
+    messages: int,
+    size: int,
+    elapsed: float,
+    cpu: float,
+    writes: tuple[int, int] | None,
+) -> dict[str, Any]:
     return {
         "client": client,
         "messages": messages,
@@ -130,6 +210,14 @@ def run_transport(
         shift = repeat % len(clients)
         for client in [*clients[shift:], *clients[:shift]]:
             name, loop = split_client(client)
+            if name in SYNC_CLIENTS:
+                if loop is not None:
+                    raise ValueError(f"{name} runs no event loop: drop @{loop}")
+                row = sync_transport_cell(settings, name, messages=messages, size=size)
+                row.update(event_loop=None)
+                rows.append({"repeat": repeat, **row})
+                report(rows[-1])
+                continue
             if loop is not None and loop not in LOOPS:
                 raise ValueError(f"event loop must be one of {', '.join(LOOPS)}, got {loop!r}")
             event_loop = settings.event_loop if loop is None else cast(EventLoopName, loop)

@@ -28,6 +28,7 @@ from ..errors import (
     MiddlewareError,
     NotConnected,
     PublishNacked,
+    RetryableError,
     TopologyError,
 )
 from ..settings import Settings
@@ -293,21 +294,33 @@ class SyncClient:
         """Run ``action`` on a live connection; on loss reconnect, replay and retry."""
         if not self._opened:
             raise NotConnected("not connected: call client.connect() first")
-        for attempt in sync_retrying(self.settings.retry, attempts=attempts):
+        limit = attempts or self.settings.retry.attempts
+        try:
+            return self._attempt(action)
+        except RetryableError as exc:
+            if limit < 2:
+                raise
+            log.debug("%s failed (%s); retrying under the policy", action, exc)
+        # The hot path above builds no retry object (as in the asyncio core): only a failed
+        # call pays for tenacity.
+        for attempt in sync_retrying(self.settings.retry, attempts=limit - 1):
             with attempt:
-                live = self._ensure_live()
-                try:
-                    return action(live)
-                except MiddlewareError as known:
-                    if isinstance(known, ConnectionLost):
-                        self._drop(live, known)
-                    raise
-                except Exception as exc:
-                    translated = translate_sync(exc)
-                    if isinstance(translated, ConnectionLost):
-                        self._drop(live, translated)
-                    raise translated from exc
+                return self._attempt(action)
         raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
+
+    def _attempt(self, action: Callable[[_SyncLive], T]) -> T:
+        live = self._ensure_live()
+        try:
+            return action(live)
+        except MiddlewareError as known:
+            if isinstance(known, ConnectionLost):
+                self._drop(live, known)
+            raise
+        except Exception as exc:
+            translated = translate_sync(exc)
+            if isinstance(translated, ConnectionLost):
+                self._drop(live, translated)
+            raise translated from exc
 
     def _ensure_live(self) -> _SyncLive:
         if self._live is not None:

@@ -275,3 +275,28 @@ def test_transport_bench_runs_a_client_on_the_loop_it_names(settings) -> None:
     assert rows[1]["frames_per_write"] is not None  # the coalescing writer on uvloop
     with pytest.raises(ValueError, match="event loop must be one of"):
         run_transport(custom, clients=["layer@trio"], messages=1, size=1, repeats=1)
+
+
+def test_transport_bench_measures_the_sync_face_against_raw_pika(settings) -> None:
+    """The sync cells publish confirmed one by one and get every message back (a cell that
+    misses one raises); they run no event loop, so a loop in their name is refused."""
+    from middleware.bench.transport import run_transport
+
+    rows = run_transport(
+        settings,
+        clients=["raw-pika", "layer-sync"],
+        messages=300,
+        size=64,
+        repeats=1,
+        report=lambda row: None,
+    )
+    assert [(r["client"], r["event_loop"]) for r in rows] == [
+        ("raw-pika", None),
+        ("layer-sync", None),
+    ]
+    assert all(
+        r["messages"] == 300 and r["per_s"] > 0 and r["cpu_us_per_message"] > 0 for r in rows
+    )
+    assert all(r["frames_per_write"] is None for r in rows)
+    with pytest.raises(ValueError, match="runs no event loop"):
+        run_transport(settings, clients=["layer-sync@uvloop"], messages=1, size=1, repeats=1)
