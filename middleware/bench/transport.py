@@ -35,7 +35,15 @@ from ..transport import (
     SyncClient,
 )
 
-__all__ = ["CLIENTS", "LOOPS", "run_transport", "split_client", "transport_cell"]
+__all__ = [
+    "CLIENTS",
+    "LOOPS",
+    "SYNC_CLIENTS",
+    "run_transport",
+    "split_client",
+    "sync_transport_cell",
+    "transport_cell",
+]
 
 ASYNC_CLIENTS = ("raw", "layer", "layer-per-frame")
 SYNC_CLIENTS = ("raw-pika", "layer-sync")
@@ -134,7 +142,9 @@ def sync_transport_cell(
         host, port, _ = settings.nodes[0]
         credentials = pika.PlainCredentials(settings.username, settings.password.get_secret_value())
         connection = pika.BlockingConnection(
-            pika.ConnectionParameters(host, port, credentials=credentials)
+            pika.ConnectionParameters(
+                host, port, virtual_host=settings.vhost, credentials=credentials
+            )
         )
         try:
             channel = connection.channel()
