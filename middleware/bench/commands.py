@@ -15,6 +15,7 @@ from typing import Any
 from .. import __version__, runtime
 from ..settings import Settings
 from .confirms import MODES, CellSpec, run_cell_sync
+from .stats import whole
 
 __all__ = ["format_table", "register", "run_confirms_grid"]
 
@@ -203,18 +204,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['mode']:15} {r['queues']:>6} {r['confirmed_per_s']:>11.0f} "
             f"{r['confirm_p50_ms']:>8.1f} {r['confirm_p95_ms']:>8.1f} {r['confirm_p99_ms']:>8.1f} "
             f"{r['lost']:>5} {r['duplicates']:>5} {_ratio(r['ratio_vs_persistent']):>12} "
-            f"{_ratio(r['ratio_vs_raw']):>6} {_number(r.get('client_cpu_pct')):>12} "
-            f"{_number(r.get('client_cpu_us_per_msg')):>10}"
+            f"{_ratio(r['ratio_vs_raw']):>6} {whole(r.get('client_cpu_pct')):>12} "
+            f"{whole(r.get('client_cpu_us_per_msg')):>10}"
         )
     return "\n".join(lines)
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def _run_confirms(args: argparse.Namespace) -> int:

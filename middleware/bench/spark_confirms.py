@@ -42,6 +42,7 @@ from .. import __version__
 from ..errors import ConfigurationError
 from ..settings import Settings
 from .confirms import MODES, CellSpec, run_cell_sync
+from .stats import whole
 
 DEFAULT_QUEUES = "1,2,3,5,10,15,20,30"
 PAPER = {  # paper 003 §4: e2e over the persistent baseline
@@ -508,7 +509,7 @@ def _report(
             f"{s['confirmed_per_s_std']:.0f} | {s['confirm_p50_ms']:.1f} / "
             f"{s['confirm_p99_ms']:.1f} | {s['e2e_p50_ms']:.1f} | {s['lost']} | "
             f"{s['duplicates']} | {_x(s['ratio_vs_persistent'])} | "
-            f"{_n(s.get('client_cpu_pct'))} | {_n(s.get('client_cpu_us_per_msg'))} |"
+            f"{whole(s.get('client_cpu_pct'))} | {whole(s.get('client_cpu_us_per_msg'))} |"
         )
     lines += ["", *[f"![{c}]({c})" for c in charts], ""]
     return "\n".join(lines)
@@ -581,10 +582,6 @@ def _std(values: Sequence[float]) -> float:
 
 def _x(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:.2f}x"
-
-
-def _n(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def _hms(seconds: float) -> str:

@@ -191,13 +191,15 @@ class ReceiptLoad:
         self._count = 0
         self.rate = 0.0  # receipts/s over the last full window
 
-    def note(self, n: int = 1) -> None:
+    def note(self, n: int = 1) -> float:
+        """Count ``n`` receipts sent now; return the time (the caller's clock reading)."""
         now = self._clock()
         self._count += n
         elapsed = now - self._started
         if elapsed >= self.window_s:
             self.rate = self._count / elapsed
             self._started, self._count = now, 0
+        return now
 
 
 #: The receipt load of this process, shared by its consumers.
@@ -239,11 +241,11 @@ class ReceiptBatcher:
 
     def add(self, reply_to: str, receipt: Receipt) -> list[tuple[str, list[Receipt]]]:
         """Queue a receipt; return the batches that are full."""
-        self.load.note()
+        now = self.load.note()
         pending = self._batches.get(reply_to)
         if pending is None:
             linger = self.busy_linger_s if self.busy else self.linger_s
-            pending = self._batches[reply_to] = (self._clock() + linger, [])
+            pending = self._batches[reply_to] = (now + linger, [])
         batch = pending[1]
         batch.append(receipt)
         if len(batch) >= self.max_batch:
