@@ -108,3 +108,48 @@ def test_the_weighted_dispatch_example_runs_as_printed(settings) -> None:
                     await client.delete_queue(name)
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_the_phoenix_examples_run_as_printed(settings, brokers, tmp_path, name, capsys) -> None:
+    """The asyncio and sync Phoenix examples on a running 3-cluster deployment: each
+    subscription is in place when subscribe returns, so the quote each publishes right
+    after arrives (the examples print what they handle)."""
+    from middleware.bench.phoenix_timeliness import Deployment
+
+    deployment = Deployment(
+        tmp_path, prefix=name, amqp_urls=brokers.urls, routing_slaves=0, match_slaves=0
+    )
+    asynchronous = _snippet(
+        _block("from middleware.routing.client import PhoenixClient"), "settings, topology"
+    )
+    sync_block = _block("from middleware.routing.client import SyncPhoenixClient")
+
+    async def run_async() -> None:
+        made = await asynchronous(settings, deployment.topology)
+        try:
+            for _ in range(100):  # the quote published at C, handled at A
+                if "quotes {'price': 5, 'symbol': 'ABC'}" in capsys.readouterr().out:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError("the example's quote never reached its handler")
+        finally:
+            await made["a"].close()
+            await made["c"].close()
+
+    async def clean() -> None:
+        async with AsyncClient(settings=settings) as client:
+            for queue in ("my-quotes", "my-orders"):
+                await client.delete_queue(queue)
+
+    with deployment.running():
+        try:
+            asyncio.run(run_async())
+            capsys.readouterr()
+            exec(
+                compile(sync_block, "README.md (sync Phoenix)", "exec"),
+                {"settings": settings, "topology": deployment.topology},
+            )
+            assert "{'price': 5}" in capsys.readouterr().out  # a.run(5) handled it
+        finally:
+            asyncio.run(clean())
