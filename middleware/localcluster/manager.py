@@ -33,6 +33,9 @@ __all__ = ["ClusterError", "LocalCluster", "RabbitMQMissing", "pid_alive", "spaw
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 90.0
+#: starts of one node that may end in RabbitMQ 3.10's feature-flag boot race
+BOOT_RACE_ATTEMPTS = 3
+BOOT_RACE_DELAY_S = 2.0  # before starting it again: its peers wait for it meanwhile
 STOP_TIMEOUT = 60.0
 
 
@@ -42,6 +45,10 @@ class ClusterError(MiddlewareError):
 
 class RabbitMQMissing(ClusterError):
     """rabbitmq-server is not installed where the layer looks for it."""
+
+
+class NodeExited(ClusterError):
+    """A node's rabbitmq-server exited before it accepted AMQP."""
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -68,6 +75,8 @@ class LocalCluster:
 
     def __init__(self, layout: ClusterLayout) -> None:
         self.layout = layout
+        self._state_lock = threading.Lock()  # nodes start (and restart) on threads
+        self._output_from: dict[str, int] = {}  # node -> offset of its latest start's output
 
     # ----------------------------------------------------------------- state
     @classmethod
@@ -249,20 +258,50 @@ class LocalCluster:
                         "another RabbitMQ (a system service?) or another cluster holds it; "
                         "stop it, or pick other ports with --base-port"
                     )
-        state = self._load()
-        for node in nodes:
-            node.pid_file.unlink(missing_ok=True)
-            env = {**os.environ, **self.layout.node_env(node)}
-            pid = spawn_daemon([str(RABBITMQ_BIN / "rabbitmq-server")], env, node.log_file)
-            state["pids"][node.short_name] = {"wrapper": pid}
-            log.info("starting %s (AMQP 127.0.0.1:%d)", node.node_name, node.amqp_port)
-        self._save(state)
         with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
-            beams = list(pool.map(lambda n: self._await_node(n, timeout), nodes))
-        state = self._load()
-        for node, beam in zip(nodes, beams, strict=True):
-            state["pids"][node.short_name]["beam"] = beam
-        self._save(state)
+            for node in nodes:
+                self._spawn(node)
+            beams = list(pool.map(lambda n: self._await_started(n, timeout), nodes))
+        with self._state_lock:
+            state = self._load()
+            for node, beam in zip(nodes, beams, strict=True):
+                state["pids"][node.short_name]["beam"] = beam
+            self._save(state)
+
+    def _spawn(self, node: NodeLayout) -> int:
+        """Start the node's rabbitmq-server, recorded at once (a ``down`` finds it); return
+        where its start-up output begins in the node's (appended) log."""
+        node.pid_file.unlink(missing_ok=True)
+        start_of_output = node.log_file.stat().st_size if node.log_file.exists() else 0
+        env = {**os.environ, **self.layout.node_env(node)}
+        pid = spawn_daemon([str(RABBITMQ_BIN / "rabbitmq-server")], env, node.log_file)
+        with self._state_lock:
+            state = self._load()
+            state["pids"][node.short_name] = {"wrapper": pid}
+            self._save(state)
+        log.info("starting %s (AMQP 127.0.0.1:%d)", node.node_name, node.amqp_port)
+        self._output_from[node.short_name] = start_of_output
+        return pid
+
+    def _await_started(self, node: NodeLayout, timeout: float) -> int:
+        """:meth:`_await_node`, starting a node again when it lost RabbitMQ 3.10's boot race:
+        nodes restarted together from their data can crash syncing feature flags with a
+        peer that is itself still booting (``incompatible_feature_flags``); started again
+        a moment later, while the peers wait for it, it boots."""
+        for attempt in range(1, BOOT_RACE_ATTEMPTS + 1):
+            try:
+                return self._await_node(node, timeout)
+            except NodeExited:
+                output = _output_since(node, self._output_from.get(node.short_name, 0))
+                if attempt == BOOT_RACE_ATTEMPTS or not lost_boot_race(output):
+                    raise
+                log.warning(
+                    "%s lost the feature-flag boot race with its peers; starting it again",
+                    node.node_name,
+                )
+                time.sleep(BOOT_RACE_DELAY_S)
+                self._spawn(node)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _await_node(self, node: NodeLayout, timeout: float) -> int:
         """Wait for the node's PID file and a full AMQP handshake on its port."""
@@ -271,7 +310,7 @@ class LocalCluster:
         while time.monotonic() < deadline:
             _reap()
             if not pid_alive(wrapper):
-                raise ClusterError(f"{node.node_name} exited during start-up:\n{_tail(node)}")
+                raise NodeExited(f"{node.node_name} exited during start-up:\n{_tail(node)}")
             if node.pid_file.is_file() and _amqp_handshake(node.amqp_port, 2.0):
                 return int(node.pid_file.read_text().strip())
             time.sleep(0.25)
@@ -408,6 +447,21 @@ def _quiet_pika() -> Iterator[None]:
 
 def _management_get(port: int, path: str) -> Any:
     return get_json(f"http://127.0.0.1:{port}{path}", username="guest", password="guest")
+
+
+def lost_boot_race(output: str) -> bool:
+    """Whether a node's start-up output ends in the feature-flag boot race (a peer still
+    booting answers a feature-flag sync with an error), not in a lasting fault."""
+    return "incompatible_feature_flags" in output
+
+
+def _output_since(node: NodeLayout, offset: int) -> str:
+    try:
+        with node.log_file.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _tail(node: NodeLayout, lines: int = 15) -> str:
