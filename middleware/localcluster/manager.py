@@ -29,7 +29,15 @@ from ..errors import MiddlewareError
 from ..transport.management import get_json
 from .layout import DEFAULT_BASE_PORT, RABBITMQ_BIN, ClusterLayout, NodeLayout
 
-__all__ = ["ClusterError", "LocalCluster", "RabbitMQMissing", "pid_alive", "spawn_daemon"]
+__all__ = [
+    "ClusterError",
+    "LocalCluster",
+    "NodeExited",
+    "RabbitMQMissing",
+    "lost_boot_race",
+    "pid_alive",
+    "spawn_daemon",
+]
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 90.0
@@ -268,9 +276,9 @@ class LocalCluster:
                 state["pids"][node.short_name]["beam"] = beam
             self._save(state)
 
-    def _spawn(self, node: NodeLayout) -> int:
-        """Start the node's rabbitmq-server, recorded at once (a ``down`` finds it); return
-        where its start-up output begins in the node's (appended) log."""
+    def _spawn(self, node: NodeLayout) -> None:
+        """Start the node's rabbitmq-server, recorded at once (a ``down`` finds it), and
+        note where this start's output begins in the node's (appended) log."""
         node.pid_file.unlink(missing_ok=True)
         start_of_output = node.log_file.stat().st_size if node.log_file.exists() else 0
         env = {**os.environ, **self.layout.node_env(node)}
@@ -281,7 +289,6 @@ class LocalCluster:
             self._save(state)
         log.info("starting %s (AMQP 127.0.0.1:%d)", node.node_name, node.amqp_port)
         self._output_from[node.short_name] = start_of_output
-        return pid
 
     def _await_started(self, node: NodeLayout, timeout: float) -> int:
         """:meth:`_await_node`, starting a node again when it lost RabbitMQ 3.10's boot race:
