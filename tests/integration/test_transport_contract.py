@@ -226,19 +226,24 @@ def test_coalesced_writes_lose_nothing_and_share_socket_writes(
         assert writes is None
 
 
+def _bench(settings: Settings, clients: list[str], *, messages: int, repeats: int) -> list:
+    """``qosmq bench transport``'s cells for ``clients``, 64-byte messages, no printing."""
+    from middleware.bench.transport import run_transport
+
+    return run_transport(
+        settings,
+        clients=clients,
+        messages=messages,
+        size=64,
+        repeats=repeats,
+        report=lambda row: None,
+    )
+
+
 def test_transport_bench_runs_every_client_and_reports_its_cost(settings) -> None:
     """``qosmq bench transport``: each client moves every message through the real broker,
     in the order rotated per pass; the layer reports frames per socket write."""
-    from middleware.bench.transport import run_transport
-
-    rows = run_transport(
-        settings,
-        clients=["raw", "layer", "layer-per-frame"],
-        messages=200,
-        size=64,
-        repeats=2,
-        report=lambda row: None,
-    )
+    rows = _bench(settings, ["raw", "layer", "layer-per-frame"], messages=200, repeats=2)
     assert [r["client"] for r in rows] == [
         "raw",
         "layer",
@@ -255,17 +260,8 @@ def test_transport_bench_runs_every_client_and_reports_its_cost(settings) -> Non
 
 def test_transport_bench_runs_a_client_on_the_loop_it_names(settings) -> None:
     """``NAME@LOOP`` cells run on that loop (and say so); bare names on the settings'."""
-    from middleware.bench.transport import run_transport
-
     custom = settings.model_copy(update={"event_loop": "asyncio"})
-    rows = run_transport(
-        custom,
-        clients=["raw@uvloop", "layer@uvloop", "layer"],
-        messages=200,
-        size=64,
-        repeats=1,
-        report=lambda row: None,
-    )
+    rows = _bench(custom, ["raw@uvloop", "layer@uvloop", "layer"], messages=200, repeats=1)
     assert [(r["client"], r["event_loop"]) for r in rows] == [
         ("raw@uvloop", "uvloop"),
         ("layer@uvloop", "uvloop"),
@@ -274,22 +270,13 @@ def test_transport_bench_runs_a_client_on_the_loop_it_names(settings) -> None:
     assert all(r["messages"] == 200 and r["per_s"] > 0 for r in rows)
     assert rows[1]["frames_per_write"] is not None  # the coalescing writer on uvloop
     with pytest.raises(ValueError, match="event loop must be one of"):
-        run_transport(custom, clients=["layer@trio"], messages=1, size=1, repeats=1)
+        _bench(custom, ["layer@trio"], messages=1, repeats=1)
 
 
 def test_transport_bench_measures_the_sync_face_against_raw_pika(settings) -> None:
     """The sync cells publish confirmed one by one and get every message back (a cell that
     misses one raises); they run no event loop, so a loop in their name is refused."""
-    from middleware.bench.transport import run_transport
-
-    rows = run_transport(
-        settings,
-        clients=["raw-pika", "layer-sync"],
-        messages=300,
-        size=64,
-        repeats=1,
-        report=lambda row: None,
-    )
+    rows = _bench(settings, ["raw-pika", "layer-sync"], messages=300, repeats=1)
     assert [(r["client"], r["event_loop"]) for r in rows] == [
         ("raw-pika", None),
         ("layer-sync", None),
@@ -299,4 +286,4 @@ def test_transport_bench_measures_the_sync_face_against_raw_pika(settings) -> No
     )
     assert all(r["frames_per_write"] is None for r in rows)
     with pytest.raises(ValueError, match="runs no event loop"):
-        run_transport(settings, clients=["layer-sync@uvloop"], messages=1, size=1, repeats=1)
+        _bench(settings, ["layer-sync@uvloop"], messages=1, repeats=1)
