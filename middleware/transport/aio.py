@@ -109,6 +109,7 @@ class AsyncClient:
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._reconnect_task: asyncio.Task[None] | None = None
         self._closers: set[asyncio.Task[None]] = set()
+        self._loop_watch: asyncio.Task[None] | None = None
         self._closing = False
         self._reply_handler: ReplyHandler | None = None
         self._fatal: MiddlewareError | None = None
@@ -118,6 +119,7 @@ class AsyncClient:
     async def connect(self) -> Self:
         """Connect to the first node that answers; fail fast (one try per node)."""
         self._closing = False
+        self._watch_loop_end()
         errors: dict[str, str] = {}
         for _ in self._rotation.nodes:
             node = self._rotation.take()
@@ -142,12 +144,15 @@ class AsyncClient:
         spools meanwhile); ``ready`` turns true and reconnect hooks run once connected.
         """
         self._closing = False
+        self._watch_loop_end()
         if self._reconnect_task is None or self._reconnect_task.done():
             self._reconnect_task = asyncio.ensure_future(self._reconnect())
 
     async def close(self) -> None:
         """Close the connection and stop failing over."""
         self._closing = True
+        if self._loop_watch is not None:
+            self._loop_watch.cancel()
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -459,9 +464,40 @@ class AsyncClient:
         self._ready.set()
         log.debug("connected to %s", node)
 
+    def _watch_loop_end(self) -> None:
+        """Start a task that only waits, so that the end of the event loop shows.
+
+        ``asyncio.run`` (and every runner like it) cancels all remaining tasks when its
+        main coroutine returns: aiormq's reader with them, and the connection then closes
+        with a CancelledError, as it does when aiormq finds it stuck (missed heartbeats).
+        This task is cancelled only by us (``close``) or by that sweep, so a client left
+        open at the end of the loop stops instead of failing over into a closing loop."""
+        if self._loop_watch is None or self._loop_watch.done():
+            self._loop_watch = asyncio.ensure_future(self._wait_for_loop_end())
+
+    async def _wait_for_loop_end(self) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            if not self._closing:
+                log.debug("event loop ending with the client open: not failing over")
+                self._closing = True
+                if self._reconnect_task is not None:
+                    self._reconnect_task.cancel()
+            raise
+
+    def _loop_ending(self) -> bool:
+        watch = self._loop_watch
+        return watch is not None and (watch.done() or watch.cancelling() > 0)
+
     def _on_connection_closed(self, connection: object, exc: BaseException | None) -> None:
         live = self._live
         if self._closing or not isinstance(live, _Live) or live.connection is not connection:
+            return
+        if self._loop_ending():  # cancelled with every other task; aiormq closes it
+            self._closing = True
+            self._live = _Down()
+            self._ready.clear()
             return
         self._live = _Down()
         self._ready.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -188,3 +189,40 @@ def test_cli_status_reports_members(brokers, local_cluster) -> None:
     status = json.loads(proc.stdout)
     assert len(status["members"]) == 3
     assert all(n["running"] and n["pid"] for n in status["nodes"])
+
+
+_LEFT_OPEN = """
+import logging, sys
+from middleware import OutgoingMessage, QueueKind, QueueSpec, Settings, connect
+from middleware.runtime import run
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+async def main() -> None:
+    client = await connect(Settings.load())
+    await client.declare_queue(QueueSpec(sys.argv[1], kind=QueueKind.CLASSIC, exclusive=True))
+    await client.publish(OutgoingMessage(b"x", "", sys.argv[1]))
+    print("left open")            # no client.close(): the loop's end closes it
+
+run(main(), event_loop=sys.argv[2])
+print("loop ended")
+"""
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_a_client_left_open_stops_at_the_end_of_the_loop(event_loop, brokers, name) -> None:
+    """asyncio.run cancels every task at its end, aiormq's reader too, and the connection
+    closes with the CancelledError a stuck (heartbeat) connection also gets: the client must
+    stop there, not fail over into a closing loop (it logged "failing over", connected to the
+    next node and left tasks pending). The blackhole test above covers the stuck case."""
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", _LEFT_OPEN, name, event_loop],
+        env={**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["left", "open", "loop", "ended"]
+    for sign in ("failing over", "Task was destroyed", "Traceback", "never awaited"):
+        assert sign not in done.stderr, done.stderr
