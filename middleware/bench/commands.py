@@ -106,6 +106,13 @@ def register(sub: Any) -> None:
 
     arguments(job)
     job.set_defaults(run=_run_spark_confirms, master="local[*]")
+    job = jobs.add_parser(
+        "phoenix", help="Phoenix response time vs rate or subscriptions, with a report"
+    )
+    from .spark_phoenix import arguments as phoenix_arguments
+
+    phoenix_arguments(job)
+    job.set_defaults(run=_run_spark_phoenix, master="local[*]")
 
 
 def _grid_arguments(
@@ -549,6 +556,12 @@ def _run_spool(args: argparse.Namespace) -> int:
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:
     from .spark_confirms import execute
+
+    return execute(args)
+
+
+def _run_spark_phoenix(args: argparse.Namespace) -> int:
+    from .spark_phoenix import execute
 
     return execute(args)
 

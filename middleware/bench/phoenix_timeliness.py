@@ -329,9 +329,11 @@ async def measure(
     seed: int = 11,
     drain_s: float = 3.0,
     batch_max: int | None = None,
+    records: bool = False,
 ) -> dict[str, Any]:
     """Publish at ``rate`` events/s for ``duration_s`` (Poisson), half from each client;
-    return response-time statistics of the delivered events."""
+    return response-time statistics of the delivered events (with ``records``, also
+    ``records``: one ``(seq, latency level, response s or None)`` per published event)."""
     rng = random.Random(seed)
     first: dict[int, float] = {}
     level_of: dict[int, int] = {}
@@ -376,7 +378,7 @@ async def measure(
     by_class: dict[str, list[float]] = defaultdict(list)
     for s, t in first.items():
         by_class["urgent" if level_of[s] <= 2 else "bulk" if level_of[s] >= 4 else "mid"].append(t)
-    return {
+    row: dict[str, Any] = {
         "rate": rate,
         "offered_per_s": round(seq / sent_s, 1),
         "events": seq,
@@ -387,6 +389,9 @@ async def measure(
         "urgent_mean_ms": _mean_ms(by_class["urgent"]),
         "bulk_mean_ms": _mean_ms(by_class["bulk"]),
     }
+    if records:
+        row["records"] = [(s, level_of[s], first.get(s)) for s in range(seq)]
+    return row
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -408,13 +413,15 @@ def run_experiment(
     repeats: int = 1,
     warmup_s: float = 3.0,
     report: Any = print,
+    records: bool = False,
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
     are switched live (``reconfigure``: the masters' control queues) and alternate within
     each rate, in an order rotated per rate and repeat, so the mechanisms compared at a
     rate run seconds apart under the same conditions.  Every cell is preceded by
-    ``warmup_s`` of unmeasured load at its rate."""
+    ``warmup_s`` of unmeasured load at its rate.  ``records``: every measured row keeps
+    its events' records (``measure``)."""
     rows: list[dict[str, Any]] = []
     loop = settings.event_loop
     for count in subscription_counts:
@@ -428,7 +435,15 @@ def run_experiment(
         for rate in rates:
             row = _metered(
                 deployment,
-                measure(settings, deployment, workload, rate=rate, duration_s=duration_s, raw=True),
+                measure(
+                    settings,
+                    deployment,
+                    workload,
+                    rate=rate,
+                    duration_s=duration_s,
+                    raw=True,
+                    records=records,
+                ),
                 loop,
             )
             rows.append({"subscriptions": count, "mechanism": "raw", "repeat": 0, **row})
@@ -475,6 +490,7 @@ def run_experiment(
                                 rate=rate,
                                 duration_s=duration_s,
                                 batch_max=batch_max,
+                                records=records,
                             ),
                             loop,
                         )

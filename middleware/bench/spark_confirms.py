@@ -30,7 +30,6 @@ import platform
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -39,9 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigurationError
 from ..settings import Settings
 from .confirms import MODES, CellSpec, run_cell_sync
+from .spark_common import (
+    StopAfterCell,
+    hms,
+    new_result_dir,
+    session,
+    settings_payload,
+    write_csv,
+)
 from .stats import whole
 
 DEFAULT_QUEUES = "1,2,3,5,10,15,20,30"
@@ -155,41 +161,16 @@ def _run_on_executor(settings_data: dict[str, Any], cell_data: dict[str, Any]) -
         }
 
 
-def _settings_payload(settings: Settings) -> dict[str, Any]:
-    data = settings.model_dump(mode="json")
-    data["password"] = settings.password.get_secret_value()  # travels with the task only
-    data["amqp_urls"] = ",".join(settings.amqp_urls)
-    return data
-
-
 # -------------------------------------------------------------------- driver side
 def run(args: argparse.Namespace) -> Path:
     """Run the grid; return the result folder.  Ctrl-C keeps finished cells."""
     grid = parse_grid(args)
     settings = Settings.load(args.config)
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        raise ConfigurationError(
-            "the Spark job needs PySpark: pip install 'qosmq[spark]' (make setup installs it)"
-        ) from None
+    spark = session("qosmq-confirms", args.master)
     out = _new_result_dir(args.out)
-
-    # Python workers must run the interpreter that has qosmq installed (on a cluster, set
-    # PYSPARK_PYTHON to the executors' environment with `pip install qosmq[spark]`).
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = SparkSession.builder.appName("qosmq-confirms")
-    if args.master:
-        builder = builder.master(args.master)
-    spark = (
-        builder.config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
     print(
         f"qosmq confirms job: {grid.count} cells ({len(grid.modes)} modes x {len(grid.queues)}"
-        f" queue counts x {grid.repeats} repeats), about {_hms(grid.estimate_s())}; "
+        f" queue counts x {grid.repeats} repeats), about {hms(grid.estimate_s())}; "
         f"results in {out}",
         file=sys.stderr,
         flush=True,
@@ -197,9 +178,9 @@ def run(args: argparse.Namespace) -> Path:
     cells: list[dict[str, Any]] = []
     records_written = False
     interrupted = False
-    payload = _settings_payload(settings)
+    payload = settings_payload(settings)
     try:
-        with _progress(grid, args.no_progress) as advance, _StopAfterCell() as stop:
+        with _progress(grid, args.no_progress) as advance, StopAfterCell() as stop:
             for repeat, cell in grid.cells():
                 if stop.requested:
                     interrupted = True
@@ -227,35 +208,6 @@ def run(args: argparse.Namespace) -> Path:
     finally:
         spark.stop()
     return out
-
-
-class _StopAfterCell:
-    """Ctrl-C while the grid runs: the running cell finishes, then the job stops and
-    writes what finished; a second Ctrl-C stops at once.  (A KeyboardInterrupt raised
-    inside a py4j call makes py4j cancel the command, and that fails with a Py4JError
-    instead; so the first Ctrl-C only asks.)  Outside the main thread: no handler."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __enter__(self) -> _StopAfterCell:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-        return self
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops now
-        print(
-            "\ninterrupted: finishing the running cell (Ctrl-C again to stop at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def _append_records(
@@ -384,19 +336,9 @@ def write_outputs(
 ) -> None:
     (out / "cells.json").write_text(json.dumps(cells, indent=2, default=str))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    _write_csv(out / "summary.csv", summary)
+    write_csv(out / "summary.csv", summary, ("mode", "queues"))
     charts = _charts(out, summary)
     (out / "report.md").write_text(_report(grid, cells, summary, settings, interrupted, charts))
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    import csv
-
-    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("mode", "queues"), k))
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
@@ -517,16 +459,7 @@ def _report(
 
 # ------------------------------------------------------------------------ helpers
 def _new_result_dir(parent: Path) -> Path:
-    """A new folder under ``parent``; an earlier result is never overwritten."""
-    stamp = time.strftime("confirms-%Y%m%d-%H%M%S", time.gmtime())
-    for n in range(1000):
-        path = parent / (stamp if n == 0 else f"{stamp}-{n}")
-        try:
-            path.mkdir(parents=True, exist_ok=False)
-            return path
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"could not create a new result folder under {parent}")
+    return new_result_dir(parent, "confirms")
 
 
 class _progress:
@@ -582,10 +515,6 @@ def _std(values: Sequence[float]) -> float:
 
 def _x(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:.2f}x"
-
-
-def _hms(seconds: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(seconds))
 
 
 def execute(args: argparse.Namespace) -> int:

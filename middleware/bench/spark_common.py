@@ -1,0 +1,107 @@
+"""What the Spark jobs share: the session, the settings that travel with a task, result
+folders that never overwrite, CSV output and Ctrl-C between tasks."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError
+from ..settings import Settings
+
+__all__ = ["StopAfterCell", "hms", "new_result_dir", "session", "settings_payload", "write_csv"]
+
+
+def session(app: str, master: str | None) -> Any:
+    """A SparkSession for a job (``master`` None: spark-submit's); a clear error without
+    PySpark."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise ConfigurationError(
+            "the Spark job needs PySpark: pip install 'qosmq[spark]' (make setup installs it)"
+        ) from None
+    # Python workers must run the interpreter that has qosmq installed (on a cluster, set
+    # PYSPARK_PYTHON to the executors' environment with `pip install qosmq[spark]`).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app)
+    if master:
+        builder = builder.master(master)
+    spark = (
+        builder.config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def settings_payload(settings: Settings) -> dict[str, Any]:
+    """The settings as a task carries them to its executor (``Settings.load(**payload)``)."""
+    data = settings.model_dump(mode="json")
+    data["password"] = settings.password.get_secret_value()  # travels with the task only
+    data["amqp_urls"] = ",".join(settings.amqp_urls)
+    return data
+
+
+def new_result_dir(parent: Path, job: str) -> Path:
+    """A new folder ``JOB-<UTC time>`` under ``parent``; an earlier result is never
+    overwritten."""
+    stamp = time.strftime(f"{job}-%Y%m%d-%H%M%S", time.gmtime())
+    for n in range(1000):
+        path = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new result folder under {parent}")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], first: Sequence[str]) -> None:
+    """Rows as CSV, the ``first`` columns first, the others sorted."""
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in first, k))
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def hms(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+class StopAfterCell:
+    """Ctrl-C while a job runs: the running task finishes, then the job stops and
+    writes what finished; a second Ctrl-C stops at once.  (A KeyboardInterrupt raised
+    inside a py4j call makes py4j cancel the command, and that fails with a Py4JError
+    instead; so the first Ctrl-C only asks.)  Outside the main thread: no handler."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> StopAfterCell:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops now
+        print(
+            "\ninterrupted: finishing the running cell (Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
