@@ -30,6 +30,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type
 from ..errors import (
     AccessRefused,
     BrokerUnreachable,
+    ConnectionLost,
     MiddlewareError,
     NotConnected,
     PublishNacked,
@@ -239,9 +240,9 @@ class AsyncClient:
     async def queue_length(self, name: str) -> int:
         """Messages ready in the queue (passive declare: raises EntityNotFound if missing)."""
 
-        async def passive(ch: AbstractChannel) -> int:
-            queue = await ch.declare_queue(name, passive=True)
-            return int(queue.declaration_result.message_count or 0)
+        async def passive(ch: aiormq.abc.AbstractChannel) -> int:
+            ok = await ch.queue_declare(name, passive=True)
+            return int(ok.message_count or 0) if ok else 0
 
         result: int = await self._on_temp_channel(passive)
         return result
@@ -290,9 +291,8 @@ class AsyncClient:
     async def get(self, queue: str) -> Delivery | None:
         """Take one message (basic.get, acked on receipt), or None if the queue is empty."""
 
-        async def take(ch: AbstractChannel) -> Delivery | None:
-            underlay = await ch.get_underlay_channel()
-            msg = await underlay.basic_get(queue, no_ack=True)
+        async def take(ch: aiormq.abc.AbstractChannel) -> Delivery | None:
+            msg = await ch.basic_get(queue, no_ack=True)
             if isinstance(msg.delivery, aiormq.spec.Basic.GetEmpty):
                 return None
             return _from_delivered(msg, queue)
@@ -580,35 +580,39 @@ class AsyncClient:
         if isinstance(spec, ConsumerSpec):
             return await self._start_consumer(live, self._consumers[spec.tag])
 
-        async def declare(ch: AbstractChannel) -> Any:
+        async def declare(ch: aiormq.abc.AbstractChannel) -> Any:
             match spec:
                 case ExchangeSpec():
-                    await ch.declare_exchange(
+                    await ch.exchange_declare(
                         spec.name,
-                        spec.type.value,
+                        exchange_type=spec.type.value,
                         durable=spec.durable,
                         auto_delete=spec.auto_delete,
                         arguments=dict(spec.arguments),
                     )
                 case QueueSpec():
-                    queue = await ch.declare_queue(
+                    ok = await ch.queue_declare(
                         spec.name,
                         durable=spec.durable,
                         exclusive=spec.exclusive,
                         auto_delete=spec.auto_delete,
                         arguments=spec.declare_arguments(),
                     )
-                    return int(queue.declaration_result.message_count or 0)
+                    return int(ok.message_count or 0) if ok else 0
                 case BindingSpec():
-                    queue = await ch.get_queue(spec.queue, ensure=False)
-                    await queue.bind(
-                        spec.exchange, spec.routing_key, arguments=dict(spec.arguments)
+                    await ch.queue_bind(
+                        spec.queue,
+                        spec.exchange,
+                        routing_key=spec.routing_key,
+                        arguments=dict(spec.arguments),
                     )
             return None
 
         return await self._on_channel_of(live, declare)
 
-    async def _on_temp_channel(self, action: Callable[[AbstractChannel], Awaitable[Any]]) -> Any:
+    async def _on_temp_channel(
+        self, action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
+    ) -> Any:
         async for attempt in async_retrying(self.settings.retry):
             with attempt:
                 live = await self._await_live()
@@ -617,11 +621,20 @@ class AsyncClient:
 
     @staticmethod
     async def _on_channel_of(
-        live: _Live, action: Callable[[AbstractChannel], Awaitable[Any]]
+        live: _Live, action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
     ) -> Any:
-        """Run ``action`` on a short-lived channel, so a refused declare closes only that one."""
+        """Run ``action`` on a short-lived channel, so a refused declare closes only that one.
+
+        An aiormq channel, not an aio-pika one: with aiormq 7 every aio-pika channel
+        leaves two callbacks on its connection when it closes (``closing`` is a new
+        observer per access, so aio-pika's ``remove_done_callback`` removes nothing),
+        and the roles and sidecars read queue lengths every second for as long as they
+        run (measured: ~4 kB per channel, a sidecar's memory growing without end)."""
+        transport = live.connection.transport
+        if transport is None:
+            raise ConnectionLost(f"connection to {live.node} closed")
         try:
-            channel = await live.connection.channel(publisher_confirms=False)
+            channel = await transport.connection.channel(publisher_confirms=False)
             try:
                 return await action(channel)
             finally:
