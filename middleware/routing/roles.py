@@ -1085,6 +1085,7 @@ async def reconfigure(
     confirmed: set[str] = set()
     done = asyncio.Event()
     clients: dict[str, AsyncClient] = {}
+    tags: dict[str, str] = {}
 
     async def on_reply(delivery: Delivery) -> None:
         reply = PhoenixMessage.model_validate_json(delivery.body)
@@ -1106,7 +1107,7 @@ async def reconfigure(
                 client = await AsyncClient(settings=cluster_conf).connect()
                 clients[key] = client
                 await client.declare_queue(inbox_spec(reply_queue))
-                await client.consume(reply_queue, on_reply)
+                tags[key] = await client.consume(reply_queue, on_reply)
             inboxes = [router_inbox(topology, cluster)]
             inboxes += [match_inbox(topology, cluster, i) for i in range(spec.match_masters)]
             for inbox in inboxes:  # each master answers with the queue it was asked on
@@ -1125,8 +1126,10 @@ async def reconfigure(
             async with asyncio.timeout(timeout_s if expected else 0):
                 await done.wait()
     finally:
-        for client in clients.values():
+        for key, client in clients.items():
             with contextlib.suppress(Exception):
+                if key in tags:  # first: a queue deleted under its consumer logs a warning
+                    await client.cancel(tags[key])
                 await client.delete_queue(reply_queue)
             await client.close()
     missing = expected - confirmed
