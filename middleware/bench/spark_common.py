@@ -3,20 +3,29 @@ folders that never overwrite, CSV output and Ctrl-C between tasks."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
 from ..settings import Settings
 
-__all__ = ["StopAfterCell", "hms", "new_result_dir", "session", "settings_payload", "write_csv"]
+__all__ = [
+    "StopAfterCell",
+    "execute",
+    "hms",
+    "new_result_dir",
+    "session",
+    "settings_payload",
+    "write_csv",
+]
 
 
 def session(app: str, master: str | None) -> Any:
@@ -105,3 +114,24 @@ class StopAfterCell:
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def execute(
+    args: argparse.Namespace,
+    *,
+    job: str,
+    validate: Callable[[argparse.Namespace], object],
+    run: Callable[[argparse.Namespace], Path],
+) -> int:
+    """A job's command: validate the grid (exit 2 naming the problem, nothing started),
+    run it, print where the results went and the report."""
+    try:
+        validate(args)
+    except ValueError as exc:
+        print(f"{job}: error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = run(args)
+    print(f"results: {out}")
+    print((out / "report.md").read_text())
+    return 0

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import signal
 import socket
 import sys
 import time
@@ -39,6 +38,7 @@ from typing import Any
 
 from .. import __version__
 from ..settings import Settings
+from . import spark_common
 from .confirms import MODES, CellSpec, run_cell_sync
 from .spark_common import (
     StopAfterCell,
@@ -519,16 +519,7 @@ def _x(value: float | None) -> str:
 
 def execute(args: argparse.Namespace) -> int:
     """Validate, run, print the report; for ``main`` and ``qosmq spark confirms``."""
-    try:
-        parse_grid(args)
-    except ValueError as exc:
-        print(f"confirms_job: error: {exc}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    out = run(args)
-    print(f"results: {out}")
-    print((out / "report.md").read_text())
-    return 0
+    return spark_common.execute(args, job="confirms_job", validate=parse_grid, run=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

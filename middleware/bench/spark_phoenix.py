@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import socket
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 
 from .. import __version__
 from ..settings import Settings
+from . import spark_common
 from .phoenix_timeliness import MECHANISMS, run_experiment
 from .spark_common import StopAfterCell, hms, new_result_dir, session, settings_payload, write_csv
 
@@ -492,16 +492,7 @@ def _range(pair: list[float] | None) -> str:
 
 def execute(args: argparse.Namespace) -> int:
     """Validate, run, print the report; for ``main`` and ``qosmq spark phoenix``."""
-    try:
-        parse_grid(args)
-    except ValueError as exc:
-        print(f"phoenix_job: error: {exc}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    out = run(args)
-    print(f"results: {out}")
-    print((out / "report.md").read_text())
-    return 0
+    return spark_common.execute(args, job="phoenix_job", validate=parse_grid, run=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
