@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> Path:
                     interrupted = True
                     break
                 task = {**asdict(grid), "subscriptions": [count]}
-                task["work_dir"] = str(args.work_dir / f"subs-{count}") if args.work_dir else None
+                task["work_dir"] = str(args.work_dir) if args.work_dir else None  # + subs-N
                 result = (
                     spark.sparkContext.parallelize([task], 1)
                     .map(lambda t: _run_count_on_executor(payload, t))

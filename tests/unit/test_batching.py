@@ -47,25 +47,27 @@ def test_a_lone_message_leaves_alone_as_the_plain_object() -> None:
     assert split(publish.published[0][2]) == ([PhoenixMessage.model_validate_json(_body(1))], [])
 
 
-def test_sends_of_one_loop_turn_share_an_amqp_message_per_inbox_and_priority() -> None:
+def test_sends_of_one_loop_turn_share_an_amqp_message_per_inbox_at_the_top_priority() -> None:
     async def run() -> tuple[_Recorder, Batcher]:
         publish = _Recorder()
         batcher = Batcher(publish, max_messages=32)
         sends = [batcher.send("A", "inbox", _body(i), 0) for i in range(5)]
         sends += [batcher.send("A", "inbox", _body(i), 7) for i in range(5, 8)]  # urgent
-        sends += [batcher.send("B", "inbox", _body(8), 0)]
+        sends += [batcher.send("A", "inbox", _body(8), 3)]
+        sends += [batcher.send("B", "inbox", _body(9), 0)]
         await asyncio.gather(*sends)
         return publish, batcher
 
     publish, batcher = asyncio.run(run())
-    by_key = {(c, q, p): body for c, q, body, p in publish.published}
-    assert len(publish.published) == 3
-    bulk, _ = split(by_key["A", "inbox", 0])
-    urgent, _ = split(by_key["A", "inbox", 7])
-    assert [m.event.attributes["n"] for m in bulk if m.event] == [0, 1, 2, 3, 4]
-    assert [m.event.attributes["n"] for m in urgent if m.event] == [5, 6, 7]
-    assert json.loads(by_key["B", "inbox", 0])["event"]["attributes"] == {"n": 8}
-    assert (batcher.sent, batcher.batches) == (9, 3)
+    by_key = {(c, q): (body, p) for c, q, body, p in publish.published}
+    assert len(publish.published) == 2
+    body, priority = by_key["A", "inbox"]
+    assert priority == 7  # the urgent ones do not wait behind the bulk ones in the broker
+    together, _ = split(body)
+    assert [m.event.attributes["n"] for m in together if m.event] == list(range(9))
+    body, priority = by_key["B", "inbox"]
+    assert priority == 0 and json.loads(body)["event"]["attributes"] == {"n": 9}
+    assert (batcher.sent, batcher.batches) == (10, 2)
 
 
 def test_a_full_batch_leaves_at_once_and_the_next_one_opens() -> None:
