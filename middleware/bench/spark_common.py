@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ from ..settings import Settings
 __all__ = [
     "StopAfterCell",
     "execute",
+    "failure",
     "hms",
     "new_result_dir",
+    "on_executor",
     "session",
     "settings_payload",
     "write_csv",
@@ -58,6 +61,16 @@ def settings_payload(settings: Settings) -> dict[str, Any]:
     data["password"] = settings.password.get_secret_value()  # travels with the task only
     data["amqp_urls"] = ",".join(settings.amqp_urls)
     return data
+
+
+def on_executor(spark: Any, function: Callable[..., dict[str, Any]], *args: Any) -> Any:
+    """``function(*args)`` as one Spark task (on an executor, not the driver); its result."""
+    return spark.sparkContext.parallelize([args], 1).map(lambda a: function(*a)).collect()[0]
+
+
+def failure(exc: BaseException) -> dict[str, str]:
+    """A task's error as data (it comes back to the driver with what finished)."""
+    return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
 
 
 def new_result_dir(parent: Path, job: str) -> Path:

@@ -30,7 +30,6 @@ import platform
 import socket
 import sys
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,8 +41,10 @@ from . import spark_common
 from .confirms import MODES, CellSpec, run_cell_sync
 from .spark_common import (
     StopAfterCell,
+    failure,
     hms,
     new_result_dir,
+    on_executor,
     session,
     settings_payload,
     write_csv,
@@ -153,12 +154,7 @@ def _run_on_executor(settings_data: dict[str, Any], cell_data: dict[str, Any]) -
     try:
         return run_cell_sync(settings, cell, records=True)
     except Exception as exc:
-        return {
-            "mode": cell.mode,
-            "queues": cell.queues,
-            "error": f"{type(exc).__name__}: {exc}",
-            "trace": traceback.format_exc(),
-        }
+        return {"mode": cell.mode, "queues": cell.queues, **failure(exc)}
 
 
 # -------------------------------------------------------------------- driver side
@@ -185,11 +181,7 @@ def run(args: argparse.Namespace) -> Path:
                 if stop.requested:
                     interrupted = True
                     break
-                result = (
-                    spark.sparkContext.parallelize([asdict(cell)], 1)
-                    .map(lambda c: _run_on_executor(payload, c))
-                    .collect()[0]
-                )
+                result = on_executor(spark, _run_on_executor, payload, asdict(cell))
                 result.update(repeat=repeat, duration_s=result.get("duration_s", cell.duration_s))
                 records = result.pop("records", None)
                 result.pop("trace", None)

@@ -29,7 +29,6 @@ import socket
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +38,16 @@ from .. import __version__
 from ..settings import Settings
 from . import spark_common
 from .phoenix_timeliness import MECHANISMS, run_experiment
-from .spark_common import StopAfterCell, hms, new_result_dir, session, settings_payload, write_csv
+from .spark_common import (
+    StopAfterCell,
+    failure,
+    hms,
+    new_result_dir,
+    on_executor,
+    session,
+    settings_payload,
+    write_csv,
+)
 
 __all__ = ["PhoenixGrid", "aggregate", "arguments", "claims", "execute", "main", "parse_grid"]
 
@@ -165,12 +173,7 @@ def _run_count_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) 
             )
         return {"subscriptions": count, "rows": rows}
     except Exception as exc:
-        return {
-            "subscriptions": count,
-            "rows": rows,
-            "error": f"{type(exc).__name__}: {exc}",
-            "trace": traceback.format_exc(),
-        }
+        return {"subscriptions": count, "rows": rows, **failure(exc)}
 
 
 # -------------------------------------------------------------------- driver side
@@ -199,11 +202,7 @@ def run(args: argparse.Namespace) -> Path:
                     break
                 task = {**asdict(grid), "subscriptions": [count]}
                 task["work_dir"] = str(args.work_dir) if args.work_dir else None  # + subs-N
-                result = (
-                    spark.sparkContext.parallelize([task], 1)
-                    .map(lambda t: _run_count_on_executor(payload, t))
-                    .collect()[0]
-                )
+                result = on_executor(spark, _run_count_on_executor, payload, task)
                 for row in result["rows"]:
                     records = row.pop("records", None) or []
                     row.setdefault("repeat", 0)
