@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import platform
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..errors import ConfigurationError
 from ..settings import Settings
 
@@ -94,6 +97,27 @@ def write_csv(path: Path, rows: list[dict[str, Any]], first: Sequence[str]) -> N
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def provenance(settings: Settings) -> list[str]:
+    """A report's first lines: what ran where and when, and against which brokers."""
+    return [
+        f"- qosmq {__version__}, Python {platform.python_version()}, host {socket.gethostname()}"
+        f", {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- brokers: {', '.join(settings.amqp_urls)} (vhost {settings.vhost})",
+    ]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or None without matplotlib (no charts)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def hms(seconds: float) -> str:

@@ -25,17 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
-import socket
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..settings import Settings
 from . import spark_common
 from .confirms import MODES, CellSpec, run_cell_sync
@@ -45,6 +40,8 @@ from .spark_common import (
     hms,
     new_result_dir,
     on_executor,
+    provenance,
+    pyplot,
     session,
     settings_payload,
     write_csv,
@@ -334,12 +331,8 @@ def write_outputs(
 
 
 def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     made = []
     modes = sorted({s["mode"] for s in summary})
@@ -398,9 +391,7 @@ def _report(
     lines = [
         "# qosmq confirm modes: results",
         "",
-        f"- qosmq {__version__}, Python {platform.python_version()}, host {socket.gethostname()}"
-        f", {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- brokers: {', '.join(settings.amqp_urls)} (vhost {settings.vhost})",
+        *provenance(settings),
         f"- grid: modes {', '.join(grid.modes)}; queues {', '.join(map(str, grid.queues))}; "
         f"{grid.producers_per_queue} producers and {grid.consumers_per_queue} consumers per "
         f"queue; {grid.size}-byte messages; {grid.duration_s:g} s per cell; "

@@ -23,18 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import socket
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..settings import Settings
 from . import spark_common
 from .phoenix_timeliness import MECHANISMS, run_experiment
@@ -44,6 +39,8 @@ from .spark_common import (
     hms,
     new_result_dir,
     on_executor,
+    provenance,
+    pyplot,
     session,
     settings_payload,
     write_csv,
@@ -367,12 +364,8 @@ def _cpu_columns(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _charts(out: Path, grid: PhoenixGrid, summary: list[dict[str, Any]]) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     x_key = "rate" if grid.experiment == "rate" else "subscriptions"
     made = []
@@ -419,9 +412,7 @@ def _report(
     lines = [
         "# qosmq Phoenix timeliness: results",
         "",
-        f"- qosmq {__version__}, Python {platform.python_version()}, host {socket.gethostname()}"
-        f", {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- brokers: {', '.join(settings.amqp_urls)} (vhost {settings.vhost})",
+        *provenance(settings),
         f"- experiment {grid.experiment}: subscriptions {', '.join(map(str, grid.subscriptions))}"
         f"; rates {', '.join(f'{r:g}' for r in grid.rates)} events/s; mechanisms "
         f"{', '.join(grid.mechanisms)}; {grid.duration_s:g} s per cell after {grid.warmup_s:g} s"
