@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
+
 __all__ = ["KINDS", "MongoStateStore", "SQLiteStateStore", "StateStore", "open_store"]
 
 KINDS = ("routing_table", "advertisement", "subscription")
@@ -48,18 +50,35 @@ def _check(kind: str) -> None:
         raise ValueError(f"unknown state kind {kind!r}; one of {', '.join(KINDS)}")
 
 
+def _locked(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
 class SQLiteStateStore:
     """The embedded default: one SQLite file (WAL), safe across threads."""
 
     def __init__(self, path: Path | str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS state (owner TEXT, kind TEXT, key TEXT, version INTEGER,"
-            " doc TEXT, PRIMARY KEY (owner, kind, key))"
+        self._db = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
+        # Switching a new file to WAL takes an exclusive lock and SQLite does not always wait
+        # for it (busy handler skipped): the roles of `phoenix up` start together on one file,
+        # and one of 12 processes opening a fresh file at once failed with "database is
+        # locked" in 3 of 10 trials.  Set-up is idempotent, so it is retried.
+        for attempt in Retrying(
+            retry=retry_if_exception(_locked),
+            wait=wait_random(0.02, 0.2),
+            stop=stop_after_delay(30),
+            reraise=True,
+        ):
+            with attempt:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute(
+                    "CREATE TABLE IF NOT EXISTS state (owner TEXT, kind TEXT, key TEXT,"
+                    " version INTEGER, doc TEXT, PRIMARY KEY (owner, kind, key))"
+                )
 
     def save(self, owner: str, kind: str, key: str, document: Document, version: int) -> None:
         _check(kind)
