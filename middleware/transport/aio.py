@@ -480,10 +480,17 @@ class AsyncClient:
             await asyncio.get_running_loop().create_future()
         except asyncio.CancelledError:
             if not self._closing:
-                log.debug("event loop ending with the client open: not failing over")
+                log.debug("event loop ending with the client open: closing it, not failing over")
                 self._closing = True
                 if self._reconnect_task is not None:
                     self._reconnect_task.cancel()
+                # Close within the sweep (it waits for this task): left to the cancelled
+                # reader, aio-pika's channel-close callbacks start tasks after the sweep and
+                # the loop closes under them ("Task was destroyed", "Event loop is closed").
+                live, self._live = self._live, _Down()
+                if isinstance(live, _Live):
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(live.connection.close(), 2.0)
             raise
 
     def _loop_ending(self) -> bool:
