@@ -8,10 +8,10 @@ the state store before the roles start (as if subscribed earlier: the match
 masters and their slaves hold them, and every routing master on a subscription's
 path holds its latency level); the masters read them back by quorum at start.
 
-Mechanisms (table 1): ``none`` (no priorities, the match master matches every
-event itself), ``inner`` (predicted-T dispatch to the match slaves), ``outer``
-(latency-level priorities between clusters), ``both``, switched live on the
-running masters between cells (``qosmq phoenix configure``).  Response time is
+Mechanisms (table 1): ``none`` (no priorities, the match master takes turns over
+itself and its slaves, blind to load), ``inner`` (predicted-T dispatch to the match
+slaves), ``outer`` (latency-level priorities between clusters), ``both``, switched
+live on the running masters between cells (``qosmq phoenix configure``).  Response time is
 publish -> first delivery of the event to a subscriber's queue, measured by the
 client (one host, one clock).  A ``raw`` row publishes the same events straight
 into the subscriber queue with aio-pika: the transport's floor in the same run.
@@ -55,12 +55,24 @@ __all__ = [
     "summarize",
 ]
 
-MECHANISMS = {"none": (False, False), "inner": (False, True), "outer": (True, False)}
-MECHANISMS["both"] = (True, True)  # (outer, inner)
-#: not a paper mechanism: "none" with every role message in an AMQP message of its own
-#: (batch_max = 1), to measure what batching between roles does in the same run
-MECHANISMS["none-unbatched"] = (False, False)
-UNBATCHED = {"none-unbatched"}
+#: name -> the live switches (``qosmq phoenix configure``); with ``inner`` off the match
+#: masters take turns over themselves and their slaves (the paper's base system)
+MECHANISMS: dict[str, dict[str, Any]] = {
+    "none": {"outer": False, "inner": False, "blind_dispatch": "round_robin"},
+    "inner": {"outer": False, "inner": True},
+    "outer": {"outer": True, "inner": False, "blind_dispatch": "round_robin"},
+    "both": {"outer": True, "inner": True},
+    # not paper mechanisms, to measure one thing in the same run: "none" with the match
+    # masters matching every event themselves (no slaves), and "none" with every role
+    # message in an AMQP message of its own (batch_max = 1)
+    "none-master": {"outer": False, "inner": False, "blind_dispatch": "master"},
+    "none-unbatched": {
+        "outer": False,
+        "inner": False,
+        "blind_dispatch": "round_robin",
+        "batch_max": 1,
+    },
+}
 CLUSTERS = ("A", "B", "C")
 CLIENTS = ("A", "C")  # the clusters the two clients connect to
 
@@ -454,16 +466,14 @@ def run_experiment(
                 for r, rate in enumerate(rates):
                     shift = (repeat + r + subscription_counts.index(count)) % len(mechanisms)
                     for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
-                        outer, inner = MECHANISMS[mechanism]
-                        batch_max = 1 if mechanism in UNBATCHED else deployment.topology.batch_max
+                        switches = {
+                            "batch_max": deployment.topology.batch_max,
+                            **MECHANISMS[mechanism],
+                        }
+                        batch_max = switches["batch_max"]
                         runtime.run(
                             reconfigure(
-                                settings,
-                                deployment.topology,
-                                deployment.clusters,
-                                outer=outer,
-                                inner=inner,
-                                batch_max=batch_max,
+                                settings, deployment.topology, deployment.clusters, **switches
                             ),
                             event_loop=loop,
                         )

@@ -16,6 +16,7 @@ from .timeliness import (
     choose_broker,
     mean_processing_time,
     predicted_queue,
+    round_robin,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "mean_processing_time",
     "predicted_queue",
     "ring_id",
+    "round_robin",
 ]

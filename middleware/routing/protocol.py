@@ -108,6 +108,10 @@ class PhoenixTopology(BaseModel):
     batch_max: int = Field(32, ge=1, le=1000)
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
+    #: how a match master dispatches with ``inner`` off: ``round_robin`` over itself and
+    #: its live slaves (the paper's base system, blind to load: "matched locally or sent
+    #: to the master's slaves"), or ``master`` (it matches every event itself)
+    blind_dispatch: Literal["round_robin", "master"] = "round_robin"
     persist_interval_s: float = Field(60.0, gt=0)  # masters' periodic table snapshots
     read_timeout_s: float = Field(60.0, gt=0)  # how long a master waits for R replica replies
 

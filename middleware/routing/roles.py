@@ -21,8 +21,9 @@ the data backlog of its inbox.
 
 Match slaves match what the master dispatches to them and report their
 predicted processing time T by heartbeat; the master sends each event to the
-broker with the smallest T (the inner mechanism; ``inner = false``: the master
-matches everything itself).  Inboxes are consumed with a small prefetch so a
+broker with the smallest T (the inner mechanism; ``inner = false``: round robin over
+the master and its live slaves, blind to load, or with ``blind_dispatch = "master"``
+the master matches everything itself).  Inboxes are consumed with a small prefetch so a
 backlog waits in RabbitMQ's priority queue and urgent events overtake it (the
 outer mechanism; ``outer = false``: every event has priority 0).
 
@@ -67,7 +68,7 @@ from .protocol import (
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
 from .ring import ChordRing, Handover, ring_id
 from .store import StateStore, open_store
-from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker
+from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker, round_robin
 
 __all__ = [
     "MatchMaster",
@@ -272,7 +273,7 @@ class _Role:
         and how many messages a batch may carry (``batch_max``); the topology file is not
         changed, so a restart goes back to it."""
         table = message.table or {}
-        switches = {k: v for k, v in table.items() if k in ("outer", "inner", "batch_max")}
+        switches = {k: v for k, v in table.items() if k in SWITCHES}
         try:
             self.topology = PhoenixTopology.model_validate(
                 {**self.topology.model_dump(), **switches}, strict=True
@@ -295,6 +296,10 @@ class _Role:
 
     async def control(self, message: PhoenixMessage) -> None:
         """Acks, snapshots and heartbeats (masters)."""
+
+
+#: what ``qosmq phoenix configure`` may switch live on the running masters
+SWITCHES = ("outer", "inner", "blind_dispatch", "batch_max")
 
 
 class ReplicaTimeout(MiddlewareError):
@@ -833,6 +838,7 @@ class MatchMaster(_MatchBroker):
         self.inbox = match_inbox(self.topology, self.cluster, self.index)
         self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
+        self.turn = 0  # round robin's position (inner off)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
         self._confirming: set[asyncio.Task[None]] = set()  # subscribe confirmations in flight
         self.replicas = _ReplicaSet(
@@ -908,7 +914,7 @@ class MatchMaster(_MatchBroker):
                 self.store.save, self.owner, "advertisement", message.event_type, {}, 1
             )
         elif message.kind is Kind.PUBLISH and message.event is not None:
-            target = self.choose() if self.topology.inner else None
+            target = self.choose() if self.topology.inner else self.choose_blind()
             if target is None:
                 await self._match(message)
             else:
@@ -1001,11 +1007,26 @@ class MatchMaster(_MatchBroker):
         if self.predictor.predicted_queue(now) < 1:
             return None
         predicted = {"self": self.predictor.predict(now)}
-        for j, state in self.slave_state.items():
-            if now - state.reported_at <= 3 * self.HEARTBEAT_S:  # a silent slave gets nothing
-                predicted[f"slave-{j}"] = state.predict(now) + self.hop_s
+        for j in self._live_slaves(now):
+            predicted[f"slave-{j}"] = self.slave_state[j].predict(now) + self.hop_s
         chosen = choose_broker(predicted)
         return None if chosen == "self" else int(chosen.split("-")[1])
+
+    def _live_slaves(self, now: float) -> list[int]:
+        """The slaves that reported in the last three heartbeats (a silent one gets nothing)."""
+        return sorted(
+            j
+            for j, state in self.slave_state.items()
+            if now - state.reported_at <= 3 * self.HEARTBEAT_S
+        )
+
+    def choose_blind(self) -> int | None:
+        """With ``inner`` off: the next of the master and its live slaves in turn
+        (``round_robin``), or None, itself, every time (``master``)."""
+        if self.topology.blind_dispatch == "master":
+            return None
+        chosen, self.turn = round_robin([None, *self._live_slaves(time.monotonic())], self.turn)
+        return chosen
 
 
 class MatchSlave(_MatchBroker, _ReplicaHolder):
@@ -1071,14 +1092,20 @@ async def reconfigure(
     *,
     outer: bool | None = None,
     inner: bool | None = None,
+    blind_dispatch: str | None = None,
     batch_max: int | None = None,
     timeout_s: float = 30.0,
 ) -> list[str]:
-    """Switch ``outer``/``inner`` (and ``batch_max``) live on the routing and match
-    masters of ``clusters`` (through their control queues, ahead of any backlog); return
-    the control queues of the masters that confirmed. Raises :class:`MiddlewareError`
-    naming the ones that did not answer in ``timeout_s``."""
-    asked = (("outer", outer), ("inner", inner), ("batch_max", batch_max))
+    """Switch ``outer``/``inner``/``blind_dispatch`` (and ``batch_max``) live on the
+    routing and match masters of ``clusters`` (through their control queues, ahead of
+    any backlog); return the control queues of the masters that confirmed. Raises
+    :class:`MiddlewareError` naming the ones that did not answer in ``timeout_s``."""
+    asked = (
+        ("outer", outer),
+        ("inner", inner),
+        ("blind_dispatch", blind_dispatch),
+        ("batch_max", batch_max),
+    )
     switches = {k: v for k, v in asked if v is not None}
     request = uuid.uuid4().hex
     expected: set[str] = set()

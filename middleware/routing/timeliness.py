@@ -10,7 +10,9 @@ Inside a cluster: each match broker counts arrivals NA and completions NC over a
 window t: a = NA/t, mu = NC/t; predicts its queue q(t) = max(0, q(t') + (a - mu)(t - t'));
 message i waits (i - 1)/mu and takes 1/mu, so the mean processing time is
 T(t) = (q(t) + 1) / (2 mu).  The master sends each event to the broker with the
-smallest T (itself included).
+smallest T (itself included).  Without it the master takes turns over itself and
+its slaves (round robin, blind to load), as the paper's base system "matches an
+event locally or sends it to the master's slaves".
 
 NC/t is the service *rate* only while the broker is saturated; at light load it is
 the arrival rate, which makes an idle broker look slow (T = 1/(2a)).  A broker that
@@ -21,8 +23,9 @@ gets mu = NC / (time it was busy in the window): its capacity, as the model mean
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 __all__ = [
     "LatencyMap",
@@ -31,9 +34,11 @@ __all__ = [
     "choose_broker",
     "mean_processing_time",
     "predicted_queue",
+    "round_robin",
 ]
 
 MAX_PRIORITY = 9  # x-max-priority of the routing inboxes
+T_ = TypeVar("T_")
 
 
 @dataclass
@@ -98,6 +103,13 @@ def choose_broker(predicted: Mapping[str, float]) -> str:
     if not predicted:
         raise ValueError("no broker to choose from")
     return min(sorted(predicted), key=lambda b: predicted[b])
+
+
+def round_robin(brokers: Sequence[T_], turn: int) -> tuple[T_, int]:
+    """The broker whose turn it is and the next turn (dispatch blind to load)."""
+    if not brokers:
+        raise ValueError("no broker to choose from")
+    return brokers[turn % len(brokers)], (turn + 1) % len(brokers)
 
 
 @dataclass

@@ -47,6 +47,12 @@ def register(roles: Any, sub: Any) -> None:
             for switch in ("outer", "inner"):
                 p.add_argument(f"--{switch}", choices=("on", "off"))
             p.add_argument(
+                "--blind-dispatch",
+                choices=("round_robin", "master"),
+                help="match masters with inner off: round robin over master and slaves, "
+                "or the master matches every event",
+            )
+            p.add_argument(
                 "--batch-max", type=int, help="messages per batch between roles (1: no batching)"
             )
             p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
@@ -233,9 +239,11 @@ def _configure(args: argparse.Namespace) -> int:
     from ..routing.protocol import PhoenixTopology
     from ..routing.roles import reconfigure
 
-    if args.outer is None and args.inner is None and args.batch_max is None:
+    asked = (args.outer, args.inner, args.blind_dispatch, args.batch_max)
+    if all(a is None for a in asked):
         print(
-            "phoenix configure: give --outer on|off, --inner on|off and/or --batch-max N",
+            "phoenix configure: give --outer on|off, --inner on|off, "
+            "--blind-dispatch round_robin|master and/or --batch-max N",
             file=sys.stderr,
         )
         return 2
@@ -254,6 +262,7 @@ def _configure(args: argparse.Namespace) -> int:
                 running,
                 outer=None if args.outer is None else args.outer == "on",
                 inner=None if args.inner is None else args.inner == "on",
+                blind_dispatch=args.blind_dispatch,
                 batch_max=args.batch_max,
                 timeout_s=args.timeout,
             ),

@@ -450,6 +450,61 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
     assert "bad event" in dead[0]["reason"] and queue in dead[0]["reason"], dead[0]["reason"]
 
 
+def test_without_inner_the_match_master_takes_turns_or_matches_alone(
+    settings, brokers, tmp_path, name
+) -> None:
+    """``inner`` off: round robin over the master and its two slaves, blind to load (the
+    paper's base system), or with ``blind_dispatch = "master"`` the master alone; switched
+    live with ``qosmq phoenix configure``. Events go one at a time: no backlog anywhere."""
+    topology_file, topology = _topology(
+        tmp_path, name, {"A": {"match_slaves": 2, "routing_slaves": 0}}
+    )
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue = f"{name}.subscriber"
+
+    async def round_of(client: AsyncClient, at_a: PhoenixClient, tag: str, n: int) -> list[str]:
+        """Publish ``n`` events one after another; the broker that matched each."""
+        got: dict[str, str] = {}
+        for i in range(n):
+            await at_a.publish({"event_type": "quotes", "attributes": {"n": f"{tag}{i}"}})
+            deadline = time.monotonic() + 10
+            while f"{tag}{i}" not in got and time.monotonic() < deadline:
+                while (d := await client.get(queue)) is not None:
+                    m = json.loads(d.body)
+                    assert m["event"]["attributes"]["n"] not in got, "delivered twice"
+                    got[m["event"]["attributes"]["n"]] = m["broker"]
+                await asyncio.sleep(0.01)
+        assert sorted(got) == sorted(f"{tag}{i}" for i in range(n)), "each event delivered once"
+        return [got[f"{tag}{i}"] for i in range(n)]
+
+    async def scenario() -> dict[str, list[str]]:
+        client = await AsyncClient(settings=settings).connect()
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        await at_a.subscribe("quotes", [("n", "exists")], 1, queue)
+        await asyncio.sleep(2)  # every slave has reported (heartbeats every 0.5 s)
+        rounds = {"round_robin": await round_of(client, at_a, "rr", 30)}
+        await asyncio.to_thread(
+            _phoenix, "configure", topology_file, state, urls, "--blind-dispatch", "master"
+        )
+        rounds["master"] = await round_of(client, at_a, "m", 12)
+        await client.delete_queue(queue)
+        await client.close()
+        return rounds
+
+    try:
+        _phoenix("up", topology_file, state, urls)
+        _phoenix("configure", topology_file, state, urls, "--inner", "off")
+        rounds = asyncio.run(scenario())
+    finally:
+        if (state / "phoenix.json").exists():
+            _phoenix("down", topology_file, state, urls)
+    brokers_used = {b: rounds["round_robin"].count(b) for b in set(rounds["round_robin"])}
+    assert sorted(brokers_used) == ["A/match-0", "A/match-0/slave-0", "A/match-0/slave-1"]
+    assert all(count == 10 for count in brokers_used.values()), brokers_used
+    assert set(rounds["master"]) == {"A/match-0"}
+
+
 def test_live_configure_names_the_masters_that_did_not_answer(settings, brokers, name) -> None:
     """Nothing runs for this topology: the switch is not confirmed and says by whom."""
     from middleware.errors import MiddlewareError

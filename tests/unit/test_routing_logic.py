@@ -21,6 +21,7 @@ from middleware.routing import (
     choose_broker,
     mean_processing_time,
     predicted_queue,
+    round_robin,
 )
 
 
@@ -119,6 +120,37 @@ def test_queue_prediction_hand_computed() -> None:
     assert p.close_window(101.0) == pytest.approx((20 + 1) / 60)  # q = 20, mu = 30
     assert p.predict(101.5) == pytest.approx((30 + 1) / 60)  # q grows 20/s for 0.5 s
     assert choose_broker({"master": 0.7, "slave-1": 0.2, "slave-2": 0.2}) == "slave-1"
+
+
+def test_blind_dispatch_takes_turns_over_whoever_is_live() -> None:
+    brokers: list[int | None] = [None, 0, 1]  # the master itself, then its slaves
+    turn, chosen = 0, []
+    for _ in range(7):
+        broker, turn = round_robin(brokers, turn)
+        chosen.append(broker)
+    assert chosen == [None, 0, 1, None, 0, 1, None]
+    assert round_robin([None, 1], turn) == (1, 0)  # slave 0 went silent: turns go on
+    with pytest.raises(ValueError):
+        round_robin([], 0)
+
+
+def test_blind_dispatch_is_checked_at_start_up_and_on_a_live_switch(tmp_path) -> None:
+    from pydantic import ValidationError
+
+    from middleware.errors import ConfigurationError
+    from middleware.routing.protocol import PhoenixTopology
+
+    path = tmp_path / "phoenix.toml"
+    path.write_text('[[cluster]]\nid = "A"\n')
+    topology = PhoenixTopology.load(path)
+    assert topology.blind_dispatch == "round_robin"
+    switched = {**topology.model_dump(), "blind_dispatch": "master"}  # as a master applies it
+    assert PhoenixTopology.model_validate(switched, strict=True).blind_dispatch == "master"
+    with pytest.raises(ValidationError, match="blind_dispatch"):
+        PhoenixTopology.model_validate({**switched, "blind_dispatch": "random"}, strict=True)
+    path.write_text('blind_dispatch = "random"\n[[cluster]]\nid = "A"\n')
+    with pytest.raises(ConfigurationError, match="blind_dispatch"):
+        PhoenixTopology.load(path)
 
 
 def test_a_masters_view_of_a_slave_counts_what_it_sent_since_the_report() -> None:
