@@ -168,6 +168,11 @@ class Settings(BaseSettings):
     event_loop: EventLoopName = Field(
         "auto", description="auto: uvloop where installed, else asyncio's own loop"
     )
+    gc_freeze: bool = Field(
+        True,
+        description="Phoenix roles: freeze the tables loaded at start so full garbage "
+        "collections skip them",
+    )
     management_port_offset: int = Field(
         10000, ge=0, description="management API port = AMQP port + this (local clusters: 10000)"
     )

@@ -48,6 +48,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 from pydantic import ValidationError
 
+from .. import heap
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..settings import Settings
@@ -186,18 +187,27 @@ class _Role:
             await client.declare_queue(inbox_spec(control_inbox(inbox)))
             await client.consume(control_inbox(inbox), self._on_control)
         await self.prepare()
+        if self.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
+            heap.settle(f"{self.role} of {self.cluster}")
         await client.declare_queue(inbox_spec(inbox))
-        await client.consume(inbox, self._on_message, prefetch=self.topology.inbox_prefetch)
-        log.info("%s serving %s", type(self).__name__, inbox)
-        if self.observes_inbox:
-            await stop.wait()
-        else:
-            watch = asyncio.create_task(self._watch_inbox(client, inbox, stop))
-            await stop.wait()
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-        log.info("%s of %s stopped; counters: %s", self.role, self.cluster, dict(self.counters))
+        with heap.FullCollections() as collections:
+            await client.consume(inbox, self._on_message, prefetch=self.topology.inbox_prefetch)
+            log.info("%s serving %s", type(self).__name__, inbox)
+            if self.observes_inbox:
+                await stop.wait()
+            else:
+                watch = asyncio.create_task(self._watch_inbox(client, inbox, stop))
+                await stop.wait()
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+        log.info(
+            "%s of %s stopped; counters: %s; %s",
+            self.role,
+            self.cluster,
+            dict(self.counters),
+            collections.summary(),
+        )
         for c in self._clients.values():
             await c.close()
 
@@ -516,28 +526,34 @@ class _ReplicaHolder(_Role):
             )
             return True
         if message.kind is Kind.READ and message.state_kind and message.reply_to:
-            table = await asyncio.to_thread(self.store.load, self.replica_owner, message.state_kind)
-            entries = list(table.items())
-            pages = [
-                entries[i : i + _ReplicaSet.PAGE] for i in range(0, len(entries), _ReplicaSet.PAGE)
-            ] or [[]]
-            for n, page in enumerate(pages):
-                await self.send(
-                    self.cluster,
-                    message.reply_to,
-                    PhoenixMessage(
-                        kind=Kind.SNAPSHOT,
-                        event_type="-",
-                        request=message.request,
-                        state_kind=message.state_kind,
-                        entries=dict(page),
-                        last=n == len(pages) - 1,
-                        broker=self.replica_owner,
-                    ),
-                )
+            with heap.paused():  # a second copy of the table, no cycles: heap.py
+                await self._answer_read(message)
             self.count("reads_answered")
             return True
         return False
+
+    async def _answer_read(self, message: PhoenixMessage) -> None:
+        """The whole table of the kind asked for, in pages, to the reader's queue."""
+        assert message.state_kind and message.reply_to
+        table = await asyncio.to_thread(self.store.load, self.replica_owner, message.state_kind)
+        entries = list(table.items())
+        pages = [
+            entries[i : i + _ReplicaSet.PAGE] for i in range(0, len(entries), _ReplicaSet.PAGE)
+        ] or [[]]
+        for n, page in enumerate(pages):
+            await self.send(
+                self.cluster,
+                message.reply_to,
+                PhoenixMessage(
+                    kind=Kind.SNAPSHOT,
+                    event_type="-",
+                    request=message.request,
+                    state_kind=message.state_kind,
+                    entries=dict(page),
+                    last=n == len(pages) - 1,
+                    broker=self.replica_owner,
+                ),
+            )
 
 
 class RouterMaster(_Role):
