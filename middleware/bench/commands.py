@@ -72,6 +72,9 @@ def register(sub: Any) -> None:
     phoenix.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
     phoenix.add_argument("--repeats", type=int, default=1, help="mechanism passes (rotated)")
     phoenix.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell")
+    from .phoenix_timeliness import steal_arguments
+
+    steal_arguments(phoenix)
     phoenix.add_argument(
         "--work-dir", type=Path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
     )
@@ -353,7 +356,7 @@ def _run_phoenix(args: argparse.Namespace) -> int:
 
 
 def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
-    from .phoenix_timeliness import MECHANISMS, run_experiment, summarize
+    from .phoenix_timeliness import MECHANISMS, run_experiment, steal_limits, summarize
 
     by_rate = args.experiment == "rate"
     counts = [
@@ -383,9 +386,18 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
     )
     print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  cpu %", flush=True)
 
+    try:
+        max_steal, steal_retries = steal_limits(args)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
     def report(row: dict[str, Any]) -> None:
         line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        print(f"{line}  {_cpu_text(row.get('cpu'))}", flush=True)
+        marks = "".join(
+            f"  ({what}: {row[what]})" for what in ("discarded", "disturbed") if row.get(what)
+        )
+        print(f"{line}  {_cpu_text(row.get('cpu'))}{marks}", flush=True)
 
     rows = run_experiment(
         args.settings,
@@ -397,6 +409,8 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup_s=args.warmup,
         report=report,
+        max_steal_pct=max_steal,
+        steal_retries=steal_retries,
     )
     summary = summarize(rows)
     print(

@@ -19,8 +19,10 @@ into the subscriber queue with aio-pika: the transport's floor in the same run.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,10 @@ __all__ = [
     "Workload",
     "measure",
     "phoenix_cli",
+    "remeasure_while_stolen",
     "run_experiment",
+    "steal_arguments",
+    "steal_limits",
     "summarize",
 ]
 
@@ -426,6 +431,8 @@ def run_experiment(
     warmup_s: float = 3.0,
     report: Any = print,
     records: bool = False,
+    max_steal_pct: float | None = None,
+    steal_retries: int = 2,
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
@@ -433,9 +440,16 @@ def run_experiment(
     each rate, in an order rotated per rate and repeat, so the mechanisms compared at a
     rate run seconds apart under the same conditions.  Every cell is preceded by
     ``warmup_s`` of unmeasured load at its rate.  ``records``: every measured row keeps
-    its events' records (``measure``)."""
+    its events' records (``measure``).  ``max_steal_pct``: a cell during which the
+    hypervisor took more of the machine's CPU (steal) is kept as ``discarded`` and
+    measured again, at most ``steal_retries`` times (:func:`remeasure_while_stolen`)."""
     rows: list[dict[str, Any]] = []
     loop = settings.event_loop
+
+    def keep(row: dict[str, Any]) -> None:
+        rows.append(row)
+        report(row)
+
     for count in subscription_counts:
         workload = Workload(count)
         deployment = Deployment(
@@ -445,21 +459,23 @@ def run_experiment(
         )
         loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
         for rate in rates:
-            row = _metered(
+            raw_cell = functools.partial(
+                _cell,
+                settings,
                 deployment,
-                measure(
-                    settings,
-                    deployment,
-                    workload,
-                    rate=rate,
-                    duration_s=duration_s,
-                    raw=True,
-                    records=records,
-                ),
-                loop,
+                workload,
+                {"subscriptions": count, "mechanism": "raw", "repeat": 0},
+                rate=rate,
+                duration_s=duration_s,
+                warmup_s=0.0,
+                raw=True,
+                records=records,
             )
-            rows.append({"subscriptions": count, "mechanism": "raw", "repeat": 0, **row})
-            report(rows[-1])
+            keep(
+                remeasure_while_stolen(
+                    raw_cell, max_steal_pct=max_steal_pct, retries=steal_retries, discard=keep
+                )
+            )
         with deployment.running():
             ready_s = runtime.run(wait_ready(settings, deployment, workload), event_loop=loop)
             for repeat in range(repeats):
@@ -470,52 +486,134 @@ def run_experiment(
                             "batch_max": deployment.topology.batch_max,
                             **MECHANISMS[mechanism],
                         }
-                        batch_max = switches["batch_max"]
                         runtime.run(
                             reconfigure(
                                 settings, deployment.topology, deployment.clusters, **switches
                             ),
                             event_loop=loop,
                         )
-                        if warmup_s > 0:
-                            runtime.run(
-                                measure(
-                                    settings,
-                                    deployment,
-                                    workload,
-                                    rate=rate,
-                                    duration_s=warmup_s,
-                                    seed=99,
-                                    drain_s=1.0,
-                                    batch_max=batch_max,
-                                ),
-                                event_loop=loop,
-                            )
-                        row = _metered(
+                        key = {
+                            "subscriptions": count,
+                            "loaded": loaded,
+                            "mechanism": mechanism,
+                            "repeat": repeat,
+                            "ready_s": round(ready_s, 1),
+                        }
+                        cell = functools.partial(
+                            _cell,
+                            settings,
                             deployment,
-                            measure(
-                                settings,
-                                deployment,
-                                workload,
-                                rate=rate,
-                                duration_s=duration_s,
-                                batch_max=batch_max,
-                                records=records,
-                            ),
-                            loop,
+                            workload,
+                            key,
+                            rate=rate,
+                            duration_s=duration_s,
+                            warmup_s=warmup_s,
+                            batch_max=switches["batch_max"],
+                            records=records,
                         )
-                        rows.append(
-                            {
-                                "subscriptions": count,
-                                "loaded": loaded,
-                                "mechanism": mechanism,
-                                "repeat": repeat,
-                                "ready_s": round(ready_s, 1),
-                                **row,
-                            }
+                        keep(
+                            remeasure_while_stolen(
+                                cell,
+                                max_steal_pct=max_steal_pct,
+                                retries=steal_retries,
+                                discard=keep,
+                            )
                         )
-                        report(rows[-1])
     return rows
+
+
+def _cell(
+    settings: Settings,
+    deployment: Deployment,
+    workload: Workload,
+    key: dict[str, Any],
+    *,
+    rate: float,
+    duration_s: float,
+    warmup_s: float,
+    raw: bool = False,
+    batch_max: int | None = None,
+    records: bool = False,
+) -> dict[str, Any]:
+    """One cell: ``warmup_s`` of unmeasured load at ``rate``, then the measured run."""
+    loop = settings.event_loop
+    if warmup_s > 0:
+        runtime.run(
+            measure(
+                settings,
+                deployment,
+                workload,
+                rate=rate,
+                duration_s=warmup_s,
+                seed=99,
+                drain_s=1.0,
+                batch_max=batch_max,
+            ),
+            event_loop=loop,
+        )
+    row = _metered(
+        deployment,
+        measure(
+            settings,
+            deployment,
+            workload,
+            rate=rate,
+            duration_s=duration_s,
+            raw=raw,
+            batch_max=batch_max,
+            records=records,
+        ),
+        loop,
+    )
+    return {**key, **row}
+
+
+def remeasure_while_stolen(
+    measured: Callable[[], dict[str, Any]],
+    *,
+    max_steal_pct: float | None,
+    retries: int,
+    discard: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Measure a cell; while the hypervisor took more than ``max_steal_pct`` % of the
+    machine's CPU during it (``cpu.steal``: time this VM was ready to run but another
+    guest had the host's core), hand the row to ``discard`` marked ``discarded`` (with
+    why) and measure again, at most ``retries`` times.  The last measurement is returned,
+    marked ``disturbed`` if it is still over.  ``max_steal_pct`` None: measure once."""
+    for attempt in range(retries + 1):
+        row = measured()
+        steal = (row.get("cpu") or {}).get("steal")
+        if max_steal_pct is None or steal is None or steal <= max_steal_pct:
+            return row
+        if attempt == retries:
+            row["disturbed"] = (
+                f"steal {steal:g} % > {max_steal_pct:g} % after {retries} re-measurement(s)"
+            )
+            return row
+        discard({**row, "discarded": f"steal {steal:g} % > {max_steal_pct:g} %"})
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def steal_limits(args: argparse.Namespace) -> tuple[float | None, int]:
+    """``--max-steal`` (a negative value: off) and ``--steal-retries``, validated."""
+    if args.steal_retries < 0:
+        raise ValueError(f"--steal-retries must be >= 0, got {args.steal_retries}")
+    if args.max_steal is not None and args.max_steal > 100:
+        raise ValueError(f"--max-steal is a % of the CPU (0-100, < 0: off), got {args.max_steal}")
+    return (None if args.max_steal is None or args.max_steal < 0 else args.max_steal), (
+        args.steal_retries
+    )
+
+
+def steal_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-steal",
+        type=float,
+        default=5.0,
+        help="re-measure a cell during which the hypervisor took more than this %% of the "
+        "CPU (steal); the disturbed cell is kept in the results as discarded (< 0: off)",
+    )
+    p.add_argument("--steal-retries", type=int, default=2, help="re-measurements per cell at most")
 
 
 def _metered(
@@ -543,6 +641,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     far the repeats spread)."""
     cells: dict[tuple[int, str, float], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
+        if row.get("discarded"):
+            continue  # measured again (run_experiment's max_steal_pct)
         cells[(row["subscriptions"], row["mechanism"], row["rate"])].append(row)
     out = []
     for (count, mechanism, rate), group in cells.items():

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..settings import Settings
 from . import spark_common
-from .phoenix_timeliness import MECHANISMS, run_experiment
+from .phoenix_timeliness import MECHANISMS, run_experiment, steal_arguments, steal_limits
 from .spark_common import (
     StopAfterCell,
     failure,
@@ -62,6 +62,8 @@ class PhoenixGrid:
     duration_s: float
     repeats: int
     warmup_s: float
+    max_steal_pct: float | None = 5.0
+    steal_retries: int = 2
 
     @property
     def cells(self) -> int:
@@ -109,8 +111,17 @@ def parse_grid(args: argparse.Namespace) -> PhoenixGrid:
         raise ValueError(f"--rates must be > 0 events/s, got {args.rates!r}")
     if args.duration <= 0 or args.repeats < 1 or args.warmup < 0:
         raise ValueError("--duration and --repeats must be positive, --warmup not negative")
+    max_steal, retries = steal_limits(args)
     return PhoenixGrid(
-        args.experiment, counts, rates, mechanisms, args.duration, args.repeats, args.warmup
+        args.experiment,
+        counts,
+        rates,
+        mechanisms,
+        args.duration,
+        args.repeats,
+        args.warmup,
+        max_steal,
+        retries,
     )
 
 
@@ -128,6 +139,7 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     p.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
     p.add_argument("--repeats", type=int, default=3, help="mechanism passes (rotated)")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell")
+    steal_arguments(p)
     p.add_argument(
         "--out",
         type=Path,
@@ -167,6 +179,8 @@ def _run_count_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) 
                 warmup_s=grid.warmup_s,
                 report=rows.append,
                 records=True,
+                max_steal_pct=grid.max_steal_pct,
+                steal_retries=grid.steal_retries,
             )
         return {"subscriptions": count, "rows": rows}
     except Exception as exc:
@@ -204,7 +218,7 @@ def run(args: argparse.Namespace) -> Path:
                     records = row.pop("records", None) or []
                     row.setdefault("repeat", 0)
                     cells.append(row)
-                    if records:
+                    if records and not row.get("discarded"):  # measured again
                         _append_records(spark, out, row, records)
                         records_written = True
                 if "error" in result:
@@ -290,6 +304,8 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
         groups.setdefault((d["subscriptions"], d["mechanism"], d["rate"]), []).append(d)
     cpu_of: dict[tuple[int, str, float], list[dict[str, Any]]] = {}
     for c in cells:
+        if c.get("discarded"):
+            continue
         key = (c["subscriptions"], c["mechanism"], float(c["rate"]))
         cpu_of.setdefault(key, []).append(c.get("cpu") or {})
     summary = []
@@ -356,7 +372,9 @@ def write_outputs(
     flat = [{**{k: v for k, v in s.items() if k != "cpu"}, **_cpu_columns(s)} for s in summary]
     write_csv(out / "summary.csv", flat, KEYS[:3])
     charts = _charts(out, grid, summary)
-    (out / "report.md").write_text(_report(grid, errors, summary, settings, interrupted, charts))
+    (out / "report.md").write_text(
+        _report(grid, errors, summary, settings, interrupted, charts, cells)
+    )
 
 
 def _cpu_columns(s: dict[str, Any]) -> dict[str, Any]:
@@ -408,6 +426,7 @@ def _report(
     settings: Settings,
     interrupted: bool,
     charts: list[str],
+    cells: Sequence[dict[str, Any]] = (),
 ) -> str:
     lines = [
         "# qosmq Phoenix timeliness: results",
@@ -418,6 +437,12 @@ def _report(
         f"{', '.join(grid.mechanisms)}; {grid.duration_s:g} s per cell after {grid.warmup_s:g} s"
         f" of warm-up; {grid.repeats} repeat(s); 3 clusters x (routing master + 2 slaves + "
         "match master + 2 slaves), 2 clients",
+        (
+            f"- a cell is measured again when the hypervisor took more than "
+            f"{grid.max_steal_pct:g} % of the CPU (steal), at most {grid.steal_retries} times"
+            if grid.max_steal_pct is not None
+            else "- cells disturbed by steal are not measured again (--max-steal < 0)"
+        ),
     ]
     if interrupted:
         lines.append("- **interrupted**: only the finished cells are reported")
@@ -445,11 +470,11 @@ def _report(
         "## Response time (publish to first delivery), ms",
         "",
         "Mean over repeats, the lowest and highest single repeat in brackets; pooled p99: "
-        "over every repeat's events together; cpu: the machine's busy % of all cores, the "
-        "busiest router's and match master's % of one core.",
+        "over every repeat's events together; cpu: the machine's busy and steal % of all "
+        "cores, the busiest router's and match master's % of one core.",
         "",
         "| subscriptions | rate | mechanism | delivered | mean | p50 | p99 | pooled p99 |"
-        " urgent / bulk mean | x none | cpu: machine / router / match master |",
+        " urgent / bulk mean | x none | cpu: machine / steal / router / match master |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
@@ -460,14 +485,41 @@ def _report(
             f"{_ms(s['p50_ms'])} | {_ms(s['p99_ms'])} {_range(s['p99_ms_range'])} | "
             f"{_ms(s['pooled_p99_ms'])} | {_ms(s['urgent_mean_ms'])} / {_ms(s['bulk_mean_ms'])}"
             f" | {'-' if s['x_none'] is None else s['x_none']} | "
-            f"{_ms(cpu.get('machine'))} / {_ms(cpu.get('router'))} / "
-            f"{_ms(cpu.get('match_master'))} |"
+            f"{_ms(cpu.get('machine'))} / {_ms(cpu.get('steal'))} / "
+            f"{_ms(cpu.get('router'))} / {_ms(cpu.get('match_master'))} |"
         )
+    lines += _stolen_section(cells)
     lines += ["", *[f"![{c}]({c})" for c in charts], ""]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------ helpers
+def _stolen_section(cells: Sequence[dict[str, Any]]) -> list[str]:
+    """The cells measured again because of steal, with what they measured, and the kept
+    cells still over the limit: a reader sees what was left out and why."""
+    marked = [c for c in cells if c.get("discarded") or c.get("disturbed")]
+    if not marked:
+        return []
+    lines = [
+        "",
+        "## Cells disturbed by the hypervisor (steal)",
+        "",
+        "Discarded: measured again, left out of the figures above. Kept: the last "
+        "re-measurement, still over the limit, counted above.",
+        "",
+        "| subscriptions | rate | mechanism | repeat | steal % | mean | p99 | |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in marked:
+        lines.append(
+            f"| {c['subscriptions']} | {float(c['rate']):g} | {c['mechanism']} | "
+            f"{c.get('repeat', 0)} | {_ms((c.get('cpu') or {}).get('steal'))} | "
+            f"{_ms(c.get('mean_ms'))} | {_ms(c.get('p99_ms'))} | "
+            f"{'discarded' if c.get('discarded') else 'kept: ' + c['disturbed']} |"
+        )
+    return lines
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
