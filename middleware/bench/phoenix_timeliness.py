@@ -579,19 +579,28 @@ def remeasure_while_stolen(
     machine's CPU during it (``cpu.steal``: time this VM was ready to run but another
     guest had the host's core), hand the row to ``discard`` marked ``discarded`` (with
     why) and measure again, at most ``retries`` times.  The last measurement is returned,
-    marked ``disturbed`` if it is still over.  ``max_steal_pct`` None: measure once."""
-    for attempt in range(retries + 1):
-        row = measured()
+    marked ``disturbed`` if it is still over.  ``max_steal_pct`` None: measure once.
+    A discarded row goes without its per-event ``records``: they are never aggregated."""
+
+    def stolen(row: dict[str, Any]) -> float | None:
         steal = (row.get("cpu") or {}).get("steal")
-        if max_steal_pct is None or steal is None or steal <= max_steal_pct:
+        over = max_steal_pct is not None and steal is not None and steal > max_steal_pct
+        return steal if over else None
+
+    row = measured()
+    for _ in range(retries):
+        steal = stolen(row)
+        if steal is None:
             return row
-        if attempt == retries:
-            row["disturbed"] = (
-                f"steal {steal:g} % > {max_steal_pct:g} % after {retries} re-measurement(s)"
-            )
-            return row
-        discard({**row, "discarded": f"steal {steal:g} % > {max_steal_pct:g} %"})
-    raise AssertionError("unreachable")  # pragma: no cover
+        discarded = {k: v for k, v in row.items() if k != "records"}
+        discard({**discarded, "discarded": f"steal {steal:g} % > {max_steal_pct:g} %"})
+        row = measured()
+    steal = stolen(row)
+    if steal is not None:
+        row["disturbed"] = (
+            f"steal {steal:g} % > {max_steal_pct:g} % after {retries} re-measurement(s)"
+        )
+    return row
 
 
 def steal_limits(args: argparse.Namespace) -> tuple[float | None, int]:
@@ -600,9 +609,8 @@ def steal_limits(args: argparse.Namespace) -> tuple[float | None, int]:
         raise ValueError(f"--steal-retries must be >= 0, got {args.steal_retries}")
     if args.max_steal is not None and args.max_steal > 100:
         raise ValueError(f"--max-steal is a % of the CPU (0-100, < 0: off), got {args.max_steal}")
-    return (None if args.max_steal is None or args.max_steal < 0 else args.max_steal), (
-        args.steal_retries
-    )
+    off = args.max_steal is None or args.max_steal < 0
+    return (None if off else args.max_steal), args.steal_retries
 
 
 def steal_arguments(p: argparse.ArgumentParser) -> None:

@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> Path:
                     records = row.pop("records", None) or []
                     row.setdefault("repeat", 0)
                     cells.append(row)
-                    if records and not row.get("discarded"):  # measured again
+                    if records:  # a discarded row (measured again) comes without them
                         _append_records(spark, out, row, records)
                         records_written = True
                 if "error" in result:

@@ -17,7 +17,12 @@ def readings(*steals: float | None) -> Any:
 
     def measured() -> dict[str, Any]:
         count[0] += 1
-        return {"mechanism": "none", "mean_ms": float(count[0]), "cpu": {"steal": next(it)}}
+        return {
+            "mechanism": "none",
+            "mean_ms": float(count[0]),
+            "cpu": {"steal": next(it)},
+            "records": [(0, 1, 0.01)],
+        }
 
     return measured
 
@@ -39,6 +44,7 @@ def test_a_stolen_cell_is_discarded_with_why_and_measured_again() -> None:
     assert [d["mean_ms"] for d in discarded] == [1.0, 2.0]
     assert discarded[0]["discarded"] == "steal 19.9 % > 5 %"
     assert discarded[1]["discarded"] == "steal 34.4 % > 5 %"
+    assert all("records" not in d for d in discarded) and row["records"]  # never aggregated
 
 
 def test_after_the_retries_the_last_measurement_is_kept_and_marked() -> None:
