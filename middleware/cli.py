@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import MiddlewareError
+from .errors import ConfigurationError, InvalidArgument, MiddlewareError
 from .localcluster.layout import DEFAULT_BASE_PORT
 from .observability import configure_logging
 from .settings import Settings
@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.settings = settings
         result: int = args.run(args)
         return result
+    except (ConfigurationError, InvalidArgument) as exc:  # bad input: usage's exit code
+        print(f"qosmq: error: {exc}", file=sys.stderr)
+        return 2
     except MiddlewareError as exc:
         print(f"qosmq: error: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,8 @@ pika and aiormq exceptions are translated at the transport boundary
 
     MiddlewareError
     ├── ConfigurationError (ValueError)        permanent: fix the named setting
+    ├── InvalidArgument (ValueError)           permanent: a call's argument is out of range
+    │   └── UnknownName (LookupError)             it names nothing that exists (a node, a spool)
     ├── NotConnected (RuntimeError)            permanent: call connect() first
     ├── RetryableError                         the same call may succeed later
     │   ├── BrokerUnreachable (ConnectionError)   no node of the cluster answered
@@ -50,6 +52,7 @@ __all__ = [
     "DeadLetter",
     "EntityNotFound",
     "HandlerInstruction",
+    "InvalidArgument",
     "MessageMalformed",
     "MiddlewareError",
     "NegativeReceipt",
@@ -66,6 +69,7 @@ __all__ = [
     "Requeue",
     "RetryableError",
     "TopologyError",
+    "UnknownName",
     "Unroutable",
     "WindowExceeded",
     "WindowFull",
@@ -78,6 +82,14 @@ class MiddlewareError(Exception):
 
 class ConfigurationError(MiddlewareError, ValueError):
     """A setting is missing or malformed; the message names the field and the fix."""
+
+
+class InvalidArgument(MiddlewareError, ValueError):
+    """An argument is out of range or malformed; the message names it and the expected form."""
+
+
+class UnknownName(InvalidArgument, LookupError):
+    """An argument names something that does not exist (a node, a spool file)."""
 
 
 class NotConnected(MiddlewareError, RuntimeError):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextvars
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
-from urllib.parse import unquote, urlsplit, urlunsplit
+import tomllib
+from urllib.parse import unquote, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -27,6 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    SettingsError,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -58,23 +60,28 @@ _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # allow_inf_nan=False: an infinite timeout or delay is a hang, never a setting
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class RetrySettings(_Frozen):
     """The one reconnect/republish policy (tenacity), per resource."""
 
-    attempts: int = Field(8, ge=1, le=1000, description="tries before giving up (>= 1)")
-    initial_delay: float = Field(0.1, ge=0, description="first backoff in seconds (>= 0)")
-    max_delay: float = Field(3.0, gt=0, description="longest backoff in seconds (> 0)")
-    multiplier: float = Field(2.0, ge=1, description="backoff growth factor (>= 1)")
-    jitter: float = Field(0.1, ge=0, description="random extra delay in seconds (>= 0)")
+    attempts: int = Field(8, ge=1, le=1000, description="tries before giving up (1..1000)")
+    initial_delay: float = Field(
+        0.1, ge=0, le=60, description="first backoff in seconds (0..60)"
+    )
+    max_delay: float = Field(3.0, gt=0, le=600, description="longest backoff in seconds (0..600]")
+    multiplier: float = Field(2.0, ge=1, le=100, description="backoff growth factor (1..100)")
+    jitter: float = Field(0.1, ge=0, le=60, description="random extra delay in seconds (0..60)")
 
 
 class ConfirmSettings(_Frozen):
     """End-to-end confirms: receipt timing, batching and duplicate suppression."""
 
-    receipt_timeout: float = Field(5.0, gt=0, description="seconds to wait for all receipts")
+    receipt_timeout: float = Field(
+        5.0, gt=0, le=3600, description="seconds to wait for all receipts (0..3600]"
+    )
     max_attempts: int = Field(4, ge=1, le=100, description="sends per message, first included")
     receipt_batch: int = Field(256, ge=1, le=65535, description="receipts per batch message")
     receipt_linger_ms: float = Field(
@@ -88,7 +95,10 @@ class ConfirmSettings(_Frozen):
         "receipt_busy_rate receipts/s (at least receipt_linger_ms)",
     )
     receipt_busy_rate: float = Field(
-        500.0, gt=0, description="receipts/s a process sends above which batches wait longer"
+        500.0,
+        gt=0,
+        le=1e9,
+        description="receipts/s a process sends above which batches wait longer",
     )
     dedup_window: int = Field(100_000, ge=1, description="(queue, id) pairs remembered")
 
@@ -141,6 +151,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         frozen=True,
         extra="forbid",
+        allow_inf_nan=False,
     )
 
     amqp_urls: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -158,7 +169,9 @@ class Settings(BaseSettings):
     confirms: ConfirmSettings = Field(default_factory=ConfirmSettings)
     queues: QueueSettings = Field(default_factory=QueueSettings)
     publish_window: int = Field(256, ge=1, le=65535, description="unconfirmed publishes (>= 1)")
-    publish_timeout: float = Field(30.0, gt=0, description="seconds to wait for a broker confirm")
+    publish_timeout: float = Field(
+        30.0, gt=0, le=3600, description="seconds to wait for a broker confirm (0..3600]"
+    )
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
     coalesce_writes: bool = Field(
         True,
@@ -213,7 +226,10 @@ class Settings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _credentials_out_of_urls(cls, data: Any) -> Any:
-        """Move user:password out of URLs into the secret fields, so no URL holds a secret."""
+        """Move user:password out of URLs into the secret fields, so no URL holds a secret.
+
+        The credentials are everything between ``//`` and the last ``@``, so a password
+        holding ``#``, ``/``, ``?`` or ``@`` works unescaped (percent-escapes are decoded too)."""
         if not isinstance(data, dict) or "amqp_urls" not in data:
             return data
         urls = cls._split_urls(data["amqp_urls"])
@@ -221,15 +237,13 @@ class Settings(BaseSettings):
             return data
         clean = []
         for url in urls:
-            parts = urlsplit(str(url))
-            if parts.username is not None:
-                data.setdefault("username", unquote(parts.username))
-                if parts.password is not None:
-                    data.setdefault("password", unquote(parts.password))
-                netloc = parts.hostname or ""
-                netloc += f":{parts.port}" if parts.port else ""
-                url = urlunsplit(parts._replace(netloc=netloc))
-            clean.append(url)
+            userinfo, bare = _split_userinfo(str(url))
+            if userinfo is not None:
+                user, colon, password = userinfo.partition(":")
+                data.setdefault("username", unquote(user))
+                if colon:
+                    data.setdefault("password", unquote(password))
+            clean.append(bare)
         return {**data, "amqp_urls": tuple(clean)}
 
     @property
@@ -274,15 +288,42 @@ class Settings(BaseSettings):
             return cls(**overrides)
         except ValidationError as exc:
             raise ConfigurationError(_explain(cls, exc)) from None
+        except SettingsError as exc:  # a nested setting's environment value is not JSON
+            raise ConfigurationError(
+                f"invalid configuration: {exc}; a nested setting in the environment is a JSON "
+                """object, e.g. QOSMQ_RETRY='{"attempts": 5}', or one field at a time, """
+                "e.g. QOSMQ_RETRY__ATTEMPTS=5"
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"--config {path}: not valid TOML ({exc})") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(
+                f"--config {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 TOML"
+            ) from None
+        except OSError as exc:
+            raise ConfigurationError(f"--config {path}: cannot read it ({exc.strerror})") from None
         finally:
             _config_file.reset(token)
 
 
+def _split_userinfo(url: str) -> tuple[str | None, str]:
+    """``(userinfo, url without it)``; userinfo is what lies between ``//`` and the last
+    ``@`` (None when the URL has none)."""
+    scheme, slashes, rest = url.partition("//")
+    if not slashes or "@" not in rest:
+        return None, url
+    userinfo, _, host = rest.rpartition("@")
+    return userinfo, f"{scheme}//{host}"
+
+
 def _mask(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
+    """The URL for messages: everything between ``//`` and the last ``@`` masked, whether
+    or not the URL parses (a password may hold any character)."""
+    userinfo, bare = _split_userinfo(url)
+    if userinfo is None:
         return url
-    return url.replace(f":{parts.password}@", ":***@", 1)
+    scheme, _, host = bare.partition("//")
+    return f"{scheme}//***@{host}"
 
 
 def _explain(cls: type[BaseModel], exc: ValidationError) -> str:

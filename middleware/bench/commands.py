@@ -553,7 +553,7 @@ def _run_spool(args: argparse.Namespace) -> int:
     settings = args.settings
     path = args.path or settings.queues.spool_path
     if args.action == "status":
-        print(json.dumps(Spool(path).stats(), indent=2))
+        print(json.dumps(Spool.open_existing(path).stats(), indent=2))
         return 0
     queue_settings = settings.queues.model_copy(update={"spool_path": path})
 

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InvalidArgument, UnknownName
+
 __all__ = ["RABBITMQ_BIN", "ClusterLayout", "NodeLayout"]
 
 RABBITMQ_BIN = Path(os.environ.get("QOSMQ_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
@@ -76,9 +78,9 @@ class ClusterLayout:
 
     def __post_init__(self) -> None:
         if not 1 <= self.size <= MAX_NODES:
-            raise ValueError(f"--nodes must be between 1 and {MAX_NODES}, got {self.size}")
+            raise InvalidArgument(f"--nodes must be between 1 and {MAX_NODES}, got {self.size}")
         if not 1024 <= self.base_port <= 65535 - 30000:
-            raise ValueError(f"--base-port must be between 1024 and 35535, got {self.base_port}")
+            raise InvalidArgument(f"--base-port must be between 1024 and 35535, got {self.base_port}")
 
     @property
     def epmd_port(self) -> int:
@@ -116,7 +118,7 @@ class ClusterLayout:
             if name in (node.short_name, node.node_name, str(node.index + 1)):
                 return node
         known = ", ".join(n.short_name for n in self.nodes)
-        raise KeyError(f"no node {name!r} in this cluster (nodes: {known})")
+        raise UnknownName(f"no node {name!r} in this cluster (nodes: {known})")
 
     def base_env(self) -> dict[str, str]:
         """Environment shared by the nodes and the CLI tools (cookie, epmd)."""

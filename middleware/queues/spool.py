@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgument, UnknownName
+
 __all__ = ["Spool", "SpoolEntry", "SpoolFull"]
 
 
@@ -47,14 +49,28 @@ class Spool:
         self.max_messages = max_messages
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-            "queue TEXT NOT NULL, message_id TEXT NOT NULL, body BLOB NOT NULL, "
-            "headers TEXT NOT NULL)"
-        )
-        self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                "queue TEXT NOT NULL, message_id TEXT NOT NULL, body BLOB NOT NULL, "
+                "headers TEXT NOT NULL)"
+            )
+            self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise InvalidArgument(
+                f"{self.path} is not a qosmq spool ({exc}): give the SQLite file that "
+                "queues.spool_path names"
+            ) from None
+
+    @classmethod
+    def open_existing(cls, path: Path | str) -> Spool:
+        """Open a spool that must already exist (operator commands never create one)."""
+        if not Path(path).is_file():
+            raise UnknownName(f"no spool at {path}: give the file that queues.spool_path names")
+        return cls(path)
 
     def __len__(self) -> int:
         return int(self._count)

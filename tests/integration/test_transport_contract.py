@@ -170,7 +170,7 @@ def test_cli_bad_settings_exit_with_the_field(tmp_path) -> None:
         text=True,
         timeout=30,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input: usage exit code
     assert "prefetch" in proc.stderr and "QOSMQ_PREFETCH" in proc.stderr
     assert time.monotonic() - started < 15
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from middleware.errors import UnknownName
 from middleware.localcluster import ClusterLayout
 
 
@@ -39,7 +40,7 @@ def test_bad_sizes_are_refused(size: int) -> None:
 
 
 def test_unknown_node_is_named() -> None:
-    with pytest.raises(KeyError, match="qosmq-1, qosmq-2, qosmq-3"):
+    with pytest.raises(UnknownName, match="qosmq-1, qosmq-2, qosmq-3"):
         ClusterLayout(state_dir=Path("/tmp/x")).find("nope")
 
 

@@ -1,0 +1,118 @@
+"""Bad settings and bad CLI input: one line naming the input, exit 2, no traceback, no secret."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from middleware.cli import main
+from middleware.errors import ConfigurationError
+from middleware.settings import Settings
+
+SECRET = "s3cr#t/pa?ss@word"
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"confirms": {"receipt_timeout": math.inf}}, "confirms.receipt_timeout"),
+        ({"confirms": {"receipt_timeout": 1e300}}, "confirms.receipt_timeout"),
+        ({"publish_timeout": math.inf}, "publish_timeout"),
+        ({"publish_timeout": math.nan}, "publish_timeout"),
+        ({"retry": {"initial_delay": math.inf}}, "retry.initial_delay"),
+        ({"retry": {"max_delay": 1e9}}, "retry.max_delay"),
+        ({"retry": {"jitter": math.nan}}, "retry.jitter"),
+        ({"connect_timeout": math.inf}, "connect_timeout"),
+        ({"confirms": {"receipt_busy_rate": math.inf}}, "confirms.receipt_busy_rate"),
+    ],
+)
+def test_every_duration_is_finite_and_bounded(overrides: dict, field: str) -> None:
+    with pytest.raises(ConfigurationError, match=field.replace(".", r"\.")):
+        Settings.load(**overrides)
+
+
+@pytest.mark.parametrize("char", ["#", "/", "?", "@", "%23"])
+def test_a_password_with_url_characters_is_taken_whole(char: str) -> None:
+    settings = Settings.load(amqp_urls=f"amqp://app:pa{char}ss@127.0.0.1:5682/")
+    expected = "pa#ss" if char == "%23" else f"pa{char}ss"
+    assert settings.password.get_secret_value() == expected
+    assert settings.amqp_urls == ("amqp://127.0.0.1:5682/",)
+    assert settings.username == "app"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"amqp://app:{SECRET}@127.0.0.1:56x2/",  # bad port after the credentials
+        f"http://app:{SECRET}@127.0.0.1:5682/",  # bad scheme
+        f"amqp://app:{SECRET}@/",  # no host
+        f"amqp://app:{SECRET}@127.0.0.1:5682/,amqp://x:{SECRET}@h:99999/",
+    ],
+)
+def test_no_error_path_shows_the_password(url: str, capsys, monkeypatch) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        Settings.load(amqp_urls=url)
+    assert "pa?ss" not in str(caught.value) and "s3cr" not in str(caught.value)
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", url)
+    assert main(["cluster", "status", "--state-dir", "/nonexistent-qosmq"]) == 2
+    out, err = capsys.readouterr()
+    assert "s3cr" not in out + err and "amqp_urls" in err
+
+
+def _cli(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[0].startswith("qosmq: error:"), err
+    return err
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [("QOSMQ_RETRY", "{not json"), ("QOSMQ_CONFIRMS", "nope"), ("QOSMQ_QUEUES", "[1,")],
+)
+def test_nested_settings_that_are_not_json(variable, value, capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(variable, value)
+    err = _cli(capsys, ["cluster", "status", "--state-dir", str(tmp_path)])
+    assert variable.removeprefix("QOSMQ_").lower() in err and "JSON" in err
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [(b"a = [\n", "not valid TOML"), (b"\xff\xfe = 1\n", "not UTF-8"), (b"[x\n", "TOML")],
+)
+def test_config_files_that_are_not_toml(content, says, capsys, tmp_path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    err = _cli(capsys, ["--config", str(path), "cluster", "status", "--state-dir", str(tmp_path)])
+    assert says in err and str(path) in err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["cluster", "up", "--nodes", "0"], "--nodes must be between 1 and 9"),
+        (["cluster", "up", "--nodes", "10"], "--nodes must be between 1 and 9"),
+        (["cluster", "up", "--base-port", "80"], "--base-port must be between"),
+        (["cluster", "stop", "qosmq-9"], "no node 'qosmq-9'"),
+        (["cluster", "kill", "7"], "no node"),
+    ],
+)
+def test_cluster_arguments_out_of_range(argv, says, capsys, tmp_path) -> None:
+    err = _cli(capsys, [*argv, "--state-dir", str(tmp_path)])
+    assert says in err
+
+
+def test_spool_status_of_a_missing_file_creates_nothing(capsys, tmp_path) -> None:
+    path = tmp_path / "absent.sqlite3"
+    err = _cli(capsys, ["spool", "status", "--path", str(path)])
+    assert "no spool at" in err and not path.exists()
+
+
+def test_spool_status_of_a_file_that_is_not_a_spool(capsys, tmp_path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("hello, this is not SQLite\n" * 100)
+    err = _cli(capsys, ["spool", "status", "--path", str(path)])
+    assert "is not a qosmq spool" in err
