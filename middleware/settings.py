@@ -11,9 +11,9 @@ environment variable that sets it, and the expected form.
 from __future__ import annotations
 
 import contextvars
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
-import tomllib
 from urllib.parse import unquote, urlsplit
 
 from pydantic import (
@@ -28,10 +28,10 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
-    SettingsError,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -68,9 +68,7 @@ class RetrySettings(_Frozen):
     """The one reconnect/republish policy (tenacity), per resource."""
 
     attempts: int = Field(8, ge=1, le=1000, description="tries before giving up (1..1000)")
-    initial_delay: float = Field(
-        0.1, ge=0, le=60, description="first backoff in seconds (0..60)"
-    )
+    initial_delay: float = Field(0.1, ge=0, le=60, description="first backoff in seconds (0..60)")
     max_delay: float = Field(3.0, gt=0, le=600, description="longest backoff in seconds (0..600]")
     multiplier: float = Field(2.0, ge=1, le=100, description="backoff growth factor (1..100)")
     jitter: float = Field(0.1, ge=0, le=60, description="random extra delay in seconds (0..60)")

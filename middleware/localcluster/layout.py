@@ -80,7 +80,9 @@ class ClusterLayout:
         if not 1 <= self.size <= MAX_NODES:
             raise InvalidArgument(f"--nodes must be between 1 and {MAX_NODES}, got {self.size}")
         if not 1024 <= self.base_port <= 65535 - 30000:
-            raise InvalidArgument(f"--base-port must be between 1024 and 35535, got {self.base_port}")
+            raise InvalidArgument(
+                f"--base-port must be between 1024 and 35535, got {self.base_port}"
+            )
 
     @property
     def epmd_port(self) -> int:
