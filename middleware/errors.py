@@ -17,6 +17,8 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
     │   └── ConfirmTimeout (TimeoutError)         no broker confirm in time
     ├── PublishError                           the broker refused a publish
+    │   ├── MalformedMessage (ValueError)         permanent: the broker would refuse this message
+    │   │   └── MessageRefused                    the broker closed the connection over it
     │   ├── PublishNacked (also RetryableError)   basic.nack: e.g. quorum leader election
     │   ├── Unroutable                            mandatory publish returned: no queue bound
     │   ├── NoRoute                               e2e: the known topology routes it nowhere
@@ -33,7 +35,7 @@ pika and aiormq exceptions are translated at the transport boundary
 
 EMQ result codes (paper 004; ``middleware.queues``) are leaves with a numeric ``code``:
 1 ``QueueDoesNotExist`` (EntityNotFound), 2 ``ConnectionNotEstablished`` (BrokerUnreachable),
-3 ``QueueSaveFailed`` (PublishError), 4 ``MessageMalformed`` (ValueError),
+3 ``QueueSaveFailed`` (PublishError), 4 ``MessageMalformed`` (MalformedMessage),
 5 ``WindowExceeded`` (WindowFull).
 
 Feature packages add leaves under these branches (e.g. the confirms package's
@@ -53,7 +55,9 @@ __all__ = [
     "EntityNotFound",
     "HandlerInstruction",
     "InvalidArgument",
+    "MalformedMessage",
     "MessageMalformed",
+    "MessageRefused",
     "MiddlewareError",
     "NegativeReceipt",
     "NoRoute",
@@ -122,6 +126,20 @@ class ConfirmTimeout(RetryableError, TimeoutError):
 
 class PublishError(MiddlewareError):
     """The broker refused a publish."""
+
+
+class MalformedMessage(PublishError, ValueError):
+    """The message can never be sent as it is (a header the broker refuses, a frame too
+    large): refused before sending, never retried or spooled; the message says what to fix."""
+
+
+class MessageRefused(MalformedMessage):
+    """The broker closed the connection in direct answer to this message (twice, counting
+    the one retry); it is not sent again."""
+
+    def __init__(self, message: str, *, reply_code: int = 0) -> None:
+        super().__init__(message)
+        self.reply_code = reply_code
 
 
 class PublishNacked(PublishError, RetryableError):
@@ -198,7 +216,7 @@ class QueueSaveFailed(QueueResult, PublishError):
     code, hint = 3, "the broker refused to store it (full queue or no quorum): retry later"
 
 
-class MessageMalformed(QueueResult, MiddlewareError, ValueError):
+class MessageMalformed(QueueResult, MalformedMessage):
     code, hint = 4, "fix the message: it is never retried"
 
 

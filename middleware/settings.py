@@ -171,6 +171,13 @@ class Settings(BaseSettings):
         30.0, gt=0, le=3600, description="seconds to wait for a broker confirm (0..3600]"
     )
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
+    max_message_size: int = Field(
+        134_217_728,
+        ge=4096,
+        le=536_870_912,
+        description="the brokers' max_message_size in bytes (RabbitMQ's default 128 MiB): "
+        "larger bodies are refused before sending",
+    )
     coalesce_writes: bool = Field(
         True,
         description="asyncio client, amqp:// nodes: one socket write per event-loop turn, "

@@ -28,11 +28,9 @@ from typing import Any
 from ..confirms.tracking import DuplicateFilter, Receipt
 from ..errors import (
     BrokerUnreachable,
-    EntityNotFound,
     MiddlewareError,
     Reject,
     Requeue,
-    Unroutable,
     WindowExceeded,
 )
 from ..settings import QueueSettings
@@ -42,7 +40,9 @@ from .core import (
     EnqueueResult,
     EnqueueStatus,
     RecoverReport,
+    admit,
     as_delivery,
+    drain_failure,
     must_spool,
     no_spool,
     open_spool,
@@ -166,13 +166,14 @@ class AsyncQueues:
                 f"(code 5: {WindowExceeded.hint})"
             )
         entry = SpoolEntry(queue, message_id, bytes(body), clean)
+        message = admit(to_message(entry), self.client.limits)
         async with self._window:
             if must_spool(self.client.ready, self.spool):
                 return await self._to_spool(entry)
             picked = self.pool.pick() if self.pool is not None else None
             publisher = picked[1] if picked is not None else self.client
             try:
-                await publisher.publish(to_message(entry), retry=False)
+                await publisher.publish(message, retry=False)
             except MiddlewareError as exc:
                 spool_or_raise(queue, exc, can_spool=self.spool is not None)
                 return await self._to_spool(entry)
@@ -275,14 +276,14 @@ class AsyncQueues:
                 try:
                     await task
                     done.append(entry.seq)
-                except (Unroutable, EntityNotFound):  # its queue was destroyed meanwhile
-                    await self.client.dead_letter(
-                        as_delivery(entry), f"queue {entry.queue!r} does not exist"
-                    )
-                    done.append(entry.seq)
                 except MiddlewareError as exc:
-                    log.info("spool drain paused: %s", exc)
-                    failed = True
+                    reason = drain_failure(entry, exc)
+                    if reason is None:
+                        log.info("spool drain paused: %s", exc)
+                        failed = True
+                    else:  # it can never be sent: out of the spool, to the dead letters
+                        await self.client.dead_letter(as_delivery(entry), reason)
+                        done.append(entry.seq)
                 if len(done) >= self.settings.drain_batch or failed or not flight:
                     spool.delete(done)
                     sent += len(done)

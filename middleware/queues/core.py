@@ -12,6 +12,7 @@ from ..errors import (
     BrokerUnreachable,
     ConnectionNotEstablished,
     EntityNotFound,
+    MalformedMessage,
     MessageMalformed,
     MiddlewareError,
     PublishNacked,
@@ -23,6 +24,7 @@ from ..errors import (
 from ..settings import QueueSettings
 from ..transport.delivery import Delivery
 from ..transport.message import OutgoingMessage
+from ..transport.outbound import Limits, check_headers, check_message
 from ..transport.topology import QueueKind, QueueSpec
 from .spool import Spool, SpoolEntry
 
@@ -30,6 +32,8 @@ __all__ = [
     "EnqueueResult",
     "EnqueueStatus",
     "RecoverReport",
+    "admit",
+    "drain_failure",
     "must_spool",
     "open_spool",
     "queue_spec",
@@ -89,9 +93,10 @@ def validate(
             )
         out[key] = value
     try:
-        json.dumps(out)
-    except ValueError as exc:
-        raise MessageMalformed(f"headers are not serialisable: {exc}") from None
+        check_headers(out)  # what AMQP and RabbitMQ accept: finite floats, 64-bit ints, ...
+        json.dumps(out, allow_nan=False)  # the spool keeps headers as JSON
+    except (MalformedMessage, ValueError) as exc:
+        raise MessageMalformed(f"{exc} (code 4: {MessageMalformed.hint})") from None
     if schema is not None:
         try:
             schema(bytes(body))
@@ -101,6 +106,28 @@ def validate(
                 f"(code 4: {MessageMalformed.hint})"
             ) from None
     return out
+
+
+def admit(message: OutgoingMessage, limits: Limits) -> OutgoingMessage:
+    """``message`` if the broker can take it as a whole (its properties fit a frame, its
+    body the broker's limit); else ``MessageMalformed``: never spooled, never sent."""
+    try:
+        check_message(message, limits)
+    except MalformedMessage as exc:
+        raise MessageMalformed(f"{exc} (code 4: {MessageMalformed.hint})") from None
+    return message
+
+
+def drain_failure(entry: SpoolEntry, error: MiddlewareError) -> str | None:
+    """Why a spooled entry goes to the dead-letter queue instead of staying (None: keep it
+    and retry later).  A spool written by an older version may hold a message the broker
+    refuses; sending it first for ever would wedge everything behind it."""
+    match error:
+        case Unroutable() | EntityNotFound():
+            return f"queue {entry.queue!r} does not exist"
+        case MalformedMessage():
+            return f"the broker cannot take it: {error}"
+    return None
 
 
 def must_spool(ready: bool, spool: Spool | None) -> bool:

@@ -16,9 +16,7 @@ from typing import Any
 from ..confirms.tracking import DuplicateFilter, Receipt
 from ..errors import (
     BrokerUnreachable,
-    EntityNotFound,
     MiddlewareError,
-    Unroutable,
 )
 from ..settings import QueueSettings
 from ..transport import Action, Delivery, QueueKind, SyncClient
@@ -27,7 +25,9 @@ from .core import (
     EnqueueResult,
     EnqueueStatus,
     RecoverReport,
+    admit,
     as_delivery,
+    drain_failure,
     must_spool,
     no_spool,
     open_spool,
@@ -132,10 +132,11 @@ class SyncQueues:
         if self.spool is not None and len(self.spool) and time.monotonic() >= self._next_drain:
             self.recover()  # keep order: what waits goes first
         entry = SpoolEntry(queue, message_id, bytes(body), clean)
+        message = admit(to_message(entry), self.client.limits)
         if must_spool(self.client.ready, self.spool):
             return self._to_spool(entry)
         try:
-            self.client.publish(to_message(entry), retry=False)
+            self.client.publish(message, retry=False)
         except MiddlewareError as exc:
             spool_or_raise(queue, exc, can_spool=self.spool is not None)
             return self._to_spool(entry)
@@ -172,10 +173,12 @@ class SyncQueues:
                 for entry in batch:
                     try:
                         self.client.publish(to_message(entry), retry=False)
-                    except (Unroutable, EntityNotFound):
-                        self.client.dead_letter(
-                            as_delivery(entry), f"queue {entry.queue!r} does not exist"
-                        )
+                    except MiddlewareError as exc:
+                        reason = drain_failure(entry, exc)
+                        if reason is None:
+                            raise
+                        # it can never be sent: out of the spool, to the dead letters
+                        self.client.dead_letter(as_delivery(entry), reason)
                     done.append(entry.seq)
             except MiddlewareError as exc:
                 log.info("spool drain paused: %s", exc)

@@ -31,6 +31,7 @@ from ..errors import (
     AccessRefused,
     BrokerUnreachable,
     ConnectionLost,
+    DeadLetter,
     MiddlewareError,
     NotConnected,
     PublishNacked,
@@ -47,10 +48,12 @@ from .delivery import (
     Action,
     Delivery,
     Outcome,
-    dead_letter_headers,
+    dead_letter_message,
     outcome_of,
+    unreadable,
 )
-from .message import OutgoingMessage, new_message_id, tls_context
+from .message import OutgoingMessage, tls_context
+from .outbound import Limits, check_message
 from .policy import Node, NodeRotation, async_retrying, backoff
 from .topology import (
     BindingSpec,
@@ -77,6 +80,7 @@ class _Live:
     connection: AbstractConnection
     confirm_channel: AbstractChannel
     plain_channel: AbstractChannel
+    limits: Limits
     consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
 
 
@@ -174,6 +178,15 @@ class AsyncClient:
     def ready(self) -> bool:
         """True while a connection is up and its topology replayed."""
         return self._ready.is_set() and isinstance(self._live, _Live)
+
+    @property
+    def limits(self) -> Limits:
+        """What the brokers accept: the negotiated frame_max once connected, else the
+        AMQP default; the settings' max_message_size."""
+        live = self._live
+        if isinstance(live, _Live):
+            return live.limits
+        return Limits(max_message_size=self.settings.max_message_size)
 
     @property
     def connected_node(self) -> str | None:
@@ -313,10 +326,12 @@ class AsyncClient:
 
         Retries on connection loss (same message id) under the settings'
         retry policy (``retry=False``: one attempt, the caller handles failure).
-        Raises ``Unroutable`` (mandatory and no queue bound), ``PublishNacked``,
+        Raises ``MalformedMessage`` at once for a message the broker would refuse,
+        ``Unroutable`` (mandatory and no queue bound), ``PublishNacked``,
         ``BrokerUnreachable`` after the last attempt, or ``WindowFull`` when
         ``block`` is false and the window is full.
         """
+        check_message(message, self.limits)
         try:
             await self._publish_once(message, confirm=confirm, block=block)
             return
@@ -447,6 +462,10 @@ class AsyncClient:
                     publisher_confirms=True, on_return_raises=True
                 ),
                 plain_channel=await connection.channel(publisher_confirms=False),
+                limits=Limits(
+                    frame_max=_frame_max(connection),
+                    max_message_size=self.settings.max_message_size,
+                ),
             )
             self._live = live
             await self._start_replies(live)
@@ -675,6 +694,9 @@ class AsyncClient:
     async def _deliver(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
         delivery = _from_delivered(msg, queue)
         try:
+            problem = unreadable(delivery)
+            if problem is not None:
+                raise DeadLetter(problem)  # no handler sees what it cannot read
             await consumer.handler(delivery)
             outcome = outcome_of(None)
         except Exception as exc:
@@ -712,20 +734,13 @@ class AsyncClient:
                 await channel.basic_ack(tag, wait=False)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
+        """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers
+        (always publishable: headers the broker would refuse are left out, and said so)."""
         if DEAD_LETTER_EXCHANGE not in self.topology.exchanges:
             for spec in DEAD_LETTER_TOPOLOGY:
                 await self._apply_with_retry(spec)
         await self.publish(
-            OutgoingMessage(
-                body=delivery.body,
-                exchange=DEAD_LETTER_EXCHANGE,
-                routing_key=delivery.queue,
-                message_id=delivery.message_id or new_message_id(),
-                headers=dead_letter_headers(delivery, reason),
-                persistent=True,
-                content_type=delivery.content_type,
-            )
+            dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
 
 
@@ -745,11 +760,24 @@ def _properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:
     )
 
 
+def _frame_max(connection: AbstractConnection) -> int:
+    """The frame_max the broker and aiormq agreed on (the AMQP default if unknown)."""
+    tune = getattr(getattr(connection.transport, "connection", None), "connection_tune", None)
+    return int(getattr(tune, "frame_max", 0) or Limits().frame_max)
+
+
 def _amqp_timestamp(seconds: float | None) -> datetime.datetime | None:
     """AMQP carries whole seconds since the epoch; aiormq takes them as an aware datetime."""
     if seconds is None:
         return None
     return datetime.datetime.fromtimestamp(int(seconds), tz=datetime.UTC)
+
+
+def _seconds(stamp: datetime.datetime | int | None) -> float | None:
+    """A timestamp as decoded (``codec`` keeps one past the year 9999 as raw seconds)."""
+    if stamp is None:
+        return None
+    return stamp.timestamp() if isinstance(stamp, datetime.datetime) else float(stamp)
 
 
 def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
@@ -766,7 +794,7 @@ def _from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
         reply_to=props.reply_to,
         content_type=props.content_type,
         priority=props.priority,
-        timestamp=props.timestamp.timestamp() if props.timestamp else None,
+        timestamp=_seconds(props.timestamp),
         redelivered=bool(msg.redelivered),
         delivery_tag=msg.delivery_tag or 0,
         persistent=props.delivery_mode == 2,

@@ -25,6 +25,7 @@ from ..errors import (
     AccessRefused,
     BrokerUnreachable,
     ConnectionLost,
+    DeadLetter,
     MiddlewareError,
     NotConnected,
     PublishNacked,
@@ -39,10 +40,12 @@ from .delivery import (
     Action,
     Delivery,
     Outcome,
-    dead_letter_headers,
+    dead_letter_message,
     outcome_of,
+    unreadable,
 )
-from .message import OutgoingMessage, new_message_id, tls_context
+from .message import OutgoingMessage, tls_context
+from .outbound import Limits, check_message
 from .policy import Node, NodeRotation, sync_retrying
 from .topology import (
     BindingSpec,
@@ -129,6 +132,15 @@ class SyncClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def limits(self) -> Limits:
+        """What the brokers accept: the negotiated frame_max once connected, else the
+        AMQP default; the settings' max_message_size."""
+        frame_max = Limits().frame_max
+        if self._live is not None:
+            frame_max = int(self._live.connection._impl.params.frame_max or frame_max)
+        return Limits(frame_max=frame_max, max_message_size=self.settings.max_message_size)
 
     @property
     def connected_node(self) -> str | None:
@@ -255,8 +267,10 @@ class SyncClient:
         """Publish; with ``confirm`` return once the broker confirmed it.
 
         Retried on connection loss under the retry policy; ``retry=False`` makes
-        one attempt (after reconnecting if needed) and raises the failure.
+        one attempt (after reconnecting if needed) and raises the failure.  A message
+        the broker would refuse raises ``MalformedMessage`` at once.
         """
+        check_message(message, self.limits)
 
         def send(live: _SyncLive) -> None:
             channel = live.confirm_channel if confirm else live.plain_channel
@@ -449,6 +463,9 @@ class SyncClient:
         self, ch: blocking.BlockingChannel, delivery: Delivery, consumer: _SyncConsumer
     ) -> None:
         try:
+            problem = unreadable(delivery)
+            if problem is not None:
+                raise DeadLetter(problem)  # no handler sees what it cannot read
             consumer.handler(delivery)
             outcome = outcome_of(None)
         except Exception as exc:
@@ -484,20 +501,13 @@ class SyncClient:
                 ch.basic_ack(delivery.delivery_tag)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers."""
+        """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers
+        (always publishable: headers the broker would refuse are left out, and said so)."""
         if DEAD_LETTER_EXCHANGE not in self.topology.exchanges:
             for spec in DEAD_LETTER_TOPOLOGY:
                 self._record(spec)
         self.publish(
-            OutgoingMessage(
-                body=delivery.body,
-                exchange=DEAD_LETTER_EXCHANGE,
-                routing_key=delivery.queue,
-                message_id=delivery.message_id or new_message_id(),
-                headers=dead_letter_headers(delivery, reason),
-                persistent=True,
-                content_type=delivery.content_type,
-            )
+            dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
 
 

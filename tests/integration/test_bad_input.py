@@ -1,0 +1,252 @@
+"""Bad input against real brokers: refused with a name, or dead-lettered with a reason;
+never a killed connection, a loop, or good traffic stopped behind it (issue #21)."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import math
+import time
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from middleware.errors import MalformedMessage, MessageMalformed
+from middleware.queues import EnqueueStatus, SyncQueues
+from middleware.queues.spool import Spool, SpoolEntry
+from middleware.transport import (
+    BindingSpec,
+    ExchangeSpec,
+    ExchangeType,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
+from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
+from tests.conftest import Face
+
+pytestmark = pytest.mark.rabbit
+
+POISON_HEADERS = {
+    "nan": {"f": math.nan},
+    "inf": {"f": math.inf},
+    "-inf": {"f": -math.inf},
+    "frame too large": {"big": "x" * 200_000},
+    "int beyond 64 bits": {"n": 2**70},
+    "nested 2000 deep": {"d": (lambda: (d := {}, [d := {"a": d} for _ in range(2000)])[1][-1])()},
+    "key of 129 bytes": {"k" * 129: 1},
+    "nan in a list": {"l": [1, math.nan]},
+    "decimal nan": {"d": decimal.Decimal("NaN")},
+    "a set": {"s": {1, 2}},
+    "lone surrogate": {"s": "\udcff"},
+}
+
+
+@pytest.fixture
+def dead_letters(face, name) -> Iterator[str]:
+    """A private queue bound to the layer's dead-letter exchange (fanout): every
+    dead-lettered copy, whoever made it; tests filter by ``x-qosmq-queue``."""
+    face.call("declare_exchange", ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
+    face.call("declare_queue", QueueSpec(f"{name}.dl", kind=QueueKind.CLASSIC))
+    face.call("bind", BindingSpec(f"{name}.dl", DEAD_LETTER_EXCHANGE))
+    yield f"{name}.dl"
+    face.call("delete_queue", f"{name}.dl")
+
+
+def _dead(face, dl_queue: str, queue: str, expect: int, seconds: float = 10) -> list:
+    found, deadline = [], time.monotonic() + seconds
+    while len(found) < expect and time.monotonic() < deadline:
+        d = face.call("get", dl_queue)
+        if d is None:
+            face.pump(0.05)  # the sync face handles deliveries only while it runs
+        elif d.headers.get("x-qosmq-queue") == queue:
+            found.append(d)
+    return found
+
+
+@pytest.mark.parametrize("case", sorted(POISON_HEADERS))
+def test_poison_headers_are_refused_before_sending(face, name, case) -> None:
+    face.call("declare_queue", QueueSpec(name))
+    got: list[bytes] = []
+    face.consume(name, lambda d: got.append(d.body))
+    with pytest.raises(MalformedMessage, match="never sent"):
+        face.call("publish", OutgoingMessage(b"poison", "", name, headers=POISON_HEADERS[case]))
+    with pytest.raises(MalformedMessage):  # unconfirmed (the e2e path) alike
+        face.call(
+            "publish", OutgoingMessage(b"poison", "", name, headers=POISON_HEADERS[case]), confirm=False
+        )
+    face.call("publish", OutgoingMessage(b"good", "", name))
+    face.pump(10, until=lambda: got == [b"good"])
+    assert got == [b"good"] and face.client.reconnects == 0
+    face.call("delete_queue", name)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("message_id", "m" * 256),
+        ("reply_to", "\udcff"),
+        ("priority", 300),
+        ("expiration_ms", -1),
+        ("timestamp", 2.0**64),
+        ("timestamp", math.nan),
+        ("body", "text, not bytes"),
+    ],
+)
+def test_bad_properties_are_refused_before_sending(face, name, field, value) -> None:
+    with pytest.raises(MalformedMessage, match=field.split("_")[0]):
+        fields = {"body": b"x", "routing_key": name, field: value}
+        face.call("publish", OutgoingMessage(**fields))
+    assert face.client.reconnects == 0
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_body_over_the_broker_limit_is_refused(settings, name, kind) -> None:
+    small = Face(kind, settings.model_copy(update={"max_message_size": 4096}))
+    small.call("connect")
+    try:
+        with pytest.raises(MalformedMessage, match="max_message_size"):
+            small.call("publish", OutgoingMessage(b"x" * 5000, "", name))
+    finally:
+        small.close()
+
+
+def test_header_values_arrive_as_sent(face, name) -> None:
+    """Floats as doubles on both faces; bytes, decimals, times, nesting kept."""
+    face.call("declare_queue", QueueSpec(name))
+    headers = {
+        "f": 0.1,
+        "neg": -1e300,
+        "b": b"\x00\xff raw",
+        "dec": decimal.Decimal("12.345"),
+        "t": datetime.datetime(2030, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
+        "nested": {"l": [1, 2.5, "three", None, True]},
+        "big": 2**62,
+    }
+    face.call("publish", OutgoingMessage(b"x", "", name, headers=headers))
+    got: list = []
+    face.consume(name, lambda d: got.append(d))
+    face.pump(10, until=lambda: got)
+    h = got[0].headers
+    assert h["f"] == 0.1 and h["neg"] == -1e300 and h["big"] == 2**62
+    assert bytes(h["b"]) == b"\x00\xff raw" and h["dec"] == decimal.Decimal("12.345")
+    assert h["t"].timestamp() == headers["t"].timestamp()
+    assert h["nested"] == {"l": [1, 2.5, "three", None, True]}
+    face.call("delete_queue", name)
+
+
+# ------------------------------------------------------------ poison deliveries
+def _plain_pika(settings) -> pika.BlockingConnection:
+    host, port, _ = settings.nodes[0]
+    return pika.BlockingConnection(pika.ConnectionParameters(host=host, port=port))
+
+
+POISON_PROPERTIES = {
+    "message id not UTF-8": dict(message_id=b"\xff\xfe-id"),
+    "reply-to not UTF-8": dict(reply_to=b"\xc3\x28"),
+    "header name not UTF-8": dict(headers={b"\xff\xfekey": 1}),
+    "timestamp 2**64-1": dict(timestamp=2**64 - 1),
+    "content type not UTF-8": dict(content_type=b"\xe2\x82"),
+}
+
+
+def test_undecodable_deliveries_are_dead_lettered_and_the_queue_flows(
+    face, name, dead_letters
+) -> None:
+    face.call("declare_queue", QueueSpec(name))
+    handled: list[bytes] = []
+    face.consume(name, lambda d: handled.append(d.body))
+    plain = _plain_pika(face.settings)
+    try:
+        ch = plain.channel()
+        for case, props in POISON_PROPERTIES.items():
+            ch.basic_publish("", name, case.encode(), pika.BasicProperties(**props))
+            ch.basic_publish("", name, b"good after " + case.encode())
+    finally:
+        plain.close()
+    face.pump(15, until=lambda: len(handled) >= len(POISON_PROPERTIES))
+    assert sorted(handled) == sorted(b"good after " + c.encode() for c in POISON_PROPERTIES)
+    dead = _dead(face, dead_letters, name, len(POISON_PROPERTIES))
+    reasons = {d.body.decode(): d.headers["x-qosmq-reason"] for d in dead}
+    assert set(reasons) == set(POISON_PROPERTIES)
+    assert all(r.startswith("undecodable delivery") for r in reasons.values())
+    raw = {d.body.decode(): d.headers for d in dead}
+    assert bytes(raw["message id not UTF-8"]["x-qosmq-raw-message-id"]) == b"\xff\xfe-id"
+    assert bytes(raw["reply-to not UTF-8"]["x-qosmq-raw-reply-to"]) == b"\xc3\x28"
+    assert int(raw["timestamp 2**64-1"]["x-qosmq-raw-timestamp"]) >= 2**64 - 1  # via a float
+    assert "\\xff\\xfekey" in raw["header name not UTF-8"]
+    assert face.client.reconnects == 0
+    time.sleep(0.3)
+    assert face.call("queue_length", name) == 0
+    face.call("delete_queue", name)
+
+
+def test_a_dead_letter_copy_is_always_publishable(face, name, dead_letters) -> None:
+    """Headers that fill the frame leave no room for the reason: the copy drops them (and
+    says so) instead of failing and sending the original back to its handler."""
+    face.call("declare_queue", QueueSpec(name))
+    calls: list[bytes] = []
+
+    def handler(d) -> None:
+        calls.append(d.body)
+        raise ValueError("x" * 5000)
+
+    face.consume(name, handler)
+    full = {"pad": "p" * (face.client.limits.frame_max - 400)}
+    face.call("publish", OutgoingMessage(b"fills the frame", "", name, headers=full))
+    dead = _dead(face, dead_letters, name, 1)
+    face.pump(1.0)
+    assert calls == [b"fills the frame"]  # handled once, not redelivered
+    assert len(dead) == 1 and "pad" not in dead[0].headers
+    assert "frame_max" in dead[0].headers["x-qosmq-headers-dropped"]
+    assert dead[0].headers["x-qosmq-reason"].startswith("handler raised ValueError")
+    face.call("delete_queue", name)
+
+
+# ------------------------------------------------------------ the queue API
+def test_queue_api_refuses_poison_with_code_4_and_never_spools(settings, name, tmp_path) -> None:
+    qs = settings.queues.model_copy(update={"spool_path": tmp_path / "spool.sqlite3"})
+    queues = SyncQueues(SyncClient(settings=settings), settings=qs).start()
+    try:
+        queues.create_queue(name)
+        for headers in ({"f": math.nan}, {"k" * 129: 1}, {"big": "x" * 200_000}):
+            with pytest.raises(MessageMalformed) as refused:
+                queues.enqueue(name, b"poison", headers=headers)
+            assert refused.value.code == 4
+        assert queues.spool is not None and len(queues.spool) == 0
+        assert queues.enqueue(name, b"good").status is EnqueueStatus.CONFIRMED
+        assert queues.client.reconnects == 0
+        queues.destroy_queue(name)
+    finally:
+        queues.client.close()
+
+
+def test_a_poison_entry_already_spooled_is_dead_lettered_not_resent(
+    face, settings, name, tmp_path, dead_letters
+) -> None:
+    """A spool written before these checks may hold what the broker refuses: the drain
+    moves it to the dead letters with the reason and sends what follows it."""
+    path = tmp_path / "spool.sqlite3"
+    Spool(path).append(
+        [
+            SpoolEntry(name, "poison-1", b"poison", {"f": math.nan}),
+            SpoolEntry(name, "good-1", b"good", {}),
+        ]
+    )
+    qs = settings.queues.model_copy(update={"spool_path": path})
+    face.call("declare_queue", QueueSpec(name, kind=QueueKind.QUORUM))
+    queues = SyncQueues(SyncClient(settings=settings), settings=qs).start()  # drains the spool
+    try:
+        assert queues.spool is not None and len(queues.spool) == 0
+        taken = queues.dequeue(name, timeout=5)
+        assert taken is not None and taken.body == b"good"
+        taken.ack()
+        assert queues.client.reconnects == 0
+        dead = _dead(face, dead_letters, name, 1)
+        assert [d.body for d in dead] == [b"poison"]
+        assert "not a finite number" in dead[0].headers["x-qosmq-reason"]
+        queues.destroy_queue(name)
+    finally:
+        queues.client.close()
