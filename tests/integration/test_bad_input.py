@@ -71,12 +71,11 @@ def test_poison_headers_are_refused_before_sending(face, name, case) -> None:
     face.call("declare_queue", QueueSpec(name))
     got: list[bytes] = []
     face.consume(name, lambda d: got.append(d.body))
+    poison = OutgoingMessage(b"poison", "", name, headers=POISON_HEADERS[case])
     with pytest.raises(MalformedMessage, match="never sent"):
-        face.call("publish", OutgoingMessage(b"poison", "", name, headers=POISON_HEADERS[case]))
+        face.call("publish", poison)
     with pytest.raises(MalformedMessage):  # unconfirmed (the e2e path) alike
-        face.call(
-            "publish", OutgoingMessage(b"poison", "", name, headers=POISON_HEADERS[case]), confirm=False
-        )
+        face.call("publish", poison, confirm=False)
     face.call("publish", OutgoingMessage(b"good", "", name))
     face.pump(10, until=lambda: got == [b"good"])
     assert got == [b"good"] and face.client.reconnects == 0
