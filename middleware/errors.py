@@ -23,6 +23,7 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── Unroutable                            mandatory publish returned: no queue bound
     │   ├── NoRoute                               e2e: the known topology routes it nowhere
     │   ├── NegativeReceipt                       e2e: a consumer's handler rejected it
+    │   ├── DuplicateMessageId (ValueError)       e2e: that id is in flight on this publisher
     │   └── ReceiptTimeout (TimeoutError)         e2e: some queues never answered
     ├── TopologyError                          a declaration the broker refused
     │   ├── EntityNotFound (LookupError)          queue or exchange does not exist
@@ -52,6 +53,7 @@ __all__ = [
     "ConnectionLost",
     "ConnectionNotEstablished",
     "DeadLetter",
+    "DuplicateMessageId",
     "EntityNotFound",
     "HandlerInstruction",
     "InvalidArgument",
@@ -169,6 +171,14 @@ class NegativeReceipt(PublishError):
     def __init__(self, message: str, *, message_id: str, queue: str, reason: str) -> None:
         super().__init__(message)
         self.message_id, self.queue, self.reason = message_id, queue, reason
+
+
+class DuplicateMessageId(PublishError, ValueError):
+    """An e2e publish reused the id of a message still in flight on the same publisher.
+
+    An id names one message: resends reuse it, and consumers drop a second copy by it.
+    (A consumer that already handled another message under the id answers a negative
+    receipt, so that message is never confirmed as handled.)"""
 
 
 class ReceiptTimeout(PublishError, TimeoutError):

@@ -15,7 +15,7 @@ from typing import Any
 
 from tenacity import RetryCallState
 
-from ..errors import NegativeReceipt, NoRoute, ReceiptTimeout
+from ..errors import DuplicateMessageId, NegativeReceipt, NoRoute, ReceiptTimeout
 from ..settings import ConfirmSettings, RetrySettings
 from ..transport.delivery import Action, Delivery, Outcome
 from ..transport.message import OutgoingMessage, new_message_id
@@ -30,6 +30,7 @@ from .tracking import (
     Receipt,
     ReceiptBatcher,
     Resolution,
+    body_digest,
     decode_receipts,
     encode_receipts,
     wants_receipt,
@@ -92,6 +93,11 @@ class PublisherCore:
         """The message to send; in e2e modes also start waiting for its receipts."""
         headers = dict(headers or {})
         message_id = message_id or new_message_id()
+        if message_id in self.in_flight:
+            raise DuplicateMessageId(
+                f"message id {message_id!r} is already in flight on this publisher: "
+                "an id names one message (resends reuse it); give each message its own"
+            )
         if not self.profile.receipts:
             return OutgoingMessage(
                 body,
@@ -208,7 +214,7 @@ class ConsumerCore:
             busy_rate=confirms.receipt_busy_rate,
             load=PROCESS_RECEIPT_LOAD,
         )
-        self._in_progress: set[tuple[str, str]] = set()
+        self._in_progress: dict[tuple[str, str], bytes] = {}  # key -> body digest
         # per delivery object (handler and settle hook see the same one): the answer to repeat
         self._skipped: dict[int, Receipt | None] = {}
         self.receipts_sent = 0
@@ -220,11 +226,22 @@ class ConsumerCore:
         if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):
             return True
         key = (delivery.queue, str(delivery.message_id))
+        digest = body_digest(delivery.body)
         earlier = self.dedup.get(*key)
-        if earlier is None and key not in self._in_progress:
-            self._in_progress.add(key)
+        first = earlier.digest if earlier is not None else self._in_progress.get(key)
+        if first is None:
+            self._in_progress[key] = digest
             return True
         self.suppressed += 1
+        if first != digest:  # not a resend: another message reusing the id
+            log.warning("message id %s reused on %s by another message: refused", *key[::-1])
+            earlier = Receipt(
+                key[1],
+                key[0],
+                ok=False,
+                reason="duplicate message id: a different message with this id was already "
+                "handled here; this one was not handled",
+            )
         self._skipped[id(delivery)] = earlier
         return False
 
@@ -236,10 +253,11 @@ class ConsumerCore:
             earlier = self._skipped.pop(id(delivery))
             return [] if earlier is None else self.batcher.add(str(delivery.reply_to), earlier)
         key = (delivery.queue, str(delivery.message_id))
-        self._in_progress.discard(key)
+        digest = self._in_progress.pop(key, b"")
         if outcome.action is Action.REQUEUE:
             return []  # it will come back and be handled again
-        receipt = Receipt(key[1], key[0], outcome.action is Action.ACK, outcome.reason)
+        ok = outcome.action is Action.ACK
+        receipt = Receipt(key[1], key[0], ok, outcome.reason, digest)
         self.dedup.remember(receipt)
         return self.batcher.add(str(delivery.reply_to), receipt)
 

@@ -13,6 +13,7 @@ receiving differ.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -48,6 +49,14 @@ class Receipt:
     queue: str
     ok: bool = True
     reason: str = ""
+    #: what the handled message was (``body_digest``); kept by the consumer, never sent
+    digest: bytes = b""
+
+
+def body_digest(body: bytes) -> bytes:
+    """Tells a resend (same id, same body: answered with the first receipt) from another
+    message reusing the id (same id, other body: refused, never confirmed as handled)."""
+    return hashlib.blake2b(body, digest_size=8).digest()
 
 
 def wants_receipt(headers: Mapping[str, Any], reply_to: str | None, message_id: str | None) -> bool:
@@ -73,6 +82,8 @@ def decode_receipts(body: bytes) -> list[Receipt]:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"receipt batch is not JSON: {exc}") from None
+    except RecursionError:  # json nests by recursion: a hostile batch must not escape
+        raise ValueError("receipt batch nests too deep") from None
     if not isinstance(data, dict) or data.get("v") != 1:
         raise ValueError("receipt batch lacks version 1")
     ok, negative = data.get("ok", {}), data.get("neg", [])

@@ -116,7 +116,7 @@ class AsyncClient:
         self._closers: set[asyncio.Task[None]] = set()
         self._loop_watch: asyncio.Task[None] | None = None
         self._closing = False
-        self._reply_handler: ReplyHandler | None = None
+        self._reply_handlers: list[ReplyHandler] = []
         self._fatal: MiddlewareError | None = None
         self._tag_seq = 0
 
@@ -212,17 +212,25 @@ class AsyncClient:
 
         A publish with ``reply_to=REPLY_TO`` and ``confirm=False`` gets its replies
         here; no queue is declared, and the listener is re-established after failover.
+        Any number of listeners share the one reply consumer; each hears every reply.
         """
-        self._reply_handler = handler
-        await self._start_replies(await self._await_live())
+        self._reply_handlers.append(handler)
+        if len(self._reply_handlers) == 1:
+            try:
+                await self._start_replies(await self._await_live())
+            except BaseException:
+                self._reply_handlers.remove(handler)
+                raise
 
     async def _start_replies(self, live: _Live) -> None:
-        handler = self._reply_handler
-        if handler is None:
+        handlers = self._reply_handlers
+        if not handlers:
             return
 
         async def on_reply(msg: DeliveredMessage) -> None:
-            handler(_from_delivered(msg, REPLY_TO))
+            delivery = _from_delivered(msg, REPLY_TO)
+            for handler in handlers:
+                handler(delivery)
 
         try:
             channel = await live.plain_channel.get_underlay_channel()

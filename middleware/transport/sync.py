@@ -93,7 +93,7 @@ class SyncClient:
         self._consumers: dict[str, _SyncConsumer] = {}
         self._opened = False
         self._tag_seq = 0
-        self._reply_handler: Callable[[Delivery], None] | None = None
+        self._reply_handlers: list[Callable[[Delivery], None]] = []
 
     # ------------------------------------------------------------ lifecycle
     def connect(self) -> Self:
@@ -147,17 +147,25 @@ class SyncClient:
         return str(self._live.node) if self._live is not None else None
 
     def listen_replies(self, handler: Callable[[Delivery], None]) -> None:
-        """Receive direct reply-to messages (see ``AsyncClient.listen_replies``)."""
-        self._reply_handler = handler
-        self._call(self._start_replies)
+        """Receive direct reply-to messages (see ``AsyncClient.listen_replies``); any
+        number of listeners share the one reply consumer, each hears every reply."""
+        self._reply_handlers.append(handler)
+        if len(self._reply_handlers) == 1:
+            try:
+                self._call(self._start_replies)
+            except BaseException:
+                self._reply_handlers.remove(handler)
+                raise
 
     def _start_replies(self, live: _SyncLive) -> None:
-        handler = self._reply_handler
-        if handler is None:
+        handlers = self._reply_handlers
+        if not handlers:
             return
 
         def on_reply(ch: Any, method: Any, props: pika.BasicProperties, body: bytes) -> None:
-            handler(_to_delivery(method, props, body, REPLY_TO))
+            delivery = _to_delivery(method, props, body, REPLY_TO)
+            for handler in handlers:
+                handler(delivery)
 
         live.plain_channel.basic_consume(REPLY_TO, on_reply, auto_ack=True)
 

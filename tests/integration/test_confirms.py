@@ -383,3 +383,84 @@ def test_a_busy_consumer_sends_several_receipts_per_message(settings, name) -> N
     quiet = _receipts_per_message(settings, name + ".quiet", busy_rate=1e9)  # never busy
     busy = _receipts_per_message(settings, name + ".busy", busy_rate=100)
     assert busy >= 8 and busy >= 2 * quiet, (quiet, busy)
+
+
+# ------------------------------------------------------------ bad input (issue #21)
+def test_an_id_names_one_message(kind, settings, name) -> None:
+    """A reused id is refused while in flight; once handled, a different body under the
+    same id gets a negative receipt (never 'handled'), the same body the first receipt."""
+    from middleware.errors import DuplicateMessageId
+
+    queues = [f"{name}.0"]
+    e2e = E2E(kind, _fast(settings), _fanout(name, queues))
+    handled: list[bytes] = []
+    try:
+        e2e.consume(queues, lambda d: handled.append(d.body))
+        if kind == "async":
+
+            async def both() -> list[Any]:
+                return await asyncio.gather(
+                    e2e.publisher.publish(b"first", exchange=name, message_id="dup-0"),
+                    e2e.publisher.publish(b"second", exchange=name, message_id="dup-0"),
+                    return_exceptions=True,
+                )
+
+            results = e2e.loop.run(both())
+            assert results[0] is None and isinstance(results[1], DuplicateMessageId)
+        else:
+            e2e.publish(b"first", exchange=name, message_id="dup-0")
+        e2e.publish(b"a", exchange=name, message_id="dup-1")
+        with pytest.raises(NegativeReceipt, match="duplicate message id"):
+            e2e.publish(b"b, another message", exchange=name, message_id="dup-1")
+        e2e.publish(b"a", exchange=name, message_id="dup-1")  # a resend: the first receipt
+        time.sleep(0.3)
+        assert sorted(handled) == [b"a", b"first"]
+    finally:
+        e2e.close()
+
+
+def test_two_confirm_publishers_share_one_client(kind, settings, name) -> None:
+    queues = [f"{name}.0"]
+    e2e = E2E(kind, _fast(settings), _fanout(name, queues))
+    handled: list[bytes] = []
+    try:
+        e2e.consume(queues, lambda d: handled.append(d.body))
+        if kind == "async":
+            second = e2e.loop.run(AsyncConfirmPublisher(e2e.pub_client, mode="e2e").start())
+            e2e.loop.run(second.publish(b"from the second", exchange=name))
+            e2e.publish(b"from the first", exchange=name)
+            e2e.loop.run(second.close())
+        else:
+            second = SyncConfirmPublisher(e2e.pub_client, mode="e2e")
+            second.publish(b"from the second", exchange=name)
+            e2e.publish(b"from the first", exchange=name)
+        assert sorted(handled) == [b"from the first", b"from the second"]
+    finally:
+        e2e.close()
+
+
+def test_garbage_on_the_receipt_address_touches_nothing_else(kind, settings, name) -> None:
+    import pika
+
+    queues = [f"{name}.0"]
+    e2e = E2E(kind, _fast(settings), _fanout(name, queues))
+    reply_to: list[str] = []
+    try:
+        e2e.consume(queues, lambda d: reply_to.append(str(d.reply_to)))
+        e2e.publish(b"learn the address", exchange=name)
+        host, port, _ = settings.nodes[0]  # the publisher's node (its first)
+        plain = pika.BlockingConnection(pika.ConnectionParameters(host=host, port=port))
+        try:
+            ch = plain.channel()
+            for garbage in (b"[" * 100_000, b'{"v": 1, "ok": ' * 50_000, b"\xff\xfe", b"{}"):
+                ch.basic_publish("", reply_to[0], garbage)
+        finally:
+            plain.close()
+        for i in range(5):  # unrelated publishes go on, on both faces
+            e2e.publish(f"after {i}".encode(), exchange=name)
+        deadline = time.monotonic() + 5
+        while e2e.publisher.core.malformed_receipts < 4 and time.monotonic() < deadline:
+            e2e.publish(b"one more", exchange=name)
+        assert e2e.publisher.core.malformed_receipts == 4
+    finally:
+        e2e.close()
