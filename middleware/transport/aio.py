@@ -692,12 +692,53 @@ class AsyncClient:
                 await self._deliver(msg, spec.queue, consumer)
 
             underlay = await channel.get_underlay_channel()
+            underlay.on_consumer_cancel_callbacks.add(
+                lambda _frame: self._on_broker_cancel(live, spec.tag)
+            )
             await underlay.basic_consume(
                 spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
             )
         except Exception as exc:
             raise translate_aio(exc) from exc
         live.consumer_channels[spec.tag] = channel
+
+    def _on_broker_cancel(self, live: _Live, tag: str) -> None:
+        """The broker cancelled a consumer (its queue was deleted, a consumer timeout):
+        say so, and re-subscribe as soon as the queue exists again."""
+        consumer = self._consumers.get(tag)
+        if consumer is None or self._live is not live:
+            return
+        log.warning(
+            "consumer %s on queue %r cancelled by the broker; re-subscribing when the "
+            "queue exists again",
+            tag,
+            consumer.spec.queue,
+        )
+        metrics.CONSUMERS_CANCELLED_BY_BROKER.inc()
+        task = asyncio.ensure_future(self._resubscribe(live, consumer))
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+
+    async def _resubscribe(self, live: _Live, consumer: _Consumer) -> None:
+        # Closing the cancelled consumer's channel returns what it held unacked (a quorum
+        # queue declared again under the same name otherwise leaves a message held for ever).
+        channel = live.consumer_channels.pop(consumer.spec.tag, None)
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                await channel.close()
+        delay = self.settings.retry.initial_delay or 0.1
+        while self._consumers.get(consumer.spec.tag) is consumer and self._live is live:
+            try:
+                await self._on_channel_of(
+                    live, lambda ch: ch.queue_declare(consumer.spec.queue, passive=True)
+                )
+                await self._start_consumer(live, consumer)
+                log.info("consumer %s re-subscribed to %r", consumer.spec.tag, consumer.spec.queue)
+                return
+            except MiddlewareError as exc:
+                log.debug("queue %r not back yet: %s", consumer.spec.queue, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * self.settings.retry.multiplier, self.settings.retry.max_delay)
 
     async def _deliver(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
         delivery = _from_delivered(msg, queue)

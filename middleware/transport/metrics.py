@@ -14,3 +14,7 @@ PUBLISHED_UNCONFIRMED = PUBLISHED.labels("unconfirmed")
 DELIVERIES = Counter("qosmq_deliveries_total", "deliveries settled by handlers", ["outcome"])
 DELIVERIES_BY_ACTION = {action: DELIVERIES.labels(action.value) for action in Action}
 RECONNECTS = Counter("qosmq_failovers_total", "connections re-established after a loss")
+CONSUMERS_CANCELLED_BY_BROKER = Counter(
+    "qosmq_consumers_cancelled_by_broker_total",
+    "consumers the broker cancelled (queue deleted, consumer timeout); each re-subscribes",
+)

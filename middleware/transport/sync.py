@@ -94,6 +94,7 @@ class SyncClient:
         self._opened = False
         self._tag_seq = 0
         self._reply_handlers: list[Callable[[Delivery], None]] = []
+        self._cancelled: dict[str, float] = {}  # consumer tag -> next re-subscribe try
 
     # ------------------------------------------------------------ lifecycle
     def connect(self) -> Self:
@@ -231,6 +232,8 @@ class SyncClient:
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
             step = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             self._call(functools.partial(_process_events, time_limit=step))
+            if self._cancelled and self._live is not None:
+                self._resubscribe_cancelled(self._live)
 
     def get(self, queue: str) -> Delivery | None:
         """Take one message (acked on receipt), or None if the queue is empty."""
@@ -462,10 +465,52 @@ class SyncClient:
         ) -> None:
             self._deliver(ch, _to_delivery(method, props, body, spec.queue), consumer)
 
+        channel.add_on_cancel_callback(lambda _frame: self._on_broker_cancel(spec.tag))
         channel.basic_consume(
             spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
         )
         live.consumer_channels[spec.tag] = channel
+
+    def _on_broker_cancel(self, tag: str) -> None:
+        """The broker cancelled a consumer (queue deleted, consumer timeout): ``run``
+        re-subscribes it as soon as the queue exists again (see the asyncio core)."""
+        consumer = self._consumers.get(tag)
+        if consumer is None:
+            return
+        log.warning(
+            "consumer %s on queue %r cancelled by the broker; re-subscribing when the "
+            "queue exists again",
+            tag,
+            consumer.spec.queue,
+        )
+        metrics.CONSUMERS_CANCELLED_BY_BROKER.inc()
+        self._cancelled[tag] = time.monotonic()
+
+    def _resubscribe_cancelled(self, live: _SyncLive) -> None:
+        now = time.monotonic()
+        for tag, due in list(self._cancelled.items()):
+            consumer = self._consumers.get(tag)
+            if consumer is None:
+                del self._cancelled[tag]
+                continue
+            if now < due:
+                continue
+            channel = live.consumer_channels.pop(tag, None)
+            if channel is not None and channel.is_open:
+                # returns what the cancelled consumer held unacked
+                with contextlib.suppress(Exception):
+                    channel.close()
+            try:
+                self._on_temp_channel(
+                    live, lambda ch, q=consumer.spec.queue: ch.queue_declare(q, passive=True)
+                )
+                self._start_consumer(live, consumer)
+            except Exception as exc:
+                log.debug("queue %r not back yet: %s", consumer.spec.queue, exc)
+                self._cancelled[tag] = now + self.settings.retry.max_delay
+                continue
+            del self._cancelled[tag]
+            log.info("consumer %s re-subscribed to %r", tag, consumer.spec.queue)
 
     def _deliver(
         self, ch: blocking.BlockingChannel, delivery: Delivery, consumer: _SyncConsumer

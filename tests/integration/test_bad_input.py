@@ -249,3 +249,32 @@ def test_a_poison_entry_already_spooled_is_dead_lettered_not_resent(
         queues.destroy_queue(name)
     finally:
         queues.client.close()
+
+
+# ------------------------------------------------- consumers the broker cancels
+@pytest.mark.parametrize("queue_kind", [QueueKind.CLASSIC, QueueKind.QUORUM])
+def test_a_consumer_the_broker_cancels_comes_back_with_its_queue(face, name, queue_kind) -> None:
+    """Another client deletes the queue (the broker cancels the consumer), then declares
+    it again: the layer's consumer re-subscribes and handles what comes next; nothing is
+    held unacked."""
+    face.call("declare_queue", QueueSpec(name, kind=queue_kind))
+    got: list[bytes] = []
+    face.consume(name, lambda d: got.append(d.body))
+    face.call("publish", OutgoingMessage(b"before", "", name))
+    face.pump(10, until=lambda: got == [b"before"])
+    arguments = {"x-queue-type": "quorum"} if queue_kind is QueueKind.QUORUM else None
+    plain = _plain_pika(face.settings)
+    try:
+        ch = plain.channel()
+        ch.queue_delete(name)
+        face.pump(1.0)  # the broker's cancel arrives; the queue is gone for a while
+        ch.queue_declare(name, durable=True, arguments=arguments)
+        ch.basic_publish("", name, b"after")
+        face.pump(20, until=lambda: got == [b"before", b"after"])
+        assert got == [b"before", b"after"]
+        face.pump(0.5)
+        ok = ch.queue_declare(name, passive=True)
+        assert ok.method.message_count == 0 and ok.method.consumer_count == 1
+    finally:
+        plain.close()
+    face.call("delete_queue", name)
