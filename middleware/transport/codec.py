@@ -96,7 +96,7 @@ def _pamqp_field_table(value: bytes) -> tuple[int, dict[str, Any]]:
 def _install_pamqp() -> None:
     pamqp.encode.encode_table_value = _pamqp_encode
     pamqp.decode.short_str = _pamqp_short_str
-    pamqp.decode.timestamp = _pamqp_timestamp
+    pamqp.decode.timestamp = _pamqp_timestamp  # type: ignore[assignment]  # raw int past 9999
     pamqp.decode.field_table = _pamqp_field_table
     pamqp.decode.METHODS["shortstr"] = _pamqp_short_str
     pamqp.decode.METHODS["timestamp"] = _pamqp_timestamp
@@ -131,7 +131,8 @@ def _pika_decode(encoded: bytes, offset: int) -> tuple[Any, int]:
             return datetime.datetime.fromtimestamp(raw, datetime.UTC), offset + 9
         except (OverflowError, ValueError, OSError):
             return raw, offset + 9
-    return _pika_decode_value(encoded, offset)
+    decoded: tuple[Any, int] = _pika_decode_value(encoded, offset)
+    return decoded
 
 
 def _install_pika() -> None:

@@ -501,9 +501,7 @@ class SyncClient:
                 with contextlib.suppress(Exception):
                     channel.close()
             try:
-                self._on_temp_channel(
-                    live, lambda ch, q=consumer.spec.queue: ch.queue_declare(q, passive=True)
-                )
+                self._on_temp_channel(live, functools.partial(_exists, queue=consumer.spec.queue))
                 self._start_consumer(live, consumer)
             except Exception as exc:
                 log.debug("queue %r not back yet: %s", consumer.spec.queue, exc)
@@ -562,6 +560,11 @@ class SyncClient:
         self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
+
+
+def _exists(channel: blocking.BlockingChannel, *, queue: str) -> None:
+    """Raise (the broker closes the channel with 404) unless ``queue`` exists."""
+    channel.queue_declare(queue, passive=True)
 
 
 def _process_events(live: _SyncLive, *, time_limit: float) -> None:
