@@ -171,6 +171,13 @@ class Settings(BaseSettings):
         30.0, gt=0, le=3600, description="seconds to wait for a broker confirm (0..3600]"
     )
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
+    close_grace: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="seconds a consumer's cancel, or close, lets the handlers already "
+        "running finish and settle (asyncio client)",
+    )
     max_message_size: int = Field(
         134_217_728,
         ge=4096,

@@ -156,6 +156,9 @@ class AsyncConfirmConsumer:
         self.client = client
         self.core = ConsumerCore(confirms or client.settings.confirms)
         self._flusher: asyncio.Task[None] | None = None
+        self._tags: list[str] = []
+        # closing the client alone still lets running handlers settle and sends their receipts
+        client.on_close(self._drain)
 
     async def consume(
         self, queue: str, handler: AsyncHandler, *, prefetch: int | None = None
@@ -167,11 +170,21 @@ class AsyncConfirmConsumer:
             if self.core.should_handle(delivery):
                 await handler(delivery)
 
-        return await self.client.consume(
+        tag = await self.client.consume(
             queue, wrapped, prefetch=prefetch, on_settled=self._on_settled
         )
+        self._tags.append(tag)
+        return tag
 
     async def close(self) -> None:
+        """Stop consuming; the handlers running finish and settle (``close_grace``), and
+        every receipt they owe goes out before this returns."""
+        tags, self._tags = self._tags, []
+        for tag in tags:
+            await self.client.cancel(tag)
+        await self._drain()
+
+    async def _drain(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

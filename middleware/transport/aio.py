@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Self, cast
@@ -112,6 +113,9 @@ class AsyncClient:
         self._channel_lock = asyncio.Lock()
         self._consumers: dict[str, _Consumer] = {}
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._close_hooks: list[Callable[[], Awaitable[None]]] = []
+        # the deliveries being handled (handler, settle, settle hook), by consumer tag
+        self._handling: dict[str, set[asyncio.Task[Any]]] = {}
         self._reconnect_task: asyncio.Task[None] | None = None
         self._closers: set[asyncio.Task[None]] = set()
         self._loop_watch: asyncio.Task[None] | None = None
@@ -154,7 +158,15 @@ class AsyncClient:
             self._reconnect_task = asyncio.ensure_future(self._reconnect())
 
     async def close(self) -> None:
-        """Close the connection and stop failing over."""
+        """Stop the consumers, let the handlers already running finish and settle (up to
+        ``settings.close_grace`` seconds), run the close hooks (receipts still batched go
+        out), then close the connection and stop failing over."""
+        await self._stop_consumers(list(self._consumers))
+        for hook in list(self._close_hooks):
+            try:
+                await hook()
+            except Exception as exc:
+                log.info("close hook failed: %s", exc)
         self._closing = True
         if self._loop_watch is not None:
             self._loop_watch.cancel()
@@ -165,6 +177,7 @@ class AsyncClient:
         live, self._live = self._live, _Down()
         self._ready.clear()
         if isinstance(live, _Live):
+            await _written(live.connection, self.settings.close_grace)
             with contextlib.suppress(Exception):
                 await live.connection.close()
 
@@ -300,14 +313,40 @@ class AsyncClient:
         return spec.tag
 
     async def cancel(self, tag: str) -> None:
-        """Stop a consumer (and forget it for replay)."""
-        self.topology.forget_consumer(tag)
-        self._consumers.pop(tag, None)
-        if isinstance(self._live, _Live):
-            channel = self._live.consumer_channels.pop(tag, None)
-            if channel is not None:
+        """Stop a consumer (and forget it for replay): no new deliveries; the ones being
+        handled finish and settle first (up to ``settings.close_grace`` seconds)."""
+        await self._stop_consumers([tag])
+
+    def on_close(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run ``hook`` on ``close``, after the handlers finished, while still connected."""
+        self._close_hooks.append(hook)
+
+    async def _stop_consumers(self, tags: list[str]) -> None:
+        live = self._live
+        channels = []
+        for tag in tags:
+            self.topology.forget_consumer(tag)
+            self._consumers.pop(tag, None)
+            if isinstance(live, _Live) and (channel := live.consumer_channels.pop(tag, None)):
+                channels.append(channel)
                 with contextlib.suppress(Exception):
-                    await channel.close()
+                    # basic_cancel first: the channel stays open for the acks of the
+                    # deliveries in hand (closing it would cancel their handlers)
+                    underlay = await channel.get_underlay_channel()
+                    await underlay.basic_cancel(tag, timeout=self.settings.connect_timeout)
+        running = {t for tag in tags for t in self._handling.get(tag, ())}
+        running.discard(asyncio.current_task())  # a handler cancelling its own consumer
+        if running:
+            _, late = await asyncio.wait(running, timeout=self.settings.close_grace)
+            if late:
+                log.warning(
+                    "%d handlers still running after %.1f s: their deliveries go back to the queue",
+                    len(late),
+                    self.settings.close_grace,
+                )
+        for channel in channels:
+            with contextlib.suppress(Exception):
+                await channel.close()
 
     async def get(self, queue: str) -> Delivery | None:
         """Take one message (basic.get, acked on receipt), or None if the queue is empty."""
@@ -741,6 +780,19 @@ class AsyncClient:
             delay = min(delay * self.settings.retry.multiplier, self.settings.retry.max_delay)
 
     async def _deliver(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
+        task = asyncio.current_task()
+        running = self._handling.setdefault(consumer.spec.tag, set())
+        if task is not None:
+            running.add(task)
+        try:
+            await self._handle(msg, queue, consumer)
+        finally:
+            if task is not None:
+                running.discard(task)
+            if not running and self._handling.get(consumer.spec.tag) is running:
+                del self._handling[consumer.spec.tag]
+
+    async def _handle(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
         delivery = _from_delivered(msg, queue)
         try:
             problem = unreadable(delivery)
@@ -807,6 +859,18 @@ def _properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:
         reply_to=message.reply_to,
         timestamp=_amqp_timestamp(message.timestamp),
     )
+
+
+async def _written(connection: AbstractConnection, within: float) -> None:
+    """Wait (up to ``within`` seconds) until aiormq's writer took every frame queued:
+    closing cancels that writer, and what it still queued (an unconfirmed publish, the
+    last receipts, acks) would never leave."""
+    queue = getattr(getattr(connection.transport, "connection", None), "write_queue", None)
+    if queue is None:
+        return
+    deadline = time.monotonic() + within
+    while not queue.empty() and time.monotonic() < deadline:  # noqa: ASYNC110 (no event)
+        await asyncio.sleep(0.005)
 
 
 def _frame_max(connection: AbstractConnection) -> int:

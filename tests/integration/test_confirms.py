@@ -464,3 +464,45 @@ def test_garbage_on_the_receipt_address_touches_nothing_else(kind, settings, nam
         assert e2e.publisher.core.malformed_receipts == 4
     finally:
         e2e.close()
+
+
+@pytest.mark.parametrize("closing", ["the consumer", "its client alone"])
+def test_closing_lets_running_handlers_finish_and_sends_their_receipts(
+    closing, settings, name
+) -> None:
+    """Closed while its handlers run: no new delivery starts, the running ones finish and
+    settle, and their receipts reach the publisher before the connection goes (before,
+    the close cancelled them: the work was done, yet the publisher never heard)."""
+    queues = [f"{name}.0"]
+    e2e = E2E("async", _fast(settings, receipt_timeout=5), _fanout(name, queues))
+    started: list[str] = []
+    finished: list[str] = []
+
+    async def handler(d: Delivery) -> None:
+        started.append(d.text())
+        await asyncio.sleep(0.5)
+        finished.append(d.text())
+
+    try:
+        e2e.loop.run(e2e.consumer.consume(queues[0], handler))
+        futures = [
+            asyncio.run_coroutine_threadsafe(
+                e2e.publisher.publish(f"m{i}".encode(), exchange=name), e2e.loop.loop
+            )
+            for i in range(5)
+        ]
+        deadline = time.monotonic() + 10
+        while len(started) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(started) == 5 and not finished
+        if closing == "the consumer":
+            e2e.loop.run(e2e.consumer.close())
+        else:
+            e2e.loop.run(e2e.con_client.close())
+        assert sorted(finished) == [f"m{i}" for i in range(5)]  # done before close returned
+        for future in futures:
+            future.result(10)  # confirmed: every receipt went out
+        assert e2e.loop.run(e2e.pub_client.queue_length(queues[0])) == 0  # all acked
+        assert sorted(started) == sorted(finished)  # none handled twice
+    finally:
+        e2e.close()
