@@ -135,6 +135,8 @@ class ClientCore:
         if reply is None:
             return True
         table = reply.table or {}
+        if table.get("refused") == "filter":
+            raise FilterError(f"{self._what(request)} refused at {reply.broker}: {table['error']}")
         if table.get("error"):
             raise SubscriptionUnconfirmed(
                 f"{self._what(request)} at {reply.broker}: {table['error']}"

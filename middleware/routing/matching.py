@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import operator
 import re
 from collections import Counter, defaultdict
@@ -61,9 +62,11 @@ class Event(BaseModel):
     @field_validator("attributes")
     @classmethod
     def _names(cls, value: dict[str, Scalar]) -> dict[str, Scalar]:
-        for name in value:
+        for name, v in value.items():
             if not _NAME.match(name):
                 raise ValueError(f"attribute name {name!r} is not an identifier")
+            if problem := _number_problem(v):
+                raise ValueError(f"attribute {name}: {problem}")
         return value
 
     @classmethod
@@ -72,6 +75,20 @@ class Event(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise FilterError(f"malformed event: {exc.errors(include_url=False)}") from None
+
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _number_problem(value: Any) -> str | None:
+    """Why a number cannot be held (stored as BSON/SQLite, compared as a double), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        return f"integer {value} is beyond 64 bits"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} is not a finite number"
+    return None
 
 
 def _kind(value: Any) -> str:
@@ -97,6 +114,9 @@ class Predicate:
         if not _NAME.match(self.attribute):
             raise FilterError(f"attribute {self.attribute!r} is not an identifier")
         v = self.value
+        for member in v if isinstance(v, tuple) else (v,):
+            if problem := _number_problem(member):
+                raise FilterError(f"{self.attribute} {self.op}: {problem}")
         match self.op:
             case Op.EXISTS:
                 if v is not None:
@@ -188,6 +208,10 @@ class Filter:
     @classmethod
     def parse(cls, spec: Iterable[Sequence[Any]] | None) -> Filter:
         """From ``[(attribute, op, value?), ...]``, e.g. ``[("price", "<", 10)]``."""
+        if spec is not None and (
+            isinstance(spec, str | bytes | Mapping) or not isinstance(spec, Iterable)
+        ):
+            raise FilterError(f"a filter is a list of (attribute, op[, value]), not {spec!r:.80}")
         predicates = []
         for item in spec or ():
             if not isinstance(item, Sequence) or isinstance(item, str) or not 2 <= len(item) <= 3:

@@ -19,9 +19,11 @@ __all__ = [
     "PhoenixTopology",
     "control_inbox",
     "match_inbox",
+    "match_slave_name",
     "role_queues",
     "router_inbox",
     "router_slave_inbox",
+    "router_slave_name",
 ]
 
 MAX_PRIORITY = 9
@@ -155,6 +157,16 @@ def match_inbox(
 ) -> str:
     base = f"{topology.prefix}.{cluster}.match.{index}"
     return base if slave is None else f"{base}.slave.{slave}"
+
+
+def router_slave_name(cluster: str, slave: int) -> str:
+    """How a routing slave signs its acks and snapshots (its store owner)."""
+    return f"{cluster}/router-slave-{slave}"
+
+
+def match_slave_name(master: str, slave: int) -> str:
+    """How a match slave of ``master`` (``cluster/match-i``) signs what it sends."""
+    return f"{master}/slave-{slave}"
 
 
 def control_inbox(inbox: str) -> str:

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -55,7 +56,7 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
-from .matching import Filter, SubscriptionIndex
+from .matching import Filter, FilterError, SubscriptionIndex
 from .protocol import (
     MAX_PRIORITY,
     Kind,
@@ -63,8 +64,10 @@ from .protocol import (
     PhoenixTopology,
     control_inbox,
     match_inbox,
+    match_slave_name,
     router_inbox,
     router_slave_inbox,
+    router_slave_name,
 )
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
 from .ring import ChordRing, Handover, ring_id
@@ -337,10 +340,17 @@ class _ReplicaSet:
     MAX_PENDING = 100_000  # writes waiting for W acks before the oldest are given up
 
     def __init__(
-        self, role: _Role, store: StateStore, kind: str, owner: str, slaves: Sequence[str]
+        self,
+        role: _Role,
+        store: StateStore,
+        kind: str,
+        owner: str,
+        slaves: Sequence[str],
+        names: Sequence[str],
     ) -> None:
         self.role, self.store, self.kind, self.owner = role, store, kind, owner
-        self.slaves = list(slaves)
+        self.slaves = list(slaves)  # their inboxes
+        self.names = list(names)  # what they sign acks, snapshots and heartbeats with
         self.quorum = Quorum.majority(len(self.slaves) + 1)
         self.version = 0
         self.pending: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
@@ -479,10 +489,23 @@ class _ReplicaSet:
                 written.set_result(None)
             self.role.count("replicated")
 
+    def slave(self, message: PhoenixMessage) -> int:
+        """The number of the slave that sent ``message``; one the topology does not have
+        (a forged or stale sender) is dead-lettered: its ack must not count toward W, its
+        snapshot toward R, its heartbeat must not draw events to an inbox nobody serves."""
+        if message.broker in self.names:
+            return self.names.index(message.broker)
+        raise DeadLetter(
+            f"{message.kind} from {message.broker!r}, not a replica of {self.owner} "
+            f"(its replicas: {', '.join(self.names) or 'none'})"
+        )
+
     async def on_control(self, message: PhoenixMessage) -> bool:
-        if message.kind is Kind.ACK and message.version is not None and message.broker:
-            self.acknowledged(message.version, message.broker)
+        if message.kind is Kind.ACK and message.version is not None:
+            self.slave(message)
+            self.acknowledged(message.version, str(message.broker))
         elif message.kind is Kind.SNAPSHOT:
+            self.slave(message)
             self.page(message)
         else:
             return False
@@ -574,6 +597,7 @@ class RouterMaster(_Role):
             "routing_table",
             f"{self.cluster}/router",
             [router_slave_inbox(self.topology, self.cluster, j) for j in range(slaves)],
+            [router_slave_name(self.cluster, j) for j in range(slaves)],
         )
         self.replicas.control = control_inbox(self.inbox)
         self.ring = ChordRing(
@@ -676,7 +700,7 @@ class RouterSlave(_ReplicaHolder):
     def __init__(self, *, slave: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.slave = slave
-        self.replica_owner = f"{self.cluster}/router-slave-{slave}"
+        self.replica_owner = router_slave_name(self.cluster, slave)
         self.master_control = control_inbox(router_inbox(self.topology, self.cluster))
         self.table: dict[str, dict[str, Any]] = {}
 
@@ -717,18 +741,28 @@ class _MatchBroker(_Role):
         self._e2e_lock = asyncio.Lock()
 
     def _add(self, sid: str, document: dict[str, Any]) -> None:
+        flt = Filter.parse(document["filter"])  # FilterError before anything changes
         if sid in self.queues:
             self._remove(sid)
         event_type = document["event_type"]
-        self.indexes.setdefault(event_type, SubscriptionIndex()).add(
-            sid, Filter.parse(document["filter"])
-        )
+        self.indexes.setdefault(event_type, SubscriptionIndex()).add(sid, flt)
         self.queues[sid] = (
             event_type,
             document["queue"],
             document.get("confirm", "broker"),
             document.get("home") or self.cluster,  # before homes were kept: the owner's
         )
+
+    def _held(self, sid: str, document: dict[str, Any]) -> bool:
+        """``_add`` a stored or replicated subscription; one the index cannot hold (kept
+        by an older version) is logged and left out, never stopping the role."""
+        try:
+            self._add(sid, document)
+        except (FilterError, KeyError, TypeError) as exc:
+            log.warning("%s: subscription %s left out: %s", self.name, sid, exc)
+            self.count("refused")
+            return False
+        return True
 
     def _remove(self, sid: str) -> None:
         where = self.queues.pop(sid, None)
@@ -863,6 +897,7 @@ class MatchMaster(_MatchBroker):
             "subscription",
             self.owner,
             [match_inbox(self.topology, self.cluster, self.index, j) for j in range(slaves)],
+            [match_slave_name(self.owner, j) for j in range(slaves)],
         )
         self.replicas.control = control_inbox(self.inbox)
 
@@ -871,20 +906,25 @@ class MatchMaster(_MatchBroker):
 
     async def prepare(self) -> None:
         for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():
-            self._add(sid, doc)
-            self.subscriptions[sid] = doc
+            if self._held(sid, doc):
+                self.subscriptions[sid] = doc
         log.info("%s: %d subscriptions read back", self.owner, len(self.subscriptions))
 
     async def control(self, message: PhoenixMessage) -> None:
         if await self.replicas.on_control(message):
             return
-        if message.kind is Kind.HEARTBEAT and message.broker and message.table is not None:
-            j = int(message.broker.rsplit("-", 1)[1])
-            self.slave_state.setdefault(j, RemoteBroker()).report(
-                float(message.table["queue"]),
-                float(message.table["service_rate"]),
-                time.monotonic(),
-            )
+        if message.kind is Kind.HEARTBEAT:
+            j = self.replicas.slave(message)
+            try:
+                queue = float((message.table or {})["queue"])
+                rate = float((message.table or {})["service_rate"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DeadLetter(
+                    f"heartbeat from {message.broker}: no queue/service_rate ({exc})"
+                ) from None
+            if not (math.isfinite(queue) and math.isfinite(rate) and queue >= 0 and rate >= 0):
+                raise DeadLetter(f"heartbeat from {message.broker}: queue {queue}, rate {rate}")
+            self.slave_state.setdefault(j, RemoteBroker()).report(queue, rate, time.monotonic())
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
         """Send the subscriptions of the arc's event types to the joining cluster."""
@@ -919,7 +959,11 @@ class MatchMaster(_MatchBroker):
             await self._hand_over(message.cluster, message.arc)
         elif message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
             doc = _subscription_document(message)
-            self._add(message.subscription_id, doc)
+            try:
+                self._add(message.subscription_id, doc)
+            except FilterError as exc:  # sent by something other than the layer's client
+                self._confirm(message, None, {"error": str(exc), "refused": "filter"})
+                raise DeadLetter(f"subscription {message.subscription_id}: {exc}") from None
             self.subscriptions[message.subscription_id] = doc
             written = await self.replicas.write(message.subscription_id, doc)
             self._confirm(message, written, {})
@@ -1057,12 +1101,12 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
 
     @property
     def name(self) -> str:
-        return f"{self.owner}/slave-{self.slave}"
+        return match_slave_name(self.owner, self.slave)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.store = open_store(self.topology.state_store)
         for sid, (_, doc) in live(self.store.load(self.replica_owner, "subscription")).items():
-            self._add(sid, doc)
+            self._held(sid, doc)
         try:
             await self._serve_observed(
                 match_inbox(self.topology, self.cluster, self.index, self.slave),
@@ -1076,7 +1120,7 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
         if document == TOMBSTONE:
             self._remove(key)
         else:
-            self._add(key, document)
+            self._held(key, document)
 
     async def handle(self, message: PhoenixMessage) -> None:
         if await self.hold(message):
@@ -1091,11 +1135,11 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
             PhoenixMessage(
                 kind=Kind.HEARTBEAT,
                 event_type="-",
-                broker=f"slave-{self.slave}",
+                broker=self.name,
                 predicted_t=t if t != float("inf") else 1e9,
-                table={
-                    "queue": self.predictor.queue,
-                    "service_rate": self.predictor.service_rate,
+                table={  # finite: JSON has no infinity (pydantic would send null)
+                    "queue": min(self.predictor.queue, 1e9),
+                    "service_rate": min(self.predictor.service_rate, 1e9),
                 },
             ),
         )

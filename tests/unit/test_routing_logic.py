@@ -585,3 +585,28 @@ def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup
     with deployment.running():
         pass
     assert "queues of px not deleted: connection refused" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        5,
+        "price",
+        b"x",
+        {"price": 1},
+        [("x", "!=", 2**70)],
+        [("x", "in", [1, -(2**64)])],
+        [("x", "<", float("inf"))],
+        [("x", "=", float("nan"))],
+    ],
+)
+def test_a_filter_the_index_cannot_hold_is_a_filter_error(spec) -> None:
+    with pytest.raises(FilterError):
+        Filter.parse(spec)
+
+
+def test_events_carry_numbers_a_filter_can_compare() -> None:
+    assert Filter.parse([("x", "<", 2**63 - 1)]).matches({"x": -(2**63)})
+    for bad in (2**63, float("nan"), float("-inf")):
+        with pytest.raises(FilterError):
+            Event.parse({"event_type": "t", "attributes": {"x": bad}})
