@@ -16,6 +16,10 @@ and pika's table codecs for the whole process, in four ways, each a fix:
   Timestamps are seconds, as AMQP says, on both faces (pamqp used to read one past 2106
   as milliseconds, pika as seconds).
 
+One more fix, to aiormq's handshake: a broker's ``Connection.Close`` in answer to
+``Connection.Open`` (a vhost that does not exist) raises aiormq's error for its reply
+code, with the broker's text.
+
 Deliveries that carry such values are dead-lettered with the reason by the consumer
 (:func:`middleware.transport.delivery.unreadable`); no handler sees them.
 """
@@ -140,10 +144,45 @@ def _install_pika() -> None:
     pika.data.decode_value = _pika_decode
 
 
+# ----------------------------------------------------------------- aiormq's handshake
+async def _aiormq_rpc(
+    request: Any, writer: Any, frame_receiver: Any, wait_response: bool = True
+) -> Any:
+    """aiormq's handshake step, with the broker's Connection.Close read before the
+    expected-answer check: a wrong vhost (530) or refused login then raises aiormq's
+    error for that reply code with the broker's text, not ``InvalidFrameError("...got
+    <Connection.Close object at 0x...>")``, which the layer could only call a lost,
+    retryable connection."""
+    import aiormq.connection as connection
+    import pamqp.frame
+    from aiormq.exceptions import InvalidFrameError, ProbableAuthenticationError
+    from pamqp.commands import Connection
+
+    writer.write(pamqp.frame.marshal(request, 0))
+    await writer.drain()
+    if not wait_response:
+        return None
+    _, _, frame = await frame_receiver.get_frame()
+    if isinstance(frame, Connection.Close):
+        if frame.reply_code == 403:
+            raise ProbableAuthenticationError(frame.reply_text)
+        raise connection.exception_by_code(frame)
+    if request.synchronous and frame.name not in request.valid_responses:
+        raise InvalidFrameError(f"Expected one of {request.valid_responses!r}, got {frame.name}")
+    return frame
+
+
+def _install_aiormq() -> None:
+    import aiormq.connection
+
+    aiormq.connection.Connection._rpc = staticmethod(_aiormq_rpc)  # type: ignore[method-assign]
+
+
 def install() -> None:
     """Apply the policy (idempotent)."""
     global _installed
     if not _installed:
         _install_pamqp()
         _install_pika()
+        _install_aiormq()
         _installed = True

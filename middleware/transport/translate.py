@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import aiormq.connection
 import aiormq.exceptions as aexc
 import pika.exceptions as pexc
 
@@ -24,7 +25,32 @@ from ..errors import (
     Unroutable,
 )
 
-__all__ = ["translate_aio", "translate_sync"]
+__all__ = ["REFUSAL_CODES", "refusal_code", "translate_aio", "translate_sync"]
+
+#: connection close codes that answer what the client just sent (a frame the broker
+#: could not take): FRAME_ERROR, SYNTAX_ERROR, COMMAND_INVALID, UNEXPECTED_FRAME,
+#: INTERNAL_ERROR (RabbitMQ's answer to a NaN header)
+REFUSAL_CODES = frozenset({501, 502, 503, 505, 541})
+_AIO_CODES: dict[type[BaseException], int] = {
+    cls: code for code, cls in aiormq.connection.EXCEPTION_MAPPING.items()
+}
+
+
+def refusal_code(error: BaseException) -> int:
+    """The reply code when the broker closed the connection in answer to a frame it
+    could not take (``REFUSAL_CODES``), found along ``error``'s causes; else 0."""
+    seen: set[int] = set()  # a chain may loop: ``raise translate(exc) from exc`` of itself
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        code = _AIO_CODES.get(type(cause), 0)
+        if isinstance(cause, pexc.ConnectionClosedByBroker):
+            code = cause.reply_code
+        if code in REFUSAL_CODES:
+            return code
+        cause = cause.__cause__
+    return 0
+
 
 Factory = Callable[[BaseException], MiddlewareError]
 
@@ -40,6 +66,10 @@ def _make(kind: type[MiddlewareError], prefix: str) -> Factory:
 _AIO_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Factory], ...] = (
     (
         (aexc.AuthenticationError, aexc.ProbableAuthenticationError),
+        _make(AccessRefused, "the broker refused the credentials or vhost"),
+    ),
+    (  # 530 in answer to Connection.Open: the vhost does not exist or is not allowed
+        aexc.ConnectionNotAllowed,
         _make(AccessRefused, "the broker refused the credentials or vhost"),
     ),
     (aexc.ChannelAccessRefused, _make(AccessRefused, "access refused")),

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from middleware.errors import MalformedMessage, MessageMalformed
+from middleware.errors import AccessRefused, MalformedMessage, MessageMalformed, RetryableError
 from middleware.queues import EnqueueStatus, SyncQueues
 from middleware.queues.spool import Spool, SpoolEntry
 from middleware.transport import (
@@ -278,3 +278,20 @@ def test_a_consumer_the_broker_cancels_comes_back_with_its_queue(face, name, que
     finally:
         plain.close()
     face.call("delete_queue", name)
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_vhost_that_does_not_exist_is_named_and_not_retried(settings, name, kind) -> None:
+    """The broker answers Connection.Open with 530: said with the broker's words, not
+    retried (aiormq raised 'got <Connection.Close object at 0x...>', a lost connection)."""
+    wrong = Face(kind, settings.model_copy(update={"vhost": f"/{name}-nowhere"}))
+    started = time.monotonic()
+    try:
+        with pytest.raises(AccessRefused, match=f"vhost /{name}-nowhere not found") as info:
+            wrong.call("connect")
+        assert not isinstance(info.value, RetryableError)
+        assert "object at 0x" not in str(info.value)
+        assert time.monotonic() - started < 5
+    finally:
+        if kind == "async":
+            wrong.loop.stop()
