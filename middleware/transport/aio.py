@@ -33,6 +33,7 @@ from ..errors import (
     BrokerUnreachable,
     ConnectionLost,
     DeadLetter,
+    MessageRefused,
     MiddlewareError,
     NotConnected,
     PublishNacked,
@@ -63,7 +64,7 @@ from .topology import (
     QueueSpec,
     TopologyRecord,
 )
-from .translate import translate_aio
+from .translate import refusal_code, translate_aio
 
 __all__ = ["REPLY_TO", "AsyncClient", "AsyncHandler", "ReplyHandler", "SettleHook"]
 
@@ -83,6 +84,14 @@ class _Live:
     plain_channel: AbstractChannel
     limits: Limits
     consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
+
+
+class _Refused(Exception):
+    """Ends the suspect retry: the broker closed the connection at the message again."""
+
+    def __init__(self, error: MiddlewareError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Down:
@@ -114,6 +123,7 @@ class AsyncClient:
         self._consumers: dict[str, _Consumer] = {}
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._close_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._suspects = asyncio.Lock()  # retries after a refusal close: one at a time
         # the deliveries being handled (handler, settle, settle hook), by consumer tag
         self._handling: dict[str, set[asyncio.Task[Any]]] = {}
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -383,6 +393,8 @@ class AsyncClient:
             await self._publish_once(message, confirm=confirm, block=block)
             return
         except RetryableError as exc:
+            if refusal_code(exc):
+                return await self._publish_suspect(message, exc, block=block)
             if isinstance(exc, WindowFull) or not retry or self.settings.retry.attempts < 2:
                 raise
             log.debug("publish %s failed (%s); retrying under the policy", message.message_id, exc)
@@ -390,7 +402,40 @@ class AsyncClient:
         retries = self.settings.retry.attempts - 1
         async for attempt in async_retrying(self.settings.retry, attempts=retries):
             with attempt:
-                await self._publish_once(message, confirm=confirm, block=block)
+                try:
+                    await self._publish_once(message, confirm=confirm, block=block)
+                except RetryableError as exc:
+                    if not refusal_code(exc):
+                        raise
+                    return await self._publish_suspect(message, exc, block=block)
+
+    async def _publish_suspect(
+        self, message: OutgoingMessage, first: MiddlewareError, *, block: bool
+    ) -> None:
+        """The broker closed the connection in answer to a frame while ``message`` was in
+        flight (it, or another message then in flight, is one the checks let through):
+        one retry, alone among the suspects and broker-confirmed, tells which. Closed
+        again: ``MessageRefused``, never sent again; the rest of the traffic goes on."""
+        metrics.PUBLISH_SUSPECTS.inc()
+        async with self._suspects:
+            try:  # an ordinary loss meanwhile (the failover itself) is retried as usual
+                async for attempt in async_retrying(self.settings.retry):
+                    with attempt:
+                        try:
+                            await self._publish_once(message, confirm=True, block=block)
+                        except RetryableError as exc:
+                            if refusal_code(exc):
+                                raise _Refused(exc) from exc
+                            raise
+            except _Refused as refused:
+                again = refused.error
+                code = refusal_code(again)
+                metrics.PUBLISH_REFUSED.inc()
+                raise MessageRefused(
+                    f"message {message.message_id}: the broker closed the connection in "
+                    f"answer to it twice ({first}; then {again}); it is not sent again",
+                    reply_code=code,
+                ) from again
 
     def publish_nowait(
         self, message: OutgoingMessage, *, confirm: bool = True

@@ -18,3 +18,11 @@ CONSUMERS_CANCELLED_BY_BROKER = Counter(
     "qosmq_consumers_cancelled_by_broker_total",
     "consumers the broker cancelled (queue deleted, consumer timeout); each re-subscribes",
 )
+PUBLISH_SUSPECTS = Counter(
+    "qosmq_publish_suspects_total",
+    "publishes retried alone after the broker closed the connection in answer to a frame",
+)
+PUBLISH_REFUSED = Counter(
+    "qosmq_publish_refused_total",
+    "publishes failed with MessageRefused (the broker closed the connection at them twice)",
+)

@@ -26,6 +26,7 @@ from ..errors import (
     BrokerUnreachable,
     ConnectionLost,
     DeadLetter,
+    MessageRefused,
     MiddlewareError,
     NotConnected,
     PublishNacked,
@@ -54,7 +55,7 @@ from .topology import (
     QueueSpec,
     TopologyRecord,
 )
-from .translate import translate_sync
+from .translate import refusal_code, translate_sync
 
 __all__ = ["SyncClient", "SyncHandler", "SyncSettleHook"]
 REPLY_TO = "amq.rabbitmq.reply-to"
@@ -297,6 +298,9 @@ class SyncClient:
                 )
             except Exception as exc:
                 error = translate_sync(exc)
+                if code := refusal_code(exc):  # not retried under the policy: see below
+                    self._drop(live, error)
+                    raise _Refused(error, code) from exc
                 if isinstance(error, TopologyError) and channel.is_closed:
                     self._reopen_channel(live, confirm)
                 elif isinstance(error, PublishNacked):
@@ -306,8 +310,46 @@ class SyncClient:
                     self._reopen_channel(live, confirm)
                 raise
 
-        self._call(send, attempts=None if retry else 1)
+        try:
+            self._call(send, attempts=None if retry else 1)
+        except _Refused as first:
+            self._publish_suspect(message, first.error)
+            confirm = True
         (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
+
+    def _publish_suspect(self, message: OutgoingMessage, first: MiddlewareError) -> None:
+        """As the asyncio core: the broker closed the connection in answer to a frame;
+        one broker-confirmed retry; closed at it again: ``MessageRefused``."""
+        metrics.PUBLISH_SUSPECTS.inc()
+
+        def send(live: _SyncLive) -> None:
+            channel = live.confirm_channel
+            if channel.is_closed:
+                channel = self._reopen_channel(live, True)
+            try:
+                channel.basic_publish(
+                    message.exchange,
+                    message.routing_key,
+                    message.body,
+                    properties=_to_pika_properties(message),
+                    mandatory=message.mandatory,
+                )
+            except Exception as exc:
+                if code := refusal_code(exc):
+                    error = translate_sync(exc)
+                    self._drop(live, error)
+                    raise _Refused(error, code) from exc
+                raise
+
+        try:
+            self._call(send)
+        except _Refused as again:
+            metrics.PUBLISH_REFUSED.inc()
+            raise MessageRefused(
+                f"message {message.message_id}: the broker closed the connection in answer "
+                f"to it twice ({first}; then {again.error}); it is not sent again",
+                reply_code=again.code,
+            ) from again.error
 
     # ------------------------------------------------------------- internal
     def _record(self, spec: Any) -> Any:
@@ -560,6 +602,15 @@ class SyncClient:
         self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
+
+
+class _Refused(MiddlewareError):
+    """The broker closed the connection in answer to a publish: not retried under the
+    policy (not a ``RetryableError``), handled by ``_publish_suspect``."""
+
+    def __init__(self, error: MiddlewareError, code: int) -> None:
+        super().__init__(str(error))
+        self.error, self.code = error, code
 
 
 def _exists(channel: blocking.BlockingChannel, *, queue: str) -> None:

@@ -3,6 +3,7 @@ never a killed connection, a loop, or good traffic stopped behind it (issue #21)
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import decimal
 import math
@@ -295,3 +296,62 @@ def test_a_vhost_that_does_not_exist_is_named_and_not_retried(settings, name, ki
     finally:
         if kind == "async":
             wrong.loop.stop()
+
+
+# ------------------------------------- a poison the checks miss: the broker's answer
+def _let_poison_through(monkeypatch) -> None:
+    """The checks refuse every poison known; stand in for one they miss (a NaN header,
+    marked), so the broker's own answer is what the layer meets: RabbitMQ closes the
+    connection with 541 INTERNAL_ERROR."""
+    import middleware.transport.aio as aio
+    import middleware.transport.sync as sync
+
+    for module in (aio, sync):
+        real = module.check_message
+        monkeypatch.setattr(
+            module,
+            "check_message",
+            lambda m, limits, real=real: None if "x-test-poison" in m.headers else real(m, limits),
+        )
+
+
+POISON = {"x-test-poison": 1, "f": math.nan}
+
+
+def test_a_message_the_broker_closes_the_connection_at_is_refused_after_one_retry(
+    face, name, monkeypatch
+) -> None:
+    """It fails with MessageRefused (reply code 541) after one retry, the connection is
+    lost twice, not once per retry of the policy, and every other message arrives."""
+    from middleware.errors import MessageRefused
+
+    _let_poison_through(monkeypatch)
+    face.call("declare_queue", QueueSpec(name))
+    if face.kind == "async":
+
+        async def burst() -> list:
+            client = face.client
+            sends = [client.publish(OutgoingMessage(f"g{i}".encode(), "", name)) for i in range(40)]
+            sends.insert(20, client.publish(OutgoingMessage(b"poison", "", name, headers=POISON)))
+            return await asyncio.gather(*sends, return_exceptions=True)
+
+        results = face.loop.run(burst())
+        refused = [r for r in results if r is not None]
+        assert len(refused) == 1 and results.index(refused[0]) == 20, results
+        error = refused[0]
+    else:
+        for i in range(20):
+            face.call("publish", OutgoingMessage(f"g{i}".encode(), "", name))
+        with pytest.raises(MessageRefused) as info:
+            face.call("publish", OutgoingMessage(b"poison", "", name, headers=POISON))
+        error = info.value
+        for i in range(20, 40):
+            face.call("publish", OutgoingMessage(f"g{i}".encode(), "", name))
+    assert isinstance(error, MessageRefused) and error.reply_code == 541
+    assert "twice" in str(error) and not isinstance(error, RetryableError)
+    assert face.client.reconnects <= 2
+    bodies = set()
+    while (d := face.call("get", name)) is not None:
+        bodies.add(d.body)
+    assert bodies == {f"g{i}".encode() for i in range(40)}  # resent copies aside, all there
+    face.call("delete_queue", name)
