@@ -285,17 +285,9 @@ class SyncClient:
         check_message(message, self.limits)
 
         def send(live: _SyncLive) -> None:
-            channel = live.confirm_channel if confirm else live.plain_channel
-            if channel.is_closed:
-                channel = self._reopen_channel(live, confirm)
+            channel = self._publish_channel(live, confirm)
             try:
-                channel.basic_publish(
-                    message.exchange,
-                    message.routing_key,
-                    message.body,
-                    properties=_to_pika_properties(message),
-                    mandatory=message.mandatory and confirm,
-                )
+                _basic_publish(channel, message, confirm=confirm)
             except Exception as exc:
                 error = translate_sync(exc)
                 if code := refusal_code(exc):  # not retried under the policy: see below
@@ -317,23 +309,18 @@ class SyncClient:
             confirm = True
         (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
+    def _publish_channel(self, live: _SyncLive, confirm: bool) -> blocking.BlockingChannel:
+        channel = live.confirm_channel if confirm else live.plain_channel
+        return self._reopen_channel(live, confirm) if channel.is_closed else channel
+
     def _publish_suspect(self, message: OutgoingMessage, first: MiddlewareError) -> None:
         """As the asyncio core: the broker closed the connection in answer to a frame;
         one broker-confirmed retry; closed at it again: ``MessageRefused``."""
         metrics.PUBLISH_SUSPECTS.inc()
 
         def send(live: _SyncLive) -> None:
-            channel = live.confirm_channel
-            if channel.is_closed:
-                channel = self._reopen_channel(live, True)
             try:
-                channel.basic_publish(
-                    message.exchange,
-                    message.routing_key,
-                    message.body,
-                    properties=_to_pika_properties(message),
-                    mandatory=message.mandatory,
-                )
+                _basic_publish(self._publish_channel(live, True), message, confirm=True)
             except Exception as exc:
                 if code := refusal_code(exc):
                     error = translate_sync(exc)
@@ -602,6 +589,18 @@ class SyncClient:
         self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
+
+
+def _basic_publish(
+    channel: blocking.BlockingChannel, message: OutgoingMessage, *, confirm: bool
+) -> None:
+    channel.basic_publish(
+        message.exchange,
+        message.routing_key,
+        message.body,
+        properties=_to_pika_properties(message),
+        mandatory=message.mandatory and confirm,
+    )
 
 
 class _Refused(MiddlewareError):
