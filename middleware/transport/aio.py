@@ -792,13 +792,7 @@ class AsyncClient:
         consumer = self._consumers.get(tag)
         if consumer is None or self._live is not live:
             return
-        log.warning(
-            "consumer %s on queue %r cancelled by the broker; re-subscribing when the "
-            "queue exists again",
-            tag,
-            consumer.spec.queue,
-        )
-        metrics.CONSUMERS_CANCELLED_BY_BROKER.inc()
+        metrics.consumer_cancelled_by_broker(log, tag, consumer.spec.queue)
         task = asyncio.ensure_future(self._resubscribe(live, consumer))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)

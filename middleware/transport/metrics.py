@@ -4,6 +4,8 @@ Label children are bound once here: ``Counter.labels()`` on every message is a
 dict lookup under a lock that the hot path need not pay.
 """
 
+import logging
+
 from prometheus_client import Counter
 
 from .delivery import Action
@@ -26,3 +28,14 @@ PUBLISH_REFUSED = Counter(
     "qosmq_publish_refused_total",
     "publishes failed with MessageRefused (the broker closed the connection at them twice)",
 )
+
+
+def consumer_cancelled_by_broker(log: logging.Logger, tag: str, queue: str) -> None:
+    """Say and count that the broker cancelled a consumer (both faces re-subscribe it)."""
+    log.warning(
+        "consumer %s on queue %r cancelled by the broker; re-subscribing when the queue "
+        "exists again",
+        tag,
+        queue,
+    )
+    CONSUMERS_CANCELLED_BY_BROKER.inc()

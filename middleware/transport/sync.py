@@ -506,13 +506,7 @@ class SyncClient:
         consumer = self._consumers.get(tag)
         if consumer is None:
             return
-        log.warning(
-            "consumer %s on queue %r cancelled by the broker; re-subscribing when the "
-            "queue exists again",
-            tag,
-            consumer.spec.queue,
-        )
-        metrics.CONSUMERS_CANCELLED_BY_BROKER.inc()
+        metrics.consumer_cancelled_by_broker(log, tag, consumer.spec.queue)
         self._cancelled[tag] = time.monotonic()
 
     def _resubscribe_cancelled(self, live: _SyncLive) -> None:
