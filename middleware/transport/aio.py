@@ -526,26 +526,35 @@ class AsyncClient:
     # ------------------------------------------------------------- internal
     async def _open(self, node: Node) -> None:
         """Connect to ``node``, open channels, replay the topology; raise translated errors."""
-        try:
-            connection = await aio_pika.connect(
+        # aio_pika.connect() drops a connection whose handshake failed without closing it;
+        # its __del__ then makes a close() coroutine that, collected off the loop, is never
+        # awaited.  Build it here so that a failed connect is closed on this loop.
+        connection_class = (  # amqps: aiormq's own writer
+            CoalescingConnection
+            if self.settings.coalesce_writes and not node.tls
+            else aio_pika.Connection
+        )
+        connection = connection_class(
+            aio_pika.connection.make_url(
                 host=node.host,
                 port=node.port,
                 login=self.settings.username,
                 password=self.settings.password.get_secret_value(),
                 virtualhost=self.settings.vhost,
                 ssl=node.tls,
-                ssl_context=tls_context(self.settings) if node.tls else None,
-                timeout=self.settings.connect_timeout,
                 heartbeat=self.settings.heartbeat,
-                client_properties={"connection_name": self.settings.client_name},
-                connection_class=(  # amqps: aiormq's own writer
-                    CoalescingConnection
-                    if self.settings.coalesce_writes and not node.tls
-                    else aio_pika.Connection
-                ),
-            )
-        except Exception as exc:
-            raise translate_aio(exc) from exc
+            ),
+            ssl_context=tls_context(self.settings) if node.tls else None,
+            client_properties={"connection_name": self.settings.client_name},
+        )
+        try:
+            await connection.connect(timeout=self.settings.connect_timeout)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await connection.close()
+            if isinstance(exc, Exception):
+                raise translate_aio(exc) from exc
+            raise
         try:
             live = _Live(
                 node=node,

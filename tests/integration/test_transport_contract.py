@@ -155,6 +155,33 @@ def test_unreachable_cluster_fails_fast_and_clearly() -> None:
     assert time.monotonic() - started < 10
 
 
+def test_failed_connects_leave_no_connection_to_close_later() -> None:
+    """A connect that fails is closed at once, on its loop: left to aio-pika's ``__del__``,
+    its close() coroutine is made wherever the garbage collector runs and, off the loop,
+    never awaited (seen in CI while a proxy refused every link)."""
+    import asyncio
+    import gc
+
+    import aio_pika
+
+    settings = Settings.load(amqp_urls="amqp://127.0.0.1:1/", connect_timeout=1)
+
+    async def fail_to_connect() -> None:
+        for _ in range(3):
+            with pytest.raises(BrokerUnreachable):
+                await AsyncClient(settings=settings).connect()
+
+    gc.disable()  # nothing collected before the count below
+    try:
+        asyncio.run(fail_to_connect())
+        left = [
+            o for o in gc.get_objects() if isinstance(o, aio_pika.Connection) and not o.is_closed
+        ]
+    finally:
+        gc.enable()
+    assert left == []
+
+
 def test_use_before_connect_is_named() -> None:
     with pytest.raises(NotConnected, match="connect"):
         SyncClient(settings=Settings.load()).publish(OutgoingMessage(b"x"))
