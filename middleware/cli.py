@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cliargs import Parser, integer, path
 from .errors import ConfigurationError, InvalidArgument, MiddlewareError
-from .localcluster.layout import DEFAULT_BASE_PORT
+from .localcluster.layout import DEFAULT_BASE_PORT, MAX_NODES
 from .observability import configure_logging
 from .settings import Settings
 
@@ -27,7 +28,10 @@ Handler = Callable[[argparse.Namespace], int]
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qosmq`` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0), or bad arguments: one line said, exit 2
+        return exc.code if isinstance(exc.code, int) else 2
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -49,8 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qosmq", description=__doc__)
-    parser.add_argument("--config", type=Path, help="TOML settings file (env QOSMQ_* wins)")
+    parser = Parser(prog="qosmq", description=__doc__)
+    parser.add_argument("--config", type=path, help="TOML settings file (env QOSMQ_* wins)")
     sub = parser.add_subparsers(title="commands")
     _cluster_commands(sub)
     for register in _feature_commands():
@@ -75,7 +79,7 @@ def _cluster_commands(sub: Any) -> None:
         p: argparse.ArgumentParser = cmds.add_parser(name, help=help_)
         p.add_argument(
             "--state-dir",
-            type=Path,
+            type=path,
             default=DEFAULT_STATE_DIR,
             help="where nodes keep data, logs and PIDs (default .qosmq)",
         )
@@ -85,10 +89,12 @@ def _cluster_commands(sub: Any) -> None:
         return p
 
     up = add("up", _cluster_up, "start N nodes on 127.0.0.1 and join them (idempotent)")
-    up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    up.add_argument(
+        "--nodes", type=integer(1, MAX_NODES), default=3, help="number of nodes (default 3)"
+    )
     up.add_argument(
         "--base-port",
-        type=int,
+        type=integer(1024, 35_535),
         default=DEFAULT_BASE_PORT,
         help=f"AMQP port of node 1 (default {DEFAULT_BASE_PORT})",
     )

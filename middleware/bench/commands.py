@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__, runtime
+from ..cliargs import integer, integers, names, number, numbers, path
+from ..errors import InvalidArgument
 from ..settings import Settings
 from .confirms import MODES, CellSpec, run_cell_sync
 from .stats import whole
@@ -28,22 +30,31 @@ def register(sub: Any) -> None:
     confirms.set_defaults(run=_run_confirms)
     demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
     _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0)
-    demo.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
-    demo.add_argument("--out", type=Path, default=Path("results"), help="Spark job results")
+    demo.add_argument("--state-dir", type=path, default=Path(".qosmq"))
+    demo.add_argument("--out", type=path, default=Path("results"), help="Spark job results")
     demo.set_defaults(run=_run_demo)
     balance = cmds.add_parser("balance", help="weighted dispatch vs round robin (paper 001)")
-    balance.add_argument("--algorithms", default="round_robin,paper,inverse,predictive")
-    balance.add_argument("--replicas", type=int, default=2)
-    balance.add_argument("--rate", default="250,400", help="comma list of msg/s (light,heavy)")
-    balance.add_argument("--duration", type=float, default=30.0)
-    balance.add_argument("--service-ms", type=float, default=2.0)
+    from ..balancer import ALGORITHMS
+
+    balance.add_argument(
+        "--algorithms", type=names(ALGORITHMS), default="round_robin,paper,inverse,predictive"
+    )
+    balance.add_argument("--replicas", type=integer(1, 64), default=2)
+    balance.add_argument(
+        "--rate",
+        type=numbers(0, 1e6, above=True),
+        default="250,400",
+        help="comma list of msg/s (light,heavy)",
+    )
+    balance.add_argument("--duration", type=number(0, 86_400, above=True), default=30.0)
+    balance.add_argument("--service-ms", type=number(0, 60_000), default=2.0)
     balance.add_argument(
         "--slow-extra-ms",
-        type=float,
+        type=number(0, 60_000),
         default=6.0,
         help="extra per-message time of replica 0's consumer",
     )
-    balance.add_argument("--json", type=Path)
+    balance.add_argument("--json", type=path)
     balance.set_defaults(run=_run_balance)
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
@@ -55,43 +66,64 @@ def register(sub: Any) -> None:
     )
     phoenix.add_argument(
         "--subscriptions",
+        type=integers(1, 10_000_000),
         help="comma list (default: 10000,50000,100000,200000; rate: 200000)",
     )
-    phoenix.add_argument("--events", type=int, default=20_000, help="matching: events")
+    phoenix.add_argument(
+        "--events", type=integer(1, 100_000_000), default=20_000, help="matching: events"
+    )
     phoenix.add_argument(
         "--symbols",
-        type=int,
+        type=integer(1, 100_000_000),
         default=50_000,
         help="matching: distinct symbols the subscriptions pick from (fewer: more matches "
         "per event)",
     )
     phoenix.add_argument(
-        "--rates", help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)"
+        "--rates",
+        type=numbers(0, 1e6, above=True),
+        help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)",
     )
-    phoenix.add_argument("--mechanisms", default="none,inner,outer,both")
-    phoenix.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
-    phoenix.add_argument("--repeats", type=int, default=1, help="mechanism passes (rotated)")
-    phoenix.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell")
+    from .phoenix_timeliness import MECHANISMS
+
+    phoenix.add_argument("--mechanisms", type=names(MECHANISMS), default="none,inner,outer,both")
+    phoenix.add_argument(
+        "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
+    )
+    phoenix.add_argument(
+        "--repeats", type=integer(1, 100), default=1, help="mechanism passes (rotated)"
+    )
+    phoenix.add_argument(
+        "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
+    )
     from .phoenix_timeliness import steal_arguments
 
     steal_arguments(phoenix)
     phoenix.add_argument(
-        "--work-dir", type=Path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
+        "--work-dir", type=path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
     )
-    phoenix.add_argument("--json", type=Path)
+    phoenix.add_argument("--json", type=path)
     phoenix.set_defaults(run=_run_phoenix)
     transport = cmds.add_parser("transport", help="the clients' cost per message vs raw")
-    transport.add_argument("--clients", default="raw,layer,layer-per-frame")
-    transport.add_argument("--messages", type=int, default=4000, help="per cell")
-    transport.add_argument("--size", type=int, default=100, help="message size in bytes")
-    transport.add_argument("--repeats", type=int, default=3, help="passes (order rotated)")
-    transport.add_argument("--json", type=Path)
+    from .transport import CLIENTS
+
+    transport.add_argument("--clients", type=names(CLIENTS), default="raw,layer,layer-per-frame")
+    transport.add_argument(
+        "--messages", type=integer(1, 100_000_000), default=4000, help="per cell"
+    )
+    transport.add_argument(
+        "--size", type=integer(1, 16 * 2**20), default=100, help="message size in bytes"
+    )
+    transport.add_argument(
+        "--repeats", type=integer(1, 100), default=3, help="passes (order rotated)"
+    )
+    transport.add_argument("--json", type=path)
     transport.set_defaults(run=_run_transport)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
-    queues.add_argument("--duration", type=float, default=10.0)
-    queues.add_argument("--size", type=int, default=1500)
-    queues.add_argument("--window", type=int, default=256)
-    queues.add_argument("--json", type=Path)
+    queues.add_argument("--duration", type=number(0, 86_400, above=True), default=10.0)
+    queues.add_argument("--size", type=integer(1, 16 * 2**20), default=1500)
+    queues.add_argument("--window", type=integer(1, 65_536), default=256)
+    queues.add_argument("--json", type=path)
     queues.set_defaults(run=_run_queues)
     spool = sub.add_parser("spool", help="the local spool of the persistent-queue API")
     spool_cmds = spool.add_subparsers(title="spool commands", required=True)
@@ -100,7 +132,7 @@ def register(sub: Any) -> None:
         ("drain", "send the spool to the broker now"),
     ):
         p = spool_cmds.add_parser(name, help=help_)
-        p.add_argument("--path", type=Path, help="spool file (default: settings)")
+        p.add_argument("--path", type=path, help="spool file (default: settings)")
         p.set_defaults(run=_run_spool, action=name)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
@@ -121,14 +153,24 @@ def register(sub: Any) -> None:
 def _grid_arguments(
     p: argparse.ArgumentParser, *, modes: str, queues: str, duration: float
 ) -> None:
-    p.add_argument("--modes", default=modes, help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--queues", default=queues, help="comma list of queue counts")
-    p.add_argument("--producers-per-queue", type=int, default=2)
-    p.add_argument("--consumers-per-queue", type=int, default=3)
-    p.add_argument("--size", type=int, default=1500, help="message size in bytes")
-    p.add_argument("--duration", type=float, default=duration, help="seconds per cell")
-    p.add_argument("--window", type=int, default=64, help="in-flight publishes per producer")
-    p.add_argument("--json", type=Path, help="write the records to this file")
+    p.add_argument(
+        "--modes", type=names(MODES), default=modes, help=f"comma list of {', '.join(MODES)}"
+    )
+    p.add_argument(
+        "--queues", type=integers(1, 64), default=queues, help="comma list of queue counts"
+    )
+    p.add_argument("--producers-per-queue", type=integer(1, 64), default=2)
+    p.add_argument("--consumers-per-queue", type=integer(1, 64), default=3)
+    p.add_argument(
+        "--size", type=integer(1, 16 * 2**20), default=1500, help="message size in bytes"
+    )
+    p.add_argument(
+        "--duration", type=number(0, 86_400, above=True), default=duration, help="seconds per cell"
+    )
+    p.add_argument(
+        "--window", type=integer(1, 65_536), default=64, help="in-flight publishes per producer"
+    )
+    p.add_argument("--json", type=path, help="write the records to this file")
 
 
 def _cells(args: argparse.Namespace) -> list[CellSpec]:
@@ -149,7 +191,7 @@ def _cells(args: argparse.Namespace) -> list[CellSpec]:
             for m in modes
         ]
     except ValueError as exc:
-        raise SystemExit(f"qosmq: error: bad grid: {exc}") from None
+        raise InvalidArgument(f"bad grid: {exc}") from None
 
 
 def run_confirms_grid(settings: Settings, cells: list[CellSpec]) -> list[dict[str, Any]]:
@@ -298,7 +340,7 @@ def _run_balance(args: argparse.Namespace) -> int:
             for a in args.algorithms.split(",")
         ]
     except ValueError as exc:
-        raise SystemExit(f"qosmq: error: bad grid: {exc}") from None
+        raise InvalidArgument(f"bad grid: {exc}") from None
     rows = []
     for i, cell in enumerate(cells, 1):
         print(
@@ -552,13 +594,13 @@ def _run_spool(args: argparse.Namespace) -> int:
 
     settings = args.settings
     path = args.path or settings.queues.spool_path
+    spool = Spool.open_existing(path)  # operator commands never create one
     if args.action == "status":
-        print(json.dumps(Spool.open_existing(path).stats(), indent=2))
+        print(json.dumps(spool.stats(), indent=2))
         return 0
-    queue_settings = settings.queues.model_copy(update={"spool_path": path})
 
     async def drain() -> int:
-        queues = AsyncQueues(AsyncClient(settings=settings), settings=queue_settings)
+        queues = AsyncQueues(AsyncClient(settings=settings), spool=spool)
         await queues.client.connect()
         report = await queues.recover()
         await queues.client.close()

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
+from ..cliargs import integer, number
 from ..routing import ChordRing, LatencyMap
 from ..routing.client import PhoenixClient
 from ..routing.protocol import PhoenixTopology, role_queues
@@ -616,12 +617,14 @@ def steal_limits(args: argparse.Namespace) -> tuple[float | None, int]:
 def steal_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-steal",
-        type=float,
+        type=number(-100, 100),
         default=5.0,
         help="re-measure a cell during which the hypervisor took more than this %% of the "
         "CPU (steal); the disturbed cell is kept in the results as discarded (< 0: off)",
     )
-    p.add_argument("--steal-retries", type=int, default=2, help="re-measurements per cell at most")
+    p.add_argument(
+        "--steal-retries", type=integer(0, 100), default=2, help="re-measurements per cell at most"
+    )
 
 
 def _metered(

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..cliargs import Parser, integer, integers, names, number, path
 from ..settings import Settings
 from . import spark_common
 from .confirms import MODES, CellSpec, run_cell_sync
@@ -122,23 +123,25 @@ def parse_grid(args: argparse.Namespace) -> Grid:
 
 
 def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="confirms_job", description=__doc__.split("\n")[0])
+    p = parser or Parser(prog="confirms_job", description=__doc__.split("\n")[0])
     p.set_defaults(master=None)
-    p.add_argument("--modes", default="none,broker,persistent,e2e")
-    p.add_argument("--queues", default=DEFAULT_QUEUES)
-    p.add_argument("--producers-per-queue", type=int, default=2)
-    p.add_argument("--consumers-per-queue", type=int, default=3)
-    p.add_argument("--size", type=int, default=1500)
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", type=names(MODES), default="none,broker,persistent,e2e")
+    p.add_argument("--queues", type=integers(1, 64), default=DEFAULT_QUEUES)
+    p.add_argument("--producers-per-queue", type=integer(1, 64), default=2)
+    p.add_argument("--consumers-per-queue", type=integer(1, 64), default=3)
+    p.add_argument("--size", type=integer(1, 16 * 2**20), default=1500)
+    p.add_argument(
+        "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
+    )
+    p.add_argument("--repeats", type=integer(1, 100), default=3)
     p.add_argument(
         "--out",
-        type=Path,
+        type=path,
         default=Path("results"),
         help="parent folder; each run writes a new sub-folder",
     )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
-    p.add_argument("--config", type=Path, help="qosmq TOML settings")
+    p.add_argument("--config", type=path, help="qosmq TOML settings")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..cliargs import Parser, integer, integers, names, number, numbers, path
 from ..settings import Settings
 from . import spark_common
 from .phoenix_timeliness import MECHANISMS, run_experiment, steal_arguments, steal_limits
@@ -126,31 +127,44 @@ def parse_grid(args: argparse.Namespace) -> PhoenixGrid:
 
 
 def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="phoenix_job", description=__doc__.split("\n")[0])
+    p = parser or Parser(prog="phoenix_job", description=__doc__.split("\n")[0])
     p.set_defaults(master=None)
     p.add_argument(
         "--experiment",
+        choices=("rate", "subscriptions"),
         default="rate",
         help="rate: (a) response time vs event rate; subscriptions: (b) vs subscriptions",
     )
-    p.add_argument("--subscriptions", help="comma list (rate: 200000; else 10000,…,200000)")
-    p.add_argument("--rates", help="events/s, comma list (rate: 100,200,400; else 200)")
-    p.add_argument("--mechanisms", default="none,inner,outer,both")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
-    p.add_argument("--repeats", type=int, default=3, help="mechanism passes (rotated)")
-    p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell")
+    p.add_argument(
+        "--subscriptions",
+        type=integers(1, 10_000_000),
+        help="comma list (rate: 200000; else 10000,…,200000)",
+    )
+    p.add_argument(
+        "--rates",
+        type=numbers(0, 1e6, above=True),
+        help="events/s, comma list (rate: 100,200,400; else 200)",
+    )
+    p.add_argument("--mechanisms", type=names(MECHANISMS), default="none,inner,outer,both")
+    p.add_argument(
+        "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
+    )
+    p.add_argument("--repeats", type=integer(1, 100), default=3, help="mechanism passes (rotated)")
+    p.add_argument(
+        "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
+    )
     steal_arguments(p)
     p.add_argument(
         "--out",
-        type=Path,
+        type=path,
         default=Path("results"),
         help="parent folder; each run writes a new sub-folder",
     )
     p.add_argument(
-        "--work-dir", type=Path, help="executors' deployment state and logs (default: a temp dir)"
+        "--work-dir", type=path, help="executors' deployment state and logs (default: a temp dir)"
     )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
-    p.add_argument("--config", type=Path, help="qosmq TOML settings")
+    p.add_argument("--config", type=path, help="qosmq TOML settings")
     p.add_argument("--no-progress", action="store_true")
     return p
 

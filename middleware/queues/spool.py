@@ -45,10 +45,16 @@ class Spool:
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError("synchronous must be NORMAL or FULL")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_messages = max_messages
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise InvalidArgument(
+                f"cannot open the spool {self.path} ({exc}): queues.spool_path must name a "
+                "file in a folder this process can write"
+            ) from None
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")

@@ -138,6 +138,10 @@ class PhoenixTopology(BaseModel):
             )
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigurationError(f"topology file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(
+                f"topology file {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 TOML"
+            ) from None
         except ValidationError as exc:
             raise ConfigurationError(
                 f"topology file {path}: {exc.errors(include_url=False)}"

@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import runtime
 from ..balancer import BalancerSidecar, declare_replicated_topic
+from ..cliargs import integer, number
 from ..observability import start_metrics_server
 
 __all__ = ["register"]
@@ -20,9 +21,13 @@ def register(sub: Any) -> None:
     roles = sidecar.add_subparsers(title="sidecars", required=True)
     bal = roles.add_parser("balancer", help="sample a replicated topic and publish load reports")
     bal.add_argument("--topic", required=True)
-    bal.add_argument("--replicas", type=int, default=2)
-    bal.add_argument("--i1", type=float, default=0.5, help="sample interval, seconds")
-    bal.add_argument("--i2", type=float, default=2.0, help="report interval, seconds")
+    bal.add_argument("--replicas", type=integer(1, 64), default=2)
+    bal.add_argument(
+        "--i1", type=number(0, 3600, above=True), default=0.5, help="sample interval, seconds"
+    )
+    bal.add_argument(
+        "--i2", type=number(0, 3600, above=True), default=2.0, help="report interval, seconds"
+    )
     bal.add_argument(
         "--declare",
         action="store_true",

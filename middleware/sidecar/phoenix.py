@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
+from ..cliargs import integer, number, path
 from ..localcluster.manager import pid_alive, spawn_daemon
 
 __all__ = ["register"]
@@ -25,9 +26,11 @@ def register(roles: Any, sub: Any) -> None:
         p = roles.add_parser(name, help=f"a Phoenix {name} role")
         p.add_argument("--cluster", required=True)
         p.add_argument("--role", choices=("master", "slave"), default="master")
-        p.add_argument("--topology", type=Path, required=True)
-        p.add_argument("--index", type=int, default=0, help="match master number")
-        p.add_argument("--slave", type=int, default=0, help="slave number (--role slave)")
+        p.add_argument("--topology", type=path, required=True)
+        p.add_argument("--index", type=integer(0, 63), default=0, help="match master number")
+        p.add_argument(
+            "--slave", type=integer(0, 63), default=0, help="slave number (--role slave)"
+        )
         p.set_defaults(run=run)
     phoenix = sub.add_parser("phoenix", help="a local Phoenix deployment")
     cmds = phoenix.add_subparsers(title="phoenix commands", required=True)
@@ -39,8 +42,8 @@ def register(roles: Any, sub: Any) -> None:
         ("status", _status, "every role: process alive, inbox backlog (exit 1 if one is down)"),
     ):
         p = cmds.add_parser(name, help=help_)
-        p.add_argument("--topology", type=Path, required=True)
-        p.add_argument("--state-dir", type=Path, default=Path(".qosmq"))
+        p.add_argument("--topology", type=path, required=True)
+        p.add_argument("--state-dir", type=path, default=Path(".qosmq"))
         if name == "join":
             p.add_argument("--cluster", required=True)
         if name == "configure":
@@ -53,9 +56,13 @@ def register(roles: Any, sub: Any) -> None:
                 "or the master matches every event",
             )
             p.add_argument(
-                "--batch-max", type=int, help="messages per batch between roles (1: no batching)"
+                "--batch-max",
+                type=integer(1, 10_000),
+                help="messages per batch between roles (1: no batching)",
             )
-            p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+            p.add_argument(
+                "--timeout", type=number(0, 3600, above=True), default=30.0, help="seconds to wait"
+            )
         p.set_defaults(run=run)
 
 

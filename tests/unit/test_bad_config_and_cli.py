@@ -65,7 +65,7 @@ def _cli(capsys, argv: list[str]) -> str:
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines and lines[0].startswith("qosmq: error:"), err
+    assert len(lines) == 1 and lines[0].startswith("qosmq") and ": error: " in lines[0], err
     return err
 
 
@@ -93,9 +93,9 @@ def test_config_files_that_are_not_toml(content, says, capsys, tmp_path) -> None
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["cluster", "up", "--nodes", "0"], "--nodes must be between 1 and 9"),
-        (["cluster", "up", "--nodes", "10"], "--nodes must be between 1 and 9"),
-        (["cluster", "up", "--base-port", "80"], "--base-port must be between"),
+        (["cluster", "up", "--nodes", "0"], "--nodes: 0 is out of range (expected 1 to 9)"),
+        (["cluster", "up", "--nodes", "10"], "--nodes: 10 is out of range (expected 1 to 9)"),
+        (["cluster", "up", "--base-port", "80"], "--base-port: 80 is out of range"),
         (["cluster", "stop", "qosmq-9"], "no node 'qosmq-9'"),
         (["cluster", "kill", "7"], "no node"),
     ],
