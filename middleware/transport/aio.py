@@ -457,7 +457,7 @@ class AsyncClient:
                 # The frame queue is bounded (backpressure), and the confirm is still awaited.
                 underlay = await self._publish_channel(live, confirm)
                 await underlay.basic_publish(
-                    message.body,
+                    bytes(message.body),
                     exchange=message.exchange,
                     routing_key=message.routing_key,
                     properties=_properties(message),

@@ -72,6 +72,11 @@ def check_message(message: OutgoingMessage, limits: Limits | None = None) -> Non
             f"body of {len(message.body)} bytes exceeds the broker's max_message_size "
             f"({limits.max_message_size})"
         )
+    if not message.message_id:  # aiormq would put a random one in its place
+        raise _refuse(
+            "message_id is empty: returns, receipts and duplicate checks go by it "
+            "(leave it out for a generated one)"
+        )
     size = _FRAME_OVERHEAD
     for name in (*_SHORTSTR_FIELDS, "exchange", "routing_key"):
         value = getattr(message, name)
@@ -188,11 +193,19 @@ def _value(value: Any, where: str, depth: int) -> int:
 
 
 def _decimal(value: decimal.Decimal, where: str) -> int:
+    """AMQP's decimal: a scale octet and a signed 32-bit mantissa.  Judged from the digits
+    and the exponent alone: ``int(Decimal("1E+999999"))`` would build a million-digit
+    integer (half a minute of CPU, the event loop and its heartbeats stopped)."""
     if not value.is_finite():
         raise _refuse(f"{where}: {value} is not a finite number")
-    exponent = value.normalize().as_tuple().exponent
-    scale = -int(exponent) if isinstance(exponent, int) and exponent < 0 else 0
-    mantissa = int(value.scaleb(scale))
-    if scale > 255 or not -(2**31) <= mantissa < 2**31:
-        raise _refuse(f"{where}: decimal {value} needs more than a 32-bit mantissa")
+    sign, digits, exponent = value.normalize().as_tuple()
+    assert isinstance(exponent, int)  # finite
+    places = len(digits) + max(exponent, 0)  # decimal digits of the mantissa
+    scale = max(-exponent, 0)
+    mantissa = 0
+    if places <= 10:
+        mantissa = int("".join(map(str, digits)) or "0") * 10 ** max(exponent, 0)
+        mantissa = -mantissa if sign else mantissa
+    if places > 10 or scale > 255 or not -(2**31) <= mantissa < 2**31:
+        raise _refuse(f"{where}: decimal {value:.12} needs more than a 32-bit mantissa")
     return 6

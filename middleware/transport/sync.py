@@ -591,7 +591,7 @@ def _basic_publish(
     channel.basic_publish(
         message.exchange,
         message.routing_key,
-        message.body,
+        bytes(message.body),  # pika takes bytes or str only
         properties=_to_pika_properties(message),
         mandatory=message.mandatory and confirm,
     )
