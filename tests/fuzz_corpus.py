@@ -358,3 +358,84 @@ def cli_argv(r: random.Random, tmp: str) -> list[str]:
         [r.choice(["nope", "", "--help-me"])],
     ]
     return r.choice(cases)
+
+
+# ------------------------------------------------------------ Phoenix messages
+PHOENIX_KINDS = [
+    "advertise",
+    "subscribe",
+    "unsubscribe",
+    "unsubscribed",
+    "publish",
+    "heartbeat",
+    "join",
+    "handover",
+    "replicate",
+    "ack",
+    "read",
+    "snapshot",
+    "nope",
+    "",
+    7,
+]
+
+
+def phoenix_body(r: random.Random, prefix: str) -> bytes:
+    """A message for a Phoenix role's inbox: garbage, or a role message from a sender or
+    about a cluster the topology does not have, or with fields out of shape.  Never an
+    operator's ``configure``, and events only of types nobody subscribes to: a well-formed
+    order from a legitimate role is obeyed (Phoenix authenticates no one)."""
+    if r.random() < 0.25:
+        return r.choice(
+            [
+                b"",
+                r.randbytes(r.randint(1, 100)),
+                b"[" * 50_000,
+                b"null",
+                b'"subscribe"',
+                json.dumps(_deep(300, 1)).encode(),
+                b'{"kind": "publish", "event_type": "x", "event": ' * 5000,
+            ]
+        )
+    doc: dict[str, Any] = {
+        "kind": r.choice(PHOENIX_KINDS),
+        "event_type": r.choice([f"fz-nobody-{r.randint(0, 3)}", "", 5, None, "x" * 300]),
+    }
+    optional: dict[str, list[Any]] = {
+        "event": [
+            {"event_type": "fz-nobody-0", "attributes": event_attributes(r)},
+            {"event_type": "bad type!", "attributes": {}},
+            "event",
+            None,
+        ],
+        "filter": [filter_spec(r), "price < 1", [[1, 2, 3, 4]]],
+        "latency_level": [0, 1, 6, -1, "fast", 2**70],
+        "queue": [f"{prefix}.fz", "", "q" * 300, 5, "amq.nope"],
+        "confirm": ["broker", "e2e", "maybe"],
+        "subscription_id": [f"fz-{r.getrandbits(32):x}", "", 3],
+        "home": ["Z", "", None, 5],
+        "hops": [["Z"] * r.randint(0, 40), "A", [1]],
+        "replica": [True, "yes"],
+        "broker": ["B/match-0/slave-99", "Z/router", "B/evil", "", 7],
+        "predicted_t": [-1.0, 1e308, "soon"],
+        "cluster": ["Z", "", "A/../B", 3],
+        "arc": [[0, 2**64], [5, 1], "all", [1]],
+        "table": [{"queue": -1, "service_rate": "fast"}, {"x": _deep(50, 1)}, [], None],
+        "version": [-1, 2**70, "v1"],
+        "key": ["k", "", 5],
+        "state_kind": ["routing_table", "subscription", "nope"],
+        "request": ["r-1", 5],
+        "reply_to": ["", f"{prefix}.nobody", 5],
+        "entries": [{"k": [1, {}]}, {"k": "v"}, [1, 2]],
+        "last": [True, "no"],
+        "priority": [0, 9, 300, -1],
+        "unknown_field": [1],
+    }
+    for name in r.sample(sorted(optional), r.randint(0, 6)):
+        doc[name] = r.choice(optional[name])
+    if doc["kind"] in ("join", "handover") and doc.get("cluster") in (None, "A", "B", "C"):
+        doc["cluster"] = "Z"  # a cluster the topology does not have
+    try:  # NaN and Infinity go out as JSON's non-standard literals
+        return json.dumps(doc, default=repr).encode()
+    except (ValueError, RecursionError):
+        return b'{"kind": "heartbeat", "event_type": "-", "predicted_t": NaN}'

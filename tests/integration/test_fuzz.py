@@ -74,6 +74,7 @@ def _publish_plain(settings, queue: str, cases: int, klass: str) -> list[str]:
     plain = _plain_pika(settings)
     try:
         ch = plain.channel()
+        ch.confirm_delivery()  # the count starts with what the broker took
         for i in range(cases):
             props = corpus.plain_properties(corpus.rng(klass, i))
             body = f"case-{i}"
@@ -97,7 +98,9 @@ def test_fuzzed_plain_deliveries_are_handled_or_dead_lettered(
     goods = [f"good-{i}" for i in range(PLAIN_CASES)]
     face.pump(20, until=lambda: all(g in handled for g in goods))
     dead = {d.body.decode(): str(d.headers["x-qosmq-reason"]) for d in _dead_all(face, name)}
-    assert sorted(h for h in handled if h.startswith("good-")) == sorted(goods)  # each once
+    left = face.call("queue_length", name)
+    missing = sorted(set(goods) - set(handled))
+    assert sorted(h for h in handled if h.startswith("good-")) == sorted(goods), (missing, left)
     case_handled = [h for h in handled if h.startswith("case-")]
     assert len(case_handled) == len(set(case_handled))
     assert sorted(case_handled + list(dead)) == sorted(cases)  # handled or dead, never both
@@ -136,6 +139,7 @@ def test_fuzzed_receipts_and_plain_deliveries_leave_e2e_confirms_exact(
         plain = pika.BlockingConnection(pika.ConnectionParameters(host=host, port=port))
         try:
             ch = plain.channel()
+            ch.confirm_delivery()
             for i in range(RECEIPT_CASES):
                 ch.basic_publish("", reply_to[0], corpus.receipt_body(corpus.rng("receipt", i)))
                 props = corpus.plain_properties(corpus.rng("plain-e2e", i))
@@ -146,6 +150,109 @@ def test_fuzzed_receipts_and_plain_deliveries_leave_e2e_confirms_exact(
             plain.close()
         assert e2e.publisher.core.malformed_receipts <= RECEIPT_CASES
         e2e_handled = [h for h in handled if h.startswith("e2e-")]
-        assert sorted(e2e_handled) == sorted(["e2e-first"] + [f"e2e-{i}" for i in range(RECEIPT_CASES)])
+        sent = ["e2e-first"] + [f"e2e-{i}" for i in range(RECEIPT_CASES)]
+        assert sorted(e2e_handled) == sorted(sent)
     finally:
         e2e.close()
+
+
+PHOENIX_CASES = 90
+
+
+@pytest.mark.slow
+def test_fuzzed_phoenix_messages_leave_roles_alive_and_events_exact(
+    settings, brokers, tmp_path, name
+) -> None:
+    """Garbage and forged role messages in every master's inbox, between real events:
+    each role process lives, every inbox drains (nothing wedged), what a role could not
+    use is dead-lettered with a reason, and the subscriber gets each real event once."""
+    import asyncio
+    import json
+    import os
+
+    from middleware.bench.phoenix_timeliness import phoenix_cli
+    from middleware.routing import ChordRing
+    from middleware.routing.client import PhoenixClient
+    from middleware.routing.protocol import control_inbox, match_inbox, router_inbox
+    from middleware.transport import (
+        AsyncClient,
+        BindingSpec,
+        ExchangeSpec,
+        ExchangeType,
+        QueueKind,
+    )
+    from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
+    from tests.integration.test_phoenix import _topology
+    from tests.integration.test_phoenix_bad_input import _take
+
+    ring = ChordRing(["A", "B", "C"])
+    event_type = next(f"bids{i}" for i in range(1000) if ring.owner(f"bids{i}") == "B")
+    topology_file, topology = _topology(
+        tmp_path, name, {c: {"match_slaves": 1 if c == "B" else 0} for c in "ABC"}
+    )
+    urls = list(brokers.urls)
+    state = tmp_path / "state"
+    inboxes = [router_inbox(topology, c) for c in "ABC"]
+    inboxes += [match_inbox(topology, "B", 0), control_inbox(match_inbox(topology, "B", 0))]
+    r = corpus.rng("phoenix")
+    host, port, _ = settings.nodes[0]
+
+    async def scenario() -> tuple[list[int], dict[str, int], list[str]]:
+        client = await AsyncClient(settings=settings).connect()
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        at_c = PhoenixClient(client, topology=topology, cluster="C")
+        dl = f"{name}.dl"
+        await client.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
+        await client.declare_queue(QueueSpec(dl, kind=QueueKind.CLASSIC))
+        await client.bind(BindingSpec(dl, DEAD_LETTER_EXCHANGE))
+        plain = pika.BlockingConnection(pika.ConnectionParameters(host=host, port=port))
+        try:
+            queue = f"{name}.sub"
+            await at_a.subscribe(event_type, [("price", ">=", 0)], 1, queue, wait_s=60)
+            ch = plain.channel()
+            ch.confirm_delivery()
+            real = 0
+            for i in range(PHOENIX_CASES):
+                ch.basic_publish("", r.choice(inboxes), corpus.phoenix_body(r, name))
+                if i % 3 == 0:
+                    await at_c.publish({"event_type": event_type, "attributes": {"price": real}})
+                    real += 1
+            got = await _take(client, queue, real, 60)
+            prices = sorted(m["event"]["attributes"]["price"] for m in got)
+            backlog: dict[str, int] = {}
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                backlog = {q: await client.queue_length(q) for q in inboxes}
+                if not any(backlog.values()):
+                    break
+                await asyncio.sleep(0.5)
+            reasons = []
+            while (d := await client.get(dl)) is not None:
+                if d.headers.get("x-qosmq-queue") in inboxes:
+                    reasons.append(str(d.headers.get("x-qosmq-reason", "")))
+            assert prices == list(range(real)), prices  # each real event once, none lost
+            return prices, backlog, reasons
+        finally:
+            plain.close()
+            await client.delete_queue(f"{name}.dl")
+            await client.close()
+
+    try:
+        phoenix_cli("up", topology_file, state, urls)
+        pids: dict[str, int] = json.loads((state / "phoenix.json").read_text())
+        _, backlog, reasons = asyncio.run(scenario())
+        dead = []
+        for role, pid in pids.items():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead.append(role)
+        assert dead == [], f"role processes gone: {dead}"
+        for log in state.glob("*.log"):  # refused with a warning, never an exception
+            text = log.read_text(errors="replace")
+            assert "Traceback" not in text and " ERROR " not in text, (log.name, text[-2000:])
+        assert not any(backlog.values()), backlog  # every inbox drained: nothing wedged
+        assert reasons and all(reasons), reasons  # the refused, each with its reason
+    finally:
+        if (state / "phoenix.json").exists():
+            phoenix_cli("down", topology_file, state, urls)
