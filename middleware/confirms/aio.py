@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
+from ..errors import MessageRefused
 from ..settings import ConfirmSettings
 from ..transport.aio import AsyncClient, AsyncHandler
 from ..transport.delivery import Delivery, Outcome
@@ -47,6 +48,8 @@ class AsyncConfirmPublisher:
         self._window = asyncio.Semaphore(settings.publish_window)
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._refused_seen = client.refused_closes
+        self._resending = asyncio.Lock()  # timeout resends wait while suspects are resent
 
     async def start(self) -> Self:
         if self.core.profile.receipts:
@@ -132,10 +135,11 @@ class AsyncConfirmPublisher:
         period = min(0.05, self.core.tracker.timeout / 4)
         while True:
             await asyncio.sleep(period)
-            resend, failed = self.core.due()
-            self._settle(failed)
-            for message in resend:
-                await self._resend(message)
+            async with self._resending:
+                resend, failed = self.core.due()
+                self._settle(failed)
+                for message in resend:
+                    await self._resend(message)
 
     async def _resend(self, message: OutgoingMessage) -> None:
         try:
@@ -144,9 +148,31 @@ class AsyncConfirmPublisher:
             log.info("resend of %s failed (%s); the next timeout retries", message.message_id, exc)
 
     async def _resend_all(self) -> None:
-        """After failover the reply address changed: resend everything still waiting."""
-        for message in list(self.core.in_flight.values()):
-            await self._resend(message)
+        """After failover the reply address changed: resend everything still waiting.
+
+        When the broker closed the lost connection in answer to a frame, everything then
+        in flight is suspect: each goes again alone, known taken before the next; the
+        one the broker closes the connection at again fails with ``MessageRefused``
+        (one retry, not one per resend until ``ReceiptTimeout``)."""
+        async with self._resending:
+            suspect = self.client.refused_closes != self._refused_seen
+            self._refused_seen = self.client.refused_closes
+            for message in list(self.core.in_flight.values()):
+                if message.message_id not in self.core.in_flight:
+                    continue  # settled meanwhile
+                if not suspect:
+                    await self._resend(message)
+                    continue
+                try:
+                    await self.client.resend_alone(message, confirm=False)
+                except MessageRefused as exc:
+                    self._settle([self.core.refused(message.message_id, exc)])
+                except Exception as exc:
+                    log.info(
+                        "resend of %s failed (%s); the next timeout retries",
+                        message.message_id,
+                        exc,
+                    )
 
 
 class AsyncConfirmConsumer:

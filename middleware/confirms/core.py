@@ -195,6 +195,11 @@ class PublisherCore:
         self.tracker.discard(message_id)
         self.in_flight.pop(message_id, None)
 
+    def refused(self, message_id: str, error: BaseException) -> Settled:
+        """A message the broker refused (``MessageRefused``): failed now, never resent."""
+        self.forget(message_id)
+        return message_id, error
+
 
 class ConsumerCore:
     """Duplicate suppression and receipt batching for layer consumers.

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..errors import MessageRefused
 from ..settings import ConfirmSettings
 from ..transport.delivery import Delivery, Outcome
 from ..transport.sync import SyncClient, SyncHandler
@@ -36,6 +37,7 @@ class SyncConfirmPublisher:
             topology=client.topology,
         )
         self._results: dict[str, BaseException | None] = {}
+        self._refused_seen = client.refused_closes
         if self.core.profile.receipts:
             client.listen_replies(self._on_reply)
 
@@ -87,8 +89,12 @@ class SyncConfirmPublisher:
             if not self.core.profile.receipts:
                 self.client.publish(message, confirm=self.core.profile.broker_confirm)
                 continue
-            self.client.publish(message, confirm=False)
             waiting.append(message.message_id)
+            try:
+                self.client.publish(message, confirm=False)
+            except MessageRefused as exc:
+                self._record([self.core.refused(message.message_id, exc)])
+            self._resend_suspects()
             if len(self.core.in_flight) >= self.client.settings.publish_window:
                 self._wait(lambda: len(self.core.in_flight) < self.client.settings.publish_window)
         self._wait(lambda: not self.core.in_flight)
@@ -101,10 +107,26 @@ class SyncConfirmPublisher:
         """Pump deliveries, resends and timeouts until ``done()``; results go to _results."""
         while not done():
             self.client.run(_PUMP_S)
+            self._resend_suspects()
             resend, failed = self.core.due()
             self._record(failed)
             for message in resend:
                 self.client.publish(message, confirm=False)
+            self._resend_suspects()
+
+    def _resend_suspects(self) -> None:
+        """As the asyncio face: the broker closed the connection in answer to a frame,
+        so each message then in flight goes again alone, known taken before the next;
+        the one it closes the connection at again fails with ``MessageRefused``."""
+        while self.client.refused_closes != self._refused_seen:
+            self._refused_seen = self.client.refused_closes
+            for message in list(self.core.in_flight.values()):
+                if message.message_id not in self.core.in_flight:
+                    continue
+                try:
+                    self.client.resend_alone(message, confirm=False)
+                except MessageRefused as exc:
+                    self._record([self.core.refused(message.message_id, exc)])
 
     def _on_reply(self, delivery: Delivery) -> None:
         self._record(self.core.on_reply(delivery))

@@ -124,6 +124,11 @@ class AsyncClient:
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._close_hooks: list[Callable[[], Awaitable[None]]] = []
         self._suspects = asyncio.Lock()  # retries after a refusal close: one at a time
+        #: connections the broker closed in answer to a frame it could not take
+        #: (``REFUSAL_CODES``): what was in flight then is suspect (see ``resend_alone``)
+        self.refused_closes = 0
+        self._last_refusal: MiddlewareError | None = None
+        self._hook_tasks: set[asyncio.Task[None]] = set()
         # the deliveries being handled (handler, settle, settle hook), by consumer tag
         self._handling: dict[str, set[asyncio.Task[Any]]] = {}
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -184,6 +189,10 @@ class AsyncClient:
             self._reconnect_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reconnect_task
+        for task in list(self._hook_tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         live, self._live = self._live, _Down()
         self._ready.clear()
         if isinstance(live, _Live):
@@ -394,7 +403,7 @@ class AsyncClient:
             return
         except RetryableError as exc:
             if refusal_code(exc):
-                return await self._publish_suspect(message, exc, block=block)
+                return await self._publish_suspect(message, exc, confirm=confirm, block=block)
             if isinstance(exc, WindowFull) or not retry or self.settings.retry.attempts < 2:
                 raise
             log.debug("publish %s failed (%s); retrying under the policy", message.message_id, exc)
@@ -407,14 +416,24 @@ class AsyncClient:
                 except RetryableError as exc:
                     if not refusal_code(exc):
                         raise
-                    return await self._publish_suspect(message, exc, block=block)
+                    return await self._publish_suspect(message, exc, confirm=confirm, block=block)
+
+    async def resend_alone(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
+        """Send again a message that was in flight when the broker closed the connection
+        in answer to a frame (``refused_closes`` went up): alone among the suspects, and
+        known to be taken before this returns (``confirm``: the broker's confirm; else a
+        round trip on the channel it went out on, which a direct reply-to publish needs).
+        Closed at again: ``MessageRefused``, never sent again."""
+        check_message(message, self.limits)
+        first = self._last_refusal or ConnectionLost("the broker closed the connection")
+        await self._publish_suspect(message, first, confirm=confirm, block=True)
 
     async def _publish_suspect(
-        self, message: OutgoingMessage, first: MiddlewareError, *, block: bool
+        self, message: OutgoingMessage, first: MiddlewareError, *, confirm: bool, block: bool
     ) -> None:
         """The broker closed the connection in answer to a frame while ``message`` was in
         flight (it, or another message then in flight, is one the checks let through):
-        one retry, alone among the suspects and broker-confirmed, tells which. Closed
+        one retry, alone among the suspects and known taken, tells which. Closed
         again: ``MessageRefused``, never sent again; the rest of the traffic goes on."""
         metrics.PUBLISH_SUSPECTS.inc()
         async with self._suspects:
@@ -422,7 +441,10 @@ class AsyncClient:
                 async for attempt in async_retrying(self.settings.retry):
                     with attempt:
                         try:
-                            await self._publish_once(message, confirm=True, block=block)
+                            if confirm:
+                                await self._publish_once(message, confirm=True, block=block)
+                            else:
+                                await self._publish_checked(message)
                         except RetryableError as exc:
                             if refusal_code(exc):
                                 raise _Refused(exc) from exc
@@ -436,6 +458,26 @@ class AsyncClient:
                     f"answer to it twice ({first}; then {again}); it is not sent again",
                     reply_code=code,
                 ) from again
+
+    async def _publish_checked(self, message: OutgoingMessage) -> None:
+        """An unconfirmed publish, then a round trip on its channel: the broker handles a
+        channel's frames in order, so the answer means it took the message."""
+        async with self._window:
+            live = await self._await_live()
+            try:
+                underlay = await self._publish_channel(live, False)
+                await underlay.basic_publish(
+                    bytes(message.body),
+                    exchange=message.exchange,
+                    routing_key=message.routing_key,
+                    properties=_properties(message),
+                    mandatory=False,
+                    timeout=self.settings.publish_timeout,
+                )
+                await underlay.basic_qos(prefetch_count=0, timeout=self.settings.publish_timeout)
+            except Exception as exc:
+                raise translate_aio(exc) from exc
+        metrics.PUBLISHED_UNCONFIRMED.inc()
 
     def publish_nowait(
         self, message: OutgoingMessage, *, confirm: bool = True
@@ -628,6 +670,9 @@ class AsyncClient:
             return
         self._live = _Down()
         self._ready.clear()
+        if exc is not None and refusal_code(exc):
+            self.refused_closes += 1
+            self._last_refusal = translate_aio(exc)
         log.warning("connection to %s lost (%s); failing over", live.node, exc or "closed")
         # Finish closing the dead connection now, on this loop: left to aio-pika's __del__, its
         # close() coroutine may be created when no loop runs and is then never awaited.
@@ -669,7 +714,14 @@ class AsyncClient:
         self.reconnects += 1
         metrics.RECONNECTS.inc()
         log.info("failed over to %s; topology replayed", self.connected_node)
-        for hook in self._reconnect_hooks:
+        # The hooks run beside this task, not in it: a connection lost while they run
+        # (a resent suspect closing it again) must start a new failover.
+        task = asyncio.ensure_future(self._run_reconnect_hooks())
+        self._hook_tasks.add(task)
+        task.add_done_callback(self._hook_tasks.discard)
+
+    async def _run_reconnect_hooks(self) -> None:
+        for hook in list(self._reconnect_hooks):
             try:
                 await hook()
             except Exception:

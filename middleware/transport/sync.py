@@ -89,6 +89,10 @@ class SyncClient:
         self.settings = settings
         self.topology = TopologyRecord()
         self.reconnects = 0
+        #: connections the broker closed in answer to a frame it could not take (see
+        #: ``AsyncClient.refused_closes``); what was in flight then is suspect
+        self.refused_closes = 0
+        self._last_refusal: MiddlewareError | None = None
         self._rotation = NodeRotation(settings)
         self._live: _SyncLive | None = None
         self._consumers: dict[str, _SyncConsumer] = {}
@@ -291,7 +295,7 @@ class SyncClient:
             except Exception as exc:
                 error = translate_sync(exc)
                 if code := refusal_code(exc):  # not retried under the policy: see below
-                    self._drop(live, error)
+                    self._drop(live, error, exc)
                     raise _Refused(error, code) from exc
                 if isinstance(error, TopologyError) and channel.is_closed:
                     self._reopen_channel(live, confirm)
@@ -305,26 +309,39 @@ class SyncClient:
         try:
             self._call(send, attempts=None if retry else 1)
         except _Refused as first:
-            self._publish_suspect(message, first.error)
-            confirm = True
+            self._publish_suspect(message, first.error, confirm=confirm)
+            return
         (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
     def _publish_channel(self, live: _SyncLive, confirm: bool) -> blocking.BlockingChannel:
         channel = live.confirm_channel if confirm else live.plain_channel
         return self._reopen_channel(live, confirm) if channel.is_closed else channel
 
-    def _publish_suspect(self, message: OutgoingMessage, first: MiddlewareError) -> None:
+    def resend_alone(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
+        """As ``AsyncClient.resend_alone``: a message in flight when the broker closed
+        the connection in answer to a frame, sent again alone and known taken (the
+        broker's confirm, or a round trip on its channel); closed again: ``MessageRefused``."""
+        check_message(message, self.limits)
+        first = self._last_refusal or ConnectionLost("the broker closed the connection")
+        self._publish_suspect(message, first, confirm=confirm)
+
+    def _publish_suspect(
+        self, message: OutgoingMessage, first: MiddlewareError, *, confirm: bool
+    ) -> None:
         """As the asyncio core: the broker closed the connection in answer to a frame;
-        one broker-confirmed retry; closed at it again: ``MessageRefused``."""
+        one retry, known taken; closed at it again: ``MessageRefused``."""
         metrics.PUBLISH_SUSPECTS.inc()
 
         def send(live: _SyncLive) -> None:
             try:
-                _basic_publish(self._publish_channel(live, True), message, confirm=True)
+                channel = self._publish_channel(live, confirm)
+                _basic_publish(channel, message, confirm=confirm)
+                if not confirm:  # a channel's frames are handled in order: the answer
+                    channel.basic_qos(prefetch_count=0)  # means the broker took it
             except Exception as exc:
                 if code := refusal_code(exc):
                     error = translate_sync(exc)
-                    self._drop(live, error)
+                    self._drop(live, error, exc)
                     raise _Refused(error, code) from exc
                 raise
 
@@ -337,6 +354,7 @@ class SyncClient:
                 f"to it twice ({first}; then {again.error}); it is not sent again",
                 reply_code=again.code,
             ) from again.error
+        (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
 
     # ------------------------------------------------------------- internal
     def _record(self, spec: Any) -> Any:
@@ -368,12 +386,12 @@ class SyncClient:
             return action(live)
         except MiddlewareError as known:
             if isinstance(known, ConnectionLost):
-                self._drop(live, known)
+                self._drop(live, known, known.__cause__)
             raise
         except Exception as exc:
             translated = translate_sync(exc)
             if isinstance(translated, ConnectionLost):
-                self._drop(live, translated)
+                self._drop(live, translated, exc)
             raise translated from exc
 
     def _ensure_live(self) -> _SyncLive:
@@ -387,8 +405,11 @@ class SyncClient:
         assert self._live is not None
         return self._live
 
-    def _drop(self, live: _SyncLive, error: Exception) -> None:
+    def _drop(self, live: _SyncLive, error: Exception, cause: BaseException | None = None) -> None:
         if self._live is live:
+            if refusal_code(cause or error):
+                self.refused_closes += 1
+                self._last_refusal = translate_sync(error)  # a MiddlewareError is kept as is
             log.warning("connection to %s lost (%s); failing over", live.node, error)
             self._live = None
             with contextlib.suppress(Exception):

@@ -357,3 +357,54 @@ def test_a_message_the_broker_closes_the_connection_at_is_refused_after_one_retr
         bodies.add(d.body)
     assert bodies == {f"g{i}".encode() for i in range(40)}  # resent copies aside, all there
     face.call("delete_queue", name)
+
+
+@pytest.fixture(params=["async", "sync"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_an_e2e_publish_the_broker_closes_the_connection_at_is_refused_after_one_retry(
+    kind, settings, name, monkeypatch
+) -> None:
+    """End-to-end publishes go out unconfirmed (direct reply-to), so the broker's close
+    shows only as a lost connection: what was then in flight goes again alone, each known
+    taken before the next, and the poison fails with MessageRefused after one retry (not
+    one connection killed per resend until ReceiptTimeout, 128 to 212 before); every
+    other publish is confirmed, which here means handled."""
+    from middleware.errors import MessageRefused
+    from tests.integration.test_confirms import E2E, _fanout, _fast
+
+    _let_poison_through(monkeypatch)
+    e2e = E2E(kind, _fast(settings, receipt_timeout=5.0, max_attempts=5), _fanout(name, [name]))
+    handled: list[bytes] = []
+    e2e.consume([name], lambda d: handled.append(d.body))
+    goods = [f"g{i}".encode() for i in range(40)]
+    try:
+        if kind == "async":
+
+            async def burst() -> list:
+                publish = e2e.publisher.publish
+                sends = [publish(body, exchange=name) for body in goods]
+                sends.insert(20, publish(b"poison", exchange=name, headers=POISON))
+                return await asyncio.gather(*sends, return_exceptions=True)
+
+            results = e2e.loop.run(burst())
+            failed = [r for r in results if r is not None]
+            assert len(failed) == 1 and results.index(failed[0]) == 20, results
+            error = failed[0]
+        else:
+            e2e.publisher.publish_many(goods[:20], exchange=name)
+            with pytest.raises(MessageRefused) as info:
+                e2e.publisher.publish(b"poison", exchange=name, headers=POISON)
+            error = info.value
+            e2e.publisher.publish_many(goods[20:], exchange=name)
+            assert not e2e.publisher.core.in_flight
+        assert isinstance(error, MessageRefused) and error.reply_code == 541, error
+        assert "twice" in str(error) and not isinstance(error, RetryableError)
+        assert e2e.pub_client.reconnects <= 2, e2e.pub_client.reconnects
+        assert e2e.pub_client.refused_closes == 2
+        # each good publish was confirmed: each was handled, the poison never
+        assert set(handled) == set(goods), sorted(set(goods) - set(handled))
+    finally:
+        e2e.close()
