@@ -13,10 +13,11 @@ own work.  Where ``/proc`` is missing (not Linux) the readings are ``None``.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from ..routing.ids import RoleId, RoleKind
 
 __all__ = ["CpuMeter", "busiest_by_kind", "role_kind"]
 
@@ -95,20 +96,20 @@ def _percent(before: float | None, after: float | None, wall: float) -> float | 
     return round(100 * (after - before) / wall, 1)
 
 
-_KINDS = (
-    (re.compile(r"router-slave-\d+$"), "router_slave"),
-    (re.compile(r"router$"), "router"),
-    (re.compile(r"matcher-\d+-slave-\d+$"), "match_slave"),
-    (re.compile(r"matcher-\d+$"), "match_master"),
-)
+_LABELS = {
+    RoleKind.ROUTER: "router",
+    RoleKind.ROUTER_SLAVE: "router_slave",
+    RoleKind.MATCH: "match_master",
+    RoleKind.MATCH_SLAVE: "match_slave",
+}
 
 
 def role_kind(name: str) -> str:
     """``A/router`` -> router, ``A/matcher-0-slave-1`` -> match_slave; else the name."""
-    for pattern, kind in _KINDS:
-        if pattern.search(name):
-            return kind
-    return name
+    try:
+        return _LABELS[RoleId.from_key(name).kind]
+    except ValueError:
+        return name
 
 
 def busiest_by_kind(processes: Mapping[str, float | None]) -> dict[str, float]:

@@ -39,7 +39,8 @@ from .. import runtime
 from ..cliargs import integer, number
 from ..routing import ChordRing, LatencyMap
 from ..routing.client import PhoenixClient
-from ..routing.protocol import PhoenixTopology, role_queues
+from ..routing.ids import RoleId, role_queues
+from ..routing.protocol import PhoenixTopology
 from ..routing.roles import reconfigure
 from ..routing.store import open_store
 from ..runtime import EventLoopName
@@ -203,20 +204,20 @@ class Deployment:
         try:
             for cluster in self.clusters:
                 docs = per_owner.get(cluster, {})
-                for owner in [
-                    f"{cluster}/match-0",
-                    *(f"{cluster}/match-0/slave-{j}" for j in range(self.match_slaves)),
+                for role in [
+                    RoleId.match(cluster, 0),
+                    *(RoleId.match_slave(cluster, 0, j) for j in range(self.match_slaves)),
                 ]:
-                    store.snapshot(owner, "subscription", docs)
+                    store.snapshot(role.owner, "subscription", docs)
                 entries = {
                     et: (1, {"level_sum": total, "count": count})
                     for et, (total, count) in tables[cluster].entries.items()
                 }
-                for owner in [
-                    f"{cluster}/router",
-                    *(f"{cluster}/router-slave-{j}" for j in range(self.routing_slaves)),
+                for role in [
+                    RoleId.router(cluster),
+                    *(RoleId.router_slave(cluster, j) for j in range(self.routing_slaves)),
                 ]:
-                    store.snapshot(owner, "routing_table", entries)
+                    store.snapshot(role.owner, "routing_table", entries)
         finally:
             store.close()
         return n

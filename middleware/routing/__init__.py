@@ -6,6 +6,7 @@ times, replica quorums); the roles that run it over RabbitMQ are in
 :mod:`middleware.routing.roles`, their processes in ``qosmq phoenix``.
 """
 
+from .ids import RoleId, RoleKind
 from .matching import Event, Filter, FilterError, Op, Predicate, SubscriptionIndex
 from .replicas import Quorum, Versioned
 from .ring import ChordRing, Handover, ring_id
@@ -31,6 +32,8 @@ __all__ = [
     "QueuePredictor",
     "Quorum",
     "RemoteBroker",
+    "RoleId",
+    "RoleKind",
     "SubscriptionIndex",
     "Versioned",
     "choose_broker",

@@ -19,8 +19,9 @@ from ..errors import ConfigurationError, DeadLetter, MiddlewareError
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from .batching import Batcher
+from .ids import RoleId
 from .matching import Event, Filter, FilterError
-from .protocol import Kind, PhoenixMessage, PhoenixTopology, parse_message, router_inbox
+from .protocol import Kind, PhoenixMessage, PhoenixTopology, parse_message
 from .roles import cluster_settings, inbox_spec, outgoing
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
@@ -44,7 +45,7 @@ class ClientCore:
                 f"{settings.vhost!r}: connect it there (PhoenixClient.connect)"
             )
         self.topology, self.cluster = topology, cluster
-        self.inbox = router_inbox(topology, cluster)
+        self.inbox = RoleId.router(cluster).inbox(topology.prefix)
         #: this client's queue for confirmations (exclusive: goes with the connection)
         self.reply_queue = f"{topology.prefix}.{cluster}.client.{uuid.uuid4().hex}"
 

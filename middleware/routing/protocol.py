@@ -1,4 +1,4 @@
-"""Phoenix wire messages and names (pure): what roles send each other over RabbitMQ."""
+"""Phoenix wire messages and the deployment's topology (pure); role names are in ids.py."""
 
 from __future__ import annotations
 
@@ -12,19 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import ConfigurationError, DeadLetter
 from .matching import Event
 
-__all__ = [
-    "ClusterSpec",
-    "Kind",
-    "PhoenixMessage",
-    "PhoenixTopology",
-    "control_inbox",
-    "match_inbox",
-    "match_slave_name",
-    "role_queues",
-    "router_inbox",
-    "router_slave_inbox",
-    "router_slave_name",
-]
+__all__ = ["ClusterSpec", "Kind", "PhoenixMessage", "PhoenixTopology"]
 
 MAX_PRIORITY = 9
 
@@ -43,6 +31,7 @@ class Kind(StrEnum):
     READ = "read"  # master -> slave: send me your replica (quorum read)
     SNAPSHOT = "snapshot"  # slave -> master's control queue: a page of its replica
     CONFIGURE = "configure"  # operator -> masters' control queues: switch outer/inner live
+    TAKEOVER = "takeover"  # -> a slave's control queue: serve your master's role (broker)
 
 
 class PhoenixMessage(BaseModel):
@@ -146,47 +135,3 @@ class PhoenixTopology(BaseModel):
             raise ConfigurationError(
                 f"topology file {path}: {exc.errors(include_url=False)}"
             ) from None
-
-
-def router_inbox(topology: PhoenixTopology, cluster: str) -> str:
-    return f"{topology.prefix}.{cluster}.router"
-
-
-def router_slave_inbox(topology: PhoenixTopology, cluster: str, slave: int) -> str:
-    return f"{topology.prefix}.{cluster}.router.slave.{slave}"
-
-
-def match_inbox(
-    topology: PhoenixTopology, cluster: str, index: int, slave: int | None = None
-) -> str:
-    base = f"{topology.prefix}.{cluster}.match.{index}"
-    return base if slave is None else f"{base}.slave.{slave}"
-
-
-def router_slave_name(cluster: str, slave: int) -> str:
-    """How a routing slave signs its acks and snapshots (its store owner)."""
-    return f"{cluster}/router-slave-{slave}"
-
-
-def match_slave_name(master: str, slave: int) -> str:
-    """How a match slave of ``master`` (``cluster/match-i``) signs what it sends."""
-    return f"{master}/slave-{slave}"
-
-
-def control_inbox(inbox: str) -> str:
-    """A master's control queue (acks, heartbeats, snapshots): never behind the data backlog."""
-    return f"{inbox}.control"
-
-
-def role_queues(topology: PhoenixTopology) -> list[str]:
-    """Every inbox and control queue the topology's roles use (to remove a deployment)."""
-    names = []
-    for c in topology.clusters:
-        router = router_inbox(topology, c.id)
-        names += [router, control_inbox(router)]
-        names += [router_slave_inbox(topology, c.id, j) for j in range(c.routing_slaves)]
-        for i in range(c.match_masters):
-            master = match_inbox(topology, c.id, i)
-            names += [master, control_inbox(master)]
-            names += [match_inbox(topology, c.id, i, j) for j in range(c.match_slaves)]
-    return names

@@ -42,7 +42,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from prometheus_client import Counter as PromCounter
@@ -56,19 +56,9 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
+from .ids import RoleId
 from .matching import Filter, FilterError, SubscriptionIndex
-from .protocol import (
-    MAX_PRIORITY,
-    Kind,
-    PhoenixMessage,
-    PhoenixTopology,
-    control_inbox,
-    match_inbox,
-    match_slave_name,
-    router_inbox,
-    router_slave_inbox,
-    router_slave_name,
-)
+from .protocol import MAX_PRIORITY, Kind, PhoenixMessage, PhoenixTopology
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
 from .ring import ChordRing, Handover, ring_id
 from .store import StateStore, open_store
@@ -135,15 +125,56 @@ def inbox_spec(name: str) -> QueueSpec:
     return QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9)
 
 
+class Connections:
+    """A role process's connections: one per RabbitMQ and vhost, shared by the clusters on
+    it.  They belong to the process, not to the role it serves: a switch keeps them."""
+
+    def __init__(self, settings: Settings, topology: PhoenixTopology) -> None:
+        self.settings, self.topology = settings, topology
+        self._clients: dict[str, AsyncClient] = {}  # one per RabbitMQ and vhost
+        self._cluster_clients: dict[str, AsyncClient] = {}  # cluster -> its client
+
+    async def client_for(self, cluster: str) -> AsyncClient:
+        client = self._cluster_clients.get(cluster)  # the hot path: every forward, delivery
+        if client is None:
+            key, settings = cluster_settings(self.settings, self.topology, cluster)
+            if key not in self._clients:
+                self._clients[key] = await AsyncClient(settings=settings).connect()
+            client = self._cluster_clients[cluster] = self._clients[key]
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients, self._cluster_clients = self._clients, {}, {}
+        for client in clients.values():
+            await client.close()
+
+
 class _Role:
     GAUGE_S = 1.0  # how often a role reads its inbox length for the metric
     observes_inbox = False  # match brokers read it every window themselves
 
-    def __init__(self, *, settings: Settings, topology: PhoenixTopology, cluster: str) -> None:
+    id: RoleId  # set by each role before it serves
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        topology: PhoenixTopology,
+        cluster: str,
+        connections: Connections | None = None,
+        promoted_from: RoleId | None = None,
+    ) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
-        self._clients: dict[str, AsyncClient] = {}  # one per RabbitMQ and vhost
-        self._cluster_clients: dict[str, AsyncClient] = {}  # cluster -> its client
+        self.connections = connections or Connections(settings, topology)
+        #: the slave this master was until it took over (its tables are read back as one
+        #: replica, its old inbox is drained, it is not one of the master's slaves)
+        self.promoted_from = promoted_from
+        #: set when told to take over its master: the driver serves that role next
+        self.switch_to: RoleId | None = None
+        self.takeover_reply: PhoenixMessage | None = None  # answered once serving
+        self.serving = asyncio.Event()  # consumers started
+        self._stop: asyncio.Event | None = None
         self.counters: Counter[str] = Counter()
         self.role = type(self).__name__
         self.batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
@@ -158,13 +189,7 @@ class _Role:
     async def client_for(self, cluster: str) -> AsyncClient:
         """One connection per cluster's RabbitMQ (the process's own when not configured),
         shared by the clusters on the same RabbitMQ and vhost."""
-        client = self._cluster_clients.get(cluster)  # the hot path: every forward, delivery
-        if client is None:
-            key, settings = cluster_settings(self.settings, self.topology, cluster)
-            if key not in self._clients:
-                self._clients[key] = await AsyncClient(settings=settings).connect()
-            client = self._cluster_clients[cluster] = self._clients[key]
-        return client
+        return await self.connections.client_for(cluster)
 
     async def send(
         self, cluster: str, inbox: str, message: PhoenixMessage, priority: int = 0
@@ -183,19 +208,48 @@ class _Role:
             OutgoingMessage(body, "", inbox, content_type="application/json", priority=priority)
         )
 
-    async def serve(self, inbox: str, stop: asyncio.Event, *, control: bool = False) -> None:
-        """Consume the control queue (masters), ``prepare``, then the inbox, until ``stop``."""
+    def inbox_of(self, role: RoleId) -> str:
+        return role.inbox(self.topology.prefix)
+
+    def control_of(self, role: RoleId) -> str:
+        return role.control(self.topology.prefix)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Consume the control queue, ``prepare``, then the inbox, until ``stop``; then
+        stop consuming (by tag: the process may go on serving another role)."""
+        self._stop = stop
         client = await self.client_for(self.cluster)
-        if control:
-            await client.declare_queue(inbox_spec(control_inbox(inbox)))
-            await client.consume(control_inbox(inbox), self._on_control)
+        inbox = self.inbox_of(self.id)
+        control = self.control_of(self.id)
+        await client.declare_queue(inbox_spec(control))
+        tags = [await client.consume(control, self._on_control)]
+        try:
+            await self._serve_inbox(client, inbox, stop, tags)
+        finally:
+            for tag in tags:
+                with contextlib.suppress(Exception):
+                    await client.cancel(tag)
+            await self.finish()
+
+    async def _serve_inbox(
+        self, client: AsyncClient, inbox: str, stop: asyncio.Event, tags: list[str]
+    ) -> None:
         await self.prepare()
         if self.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
             heap.settle(f"{self.role} of {self.cluster}")
-        await client.declare_queue(inbox_spec(inbox))
+        inboxes = [inbox]
+        if self.promoted_from is not None:  # what was dispatched to it as a slave
+            inboxes.append(self.inbox_of(self.promoted_from))
         with heap.FullCollections() as collections:
-            await client.consume(inbox, self._on_message, prefetch=self.topology.inbox_prefetch)
-            log.info("%s serving %s", type(self).__name__, inbox)
+            for name in inboxes:
+                await client.declare_queue(inbox_spec(name))
+                tags.append(
+                    await client.consume(
+                        name, self._on_message, prefetch=self.topology.inbox_prefetch
+                    )
+                )
+            self.serving.set()
+            log.info("%s serving %s as %s", type(self).__name__, inbox, self.id)
             if self.observes_inbox:
                 await stop.wait()
             else:
@@ -211,8 +265,13 @@ class _Role:
             dict(self.counters),
             collections.summary(),
         )
-        for c in self._clients.values():
-            await c.close()
+
+    async def finish(self) -> None:
+        """Runs once the role stopped consuming (match brokers close their publishers)."""
+
+    async def run(self, stop: asyncio.Event) -> None:  # pragma: no cover - abstract
+        """Serve this role until ``stop`` (set by the process, or by a take-over)."""
+        raise NotImplementedError
 
     async def prepare(self) -> None:
         """Runs before the inbox is consumed (masters read their replicas back here)."""
@@ -276,10 +335,30 @@ class _Role:
         async def one(message: PhoenixMessage) -> None:
             if message.kind is Kind.CONFIGURE:
                 await self._configure(message, delivery.queue)
+            elif message.kind is Kind.TAKEOVER:
+                self._take_over(message)
+            elif self.promoted_from is not None and message.broker == self.promoted_from.owner:
+                self.count("own_stale")  # sent by this process before it took over
             else:
                 await self.control(message)
 
         await self._each(delivery, one)
+
+    def _take_over(self, message: PhoenixMessage) -> None:
+        """Told to serve its master's role (``broker``: the master's id): stop serving this
+        role; the driver starts the master's with the tables this replica holds."""
+        if not self.id.is_slave or message.broker != self.id.master.owner:
+            raise DeadLetter(
+                f"takeover of {message.broker!r} sent to {self.id}, which is not its slave"
+            )
+        if self.switch_to is not None:
+            return  # told twice
+        self.switch_to = self.id.master
+        self.takeover_reply = message if message.reply_to else None
+        self.count("takeovers")
+        log.warning("%s taking over %s", self.id, self.switch_to)
+        if self._stop is not None:
+            self._stop.set()
 
     async def _configure(self, message: PhoenixMessage, control: str) -> None:
         """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters)
@@ -339,23 +418,23 @@ class _ReplicaSet:
     PAGE = 5000
     MAX_PENDING = 100_000  # writes waiting for W acks before the oldest are given up
 
-    def __init__(
-        self,
-        role: _Role,
-        store: StateStore,
-        kind: str,
-        owner: str,
-        slaves: Sequence[str],
-        names: Sequence[str],
-    ) -> None:
-        self.role, self.store, self.kind, self.owner = role, store, kind, owner
-        self.slaves = list(slaves)  # their inboxes
-        self.names = list(names)  # what they sign acks, snapshots and heartbeats with
-        self.quorum = Quorum.majority(len(self.slaves) + 1)
+    def __init__(self, role: _Role, store: StateStore, kind: str) -> None:
+        self.role, self.store, self.kind, self.owner = role, store, kind, role.id.owner
+        #: the slaves the topology gives this master, less the one it was promoted from
+        self.replicas = [
+            r
+            for r in role.id.slaves(role.topology.cluster(role.cluster))
+            if r != role.promoted_from
+        ]
+        self.slaves = [role.inbox_of(r) for r in self.replicas]  # their inboxes
+        self.names = [r.owner for r in self.replicas]  # how they sign acks, snapshots, heartbeats
+        # N as the topology has it: a promoted master's read still needs R of those N
+        # (its own replica is one reply), so it meets every write W of them acknowledged
+        self.quorum = Quorum.majority(len(role.id.slaves(role.topology.cluster(role.cluster))) + 1)
         self.version = 0
         self.pending: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
         self._reads: dict[str, _PendingRead] = {}
-        self.control = ""  # the master's control queue, set by the master
+        self.control = role.control_of(role.id)  # where acks and snapshots come back
         self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
         self._dirty = False
 
@@ -398,6 +477,10 @@ class _ReplicaSet:
     async def read(self, timeout_s: float) -> dict[str, tuple[int, dict[str, Any]]]:
         own = self.store.load(self.owner, self.kind)
         replies = [own]
+        promoted = self.role.promoted_from
+        if promoted is not None:  # the replica it held as a slave is the read's first reply;
+            held = self.store.load(promoted.owner, self.kind)  # the master's own copy (if
+            replies = [merge_replicas([held, own], at_least=1)]  # this store has one) adds
         if self.quorum.read > 1:
             request = uuid.uuid4().hex
             pending = self._reads[request] = _PendingRead()
@@ -490,11 +573,11 @@ class _ReplicaSet:
             self.role.count("replicated")
 
     def slave(self, message: PhoenixMessage) -> int:
-        """The number of the slave that sent ``message``; one the topology does not have
+        """The slave number of the sender of ``message``; one the topology does not have
         (a forged or stale sender) is dead-lettered: its ack must not count toward W, its
         snapshot toward R, its heartbeat must not draw events to an inbox nobody serves."""
         if message.broker in self.names:
-            return self.names.index(message.broker)
+            return self.replicas[self.names.index(message.broker)].slave
         raise DeadLetter(
             f"{message.kind} from {message.broker!r}, not a replica of {self.owner} "
             f"(its replicas: {', '.join(self.names) or 'none'})"
@@ -588,25 +671,16 @@ class RouterMaster(_Role):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.id = RoleId.router(self.cluster)
         self.store = open_store(self.topology.state_store)
-        slaves = self.topology.cluster(self.cluster).routing_slaves
-        self.inbox = router_inbox(self.topology, self.cluster)
-        self.replicas = _ReplicaSet(
-            self,
-            self.store,
-            "routing_table",
-            f"{self.cluster}/router",
-            [router_slave_inbox(self.topology, self.cluster, j) for j in range(slaves)],
-            [router_slave_name(self.cluster, j) for j in range(slaves)],
-        )
-        self.replicas.control = control_inbox(self.inbox)
+        self.replicas = _ReplicaSet(self, self.store, "routing_table")
         self.ring = ChordRing(
             c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
         )
         self.latency = LatencyMap()
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.replicas.persisting(self.serve(self.inbox, stop, control=True), stop)
+        await self.replicas.persisting(self.serve(stop), stop)
 
     async def prepare(self) -> None:
         table = await self.replicas.read(self.topology.read_timeout_s)
@@ -651,13 +725,13 @@ class RouterMaster(_Role):
         if owner != self.cluster:
             next_hop = self.ring.route(self.cluster, et)[1]
             self.count("forwarded")
-            await self.send(next_hop, router_inbox(self.topology, next_hop), forwarded, priority)
+            await self.send(next_hop, self.inbox_of(RoleId.router(next_hop)), forwarded, priority)
             return
         masters = self.topology.cluster(self.cluster).match_masters
         index = ring_id(et) % masters  # routing table: SHA-1 of the type over the masters
         self.count("routed")
         await self.send(
-            self.cluster, match_inbox(self.topology, self.cluster, index), forwarded, priority
+            self.cluster, self.inbox_of(RoleId.match(self.cluster, index)), forwarded, priority
         )
 
     def _homed(self, subscription: PhoenixMessage) -> PhoenixMessage:
@@ -683,7 +757,7 @@ class RouterMaster(_Role):
         for i in range(self.topology.cluster(self.cluster).match_masters):
             await self.send(
                 self.cluster,
-                match_inbox(self.topology, self.cluster, i),
+                self.inbox_of(RoleId.match(self.cluster, i)),
                 PhoenixMessage(
                     kind=Kind.HANDOVER,
                     event_type="-",
@@ -700,8 +774,9 @@ class RouterSlave(_ReplicaHolder):
     def __init__(self, *, slave: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.slave = slave
-        self.replica_owner = router_slave_name(self.cluster, slave)
-        self.master_control = control_inbox(router_inbox(self.topology, self.cluster))
+        self.id = RoleId.router_slave(self.cluster, slave)
+        self.replica_owner = self.id.owner
+        self.master_control = self.control_of(self.id.master)
         self.table: dict[str, dict[str, Any]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -709,7 +784,7 @@ class RouterSlave(_ReplicaHolder):
         try:
             for key, (_, doc) in live(self.store.load(self.replica_owner, "routing_table")).items():
                 self.table[key] = doc
-            await self.serve(router_slave_inbox(self.topology, self.cluster, self.slave), stop)
+            await self.serve(stop)
         finally:
             self.store.close()
 
@@ -732,7 +807,8 @@ class _MatchBroker(_Role):
     def __init__(self, *, index: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.index = index
-        self.owner = f"{self.cluster}/match-{index}"  # subscriptions are the master's
+        self.id = RoleId.match(self.cluster, index)  # a slave's is set by MatchSlave
+        self.owner = self.id.owner  # subscriptions are the master's
         self.indexes: dict[str, SubscriptionIndex] = {}
         # sid -> (event type, subscriber queue, confirm: "broker" or "e2e", home cluster)
         self.queues: dict[str, tuple[str, str, str, str]] = {}
@@ -823,7 +899,12 @@ class _MatchBroker(_Role):
 
     @property
     def name(self) -> str:
-        return self.owner
+        return self.id.owner
+
+    async def finish(self) -> None:
+        publishers, self._e2e = self._e2e, {}
+        for publisher in publishers.values():
+            await publisher.close()
 
     async def _observe(self, inbox: str, stop: asyncio.Event) -> None:
         """Every window: read the inbox backlog from the broker, close the predictor's
@@ -854,10 +935,10 @@ class _MatchBroker(_Role):
     async def report(self, t: float) -> None:
         """Masters keep their T; slaves send it to the master."""
 
-    async def _serve_observed(self, inbox: str, stop: asyncio.Event, *, control: bool) -> None:
-        observe = asyncio.create_task(self._observe(inbox, stop))
+    async def _serve_observed(self, stop: asyncio.Event) -> None:
+        observe = asyncio.create_task(self._observe(self.inbox_of(self.id), stop))
         try:
-            await self.serve(inbox, stop, control=control)
+            await self.serve(stop)
         finally:
             observe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -884,25 +965,15 @@ class MatchMaster(_MatchBroker):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store = open_store(self.topology.state_store)
-        slaves = self.topology.cluster(self.cluster).match_slaves
-        self.inbox = match_inbox(self.topology, self.cluster, self.index)
         self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.turn = 0  # round robin's position (inner off)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
         self._confirming: set[asyncio.Task[None]] = set()  # subscribe confirmations in flight
-        self.replicas = _ReplicaSet(
-            self,
-            self.store,
-            "subscription",
-            self.owner,
-            [match_inbox(self.topology, self.cluster, self.index, j) for j in range(slaves)],
-            [match_slave_name(self.owner, j) for j in range(slaves)],
-        )
-        self.replicas.control = control_inbox(self.inbox)
+        self.replicas = _ReplicaSet(self, self.store, "subscription")
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.replicas.persisting(self._serve_observed(self.inbox, stop, control=True), stop)
+        await self.replicas.persisting(self._serve_observed(stop), stop)
 
     async def prepare(self) -> None:
         for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():
@@ -938,7 +1009,7 @@ class MatchMaster(_MatchBroker):
             fields = {k: v for k, v in doc.items() if k not in ("path", "home")}
             await self.send(
                 joiner,
-                router_inbox(self.topology, joiner),
+                self.inbox_of(RoleId.router(joiner)),
                 PhoenixMessage(
                     kind=Kind.SUBSCRIBE,
                     subscription_id=sid,
@@ -983,7 +1054,7 @@ class MatchMaster(_MatchBroker):
                 started = time.monotonic()
                 await self.send(
                     self.cluster,
-                    match_inbox(self.topology, self.cluster, self.index, target),
+                    self.inbox_of(RoleId.match_slave(self.cluster, self.index, target)),
                     message,
                     message.priority,
                 )
@@ -1011,7 +1082,7 @@ class MatchMaster(_MatchBroker):
         for cluster in dict.fromkeys(doc.get("path") or []):
             with contextlib.suppress(Unroutable):  # a cluster that left counts nothing
                 await self.send(
-                    cluster, router_inbox(self.topology, cluster), taken_out, MAX_PRIORITY
+                    cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
                 )
         self._confirm(message, written, {"removed": True})
 
@@ -1096,23 +1167,16 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
     def __init__(self, *, slave: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.slave = slave
-        self.replica_owner = self.name
-        self.master_control = control_inbox(match_inbox(self.topology, self.cluster, self.index))
-
-    @property
-    def name(self) -> str:
-        return match_slave_name(self.owner, self.slave)
+        self.id = RoleId.match_slave(self.cluster, self.index, slave)
+        self.replica_owner = self.id.owner
+        self.master_control = self.control_of(self.id.master)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.store = open_store(self.topology.state_store)
         for sid, (_, doc) in live(self.store.load(self.replica_owner, "subscription")).items():
             self._held(sid, doc)
         try:
-            await self._serve_observed(
-                match_inbox(self.topology, self.cluster, self.index, self.slave),
-                stop,
-                control=False,
-            )
+            await self._serve_observed(stop)
         finally:
             self.store.close()
 
@@ -1195,11 +1259,11 @@ async def reconfigure(
                 clients[key] = client
                 await client.declare_queue(inbox_spec(reply_queue))
                 tags[key] = await client.consume(reply_queue, on_reply)
-            inboxes = [router_inbox(topology, cluster)]
-            inboxes += [match_inbox(topology, cluster, i) for i in range(spec.match_masters)]
-            for inbox in inboxes:  # each master answers with the queue it was asked on
-                targets.append((clients[key], control_inbox(inbox)))
-                expected.add(control_inbox(inbox))
+            masters = [RoleId.router(cluster)]
+            masters += [RoleId.match(cluster, i) for i in range(spec.match_masters)]
+            for master in masters:  # each master answers with the queue it was asked on
+                targets.append((clients[key], master.control(topology.prefix)))
+                expected.add(master.control(topology.prefix))
         for client, control in targets:
             # not declared: a master that never ran has no control queue (unroutable),
             # and one that is down does not apply a stale switch when it comes back

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -31,6 +30,9 @@ def register(roles: Any, sub: Any) -> None:
         p.add_argument(
             "--slave", type=integer(0, 63), default=0, help="slave number (--role slave)"
         )
+        p.add_argument(
+            "--status-file", type=path, help="where the process writes the role it serves now"
+        )
         p.set_defaults(run=run)
     phoenix = sub.add_parser("phoenix", help="a local Phoenix deployment")
     cmds = phoenix.add_subparsers(title="phoenix commands", required=True)
@@ -40,12 +42,22 @@ def register(roles: Any, sub: Any) -> None:
         ("join", _join, "start a listed cluster and join it to the ring"),
         ("configure", _configure, "switch outer/inner (and batching) of running roles live"),
         ("status", _status, "every role: process alive, inbox backlog (exit 1 if one is down)"),
+        (
+            "takeover",
+            _takeover,
+            "tell a slave to serve its master's role (e.g. B/matcher-0-slave-0)",
+        ),
     ):
         p = cmds.add_parser(name, help=help_)
         p.add_argument("--topology", type=path, required=True)
         p.add_argument("--state-dir", type=path, default=Path(".qosmq"))
         if name == "join":
             p.add_argument("--cluster", required=True)
+        if name == "takeover":
+            p.add_argument("--role", required=True, help="the slave's key, as status shows it")
+            p.add_argument(
+                "--timeout", type=number(0, 3600, above=True), default=30.0, help="seconds to wait"
+            )
         if name == "configure":
             for switch in ("outer", "inner"):
                 p.add_argument(f"--{switch}", choices=("on", "off"))
@@ -86,30 +98,32 @@ def _serve(role: Any, settings: Any) -> int:
     return 0
 
 
-def _role_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def _run_role(args: argparse.Namespace, role: Any) -> int:
+    from ..routing.node import RoleNode
     from ..routing.protocol import PhoenixTopology
 
     topology = PhoenixTopology.load(args.topology)
     topology.cluster(args.cluster)
-    return {"settings": args.settings, "topology": topology, "cluster": args.cluster}
+    node = RoleNode(
+        settings=args.settings, topology=topology, role=role, status_file=args.status_file
+    )
+    return _serve(node, args.settings)
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from ..routing.roles import RouterMaster, RouterSlave
+    from ..routing.ids import RoleId
 
     if args.role == "slave":
-        return _serve(RouterSlave(slave=args.slave, **_role_kwargs(args)), args.settings)
-    return _serve(RouterMaster(**_role_kwargs(args)), args.settings)
+        return _run_role(args, RoleId.router_slave(args.cluster, args.slave))
+    return _run_role(args, RoleId.router(args.cluster))
 
 
 def _run_matcher(args: argparse.Namespace) -> int:
-    from ..routing.roles import MatchMaster, MatchSlave
+    from ..routing.ids import RoleId
 
     if args.role == "slave":
-        return _serve(
-            MatchSlave(index=args.index, slave=args.slave, **_role_kwargs(args)), args.settings
-        )
-    return _serve(MatchMaster(index=args.index, **_role_kwargs(args)), args.settings)
+        return _run_role(args, RoleId.match_slave(args.cluster, args.index, args.slave))
+    return _run_role(args, RoleId.match(args.cluster, args.index))
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -160,52 +174,40 @@ def _unreachable(settings: Any, topology: Any, clusters: list[str]) -> str | Non
     return runtime.run(check(), event_loop=settings.event_loop)
 
 
+def _role_argv(role: Any) -> list[str]:
+    """The ``qosmq sidecar`` arguments that run ``role`` (a RoleId)."""
+    from ..routing.ids import RoleKind
+
+    argv = ["router" if role.kind in (RoleKind.ROUTER, RoleKind.ROUTER_SLAVE) else "matcher"]
+    argv += ["--cluster", role.cluster]
+    if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
+        argv += ["--index", str(role.index)]
+    if role.is_slave:
+        argv += ["--role", "slave", "--slave", str(role.slave)]
+    return argv
+
+
 def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
+    from ..routing.ids import RoleId
+
     base = [sys.executable, "-m", "middleware.cli", "sidecar"]
-    roles = [("router", ["router", "--cluster", cluster.id])]
-    roles += [
-        (
-            f"router-slave-{j}",
-            ["router", "--cluster", cluster.id, "--role", "slave", "--slave", str(j)],
-        )
-        for j in range(cluster.routing_slaves)
-    ]
-    roles += [
-        (f"matcher-{i}", ["matcher", "--cluster", cluster.id, "--index", str(i)])
-        for i in range(cluster.match_masters)
-    ]
-    roles += [
-        (
-            f"matcher-{i}-slave-{j}",
-            [
-                "matcher",
-                "--cluster",
-                cluster.id,
-                "--index",
-                str(i),
-                "--role",
-                "slave",
-                "--slave",
-                str(j),
-            ],
-        )
-        for i in range(cluster.match_masters)
-        for j in range(cluster.match_slaves)
-    ]
     pids = {}
-    for name, argv in roles:
-        key = f"{cluster.id}/{name}"
-        log = args.state_dir / f"phoenix-{cluster.id}-{name}.log"
-        pids[key] = spawn_daemon(
-            [*base, *argv, "--topology", str(args.topology.resolve())], dict(os.environ), log
-        )
+    for role in RoleId.of_cluster(cluster):
+        key = role.key
+        log = args.state_dir / role.log_file
+        status = (args.state_dir / role.log_file).with_suffix(".json")
+        status.unlink(missing_ok=True)
+        argv = [*_role_argv(role), "--topology", str(args.topology.resolve())]
+        argv += ["--status-file", str(status.resolve())]
+        pids[key] = spawn_daemon([*base, *argv], dict(os.environ), log)
         print(f"{key:24} pid {pids[key]}  log {log}")
     return pids
 
 
 def _join(args: argparse.Namespace) -> int:
     """Start the cluster's roles, then tell every routing master that it joined."""
-    from ..routing.protocol import Kind, PhoenixMessage, PhoenixTopology, router_inbox
+    from ..routing.ids import RoleId
+    from ..routing.protocol import Kind, PhoenixMessage, PhoenixTopology
     from ..routing.roles import cluster_settings, inbox_spec
     from ..transport import AsyncClient, OutgoingMessage
 
@@ -229,7 +231,7 @@ def _join(args: argparse.Namespace) -> int:
         for cluster in sorted(running - {joiner.id}):
             _, settings = cluster_settings(args.settings, topology, cluster)  # its own RabbitMQ
             async with AsyncClient(settings=settings) as client:
-                inbox = router_inbox(topology, cluster)
+                inbox = RoleId.router(cluster).inbox(topology.prefix)
                 await client.declare_queue(inbox_spec(inbox))
                 await client.publish(
                     OutgoingMessage(message.model_dump_json().encode(), "", inbox, priority=9)
@@ -284,17 +286,46 @@ def _configure(args: argparse.Namespace) -> int:
 
 def _inbox_of(topology: Any, key: str) -> str:
     """The inbox of a role as ``phoenix up`` names it (``B/matcher-0-slave-1``)."""
-    from ..routing.protocol import match_inbox, router_inbox, router_slave_inbox
+    from ..routing.ids import RoleId
 
-    cluster, role = key.split("/", 1)
-    if role == "router":
-        return router_inbox(topology, cluster)
-    if found := re.fullmatch(r"router-slave-(\d+)", role):
-        return router_slave_inbox(topology, cluster, int(found[1]))
-    if found := re.fullmatch(r"matcher-(\d+)(?:-slave-(\d+))?", role):
-        slave = None if found[2] is None else int(found[2])
-        return match_inbox(topology, cluster, int(found[1]), slave)
-    raise ValueError(f"unknown role {key!r} in phoenix.json")
+    return RoleId.from_key(key).inbox(topology.prefix)
+
+
+def _serves(state_dir: Path, key: str) -> str:
+    """The role a process serves now (its status file), else the one it was started as."""
+    from ..routing.ids import RoleId
+
+    status = (state_dir / RoleId.from_key(key).log_file).with_suffix(".json")
+    try:
+        return str(json.loads(status.read_text())["serves"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return key
+
+
+def _takeover(args: argparse.Namespace) -> int:
+    """Tell a running slave to serve its master's role (the master's inbox and control
+    queue, with the tables the slave holds); the same process goes on as the master."""
+    from ..errors import MiddlewareError
+    from ..routing.ids import RoleId
+    from ..routing.node import take_over
+    from ..routing.protocol import PhoenixTopology
+
+    topology = PhoenixTopology.load(args.topology)
+    try:
+        slave = RoleId.from_key(args.role)
+    except ValueError as exc:
+        print(f"phoenix takeover: --role {exc} (e.g. B/matcher-0-slave-0)", file=sys.stderr)
+        return 2
+    try:
+        master = runtime.run(
+            take_over(args.settings, topology, slave, timeout_s=args.timeout),
+            event_loop=args.settings.event_loop,
+        )
+    except MiddlewareError as exc:
+        print(f"phoenix takeover: {exc}", file=sys.stderr)
+        return 1
+    print(f"{slave.key} now serves {RoleId.from_owner(master).key}")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -310,7 +341,8 @@ def _status(args: argparse.Namespace) -> int:
         print("phoenix: nothing running (no phoenix.json)", file=sys.stderr)
         return 1
     pids: dict[str, int] = json.loads(state.read_text())
-    inboxes = {key: _inbox_of(topology, key) for key in pids}
+    serves = {key: _serves(args.state_dir, key) for key in pids}
+    inboxes = {key: _inbox_of(topology, serves[key]) for key in pids}
 
     async def backlogs() -> tuple[dict[str, int | None], list[str]]:
         found: dict[str, int | None] = {}
@@ -330,12 +362,12 @@ def _status(args: argparse.Namespace) -> int:
 
     waiting, problems = runtime.run(backlogs(), event_loop=args.settings.event_loop)
     down = [key for key, pid in pids.items() if not pid_alive(pid)]
-    print(f"{'role':28} {'pid':>8}  {'process':8} {'waiting':>8}  inbox")
+    print(f"{'role':28} {'pid':>8}  {'process':8} {'serves':28} {'waiting':>8}  inbox")
     for key in sorted(pids):
         depth = waiting.get(key)
         shown = "-" if depth is None else str(depth)
         alive = "down" if key in down else "running"
-        print(f"{key:28} {pids[key]:>8}  {alive:8} {shown:>8}  {inboxes[key]}")
+        print(f"{key:28} {pids[key]:>8}  {alive:8} {serves[key]:28} {shown:>8}  {inboxes[key]}")
     for problem in problems:
         print(f"phoenix: {problem}", file=sys.stderr)
     if down:

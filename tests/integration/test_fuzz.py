@@ -173,7 +173,7 @@ def test_fuzzed_phoenix_messages_leave_roles_alive_and_events_exact(
     from middleware.bench.phoenix_timeliness import phoenix_cli
     from middleware.routing import ChordRing
     from middleware.routing.client import PhoenixClient
-    from middleware.routing.protocol import control_inbox, match_inbox, router_inbox
+    from middleware.routing.ids import RoleId
     from middleware.transport import (
         AsyncClient,
         BindingSpec,
@@ -192,8 +192,9 @@ def test_fuzzed_phoenix_messages_leave_roles_alive_and_events_exact(
     )
     urls = list(brokers.urls)
     state = tmp_path / "state"
-    inboxes = [router_inbox(topology, c) for c in "ABC"]
-    inboxes += [match_inbox(topology, "B", 0), control_inbox(match_inbox(topology, "B", 0))]
+    inboxes = [RoleId.router(c).inbox(topology.prefix) for c in "ABC"]
+    master = RoleId.match("B", 0)
+    inboxes += [master.inbox(topology.prefix), master.control(topology.prefix)]
     r = corpus.rng("phoenix")
     host, port, _ = settings.nodes[0]
 

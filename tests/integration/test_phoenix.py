@@ -20,7 +20,8 @@ from middleware.errors import EntityNotFound
 from middleware.localcluster.manager import pid_alive
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import PhoenixClient
-from middleware.routing.protocol import PhoenixTopology, role_queues
+from middleware.routing.ids import RoleId, role_queues
+from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
@@ -157,23 +158,23 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
         ), "each event delivered exactly once"
         store = open_store(str(tmp_path / "state.sqlite3"))
         for j in (0, 1):  # B's routing slaves hold the replicated table entry
-            entry = store.load(f"B/router-slave-{j}", "routing_table")[event_type]
+            entry = store.load(RoleId.router_slave("B", j).owner, "routing_table")[event_type]
             assert entry[1] == {"level_sum": 1 + FANOUT, "count": 1 + FANOUT}
         brokers_used = {m["broker"] for m in bursts}
         assert len(brokers_used) >= 2, brokers_used  # predicted-T dispatch inside cluster B
-        assert all(b.startswith("B/match-0") for b in brokers_used)
+        assert all(RoleId.from_owner(b).master == RoleId.match("B", 0) for b in brokers_used)
         hops = got[-1]["hops"]
         assert hops[0] == "C" and hops[-1] == "B" and hops == ring.route("C", event_type)
         for j in (0, 1):  # B's match slaves hold acknowledged replicas of the subscription
-            replica = store.load(f"B/match-0/slave-{j}", "subscription")
+            replica = store.load(RoleId.match_slave("B", 0, j).owner, "subscription")
             assert sorted(doc["queue"] for _, doc in replica.values()) == sorted(
                 [queue, *(f"{queue}.fan{k}" for k in range(FANOUT))]
             )
         # every role restarts; the masters' own copies are lost: they read their tables
         # back from R of N replicas (the slaves' snapshots) and repair their own copies
         _phoenix("down", topology_file, state, urls)
-        store.snapshot("B/match-0", "subscription", {})
-        store.snapshot("B/router", "routing_table", {})
+        store.snapshot(RoleId.match("B", 0).owner, "subscription", {})
+        store.snapshot(RoleId.router("B").owner, "routing_table", {})
         _phoenix("up", topology_file, state, urls)
         again = asyncio.run(scenario(subscribe=False))
         assert sorted(
@@ -182,11 +183,11 @@ def test_subscribe_at_a_publish_at_c_owner_b(settings, brokers, tmp_path, name) 
             if m["event"]["attributes"]["n"].startswith(("yes", "no"))
         ) == sorted(f"yes{i}" for i in range(10))
         assert len([m for m in again if m["event"]["attributes"]["n"].startswith("burst")]) == BURST
-        repaired = store.load("B/match-0", "subscription")
+        repaired = store.load(RoleId.match("B", 0).owner, "subscription")
         assert sorted(doc["queue"] for _, doc in repaired.values()) == sorted(
             [queue, *(f"{queue}.fan{k}" for k in range(FANOUT))]
         )
-        assert store.load("B/router", "routing_table")[event_type][1] == {
+        assert store.load(RoleId.router("B").owner, "routing_table")[event_type][1] == {
             "level_sum": 1 + FANOUT,
             "count": 1 + FANOUT,
         }
@@ -247,7 +248,7 @@ def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
             )
             return moved, removed
 
-    path = [f"{c}/router" for c in ring.route("A", event_type)]  # where it was subscribed
+    path = [RoleId.router(c).owner for c in ring.route("A", event_type)]  # where it was subscribed
 
     def counted(routers: list[str]) -> dict[str, object]:
         """The latencyMap entry of the type in each router's store."""
@@ -260,7 +261,7 @@ def test_a_joining_cluster_takes_over_its_arc_with_the_subscriptions(
     try:
         _phoenix("up", topology_file, state, urls)
         first = asyncio.run(before_join())
-        assert first["hops"][-1] == "B" and first["broker"].startswith("B/")
+        assert first["hops"][-1] == "B" and RoleId.from_owner(first["broker"]).cluster == "B"
         out = _phoenix("join", topology_file, state, urls, "--cluster", joiner)
         assert f"{joiner} joined" in out
         assert all(counted(path).values())  # the path's routers count its level
@@ -364,7 +365,7 @@ def test_urgent_events_overtake_bulk_ones_under_load(settings, brokers, tmp_path
         assert "configured live (6 masters)" in out, out  # 3 routers + 3 match masters
         fifo = positions()
     # the burst left C's router in batches (logged at stop: role messages, AMQP messages)
-    counters = (deployment.state_dir / "phoenix-C-router.log").read_text()
+    counters = (deployment.state_dir / RoleId.router("C").log_file).read_text()
     sent = int(re.search(r"'sent': (\d+)", counters).group(1))
     amqp_sent = int(re.search(r"'amqp_sent': (\d+)", counters).group(1))
     assert amqp_sent < sent, counters
@@ -418,7 +419,7 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
             await at_a.subscribe(event_type, [("n", "exists")], 1, queue, confirm="e2e")
 
             async def handler(event, message) -> None:
-                assert message.broker.startswith("B/match-0")
+                assert RoleId.from_owner(message.broker).master == RoleId.match("B", 0)
                 handled.append(event.attributes["n"])
                 if event.attributes["n"] == "bad":
                     raise Reject("bad event")
@@ -436,7 +437,7 @@ def test_e2e_subscription_confirms_delivery_when_the_subscriber_handled_it(
             while not dead and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
                 while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
-                    if d.headers.get("x-qosmq-queue") == f"{name}.B.match.0":
+                    if d.headers.get("x-qosmq-queue") == RoleId.match("B", 0).inbox(name):
                         dead.append({"reason": d.headers["x-qosmq-reason"], **json.loads(d.body)})
             await at_a.close()  # its receipts consumer first, then the connection
             return handled, dead
@@ -500,9 +501,11 @@ def test_without_inner_the_match_master_takes_turns_or_matches_alone(
         if (state / "phoenix.json").exists():
             _phoenix("down", topology_file, state, urls)
     brokers_used = {b: rounds["round_robin"].count(b) for b in set(rounds["round_robin"])}
-    assert sorted(brokers_used) == ["A/match-0", "A/match-0/slave-0", "A/match-0/slave-1"]
+    assert sorted(brokers_used) == [
+        r.owner for r in (RoleId.match("A", 0), *(RoleId.match_slave("A", 0, j) for j in (0, 1)))
+    ]
     assert all(count == 10 for count in brokers_used.values()), brokers_used
-    assert set(rounds["master"]) == {"A/match-0"}
+    assert set(rounds["master"]) == {RoleId.match("A", 0).owner}
 
 
 def test_live_configure_names_the_masters_that_did_not_answer(settings, brokers, name) -> None:
@@ -538,12 +541,12 @@ def _management(settings, method: str, path: str, body: dict | None = None) -> i
         return exc.code
 
 
-def _role_metrics(state: Path, cluster: str, role: str) -> str:
+def _role_metrics(state: Path, role: RoleId) -> str:
     """The Prometheus text of a running role (``QOSMQ_METRICS_PORT=0``: its log names it)."""
     import re
     import urllib.request
 
-    log = state / f"phoenix-{cluster}-{role}.log"
+    log = state / role.log_file
     deadline = time.monotonic() + 30
     while not (found := re.search(r"metrics: (http://\S+)", log.read_text())):
         assert time.monotonic() < deadline, log.read_text()
@@ -552,13 +555,11 @@ def _role_metrics(state: Path, cluster: str, role: str) -> str:
         return response.read().decode()
 
 
-def _settled(
-    state: Path, cluster: str, role: str, metric: str, want: float, **labels: str
-) -> float:
+def _settled(state: Path, role: RoleId, metric: str, want: float, **labels: str) -> float:
     """A role's sample once it reads ``want`` (gauges are read every second or window,
     counters move with the role's last settlements), or its last reading after 15 s."""
     deadline = time.monotonic() + 15
-    while (value := _sample(_role_metrics(state, cluster, role), metric, **labels)) != want:
+    while (value := _sample(_role_metrics(state, role), metric, **labels)) != want:
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -635,7 +636,7 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
             while len(got) < 10 and time.monotonic() < deadline:
                 while (d := await at_a.client.get(queue)) is not None:
                     message = json.loads(d.body)
-                    assert message["broker"].startswith("B/match-0")
+                    assert RoleId.from_owner(message["broker"]).master == RoleId.match("B", 0)
                     got.append(message["event"]["attributes"]["price"])
                 await asyncio.sleep(0.2)
             await asyncio.sleep(0.5)
@@ -674,27 +675,47 @@ def test_clusters_on_their_own_vhosts_deliver_into_the_subscribers_vhost(
         for c in "BC":  # neither the subscriber queue nor a stray copy elsewhere
             assert _management(settings, "GET", f"/api/queues/{quoted[c]}/{queue_path}") == 404
         for c in "ABC":  # each role's inbox lives in its cluster's vhost
-            inbox = urllib.parse.quote(f"{name}.{c}.router", safe="")
+            inbox = urllib.parse.quote(RoleId.router(c).inbox(name), safe="")
             assert _management(settings, "GET", f"/api/queues/{quoted[c]}/{inbox}") == 200
-        matcher = _role_metrics(state, "B", "matcher-0")
+        matcher = _role_metrics(state, RoleId.match("B", 0))
         events = "qosmq_phoenix_events_total"
         assert _sample(matcher, events, cluster="B", role="MatchMaster", outcome="matched") >= 1
         # 20 copies, the e2e ones counted once A's handler took them (receipts crossed back)
-        assert _settled(state, "B", "matcher-0", events, 20, outcome="delivered") == 20
+        assert _settled(state, RoleId.match("B", 0), events, 20, outcome="delivered") == 20
         assert _sample(matcher, events, role="MatchMaster", outcome="replicated") >= 1
-        inbox_b = f"{name}.B.match.0"
+        inbox_b = RoleId.match("B", 0).inbox(name)
         length = "qosmq_phoenix_inbox_length"
-        assert _settled(state, "B", "matcher-0", length, 0, inbox=inbox_b) == 0
-        assert _sample(matcher, "qosmq_phoenix_predicted_seconds", broker="B/match-0") >= 0
+        assert _settled(state, RoleId.match("B", 0), length, 0, inbox=inbox_b) == 0
+        assert (
+            _sample(matcher, "qosmq_phoenix_predicted_seconds", broker=RoleId.match("B", 0).owner)
+            >= 0
+        )
         assert _sample(matcher, "qosmq_phoenix_hops_count", cluster="B") >= 1
-        slave = _role_metrics(state, "B", "matcher-0-slave-1")
-        assert _settled(state, "B", "matcher-0-slave-1", length, 0, inbox=f"{inbox_b}.slave.1") == 0
-        assert _sample(slave, "qosmq_phoenix_predicted_seconds", broker="B/match-0/slave-1") >= 0
-        router_c = _role_metrics(state, "C", "router")
+        slave = _role_metrics(state, RoleId.match_slave("B", 0, 1))
+        assert (
+            _settled(
+                state,
+                RoleId.match_slave("B", 0, 1),
+                length,
+                0,
+                inbox=RoleId.match_slave("B", 0, 1).inbox(name),
+            )
+            == 0
+        )
+        assert (
+            _sample(
+                slave, "qosmq_phoenix_predicted_seconds", broker=RoleId.match_slave("B", 0, 1).owner
+            )
+            >= 0
+        )
+        router_c = _role_metrics(state, RoleId.router("C"))
         assert (
             _sample(router_c, events, cluster="C", role="RouterMaster", outcome="forwarded") >= 20
         )
-        assert _settled(state, "C", "router", length, 0, inbox=f"{name}.C.router") == 0
+        assert (
+            _settled(state, RoleId.router("C"), length, 0, inbox=RoleId.router("C").inbox(name))
+            == 0
+        )
         _phoenix("down", topology_file, state, urls)
         asyncio.run(unconfirmed())  # nobody at B to confirm it: said, not hung
     finally:
@@ -728,7 +749,7 @@ def test_unsubscribe_stops_deliveries_and_takes_its_level_out_of_latency_maps(
 
     def levels() -> dict[str, tuple[int, int] | None]:
         """(level sum, count) of the type per routing master (and B's slave), as stored."""
-        owners = [f"{c}/router" for c in path] + ["B/router-slave-0"]
+        owners = [RoleId.router(c).owner for c in path] + [RoleId.router_slave("B", 0).owner]
         found = {}
         for owner in owners:
             entry = live(store.load(owner, "routing_table")).get(event_type)
@@ -781,7 +802,10 @@ def test_unsubscribe_stops_deliveries_and_takes_its_level_out_of_latency_maps(
         assert again is False  # the owner no longer knows it
         assert sorted(got) == list(range(5)) and stray == []
         assert last is True and gone == {owner: None for owner in before}, gone
-        for owner in ("B/match-0", "B/match-0/slave-0"):  # tombstones, no live subscription
+        for owner in (
+            RoleId.match("B", 0).owner,
+            RoleId.match_slave("B", 0, 0).owner,
+        ):  # tombstones, no live subscription
             assert live(store.load(owner, "subscription")) == {}
     finally:
         store.close()
@@ -853,7 +877,7 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
                 )
             ]
             body = encode([batch[0].body, b'{"kind": "publish", "qty": 1}', batch[1].body])
-            at_b.client.publish(OutgoingMessage(body, "", f"{name}.B.router"))
+            at_b.client.publish(OutgoingMessage(body, "", RoleId.router("B").inbox(name)))
             assert sorted(drain(at_a, 2)) == [120, 130]
             assert at_a.unsubscribe(event_type, sid) is True
             assert at_a.unsubscribe(event_type, sid) is False
@@ -879,14 +903,14 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
                 queue=queue,
                 subscription_id="stray",
             )
-            at_a.client.publish(outgoing(stray, f"{name}.A.router"))
+            at_a.client.publish(outgoing(stray, RoleId.router("A").inbox(name)))
             reasons: list[str] = []
             deadline = time.monotonic() + 15
             while len(reasons) < 3 and time.monotonic() < deadline:
                 while (d := at_a.client.get(DEAD_LETTER_QUEUE)) is not None:
                     if d.headers.get("x-qosmq-queue") in (
-                        f"{name}.A.router",
-                        f"{name}.B.router",
+                        RoleId.router("A").inbox(name),
+                        RoleId.router("B").inbox(name),
                         queue,
                     ):
                         reasons.append(d.headers["x-qosmq-reason"])
@@ -901,13 +925,12 @@ def test_the_sync_client_subscribes_publishes_and_unsubscribes(
         report = _phoenix("status", topology_file, state, urls)
         pids = json.loads((state / "phoenix.json").read_text())
         for key in pids:
-            assert re.search(rf"^{re.escape(key)} +{pids[key]} +running +\d+ ", report, re.M), (
-                report
-            )
+            line = rf"^{re.escape(key)} +{pids[key]} +running +{re.escape(key)} +\d+ "
+            assert re.search(line, report, re.M), report  # each serves the role it started as
         assert f"{name}.C.match.0 " not in report and f"{name}.C.match.0\n" in report
-        os.kill(pids["C/matcher-0"], signal.SIGKILL)
+        os.kill(pids[RoleId.match("C", 0).key], signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while pid_alive(pids["C/matcher-0"]) and time.monotonic() < deadline:
+        while pid_alive(pids[RoleId.match("C", 0).key]) and time.monotonic() < deadline:
             time.sleep(0.1)
         with pytest.raises(subprocess.CalledProcessError) as failed:
             _phoenix("status", topology_file, state, urls)

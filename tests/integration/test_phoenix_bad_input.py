@@ -15,13 +15,8 @@ import pytest
 from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import ClientCore, PhoenixClient
-from middleware.routing.protocol import (
-    Kind,
-    PhoenixMessage,
-    control_inbox,
-    match_inbox,
-    router_inbox,
-)
+from middleware.routing.ids import RoleId
+from middleware.routing.protocol import Kind, PhoenixMessage
 from middleware.transport import (
     AsyncClient,
     BindingSpec,
@@ -71,8 +66,8 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
     )
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
-    master_inbox = match_inbox(topology, "B", 0)
-    control = control_inbox(master_inbox)
+    master = RoleId.match("B", 0)
+    master_inbox, control = master.inbox(topology.prefix), master.control(topology.prefix)
     host, port, _ = settings.nodes[0]
 
     def forge(queue: str, message: PhoenixMessage) -> None:
@@ -85,7 +80,7 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
     phantom = PhoenixMessage(  # "I am idle": drew a third of the events to an inbox nobody serves
         kind=Kind.HEARTBEAT,
         event_type="-",
-        broker="B/match-0/slave-99",
+        broker=RoleId.match_slave("B", 0, 99).owner,
         predicted_t=0.0,
         table={"queue": 0, "service_rate": 1e6},
     )
@@ -122,7 +117,7 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
                 filter=huge,
                 reply_to=reply,
             )
-            forge(router_inbox(topology, "A"), request)
+            forge(RoleId.router("A").inbox(topology.prefix), request)
             answer = None
             deadline = time.monotonic() + 30
             while answer is None and time.monotonic() < deadline:
@@ -142,7 +137,7 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
                 forge(control, phantom)
             forge(control, forged_ack)
             reasons = await _dead(client, dl, control, 4, 15)
-            assert len(reasons) == 4 and all("not a replica of B/match-0" in r for r in reasons)
+            assert len(reasons) == 4 and all(f"not a replica of {master}" in r for r in reasons)
             second = f"{name}.second"  # subscribed after all that: works as the first
             await at_a.subscribe(event_type, [("price", ">=", 0)], 1, second, wait_s=60)
             for i in range(30):

@@ -569,11 +569,11 @@ def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup
     """The queues a deployment deletes are exactly its roles' inboxes and control queues;
     a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
     from middleware.bench.phoenix_timeliness import Deployment
-    from middleware.routing.protocol import role_queues
+    from middleware.routing.ids import role_queues
 
     deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])
     names = role_queues(deployment.topology)
-    assert len(names) == len(set(names)) == 3 * (2 + 2 + 2 + 2)  # router+ctl, 2 slaves, ...
+    assert len(names) == len(set(names)) == 3 * 6 * 2  # 6 roles: inbox + control each
     assert "px.A.router.control" in names and "px.C.match.0.slave.1" in names
 
     async def unreachable() -> int:

@@ -1,0 +1,189 @@
+"""One Phoenix role process (the driver): it owns the connections, serves one role at a
+time and can switch to another without restarting.
+
+A slave told to take over its master (a TAKEOVER message on its control queue) stops
+consuming its own queues, and the same process starts serving the master's inbox and
+control queue with the tables it already holds as a replica (read back as the first
+reply of the master's R-of-N read), and drains what was dispatched to it as a slave.
+The recovery issue builds elections and failure detection on this switch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import MiddlewareError, Unroutable
+from ..settings import Settings
+from ..transport import AsyncClient, Delivery
+from .ids import RoleId, RoleKind
+from .protocol import MAX_PRIORITY, Kind, PhoenixMessage, PhoenixTopology
+from .roles import (
+    Connections,
+    MatchMaster,
+    MatchSlave,
+    RouterMaster,
+    RouterSlave,
+    _Role,
+    cluster_settings,
+    inbox_spec,
+    outgoing,
+)
+
+__all__ = ["RoleNode", "take_over"]
+
+log = logging.getLogger(__name__)
+
+
+class RoleNode:
+    """Runs ``role`` until ``stop``; on a take-over, the master's role in the same process."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        topology: PhoenixTopology,
+        role: RoleId,
+        status_file: Path | None = None,
+    ) -> None:
+        if not role.in_topology(topology):
+            raise MiddlewareError(f"role {role} is not in the topology")
+        self.settings, self.topology = settings, topology
+        self.started_as = self.current = role
+        self.status_file = status_file
+        self.role: _Role | None = None
+        self.switches = 0
+
+    def build(self, role: RoleId, promoted_from: RoleId | None, connections: Connections) -> _Role:
+        common: dict[str, Any] = {
+            "settings": self.settings,
+            "topology": self.topology,
+            "cluster": role.cluster,
+            "connections": connections,
+            "promoted_from": promoted_from,
+        }
+        if role.kind is RoleKind.ROUTER:
+            return RouterMaster(**common)
+        if role.kind is RoleKind.ROUTER_SLAVE:
+            return RouterSlave(slave=role.slave, **common)
+        if role.kind is RoleKind.MATCH:
+            return MatchMaster(index=role.index, **common)
+        return MatchSlave(index=role.index, slave=role.slave, **common)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        connections = Connections(self.settings, self.topology)
+        promoted_from: RoleId | None = None
+        reply: PhoenixMessage | None = None
+        try:
+            while not stop.is_set():
+                role = self.role = self.build(self.current, promoted_from, connections)
+                self._write_status()
+                role_stop = asyncio.Event()
+                relay = asyncio.create_task(_relay(stop, role_stop))
+                answer = asyncio.create_task(self._answer(role, reply)) if reply else None
+                try:
+                    await role.run(role_stop)
+                finally:
+                    relay.cancel()
+                    if answer is not None:
+                        answer.cancel()
+                if role.switch_to is None or stop.is_set():
+                    break
+                log.warning("%s: serving %s from now on", self.current, role.switch_to)
+                promoted_from, self.current = self.current, role.switch_to
+                reply = role.takeover_reply
+                self.switches += 1
+                # configure's switches stay with the process, not with the role it served
+                self.topology = role.topology
+        finally:
+            await connections.close()
+
+    async def _answer(self, role: _Role, request: PhoenixMessage) -> None:
+        """Tell whoever asked for the take-over that the master's role is being served."""
+        await role.serving.wait()
+        assert request.reply_to
+        reply = PhoenixMessage(
+            kind=Kind.ACK, event_type="-", request=request.request, broker=role.id.owner
+        )
+        with contextlib.suppress(Unroutable, MiddlewareError):
+            client = await role.client_for(role.cluster)
+            await client.publish(outgoing(reply, request.reply_to))
+
+    def _write_status(self) -> None:
+        """What this process serves now, for ``qosmq phoenix status``."""
+        if self.status_file is None:
+            return
+        status = {
+            "pid": os.getpid(),
+            "started_as": self.started_as.key,
+            "serves": self.current.key,
+            "kind": str(self.current.kind),
+            "since": time.time(),
+        }
+        tmp = self.status_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(status))
+        tmp.replace(self.status_file)
+
+
+async def _relay(stop: asyncio.Event, role_stop: asyncio.Event) -> None:
+    await stop.wait()
+    role_stop.set()
+
+
+async def take_over(
+    settings: Settings, topology: PhoenixTopology, slave: RoleId, *, timeout_s: float = 30.0
+) -> str:
+    """Tell ``slave`` to serve its master's role; return once it does (the master's id).
+
+    Raises :class:`MiddlewareError` when ``slave`` is no slave of the topology, or when
+    it did not answer in ``timeout_s`` (it may not be running)."""
+    if not slave.is_slave or not slave.in_topology(topology):
+        raise MiddlewareError(f"{slave} is not a slave in the topology: nothing to take over")
+    request = uuid.uuid4().hex
+    reply_queue = f"{topology.prefix}.takeover.{request}"
+    answered: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_reply(delivery: Delivery) -> None:
+        reply = PhoenixMessage.model_validate_json(delivery.body)
+        if reply.kind is Kind.ACK and reply.request == request and not answered.done():
+            answered.set_result(str(reply.broker))
+
+    _, conf = cluster_settings(settings, topology, slave.cluster)
+    async with AsyncClient(settings=conf) as client:
+        await client.declare_queue(inbox_spec(reply_queue))
+        tag = await client.consume(reply_queue, on_reply)
+        try:
+            message = PhoenixMessage(
+                kind=Kind.TAKEOVER,
+                event_type="-",
+                broker=slave.master.owner,
+                request=request,
+                reply_to=reply_queue,
+            )
+            control = slave.control(topology.prefix)
+            try:  # not declared: a slave that never ran has no control queue
+                await client.publish(
+                    outgoing(
+                        message, control, priority=MAX_PRIORITY, expiration_ms=int(timeout_s * 1000)
+                    )
+                )
+            except Unroutable:
+                raise MiddlewareError(f"{slave} has no control queue: is it running?") from None
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await answered
+            except TimeoutError:
+                raise MiddlewareError(
+                    f"{slave} did not take over {slave.master} in {timeout_s:.0f} s"
+                ) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await client.cancel(tag)
+                await client.delete_queue(reply_queue)

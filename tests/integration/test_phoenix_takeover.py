@@ -1,0 +1,135 @@
+"""A role process switches role at run time (issue #22 item 4): a match slave told to take
+over serves its master's inbox with the tables it holds, in the same process.
+
+Real processes (``qosmq phoenix up``), a real SIGKILL of the master, counts kept by the
+test itself (what its subscriber queue received, what the shared store holds)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from middleware.localcluster.manager import pid_alive
+from middleware.routing import ChordRing
+from middleware.routing.client import PhoenixClient
+from middleware.routing.ids import RoleId
+from middleware.routing.replicas import live
+from middleware.routing.store import open_store
+from middleware.transport import AsyncClient
+from tests.integration.test_phoenix import _phoenix, _topology
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+EVENTS = 200
+
+
+def _wait(what: str, done, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} in {seconds:.0f} s"
+        time.sleep(0.1)
+
+
+def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    ring = ChordRing(["A", "B"])
+    event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
+    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue, later_queue = f"{name}.sub", f"{name}.sub.later"
+    master, slave0, slave1 = (
+        RoleId.match("B", 0),
+        *(RoleId.match_slave("B", 0, j) for j in (0, 1)),
+    )
+
+    async def subscribe_and_probe(client: AsyncClient, at: PhoenixClient, q: str) -> None:
+        await at.subscribe(event_type, [("n", ">=", -1)], 1, q)  # probes too
+        deadline = time.monotonic() + 60
+        while await client.queue_length(q) == 0:  # until the path is live end to end
+            assert time.monotonic() < deadline, "no probe reached the subscriber"
+            await at.publish({"event_type": event_type, "attributes": {"n": -1}})
+            await asyncio.sleep(0.3)
+
+    async def drain(client: AsyncClient, q: str, want: int) -> list[dict]:
+        got: list[dict] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(m["n"] >= 0 for m in got) < want:
+            while (d := await client.get(q)) is not None:
+                message = json.loads(d.body)
+                got.append({"n": message["event"]["attributes"]["n"], "by": message["broker"]})
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # anything beyond the count (a duplicate) shows here
+        while (d := await client.get(q)) is not None:
+            message = json.loads(d.body)
+            got.append({"n": message["event"]["attributes"]["n"], "by": message["broker"]})
+        return [m for m in got if m["n"] >= 0]
+
+    store = open_store(str(tmp_path / "state.sqlite3"))
+    _phoenix("up", topology_file, state, urls)
+    try:
+        pids = json.loads((state / "phoenix.json").read_text())
+
+        async def before() -> None:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                await subscribe_and_probe(client, at_a, queue)
+
+        asyncio.run(before())
+        # the subscription is in slave-0's replica before its master dies (checked in the
+        # store, not asked of the roles)
+        _wait(
+            "replica on slave-0",
+            lambda: len(live(store.load(slave0.owner, "subscription"))) == 1,
+        )
+        os.kill(pids[master.key], signal.SIGKILL)
+        _wait("dead master", lambda: not pid_alive(pids[master.key]))
+
+        out = _phoenix("takeover", topology_file, state, urls, "--role", slave0.key)
+        assert f"{slave0.key} now serves {master.key}" in out
+        status = (state / slave0.log_file).with_suffix(".json")
+        assert json.loads(status.read_text())["serves"] == master.key
+        assert pid_alive(pids[slave0.key])  # the same process, not a restart
+
+        async def after() -> tuple[list[dict], list[dict]]:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                while await client.get(queue) is not None:  # probes
+                    pass
+                for n in range(EVENTS):
+                    await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                got = await drain(client, queue, EVENTS)
+                # a new subscription is confirmed: W of N with the promoted master and slave-1
+                await subscribe_and_probe(client, at_a, later_queue)
+                await at_a.publish({"event_type": event_type, "attributes": {"n": 7}})
+                later = await drain(client, later_queue, 1)
+                return got, later
+
+        got, later = asyncio.run(after())
+        assert sorted(m["n"] for m in got) == list(range(EVENTS))  # each once, none lost
+        assert {m["by"] for m in got} <= {master.owner, slave1.owner}
+        assert [m["n"] for m in later] == [7]
+        # the new subscription is held by the promoted master and by slave-1
+        assert later_queue in {
+            d["queue"] for _, d in live(store.load(master.owner, "subscription")).values()
+        }
+        _wait(
+            "replica of the new subscription on slave-1",
+            lambda: len(live(store.load(slave1.owner, "subscription"))) == 2,
+        )
+        # status names what each process serves now; the killed master's process is down
+        with pytest.raises(subprocess.CalledProcessError) as failed:
+            _phoenix("status", topology_file, state, urls)
+        line = next(x for x in failed.value.stdout.splitlines() if x.startswith(slave0.key))
+        assert line.split()[2:4] == ["running", master.key], line
+        assert line.endswith(master.inbox(name)), line
+    finally:
+        store.close()
+        _phoenix("down", topology_file, state, urls)
