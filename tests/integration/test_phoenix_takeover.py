@@ -133,3 +133,64 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
     finally:
         store.close()
         _phoenix("down", topology_file, state, urls)
+
+
+def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    """B's routing master killed; its slave-0 takes over in the same process: events from A
+    for a type B owns are routed again, each once, and the latencyMap entry the slave held
+    is the promoted master's (read back, not rebuilt)."""
+    ring = ChordRing(["A", "B"])
+    event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
+    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"routing_slaves": 2}})
+    urls = ",".join(brokers.urls)
+    state = tmp_path / "state"
+    queue = f"{name}.sub"
+    router, slave0 = RoleId.router("B"), RoleId.router_slave("B", 0)
+    store = open_store(str(tmp_path / "state.sqlite3"))
+    _phoenix("up", topology_file, state, urls)
+    try:
+        pids = json.loads((state / "phoenix.json").read_text())
+
+        async def subscribe() -> None:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                await at_a.subscribe(event_type, [("n", ">=", 0)], 2, queue)
+
+        asyncio.run(subscribe())
+        _wait(
+            "latencyMap entry on router slave-0",
+            lambda: event_type in live(store.load(slave0.owner, "routing_table")),
+        )
+        os.kill(pids[router.key], signal.SIGKILL)
+        _wait("dead routing master", lambda: not pid_alive(pids[router.key]))
+        store.snapshot(router.owner, "routing_table", {})  # only the slaves hold it now
+        out = _phoenix("takeover", topology_file, state, urls, "--role", slave0.key)
+        assert f"{slave0.key} now serves {router.key}" in out
+
+        async def publish() -> list[int]:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                for n in range(EVENTS):
+                    await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                got: list[int] = []
+                deadline = time.monotonic() + 30
+                while len(got) < EVENTS and time.monotonic() < deadline:
+                    while (d := await client.get(queue)) is not None:
+                        got.append(json.loads(d.body)["event"]["attributes"]["n"])
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.0)
+                while (d := await client.get(queue)) is not None:
+                    got.append(json.loads(d.body)["event"]["attributes"]["n"])
+                return got
+
+        assert sorted(asyncio.run(publish())) == list(range(EVENTS))
+        # read repair: the promoted master's own copy holds the entry the slaves kept
+        _wait(
+            "repaired routing table",
+            lambda: event_type in live(store.load(router.owner, "routing_table")),
+        )
+    finally:
+        store.close()
+        _phoenix("down", topology_file, state, urls)
