@@ -39,6 +39,7 @@ from .. import runtime
 from ..cliargs import integer, number
 from ..routing import ChordRing, LatencyMap
 from ..routing.client import PhoenixClient
+from ..routing.deployment import PhoenixDeployment
 from ..routing.ids import RoleId, role_queues
 from ..routing.protocol import PhoenixTopology
 from ..routing.roles import reconfigure
@@ -223,19 +224,26 @@ class Deployment:
         return n
 
     def processes(self) -> dict[str, int]:
-        """The running roles' PIDs by name (``A/router``, ...), as ``phoenix up`` wrote them."""
-        state = self.state_dir / "phoenix.json"
-        return json.loads(state.read_text()) if state.exists() else {}
+        """The running roles' PIDs by process key (``A/router``, ...)."""
+        return {role.key: pid for role, pid in self.phoenix().pids().items()}
 
-    def _cli(self, command: str) -> str:
-        return phoenix_cli(command, self.topology_file, self.state_dir, self.amqp_urls)
+    def phoenix(self) -> PhoenixDeployment:
+        """The library's deployment API over this topology (roles reach these brokers)."""
+        urls = ",".join(self.amqp_urls)
+        return PhoenixDeployment(
+            self.topology_file,
+            self.state_dir,
+            settings=Settings(amqp_urls=urls),
+            env={**os.environ, "QOSMQ_AMQP_URLS": urls},
+        )
 
     def up(self) -> None:
-        self._cli("up")
+        self.phoenix().up()
 
     def down(self) -> None:
-        if (self.state_dir / "phoenix.json").exists():
-            self._cli("down")
+        deployment = self.phoenix()
+        if deployment.state_file.exists():
+            deployment.down()
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Deployment]:

@@ -32,14 +32,13 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-from .protocol import PhoenixMessage, parse_message
+from .messages import Message, parse, parse_many, validate
 
 __all__ = ["Batcher", "PriorityGate", "encode", "split"]
 
 Publish = Callable[[str, str, bytes, int], Awaitable[None]]  # cluster, queue, body, priority
-_MANY = TypeAdapter(list[PhoenixMessage])
 
 
 def encode(bodies: list[bytes]) -> bytes:
@@ -47,24 +46,24 @@ def encode(bodies: list[bytes]) -> bytes:
     return bodies[0] if len(bodies) == 1 else b"[" + b",".join(bodies) + b"]"
 
 
-def split(body: bytes) -> tuple[list[PhoenixMessage], list[tuple[bytes, str]]]:
+def split(body: bytes) -> tuple[list[Message], list[tuple[bytes, str]]]:
     """The messages of one body (an object, or an array of them) and the elements
     that are not messages, each as ``(its JSON, why)``."""
     if body.lstrip()[:1] != b"[":
-        return [parse_message(body)], []  # a malformed object: DeadLetter, as before
+        return [parse(body)], []  # a malformed object: DeadLetter, as before
     try:
-        return _MANY.validate_json(body), []
+        return parse_many(body), []
     except ValidationError:
         pass
     try:
         elements = json.loads(body)
     except ValueError as exc:
         return [], [(body, f"malformed Phoenix batch: {exc}")]
-    good: list[PhoenixMessage] = []
+    good: list[Message] = []
     bad: list[tuple[bytes, str]] = []
     for element in elements:
         try:
-            good.append(PhoenixMessage.model_validate(element))
+            good.append(validate(element))
         except ValidationError as exc:
             raw = json.dumps(element).encode()
             bad.append((raw, f"malformed Phoenix message in a batch: {exc}"))

@@ -21,7 +21,17 @@ from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, Queue
 from .batching import Batcher
 from .ids import RoleId
 from .matching import Event, Filter, FilterError
-from .protocol import Kind, PhoenixMessage, PhoenixTopology, parse_message
+from .messages import (
+    Advertise,
+    Confirmation,
+    Message,
+    Publish,
+    Subscribe,
+    Unsubscribe,
+    encode,
+    parse,
+)
+from .protocol import PhoenixTopology
 from .roles import cluster_settings, inbox_spec, outgoing
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
@@ -61,12 +71,12 @@ class ClientCore:
         if wait_s is not None and wait_s <= 0:
             raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
 
-    def advertisement(self, event_type: str) -> PhoenixMessage:
-        return PhoenixMessage(kind=Kind.ADVERTISE, event_type=event_type)
+    def advertisement(self, event_type: str) -> Advertise:
+        return Advertise(event_type=event_type)
 
-    def publication(self, event: Event | dict[str, Any]) -> PhoenixMessage:
+    def publication(self, event: Event | dict[str, Any]) -> Publish:
         event = event if isinstance(event, Event) else Event.parse(event)
-        return PhoenixMessage(kind=Kind.PUBLISH, event_type=event.event_type, event=event)
+        return Publish(event_type=event.event_type, event=event)
 
     def subscription(
         self,
@@ -76,7 +86,7 @@ class ClientCore:
         queue: str,
         confirm: str,
         wait_s: float | None,
-    ) -> PhoenixMessage:
+    ) -> Subscribe:
         """A validated subscribe (refused before anything is sent), with a new id."""
         flt = Filter.parse(filter)
         if not 1 <= latency_level <= 5:
@@ -84,8 +94,7 @@ class ClientCore:
         if confirm not in ("broker", "e2e"):
             raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
         self.check_wait(wait_s)
-        return PhoenixMessage(
-            kind=Kind.SUBSCRIBE,
+        return Subscribe(
             event_type=event_type,
             home=self.cluster,
             latency_level=latency_level,
@@ -98,10 +107,9 @@ class ClientCore:
 
     def unsubscription(
         self, event_type: str, subscription_id: str, wait_s: float | None
-    ) -> PhoenixMessage:
+    ) -> Unsubscribe:
         self.check_wait(wait_s)
-        return PhoenixMessage(
-            kind=Kind.UNSUBSCRIBE,
+        return Unsubscribe(
             event_type=event_type,
             home=self.cluster,
             subscription_id=subscription_id,
@@ -109,40 +117,45 @@ class ClientCore:
         )
 
     @staticmethod
-    def delivered(delivery: Delivery) -> tuple[Event, PhoenixMessage]:
+    def delivered(delivery: Delivery) -> tuple[Event, Publish]:
         """A matched event as it lands in a subscriber queue (with its hops and broker)."""
-        message = parse_message(delivery.body, "Phoenix delivery")
-        if message.kind is not Kind.PUBLISH or message.event is None:
+        message = parse(delivery.body, "Phoenix delivery")
+        if not isinstance(message, Publish):
             raise DeadLetter(f"not a Phoenix event delivery: {message.kind.value}")
         return message.event, message
 
     @staticmethod
-    def reply(delivery: Delivery) -> PhoenixMessage:
-        return parse_message(delivery.body, "subscribe confirmation")
+    def reply(delivery: Delivery) -> Confirmation:
+        message = parse(delivery.body, "subscribe confirmation")
+        if not isinstance(message, Confirmation):
+            raise DeadLetter(f"not a subscribe confirmation: {message.kind.value}")
+        return message
 
     @staticmethod
-    def _what(request: PhoenixMessage) -> str:
+    def _what(request: Subscribe | Unsubscribe) -> str:
         return f"{request.kind.value} {request.subscription_id} of {request.event_type!r}"
 
-    def unconfirmed(self, request: PhoenixMessage, wait_s: float) -> SubscriptionUnconfirmed:
+    def unconfirmed(
+        self, request: Subscribe | Unsubscribe, wait_s: float
+    ) -> SubscriptionUnconfirmed:
         return SubscriptionUnconfirmed(
             f"{self._what(request)}: the owner's match master did not confirm it in "
             f"{wait_s:g} s (it may still take effect)"
         )
 
-    def outcome(self, request: PhoenixMessage, reply: PhoenixMessage | None) -> bool:
+    def outcome(self, request: Subscribe | Unsubscribe, reply: Confirmation | None) -> bool:
         """Subscribe: True.  Unsubscribe: whether the owner knew it (True unconfirmed).
         Raises when the owner said why it could not."""
         if reply is None:
             return True
-        table = reply.table or {}
+        table = reply.outcome
         if table.get("refused") == "filter":
             raise FilterError(f"{self._what(request)} refused at {reply.broker}: {table['error']}")
         if table.get("error"):
             raise SubscriptionUnconfirmed(
                 f"{self._what(request)} at {reply.broker}: {table['error']}"
             )
-        return request.kind is Kind.SUBSCRIBE or bool(table.get("removed"))
+        return isinstance(request, Subscribe) or bool(table.get("removed"))
 
 
 class PhoenixClient:
@@ -152,7 +165,7 @@ class PhoenixClient:
         self.core = ClientCore(client.settings, topology, cluster)
         self.client, self.topology, self.cluster = client, topology, cluster
         self._listening = False
-        self._awaited: dict[str, asyncio.Future[PhoenixMessage]] = {}
+        self._awaited: dict[str, asyncio.Future[Confirmation]] = {}
         self._receipts: AsyncConfirmConsumer | None = None  # e2e subscriptions' consumer
         # what is sent in one loop turn (a gather of publishes) leaves in one AMQP message
         self._batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
@@ -173,7 +186,7 @@ class PhoenixClient:
     async def consume(
         self,
         queue: str,
-        handler: Callable[[Event, PhoenixMessage], Awaitable[None]],
+        handler: Callable[[Event, Publish], Awaitable[None]],
         *,
         e2e: bool = False,
         prefetch: int | None = None,
@@ -195,14 +208,14 @@ class PhoenixClient:
 
     async def _on_reply(self, delivery: Delivery) -> None:
         reply = self.core.reply(delivery)
-        waiter = self._awaited.get(reply.subscription_id or "")
+        waiter = self._awaited.get(reply.subscription_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(reply)
 
-    async def _send(self, message: PhoenixMessage) -> None:
+    async def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
             await self.client.declare_queue(inbox_spec(self.core.inbox))
-        body = message.model_dump_json().encode()
+        body = encode(message)
         await self._batcher.send(self.cluster, self.core.inbox, body, 0)
 
     async def _publish_body(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
@@ -210,7 +223,7 @@ class PhoenixClient:
             OutgoingMessage(body, "", queue, content_type="application/json", priority=priority)
         )
 
-    async def _request(self, request: PhoenixMessage, wait_s: float | None) -> bool:
+    async def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:
         """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""
         if wait_s is None:
             await self._send(request)
@@ -219,7 +232,7 @@ class PhoenixClient:
             await self.client.declare_queue(self.core.reply_spec())
             await self.client.consume(self.core.reply_queue, self._on_reply)
             self._listening = True
-        sid = request.subscription_id or ""
+        sid = request.subscription_id
         waiter = self._awaited[sid] = asyncio.get_running_loop().create_future()
         try:
             await self._send(request)
@@ -259,7 +272,6 @@ class PhoenixClient:
         request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
         await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
         await self._request(request, wait_s)
-        assert request.subscription_id
         return request.subscription_id
 
     async def unsubscribe(
@@ -291,7 +303,7 @@ class SyncPhoenixClient:
         self.core = ClientCore(client.settings, topology, cluster)
         self.client, self.topology, self.cluster = client, topology, cluster
         self._listening = False
-        self._replies: dict[str, PhoenixMessage] = {}
+        self._replies: dict[str, Confirmation] = {}
         self._receipts: SyncConfirmConsumer | None = None  # e2e subscriptions' consumer
 
     @classmethod
@@ -308,7 +320,7 @@ class SyncPhoenixClient:
     def consume(
         self,
         queue: str,
-        handler: Callable[[Event, PhoenixMessage], None],
+        handler: Callable[[Event, Publish], None],
         *,
         e2e: bool = False,
         prefetch: int | None = None,
@@ -336,15 +348,14 @@ class SyncPhoenixClient:
 
     def _on_reply(self, delivery: Delivery) -> None:
         reply = self.core.reply(delivery)
-        if reply.subscription_id:
-            self._replies[reply.subscription_id] = reply
+        self._replies[reply.subscription_id] = reply
 
-    def _send(self, message: PhoenixMessage) -> None:
+    def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
             self.client.declare_queue(inbox_spec(self.core.inbox))
         self.client.publish(outgoing(message, self.core.inbox))
 
-    def _request(self, request: PhoenixMessage, wait_s: float | None) -> bool:
+    def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:
         if wait_s is None:
             self._send(request)
             return self.core.outcome(request, None)
@@ -352,7 +363,7 @@ class SyncPhoenixClient:
             self.client.declare_queue(self.core.reply_spec())
             self.client.consume(self.core.reply_queue, self._on_reply)
             self._listening = True
-        sid = request.subscription_id or ""
+        sid = request.subscription_id
         self._send(request)
         self.client.run(wait_s, until=lambda: sid in self._replies)
         reply = self._replies.pop(sid, None)
@@ -377,7 +388,6 @@ class SyncPhoenixClient:
         request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
         self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
         self._request(request, wait_s)
-        assert request.subscription_id
         return request.subscription_id
 
     def unsubscribe(

@@ -24,7 +24,8 @@ from ..errors import MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .ids import RoleId, RoleKind
-from .protocol import MAX_PRIORITY, Kind, PhoenixMessage, PhoenixTopology
+from .messages import Answer, Takeover, parse
+from .protocol import MAX_PRIORITY, PhoenixTopology
 from .roles import (
     Connections,
     MatchMaster,
@@ -80,7 +81,7 @@ class RoleNode:
     async def run(self, stop: asyncio.Event) -> None:
         connections = Connections(self.settings, self.topology)
         promoted_from: RoleId | None = None
-        reply: PhoenixMessage | None = None
+        reply: Takeover | None = None
         try:
             while not stop.is_set():
                 role = self.role = self.build(self.current, promoted_from, connections)
@@ -105,13 +106,11 @@ class RoleNode:
         finally:
             await connections.close()
 
-    async def _answer(self, role: _Role, request: PhoenixMessage) -> None:
+    async def _answer(self, role: _Role, request: Takeover) -> None:
         """Tell whoever asked for the take-over that the master's role is being served."""
         await role.serving.wait()
         assert request.reply_to
-        reply = PhoenixMessage(
-            kind=Kind.ACK, event_type="-", request=request.request, broker=role.id.owner
-        )
+        reply = Answer(request=request.request, broker=role.id.owner)
         with contextlib.suppress(Unroutable, MiddlewareError):
             client = await role.client_for(role.cluster)
             await client.publish(outgoing(reply, request.reply_to))
@@ -151,8 +150,8 @@ async def take_over(
     answered: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_reply(delivery: Delivery) -> None:
-        reply = PhoenixMessage.model_validate_json(delivery.body)
-        if reply.kind is Kind.ACK and reply.request == request and not answered.done():
+        reply = parse(delivery.body, "take-over answer")
+        if isinstance(reply, Answer) and reply.request == request and not answered.done():
             answered.set_result(str(reply.broker))
 
     _, conf = cluster_settings(settings, topology, slave.cluster)
@@ -160,13 +159,7 @@ async def take_over(
         await client.declare_queue(inbox_spec(reply_queue))
         tag = await client.consume(reply_queue, on_reply)
         try:
-            message = PhoenixMessage(
-                kind=Kind.TAKEOVER,
-                event_type="-",
-                broker=slave.master.owner,
-                request=request,
-                reply_to=reply_queue,
-            )
+            message = Takeover(master=slave.master.owner, request=request, reply_to=reply_queue)
             control = slave.control(topology.prefix)
             try:  # not declared: a slave that never ran has no control queue
                 await client.publish(

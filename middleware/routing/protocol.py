@@ -1,18 +1,18 @@
-"""Phoenix wire messages and the deployment's topology (pure); role names are in ids.py."""
+"""The Phoenix deployment's topology and the kinds of its messages (pure); the messages
+themselves are in messages.py, role names in ids.py."""
 
 from __future__ import annotations
 
 import tomllib
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ConfigurationError, DeadLetter
-from .matching import Event
+from ..errors import ConfigurationError
 
-__all__ = ["ClusterSpec", "Kind", "PhoenixMessage", "PhoenixTopology"]
+__all__ = ["MAX_PRIORITY", "ClusterSpec", "Kind", "PhoenixTopology"]
 
 MAX_PRIORITY = 9
 
@@ -31,46 +31,9 @@ class Kind(StrEnum):
     READ = "read"  # master -> slave: send me your replica (quorum read)
     SNAPSHOT = "snapshot"  # slave -> master's control queue: a page of its replica
     CONFIGURE = "configure"  # operator -> masters' control queues: switch outer/inner live
-    TAKEOVER = "takeover"  # -> a slave's control queue: serve your master's role (broker)
-
-
-class PhoenixMessage(BaseModel):
-    """One message between Phoenix roles (JSON body of an AMQP message)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Kind
-    event_type: str
-    event: Event | None = None
-    filter: list[list[Any]] = Field(default_factory=list)
-    latency_level: int = Field(3, ge=1, le=5)
-    queue: str | None = None  # the subscriber's own queue
-    confirm: Literal["broker", "e2e"] = "broker"  # subscribe: how deliveries are confirmed
-    subscription_id: str | None = None
-    # subscribe: the subscriber's cluster, whose RabbitMQ (and vhost) holds its queue
-    home: str | None = None
-    hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
-    replica: bool = False  # a master's copy for its slaves (subscribe) or a dispatch (publish)
-    broker: str | None = None  # heartbeat sender / the broker that matched a delivery
-    predicted_t: float | None = None  # heartbeat: the sender's predicted processing time
-    cluster: str | None = None  # join / handover: the joining cluster
-    arc: tuple[int, int] | None = None  # handover: ring interval (start, end] that moves
-    table: dict[str, Any] | None = None  # replicate: the entry's document (or a tombstone)
-    version: int | None = None  # replicate / ack: the entry's version
-    key: str | None = None  # replicate: the entry's key
-    state_kind: str | None = None  # replicate / read / snapshot: routing_table, subscription
-    request: str | None = None  # read / snapshot: which read this answers
-    reply_to: str | None = None  # read: the master's control queue; configure: the operator
-    entries: dict[str, tuple[int, dict[str, Any]]] | None = None  # snapshot: key -> (v, doc)
-    last: bool = False  # snapshot: the final page
-    priority: int = Field(0, ge=0, le=MAX_PRIORITY)  # set by the routing master (latency level)
-
-
-def parse_message(body: bytes, what: str = "Phoenix message") -> PhoenixMessage:
-    """A message as a role or client receives it; malformed: dead-lettered with why."""
-    try:
-        return PhoenixMessage.model_validate_json(body)
-    except ValueError as exc:
-        raise DeadLetter(f"malformed {what}: {exc}") from None
+    TAKEOVER = "takeover"  # -> a slave's control queue: serve your master's role
+    ANSWER = "answer"  # role -> operator: a configure or take-over is done
+    CONFIRMATION = "confirmation"  # owner's match master -> client: (un)subscribe outcome
 
 
 class ClusterSpec(BaseModel):

@@ -37,8 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
-import math
 import time
 import uuid
 from collections import Counter
@@ -58,9 +58,34 @@ from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
 from .ids import RoleId
 from .matching import Filter, FilterError, SubscriptionIndex
-from .protocol import MAX_PRIORITY, Kind, PhoenixMessage, PhoenixTopology
+from .messages import (
+    Ack,
+    Advertise,
+    Answer,
+    Configure,
+    Confirmation,
+    Handover,
+    Heartbeat,
+    Join,
+    Message,
+    Publish,
+    Read,
+    Replicate,
+    Routed,
+    RoutedMessage,
+    Snapshot,
+    Subscribe,
+    Takeover,
+    Unsubscribe,
+    Unsubscribed,
+    encode,
+    heartbeat_value,
+    parse,
+)
+from .protocol import MAX_PRIORITY, PhoenixTopology
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
-from .ring import ChordRing, Handover, ring_id
+from .ring import ChordRing, ring_id
+from .ring import Handover as Arc
 from .store import StateStore, open_store
 from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker, round_robin
 
@@ -113,11 +138,13 @@ def cluster_settings(
     )
 
 
-def outgoing(message: PhoenixMessage, queue: str, **options: Any) -> OutgoingMessage:
+def outgoing(message: Message, queue: str, **options: Any) -> OutgoingMessage:
     """A Phoenix message as every role and client publishes it: JSON, straight to ``queue``."""
-    return OutgoingMessage(
-        message.model_dump_json().encode(), "", queue, content_type="application/json", **options
-    )
+    return OutgoingMessage(encode(message), "", queue, content_type="application/json", **options)
+
+
+#: a role's handler for one kind of message
+Handler = Callable[[Any], Awaitable[None]]
 
 
 def inbox_spec(name: str) -> QueueSpec:
@@ -172,7 +199,7 @@ class _Role:
         self.promoted_from = promoted_from
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
-        self.takeover_reply: PhoenixMessage | None = None  # answered once serving
+        self.takeover_reply: Takeover | None = None  # answered once serving
         self.serving = asyncio.Event()  # consumers started
         self._stop: asyncio.Event | None = None
         self.counters: Counter[str] = Counter()
@@ -191,15 +218,13 @@ class _Role:
         shared by the clusters on the same RabbitMQ and vhost."""
         return await self.connections.client_for(cluster)
 
-    async def send(
-        self, cluster: str, inbox: str, message: PhoenixMessage, priority: int = 0
-    ) -> None:
+    async def send(self, cluster: str, inbox: str, message: Message, priority: int = 0) -> None:
         client = await self.client_for(cluster)
         if inbox not in client.topology.queues:
             await client.declare_queue(inbox_spec(inbox))
         # with the others sent to the same inbox and priority in this loop turn
         self.count("sent")
-        await self.batcher.send(cluster, inbox, message.model_dump_json().encode(), priority)
+        await self.batcher.send(cluster, inbox, encode(message), priority)
 
     async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
         self.count("amqp_sent")  # sent / amqp_sent: the mean batch size
@@ -289,7 +314,7 @@ class _Role:
     async def _each(
         self,
         delivery: Delivery,
-        handle: Callable[[PhoenixMessage], Awaitable[None]],
+        handle: Callable[[Message], Awaitable[None]],
         gate: PriorityGate | None = None,
     ) -> None:
         """Handle every message a delivery carries (one, or a batch: concurrently, so
@@ -300,7 +325,7 @@ class _Role:
         self.received[0] += 1
         self.received[1] += len(messages) + len(malformed)
 
-        async def gated(message: PhoenixMessage) -> None:
+        async def gated(message: Message) -> None:
             if gate is None:
                 await handle(message)
                 return
@@ -316,7 +341,7 @@ class _Role:
             if isinstance(result, asyncio.CancelledError):
                 raise result
             if isinstance(result, BaseException):
-                failed.append((message.model_dump_json().encode(), outcome_of(result).reason))
+                failed.append((encode(message), outcome_of(result).reason))
         if failed:
             client = await self.client_for(self.cluster)
             for body, reason in failed:
@@ -324,32 +349,57 @@ class _Role:
                 await client.dead_letter(dataclasses.replace(delivery, body=body), reason)
         self.count("batches_received")
 
-    def urgency(self, message: PhoenixMessage) -> int:
+    def urgency(self, message: Message) -> int:
         """Where a message waits in the gate: its priority (routers: the one they give it)."""
-        return message.priority
+        return message.priority if isinstance(message, Routed) else 0
 
     async def _on_message(self, delivery: Delivery) -> None:
         await self._each(delivery, self.handle, self.gate)
 
     async def _on_control(self, delivery: Delivery) -> None:
-        async def one(message: PhoenixMessage) -> None:
-            if message.kind is Kind.CONFIGURE:
+        async def one(message: Message) -> None:
+            if isinstance(message, Configure):
                 await self._configure(message, delivery.queue)
-            elif message.kind is Kind.TAKEOVER:
-                self._take_over(message)
-            elif self.promoted_from is not None and message.broker == self.promoted_from.owner:
+                return
+            sender = getattr(message, "broker", None)
+            if self.promoted_from is not None and sender == self.promoted_from.owner:
                 self.count("own_stale")  # sent by this process before it took over
-            else:
-                await self.control(message)
+                return
+            await self.control(message)
 
         await self._each(delivery, one)
 
-    def _take_over(self, message: PhoenixMessage) -> None:
-        """Told to serve its master's role (``broker``: the master's id): stop serving this
-        role; the driver starts the master's with the tables this replica holds."""
-        if not self.id.is_slave or message.broker != self.id.master.owner:
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        """What the role does with each kind that may come to its inbox."""
+        return {}
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        """What the role does with each kind that may come to its control queue
+        (``configure`` is every role's, handled before this table)."""
+        return {Takeover: self._take_over}
+
+    async def handle(self, message: Message) -> None:
+        """Dispatch an inbox message by kind; a kind this role does not take is
+        dead-lettered with the reason."""
+        handler = self.inbox_handlers.get(type(message))
+        if handler is None:
+            raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s inbox")
+        await handler(message)
+
+    async def control(self, message: Message) -> None:
+        handler = self.control_handlers.get(type(message))
+        if handler is None:
+            raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s control queue")
+        await handler(message)
+
+    async def _take_over(self, message: Takeover) -> None:
+        """Told to serve its master's role: stop serving this role; the driver starts the
+        master's with the tables this replica holds."""
+        if not self.id.is_slave or message.master != self.id.master.owner:
             raise DeadLetter(
-                f"takeover of {message.broker!r} sent to {self.id}, which is not its slave"
+                f"takeover of {message.master!r} sent to {self.id}, which is not its slave"
             )
         if self.switch_to is not None:
             return  # told twice
@@ -360,12 +410,11 @@ class _Role:
         if self._stop is not None:
             self._stop.set()
 
-    async def _configure(self, message: PhoenixMessage, control: str) -> None:
+    async def _configure(self, message: Configure, control: str) -> None:
         """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters)
         and how many messages a batch may carry (``batch_max``); the topology file is not
         changed, so a restart goes back to it."""
-        table = message.table or {}
-        switches = {k: v for k, v in table.items() if k in SWITCHES}
+        switches = {k: v for k, v in message.switches.items() if k in SWITCHES}
         try:
             self.topology = PhoenixTopology.model_validate(
                 {**self.topology.model_dump(), **switches}, strict=True
@@ -376,18 +425,10 @@ class _Role:
         self.count("configured")
         log.info("%s of %s configured live: %s", self.role, self.cluster, switches)
         if message.reply_to:  # the operator's own queue: published to, never declared here
-            reply = PhoenixMessage(
-                kind=Kind.ACK, event_type="-", request=message.request, broker=control
-            )
+            reply = Answer(request=message.request, broker=control)
             client = await self.client_for(self.cluster)
             with contextlib.suppress(Unroutable):  # the operator gave up and left
                 await client.publish(outgoing(reply, message.reply_to))
-
-    async def handle(self, message: PhoenixMessage) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    async def control(self, message: PhoenixMessage) -> None:
-        """Acks, snapshots and heartbeats (masters)."""
 
 
 #: what ``qosmq phoenix configure`` may switch live on the running masters
@@ -484,13 +525,7 @@ class _ReplicaSet:
         if self.quorum.read > 1:
             request = uuid.uuid4().hex
             pending = self._reads[request] = _PendingRead()
-            ask = PhoenixMessage(
-                kind=Kind.READ,
-                event_type="-",
-                request=request,
-                state_kind=self.kind,
-                reply_to=self.control,
-            )
+            ask = Read(request=request, state_kind=self.kind, reply_to=self.control)
             for inbox in self.slaves:
                 await self.role.send(self.role.cluster, inbox, ask, MAX_PRIORITY)
             try:
@@ -520,11 +555,11 @@ class _ReplicaSet:
         self.entries = dict(merged)
         return live(merged)
 
-    def page(self, message: PhoenixMessage) -> None:
-        pending = self._reads.get(message.request or "")
-        if pending is None or message.broker is None:
+    def page(self, message: Snapshot) -> None:
+        pending = self._reads.get(message.request)
+        if pending is None:
             return  # a reply to an earlier read
-        pending.entries.setdefault(message.broker, {}).update(message.entries or {})
+        pending.entries.setdefault(message.broker, {}).update(message.entries)
         if message.last:
             pending.done.add(message.broker)
             pending.changed.set()
@@ -548,14 +583,7 @@ class _ReplicaSet:
                 stale.set_exception(ReplicaTimeout(f"{self.owner}: entry v{oldest} below W"))
                 stale.exception()  # retrieved: nobody has to await it
             self.role.count("unacknowledged")
-        entry = PhoenixMessage(
-            kind=Kind.REPLICATE,
-            event_type="-",
-            key=key,
-            state_kind=self.kind,
-            version=version,
-            table=document,
-        )
+        entry = Replicate(key=key, state_kind=self.kind, version=version, table=document)
         for inbox in self.slaves:  # ahead of any event backlog in the slave's inbox
             await self.role.send(self.role.cluster, inbox, entry, MAX_PRIORITY)
         return written
@@ -572,7 +600,7 @@ class _ReplicaSet:
                 written.set_result(None)
             self.role.count("replicated")
 
-    def slave(self, message: PhoenixMessage) -> int:
+    def slave(self, message: Heartbeat | Ack | Snapshot) -> int:
         """The slave number of the sender of ``message``; one the topology does not have
         (a forged or stale sender) is dead-lettered: its ack must not count toward W, its
         snapshot toward R, its heartbeat must not draw events to an inbox nobody serves."""
@@ -583,16 +611,17 @@ class _ReplicaSet:
             f"(its replicas: {', '.join(self.names) or 'none'})"
         )
 
-    async def on_control(self, message: PhoenixMessage) -> bool:
-        if message.kind is Kind.ACK and message.version is not None:
-            self.slave(message)
-            self.acknowledged(message.version, str(message.broker))
-        elif message.kind is Kind.SNAPSHOT:
-            self.slave(message)
-            self.page(message)
-        else:
-            return False
-        return True
+    async def on_ack(self, message: Ack) -> None:
+        self.slave(message)
+        self.acknowledged(message.version, message.broker)
+
+    async def on_snapshot(self, message: Snapshot) -> None:
+        self.slave(message)
+        self.page(message)
+
+    def handlers(self) -> dict[type, Handler]:
+        """The master's control-queue handlers for its replicas' answers."""
+        return {Ack: self.on_ack, Snapshot: self.on_snapshot}
 
 
 class _ReplicaHolder(_Role):
@@ -605,42 +634,38 @@ class _ReplicaHolder(_Role):
     def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    async def hold(self, message: PhoenixMessage) -> bool:
-        if message.kind is Kind.REPLICATE and message.key and message.state_kind:
-            if message.table is None or message.version is None:
-                return True
-            await asyncio.to_thread(
-                self.store.save,
-                self.replica_owner,
-                message.state_kind,
-                message.key,
-                message.table,
-                message.version,
-            )
-            self.apply(message.key, message.table)
-            self.count("replicas")
-            await self.send(
-                self.cluster,
-                self.master_control,
-                PhoenixMessage(
-                    kind=Kind.ACK,
-                    event_type="-",
-                    key=message.key,
-                    version=message.version,
-                    broker=self.replica_owner,
-                ),
-            )
-            return True
-        if message.kind is Kind.READ and message.state_kind and message.reply_to:
-            with heap.paused():  # a second copy of the table, no cycles: heap.py
-                await self._answer_read(message)
-            self.count("reads_answered")
-            return True
-        return False
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        return self.replica_handlers()
 
-    async def _answer_read(self, message: PhoenixMessage) -> None:
+    def replica_handlers(self) -> dict[type, Handler]:
+        """A slave's inbox handlers for its master's replication."""
+        return {Replicate: self._store_entry, Read: self._read}
+
+    async def _store_entry(self, message: Replicate) -> None:
+        await asyncio.to_thread(
+            self.store.save,
+            self.replica_owner,
+            message.state_kind,
+            message.key,
+            message.table,
+            message.version,
+        )
+        self.apply(message.key, message.table)
+        self.count("replicas")
+        await self.send(
+            self.cluster,
+            self.master_control,
+            Ack(key=message.key, version=message.version, broker=self.replica_owner),
+        )
+
+    async def _read(self, message: Read) -> None:
+        with heap.paused():  # a second copy of the table, no cycles: heap.py
+            await self._answer_read(message)
+        self.count("reads_answered")
+
+    async def _answer_read(self, message: Read) -> None:
         """The whole table of the kind asked for, in pages, to the reader's queue."""
-        assert message.state_kind and message.reply_to
         table = await asyncio.to_thread(self.store.load, self.replica_owner, message.state_kind)
         entries = list(table.items())
         pages = [
@@ -650,9 +675,7 @@ class _ReplicaHolder(_Role):
             await self.send(
                 self.cluster,
                 message.reply_to,
-                PhoenixMessage(
-                    kind=Kind.SNAPSHOT,
-                    event_type="-",
+                Snapshot(
                     request=message.request,
                     state_kind=message.state_kind,
                     entries=dict(page),
@@ -687,35 +710,41 @@ class RouterMaster(_Role):
         for event_type, (_, doc) in table.items():
             self.latency.entries[event_type] = (int(doc["level_sum"]), int(doc["count"]))
 
-    async def control(self, message: PhoenixMessage) -> None:
-        await self.replicas.on_control(message)
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {**super().control_handlers, **self.replicas.handlers()}
 
-    def urgency(self, message: PhoenixMessage) -> int:
-        return self.priority(message)
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        routed = (Advertise, Subscribe, Unsubscribe, Unsubscribed, Publish)
+        return {Join: self._on_join, **dict.fromkeys(routed, self._route)}
 
-    def priority(self, message: PhoenixMessage) -> int:
+    def urgency(self, message: Message) -> int:
+        return self.priority(message) if isinstance(message, Routed) else 0
+
+    def priority(self, message: Routed) -> int:
         """The latency level's priority: the highest any router on the path knows."""
         if not self.topology.outer:
             return 0
         return max(message.priority, self.latency.priority(message.event_type))
 
-    async def handle(self, message: PhoenixMessage) -> None:
-        if message.kind is Kind.JOIN and message.cluster:
-            await self._join(message.cluster)
-            return
+    async def _on_join(self, message: Join) -> None:
+        await self._join(message.cluster)
+
+    async def _route(self, message: RoutedMessage) -> None:
         et = message.event_type
-        if message.kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBE):
+        if isinstance(message, Subscribe | Unsubscribe):
             message = self._homed(message)
-        if message.kind is Kind.SUBSCRIBE:
+        if isinstance(message, Subscribe):
             self.latency.add(et, message.latency_level)
-        elif message.kind is Kind.UNSUBSCRIBED:
+        elif isinstance(message, Unsubscribed):
             self.latency.remove(et, message.latency_level)
-        if message.kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBED):
+        if isinstance(message, Subscribe | Unsubscribed):
             entry = self.latency.entries.get(et)
             await self.replicas.write(
                 et, None if entry is None else {"level_sum": entry[0], "count": entry[1]}
             )
-            if message.kind is Kind.UNSUBSCRIBED:
+            if isinstance(message, Unsubscribed):
                 return
         priority = self.priority(message)
         forwarded = message.model_copy(
@@ -734,7 +763,7 @@ class RouterMaster(_Role):
             self.cluster, self.inbox_of(RoleId.match(self.cluster, index)), forwarded, priority
         )
 
-    def _homed(self, subscription: PhoenixMessage) -> PhoenixMessage:
+    def _homed(self, subscription: Subscribe | Unsubscribe) -> Subscribe | Unsubscribe:
         """The subscriber's cluster, where deliveries and confirmations go: the entry
         router's when unsaid."""
         home = subscription.home
@@ -758,12 +787,7 @@ class RouterMaster(_Role):
             await self.send(
                 self.cluster,
                 self.inbox_of(RoleId.match(self.cluster, i)),
-                PhoenixMessage(
-                    kind=Kind.HANDOVER,
-                    event_type="-",
-                    cluster=cluster,
-                    arc=(handover.start, handover.end),
-                ),
+                Handover(cluster=cluster, arc=(handover.start, handover.end)),
                 MAX_PRIORITY,
             )
 
@@ -793,9 +817,6 @@ class RouterSlave(_ReplicaHolder):
             self.table.pop(key, None)
         else:
             self.table[key] = document
-
-    async def handle(self, message: PhoenixMessage) -> None:
-        await self.hold(message)
 
 
 class _MatchBroker(_Role):
@@ -850,8 +871,7 @@ class _MatchBroker(_Role):
         if not len(index):
             del self.indexes[event_type]
 
-    async def _match(self, message: PhoenixMessage) -> None:
-        assert message.event is not None
+    async def _match(self, message: Publish) -> None:
         self.predictor.arrived(now=time.monotonic())
         try:
             index = self.indexes.get(message.event_type)
@@ -870,11 +890,11 @@ class _MatchBroker(_Role):
                 self._e2e[client] = await AsyncConfirmPublisher(client, mode="e2e").start()
         return self._e2e[client]
 
-    async def _deliver(self, message: PhoenixMessage, matched: set[str]) -> None:
+    async def _deliver(self, message: Publish, matched: set[str]) -> None:
         """One copy per subscriber queue, however many of its subscriptions matched, on
         the RabbitMQ of the subscriber's own cluster; the copies are confirmed together
         (e2e subscriptions: once the subscriber handled it)."""
-        body = message.model_copy(update={"broker": self.name}).model_dump_json().encode()
+        body = encode(message.model_copy(update={"broker": self.name}))
         queues: dict[tuple[str, str], str] = {}  # (home cluster, queue) -> confirm
         for sid in matched:
             _, queue, confirm, home = self.queues[sid]
@@ -945,7 +965,7 @@ class _MatchBroker(_Role):
                 await observe
 
 
-def _subscription_document(message: PhoenixMessage) -> dict[str, Any]:
+def _subscription_document(message: Subscribe) -> dict[str, Any]:
     return {
         "event_type": message.event_type,
         "filter": message.filter,
@@ -981,25 +1001,33 @@ class MatchMaster(_MatchBroker):
                 self.subscriptions[sid] = doc
         log.info("%s: %d subscriptions read back", self.owner, len(self.subscriptions))
 
-    async def control(self, message: PhoenixMessage) -> None:
-        if await self.replicas.on_control(message):
-            return
-        if message.kind is Kind.HEARTBEAT:
-            j = self.replicas.slave(message)
-            try:
-                queue = float((message.table or {})["queue"])
-                rate = float((message.table or {})["service_rate"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise DeadLetter(
-                    f"heartbeat from {message.broker}: no queue/service_rate ({exc})"
-                ) from None
-            if not (math.isfinite(queue) and math.isfinite(rate) and queue >= 0 and rate >= 0):
-                raise DeadLetter(f"heartbeat from {message.broker}: queue {queue}, rate {rate}")
-            self.slave_state.setdefault(j, RemoteBroker()).report(queue, rate, time.monotonic())
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {
+            **super().control_handlers,
+            **self.replicas.handlers(),
+            Heartbeat: self._on_heartbeat,
+        }
+
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        return {
+            Handover: self._on_handover,
+            Subscribe: self._on_subscribe,
+            Unsubscribe: self._unsubscribe,
+            Advertise: self._on_advertise,
+            Publish: self._on_publish,
+        }
+
+    async def _on_heartbeat(self, message: Heartbeat) -> None:
+        """A slave's load report (finite and not negative: the message's model says so)."""
+        j = self.replicas.slave(message)
+        state = self.slave_state.setdefault(j, RemoteBroker())
+        state.report(message.queue, message.service_rate, time.monotonic())
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
         """Send the subscriptions of the arc's event types to the joining cluster."""
-        handover = Handover(joiner, self.cluster, *arc)
+        handover = Arc(joiner, self.cluster, *arc)
         moving = [
             (sid, doc)
             for sid, doc in self.subscriptions.items()
@@ -1010,8 +1038,7 @@ class MatchMaster(_MatchBroker):
             await self.send(
                 joiner,
                 self.inbox_of(RoleId.router(joiner)),
-                PhoenixMessage(
-                    kind=Kind.SUBSCRIBE,
+                Subscribe(
                     subscription_id=sid,
                     # deliveries still go home; the routers that counted its level so far
                     # stay on its path, so an unsubscribe reaches them too
@@ -1025,47 +1052,46 @@ class MatchMaster(_MatchBroker):
             await self.replicas.write(sid, None)
         self.count("handed_over", len(moving))
 
-    async def handle(self, message: PhoenixMessage) -> None:
-        if message.kind is Kind.HANDOVER and message.cluster and message.arc:
-            await self._hand_over(message.cluster, message.arc)
-        elif message.kind is Kind.SUBSCRIBE and message.subscription_id and message.queue:
-            doc = _subscription_document(message)
-            try:
-                self._add(message.subscription_id, doc)
-            except FilterError as exc:  # sent by something other than the layer's client
-                self._confirm(message, None, {"error": str(exc), "refused": "filter"})
-                raise DeadLetter(f"subscription {message.subscription_id}: {exc}") from None
-            self.subscriptions[message.subscription_id] = doc
-            written = await self.replicas.write(message.subscription_id, doc)
-            self._confirm(message, written, {})
-        elif message.kind is Kind.UNSUBSCRIBE and message.subscription_id:
-            await self._unsubscribe(message)
-        elif message.kind is Kind.ADVERTISE:
-            await asyncio.to_thread(
-                self.store.save, self.owner, "advertisement", message.event_type, {}, 1
-            )
-        elif message.kind is Kind.PUBLISH and message.event is not None:
-            target = self.choose() if self.topology.inner else self.choose_blind()
-            if target is None:
-                await self._match(message)
-            else:
-                self.count("dispatched")
-                self.slave_state[target].sent += 1
-                started = time.monotonic()
-                await self.send(
-                    self.cluster,
-                    self.inbox_of(RoleId.match_slave(self.cluster, self.index, target)),
-                    message,
-                    message.priority,
-                )
-                hop = time.monotonic() - started
-                self.hop_s = hop if not self.hop_s else 0.9 * self.hop_s + 0.1 * hop
+    async def _on_handover(self, message: Handover) -> None:
+        await self._hand_over(message.cluster, message.arc)
 
-    async def _unsubscribe(self, message: PhoenixMessage) -> None:
+    async def _on_subscribe(self, message: Subscribe) -> None:
+        doc = _subscription_document(message)
+        try:
+            self._add(message.subscription_id, doc)
+        except FilterError as exc:  # sent by something other than the layer's client
+            self._confirm(message, None, {"error": str(exc), "refused": "filter"})
+            raise DeadLetter(f"subscription {message.subscription_id}: {exc}") from None
+        self.subscriptions[message.subscription_id] = doc
+        written = await self.replicas.write(message.subscription_id, doc)
+        self._confirm(message, written, {})
+
+    async def _on_advertise(self, message: Advertise) -> None:
+        await asyncio.to_thread(
+            self.store.save, self.owner, "advertisement", message.event_type, {}, 1
+        )
+
+    async def _on_publish(self, message: Publish) -> None:
+        target = self.choose() if self.topology.inner else self.choose_blind()
+        if target is None:
+            await self._match(message)
+            return
+        self.count("dispatched")
+        self.slave_state[target].sent += 1
+        started = time.monotonic()
+        await self.send(
+            self.cluster,
+            self.inbox_of(RoleId.match_slave(self.cluster, self.index, target)),
+            message,
+            message.priority,
+        )
+        hop = time.monotonic() - started
+        self.hop_s = hop if not self.hop_s else 0.9 * self.hop_s + 0.1 * hop
+
+    async def _unsubscribe(self, message: Unsubscribe) -> None:
         """Forget the subscription here and in the replicas (a tombstone), and tell the
         routing masters that counted its latency level to take it out of latencyMap."""
         sid = message.subscription_id
-        assert sid
         doc = self.subscriptions.get(sid)
         if doc is None or doc["event_type"] != message.event_type:  # unknown here
             self._confirm(message, None, {"removed": False})
@@ -1074,11 +1100,7 @@ class MatchMaster(_MatchBroker):
         self._remove(sid)
         written = await self.replicas.write(sid, None)
         self.count("unsubscribed")
-        taken_out = PhoenixMessage(
-            kind=Kind.UNSUBSCRIBED,
-            event_type=doc["event_type"],
-            latency_level=doc["latency_level"],
-        )
+        taken_out = Unsubscribed(event_type=doc["event_type"], latency_level=doc["latency_level"])
         for cluster in dict.fromkeys(doc.get("path") or []):
             with contextlib.suppress(Unroutable):  # a cluster that left counts nothing
                 await self.send(
@@ -1088,7 +1110,7 @@ class MatchMaster(_MatchBroker):
 
     def _confirm(
         self,
-        message: PhoenixMessage,
+        message: Subscribe | Unsubscribe,
         written: asyncio.Future[None] | None,
         result: dict[str, Any],
     ) -> None:
@@ -1101,7 +1123,7 @@ class MatchMaster(_MatchBroker):
 
     async def _confirm_written(
         self,
-        message: PhoenixMessage,
+        message: Subscribe | Unsubscribe,
         written: asyncio.Future[None] | None,
         result: dict[str, Any],
     ) -> None:
@@ -1112,12 +1134,11 @@ class MatchMaster(_MatchBroker):
             outcome: dict[str, Any] = result
         except ReplicaTimeout as exc:
             outcome = {"error": str(exc)}
-        reply = PhoenixMessage(
-            kind=Kind.ACK,
+        reply = Confirmation(
             event_type=message.event_type,
             subscription_id=message.subscription_id,
             broker=self.owner,
-            table=outcome,
+            outcome=outcome,
         )
         try:
             client = await self.client_for(message.home or self.cluster)
@@ -1186,25 +1207,19 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
         else:
             self._held(key, document)
 
-    async def handle(self, message: PhoenixMessage) -> None:
-        if await self.hold(message):
-            return
-        if message.kind is Kind.PUBLISH and message.event is not None:
-            await self._match(message)
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        return {**self.replica_handlers(), Publish: self._match}
 
     async def report(self, t: float) -> None:
         await self.send(
             self.cluster,
             self.master_control,
-            PhoenixMessage(
-                kind=Kind.HEARTBEAT,
-                event_type="-",
+            Heartbeat(  # finite: JSON has no infinity
                 broker=self.name,
-                predicted_t=t if t != float("inf") else 1e9,
-                table={  # finite: JSON has no infinity (pydantic would send null)
-                    "queue": min(self.predictor.queue, 1e9),
-                    "service_rate": min(self.predictor.service_rate, 1e9),
-                },
+                predicted_t=heartbeat_value(t),
+                queue=heartbeat_value(self.predictor.queue),
+                service_rate=heartbeat_value(self.predictor.service_rate),
             ),
         )
 
@@ -1239,16 +1254,14 @@ async def reconfigure(
     tags: dict[str, str] = {}
 
     async def on_reply(delivery: Delivery) -> None:
-        reply = PhoenixMessage.model_validate_json(delivery.body)
-        if reply.kind is Kind.ACK and reply.request == request and reply.broker:
+        reply = parse(delivery.body, "configure answer")
+        if isinstance(reply, Answer) and reply.request == request:
             confirmed.add(reply.broker)
             if expected <= confirmed:
                 done.set()
 
     reply_queue = f"{topology.prefix}.configure.{request}"
-    message = PhoenixMessage(
-        kind=Kind.CONFIGURE, event_type="-", table=switches, request=request, reply_to=reply_queue
-    )
+    message = Configure(switches=switches, request=request, reply_to=reply_queue)
     try:
         targets: list[tuple[AsyncClient, str]] = []
         for cluster in clusters:  # every master expected before any is asked (replies race)

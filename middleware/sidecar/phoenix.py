@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from .. import runtime
 from ..cliargs import integer, number, path
-from ..localcluster.manager import pid_alive, spawn_daemon
 
 __all__ = ["register"]
 
@@ -126,157 +122,65 @@ def _run_matcher(args: argparse.Namespace) -> int:
     return _run_role(args, RoleId.match(args.cluster, args.index))
 
 
+def _deployment(args: argparse.Namespace) -> Any:
+    from ..routing.deployment import PhoenixDeployment
+
+    return PhoenixDeployment(
+        args.topology, args.state_dir, settings=args.settings, env=dict(os.environ)
+    )
+
+
+def _started(deployment: Any, pids: dict[Any, int]) -> None:
+    for role, pid in pids.items():
+        print(f"{role.key:24} pid {pid}  log {deployment.log_file(role)}")
+
+
 def _up(args: argparse.Namespace) -> int:
-    from ..routing.protocol import PhoenixTopology
+    from ..routing.deployment import DeploymentError
 
-    topology = PhoenixTopology.load(args.topology)
-    state = args.state_dir / "phoenix.json"
-    if state.exists() and any(pid_alive(p) for p in json.loads(state.read_text()).values()):
-        print("phoenix: already up (qosmq phoenix down first)", file=sys.stderr)
-        return 1
-    problem = _unreachable(args.settings, topology, [c.id for c in topology.clusters if c.joined])
-    if problem:
-        print(f"phoenix: {problem}", file=sys.stderr)
-        return 2
-    args.state_dir.mkdir(parents=True, exist_ok=True)
-    pids: dict[str, int] = {}
-    for cluster in topology.clusters:
-        if cluster.joined:
-            pids.update(_start_cluster(args, cluster))
-    state.write_text(json.dumps(pids, indent=2))
+    deployment = _deployment(args)
+    try:
+        _started(deployment, deployment.up())
+    except DeploymentError as exc:
+        print(f"phoenix: {exc}", file=sys.stderr)
+        return 1 if "already" in str(exc) else 2
     return 0
-
-
-def _unreachable(settings: Any, topology: Any, clusters: list[str]) -> str | None:
-    """Connect once to each cluster's RabbitMQ and vhost before any role starts: a wrong
-    URL, vhost or credential is named here, not found later in a role's log."""
-    from ..errors import MiddlewareError
-    from ..routing.roles import cluster_settings
-    from ..transport import AsyncClient
-
-    async def check() -> str | None:
-        seen: set[str] = set()
-        for cluster in clusters:
-            key, conf = cluster_settings(settings, topology, cluster)
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                async with AsyncClient(settings=conf):  # one try per node
-                    pass
-            except MiddlewareError as exc:
-                return (
-                    f"cluster {cluster!r} (amqp_urls {','.join(conf.amqp_urls)}, "
-                    f"vhost {conf.vhost!r}): {exc}"
-                )
-        return None
-
-    return runtime.run(check(), event_loop=settings.event_loop)
-
-
-def _role_argv(role: Any) -> list[str]:
-    """The ``qosmq sidecar`` arguments that run ``role`` (a RoleId)."""
-    from ..routing.ids import RoleKind
-
-    argv = ["router" if role.kind in (RoleKind.ROUTER, RoleKind.ROUTER_SLAVE) else "matcher"]
-    argv += ["--cluster", role.cluster]
-    if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
-        argv += ["--index", str(role.index)]
-    if role.is_slave:
-        argv += ["--role", "slave", "--slave", str(role.slave)]
-    return argv
-
-
-def _start_cluster(args: argparse.Namespace, cluster: Any) -> dict[str, int]:
-    from ..routing.ids import RoleId
-
-    base = [sys.executable, "-m", "middleware.cli", "sidecar"]
-    pids = {}
-    for role in RoleId.of_cluster(cluster):
-        key = role.key
-        log = args.state_dir / role.log_file
-        status = (args.state_dir / role.log_file).with_suffix(".json")
-        status.unlink(missing_ok=True)
-        argv = [*_role_argv(role), "--topology", str(args.topology.resolve())]
-        argv += ["--status-file", str(status.resolve())]
-        pids[key] = spawn_daemon([*base, *argv], dict(os.environ), log)
-        print(f"{key:24} pid {pids[key]}  log {log}")
-    return pids
 
 
 def _join(args: argparse.Namespace) -> int:
     """Start the cluster's roles, then tell every routing master that it joined."""
-    from ..routing.ids import RoleId
-    from ..routing.protocol import Kind, PhoenixMessage, PhoenixTopology
-    from ..routing.roles import cluster_settings, inbox_spec
-    from ..transport import AsyncClient, OutgoingMessage
+    from ..routing.deployment import DeploymentError
 
-    topology = PhoenixTopology.load(args.topology)
-    joiner = topology.cluster(args.cluster)
-    state = args.state_dir / "phoenix.json"
-    pids = json.loads(state.read_text()) if state.exists() else {}
-    if any(key.startswith(f"{joiner.id}/") and pid_alive(pid) for key, pid in pids.items()):
-        print(f"phoenix: {joiner.id} is already running", file=sys.stderr)
-        return 1
-    problem = _unreachable(args.settings, topology, [joiner.id])
-    if problem:
-        print(f"phoenix: {problem}", file=sys.stderr)
-        return 2
-    pids.update(_start_cluster(args, joiner))
-    state.write_text(json.dumps(pids, indent=2))
-    running = {key.split("/")[0] for key in pids}
-
-    async def announce() -> None:
-        message = PhoenixMessage(kind=Kind.JOIN, event_type="-", cluster=joiner.id)
-        for cluster in sorted(running - {joiner.id}):
-            _, settings = cluster_settings(args.settings, topology, cluster)  # its own RabbitMQ
-            async with AsyncClient(settings=settings) as client:
-                inbox = RoleId.router(cluster).inbox(topology.prefix)
-                await client.declare_queue(inbox_spec(inbox))
-                await client.publish(
-                    OutgoingMessage(message.model_dump_json().encode(), "", inbox, priority=9)
-                )
-
-    runtime.run(announce(), event_loop=args.settings.event_loop)
-    print(f"{joiner.id} joined the ring of {', '.join(sorted(running))}")
+    deployment = _deployment(args)
+    joiner = deployment.topology.cluster(args.cluster)
+    try:
+        _started(deployment, deployment.join(joiner.id))
+    except DeploymentError as exc:
+        print(f"phoenix: {exc}", file=sys.stderr)
+        return 1 if "already" in str(exc) else 2
+    print(f"{joiner.id} joined the ring of {', '.join(deployment.running_clusters())}")
     return 0
 
 
 def _configure(args: argparse.Namespace) -> int:
     """Every running cluster's masters switch live; the topology file stays as it is."""
     from ..errors import MiddlewareError
-    from ..routing.protocol import PhoenixTopology
-    from ..routing.roles import reconfigure
 
-    asked = (args.outer, args.inner, args.blind_dispatch, args.batch_max)
-    if all(a is None for a in asked):
+    asked = {
+        "outer": None if args.outer is None else args.outer == "on",
+        "inner": None if args.inner is None else args.inner == "on",
+        "blind_dispatch": args.blind_dispatch,
+        "batch_max": args.batch_max,
+    }
+    if all(a is None for a in asked.values()):
         print(
             "phoenix configure: give --outer on|off, --inner on|off, "
             "--blind-dispatch round_robin|master and/or --batch-max N",
             file=sys.stderr,
         )
         return 2
-    topology = PhoenixTopology.load(args.topology)
-    state = args.state_dir / "phoenix.json"
-    running = (
-        sorted({key.split("/")[0] for key in json.loads(state.read_text())})
-        if (state.exists())
-        else [c.id for c in topology.clusters if c.joined]
-    )
     try:
-        confirmed = runtime.run(
-            reconfigure(
-                args.settings,
-                topology,
-                running,
-                outer=None if args.outer is None else args.outer == "on",
-                inner=None if args.inner is None else args.inner == "on",
-                blind_dispatch=args.blind_dispatch,
-                batch_max=args.batch_max,
-                timeout_s=args.timeout,
-            ),
-            event_loop=args.settings.event_loop,
-        )
+        confirmed = _deployment(args).reconfigure(timeout_s=args.timeout, **asked)
     except MiddlewareError as exc:
         print(f"phoenix configure: {exc}", file=sys.stderr)
         return 1
@@ -284,90 +188,41 @@ def _configure(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inbox_of(topology: Any, key: str) -> str:
-    """The inbox of a role as ``phoenix up`` names it (``B/matcher-0-slave-1``)."""
-    from ..routing.ids import RoleId
-
-    return RoleId.from_key(key).inbox(topology.prefix)
-
-
-def _serves(state_dir: Path, key: str) -> str:
-    """The role a process serves now (its status file), else the one it was started as."""
-    from ..routing.ids import RoleId
-
-    status = (state_dir / RoleId.from_key(key).log_file).with_suffix(".json")
-    try:
-        return str(json.loads(status.read_text())["serves"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return key
-
-
 def _takeover(args: argparse.Namespace) -> int:
     """Tell a running slave to serve its master's role (the master's inbox and control
     queue, with the tables the slave holds); the same process goes on as the master."""
     from ..errors import MiddlewareError
     from ..routing.ids import RoleId
-    from ..routing.node import take_over
-    from ..routing.protocol import PhoenixTopology
 
-    topology = PhoenixTopology.load(args.topology)
     try:
         slave = RoleId.from_key(args.role)
     except ValueError as exc:
         print(f"phoenix takeover: --role {exc} (e.g. B/matcher-0-slave-0)", file=sys.stderr)
         return 2
     try:
-        master = runtime.run(
-            take_over(args.settings, topology, slave, timeout_s=args.timeout),
-            event_loop=args.settings.event_loop,
-        )
+        master = _deployment(args).take_over(slave, timeout_s=args.timeout)
     except MiddlewareError as exc:
         print(f"phoenix takeover: {exc}", file=sys.stderr)
         return 1
-    print(f"{slave.key} now serves {RoleId.from_owner(master).key}")
+    print(f"{slave.key} now serves {master.key}")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    """One line per role: process alive or not, its inbox and the events waiting there."""
-    from ..errors import EntityNotFound, MiddlewareError
-    from ..routing.protocol import PhoenixTopology
-    from ..routing.roles import cluster_settings
-    from ..transport import AsyncClient
-
-    topology = PhoenixTopology.load(args.topology)
-    state = args.state_dir / "phoenix.json"
-    if not state.exists():
+    """One line per role: process alive or not, what it serves, its inbox backlog."""
+    deployment = _deployment(args)
+    if not deployment.state_file.exists():
         print("phoenix: nothing running (no phoenix.json)", file=sys.stderr)
         return 1
-    pids: dict[str, int] = json.loads(state.read_text())
-    serves = {key: _serves(args.state_dir, key) for key in pids}
-    inboxes = {key: _inbox_of(topology, serves[key]) for key in pids}
-
-    async def backlogs() -> tuple[dict[str, int | None], list[str]]:
-        found: dict[str, int | None] = {}
-        problems: list[str] = []
-        for cluster in sorted({key.split("/")[0] for key in pids}):
-            _, conf = cluster_settings(args.settings, topology, cluster)
-            try:
-                async with AsyncClient(settings=conf) as client:
-                    for key in sorted(k for k in pids if k.startswith(f"{cluster}/")):
-                        try:
-                            found[key] = await client.queue_length(inboxes[key])
-                        except EntityNotFound:
-                            found[key] = None
-            except MiddlewareError as exc:
-                problems.append(f"cluster {cluster!r}: {exc}")
-        return found, problems
-
-    waiting, problems = runtime.run(backlogs(), event_loop=args.settings.event_loop)
-    down = [key for key, pid in pids.items() if not pid_alive(pid)]
+    rows, problems = deployment.status()
+    down = [row.role.key for row in rows if not row.alive]
     print(f"{'role':28} {'pid':>8}  {'process':8} {'serves':28} {'waiting':>8}  inbox")
-    for key in sorted(pids):
-        depth = waiting.get(key)
-        shown = "-" if depth is None else str(depth)
-        alive = "down" if key in down else "running"
-        print(f"{key:28} {pids[key]:>8}  {alive:8} {serves[key]:28} {shown:>8}  {inboxes[key]}")
+    for row in rows:
+        shown = "-" if row.waiting is None else str(row.waiting)
+        alive = "running" if row.alive else "down"
+        print(
+            f"{row.role.key:28} {row.pid:>8}  {alive:8} {row.serves.key:28} {shown:>8}  {row.inbox}"
+        )
     for problem in problems:
         print(f"phoenix: {problem}", file=sys.stderr)
     if down:
@@ -376,23 +231,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    state = args.state_dir / "phoenix.json"
-    if not state.exists():
+    deployment = _deployment(args)
+    if not deployment.state_file.exists():
         print("phoenix: nothing running")
         return 0
-    pids = json.loads(state.read_text())
-    for pid in pids.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(-1, os.WNOHANG)
-        time.sleep(0.1)
-    for pid in pids.values():
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    state.unlink()
-    print(f"phoenix down ({len(pids)} processes)")
+    print(f"phoenix down ({deployment.down()} processes)")
     return 0

@@ -16,7 +16,7 @@ from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import ClientCore, PhoenixClient
 from middleware.routing.ids import RoleId
-from middleware.routing.protocol import Kind, PhoenixMessage
+from middleware.routing.messages import Ack, Heartbeat, Message, Subscribe, encode, parse
 from middleware.transport import (
     AsyncClient,
     BindingSpec,
@@ -70,21 +70,17 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
     master_inbox, control = master.inbox(topology.prefix), master.control(topology.prefix)
     host, port, _ = settings.nodes[0]
 
-    def forge(queue: str, message: PhoenixMessage) -> None:
+    def forge(queue: str, message: Message) -> None:
         plain = pika.BlockingConnection(pika.ConnectionParameters(host=host, port=port))
         try:
-            plain.channel().basic_publish("", queue, message.model_dump_json().encode())
+            plain.channel().basic_publish("", queue, encode(message))
         finally:
             plain.close()
 
-    phantom = PhoenixMessage(  # "I am idle": drew a third of the events to an inbox nobody serves
-        kind=Kind.HEARTBEAT,
-        event_type="-",
-        broker=RoleId.match_slave("B", 0, 99).owner,
-        predicted_t=0.0,
-        table={"queue": 0, "service_rate": 1e6},
+    phantom = Heartbeat(  # "I am idle": drew a third of the events to an inbox nobody serves
+        broker=RoleId.match_slave("B", 0, 99).owner, predicted_t=0.0, queue=0, service_rate=1e6
     )
-    forged_ack = PhoenixMessage(kind=Kind.ACK, event_type="-", version=1, broker="B/evil")
+    forged_ack = Ack(version=1, broker="B/evil")
     huge = [["x", "!=", 2**70]]
 
     async def scenario() -> None:
@@ -107,8 +103,7 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
                 await at_c.publish({"event_type": event_type, "attributes": {"x": 2**70}})
 
             # at the owner: a subscribe that did not come through the client, along the ring
-            request = PhoenixMessage(
-                kind=Kind.SUBSCRIBE,
+            request = Subscribe(
                 event_type=event_type,
                 home="A",
                 latency_level=1,
@@ -126,7 +121,7 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
             assert answer is not None, "the owner did not answer the refused subscribe"
             core = ClientCore(settings, topology, "A")
             with pytest.raises(FilterError, match="beyond 64 bits"):
-                core.outcome(request, PhoenixMessage.model_validate_json(answer.body))
+                core.outcome(request, parse(answer.body))  # type: ignore[arg-type]
             assert any(
                 "forged-1" in r and "64 bits" in r
                 for r in await _dead(client, dl, master_inbox, 1, 15)

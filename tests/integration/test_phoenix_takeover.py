@@ -1,15 +1,15 @@
 """A role process switches role at run time (issue #22 item 4): a match slave told to take
 over serves its master's inbox with the tables it holds, in the same process.
 
-Real processes (``qosmq phoenix up``), a real SIGKILL of the master, counts kept by the
-test itself (what its subscriber queue received, what the shared store holds)."""
+Real processes (``PhoenixDeployment``, the API ``qosmq phoenix`` is made of), a real
+SIGKILL of the master, counts kept by the test itself (what its subscriber queue
+received, what the shared store holds)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +19,7 @@ import pytest
 from middleware.localcluster.manager import pid_alive
 from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
+from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store
@@ -27,6 +28,11 @@ from tests.integration.test_phoenix import _phoenix, _topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 EVENTS = 200
+
+
+def _deployment(topology_file: Path, state: Path, settings, urls: str) -> PhoenixDeployment:
+    env = {**os.environ, "QOSMQ_AMQP_URLS": urls}
+    return PhoenixDeployment(topology_file, state, settings=settings, env=env)
 
 
 def _wait(what: str, done, seconds: float = 30) -> None:
@@ -73,9 +79,9 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
         return [m for m in got if m["n"] >= 0]
 
     store = open_store(str(tmp_path / "state.sqlite3"))
-    _phoenix("up", topology_file, state, urls)
+    deployment = _deployment(topology_file, state, settings, urls)
+    pids = deployment.up()
     try:
-        pids = json.loads((state / "phoenix.json").read_text())
 
         async def before() -> None:
             async with AsyncClient(settings=settings) as client:
@@ -89,14 +95,13 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
             "replica on slave-0",
             lambda: len(live(store.load(slave0.owner, "subscription"))) == 1,
         )
-        os.kill(pids[master.key], signal.SIGKILL)
-        _wait("dead master", lambda: not pid_alive(pids[master.key]))
+        deployment.kill(master)  # SIGKILL
+        assert not pid_alive(pids[master])
 
-        out = _phoenix("takeover", topology_file, state, urls, "--role", slave0.key)
+        out = _phoenix("takeover", topology_file, state, urls, "--role", slave0.key)  # the CLI
         assert f"{slave0.key} now serves {master.key}" in out
-        status = (state / slave0.log_file).with_suffix(".json")
-        assert json.loads(status.read_text())["serves"] == master.key
-        assert pid_alive(pids[slave0.key])  # the same process, not a restart
+        assert deployment.serves(slave0) == master
+        assert pid_alive(pids[slave0])  # the same process, not a restart
 
         async def after() -> tuple[list[dict], list[dict]]:
             async with AsyncClient(settings=settings) as client:
@@ -132,7 +137,7 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
         assert line.endswith(master.inbox(name)), line
     finally:
         store.close()
-        _phoenix("down", topology_file, state, urls)
+        deployment.down()
 
 
 def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
@@ -149,9 +154,9 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
     queue = f"{name}.sub"
     router, slave0 = RoleId.router("B"), RoleId.router_slave("B", 0)
     store = open_store(str(tmp_path / "state.sqlite3"))
-    _phoenix("up", topology_file, state, urls)
+    deployment = _deployment(topology_file, state, settings, urls)
+    deployment.up()
     try:
-        pids = json.loads((state / "phoenix.json").read_text())
 
         async def subscribe() -> None:
             async with AsyncClient(settings=settings) as client:
@@ -163,11 +168,9 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
             "latencyMap entry on router slave-0",
             lambda: event_type in live(store.load(slave0.owner, "routing_table")),
         )
-        os.kill(pids[router.key], signal.SIGKILL)
-        _wait("dead routing master", lambda: not pid_alive(pids[router.key]))
+        deployment.kill(router)
         store.snapshot(router.owner, "routing_table", {})  # only the slaves hold it now
-        out = _phoenix("takeover", topology_file, state, urls, "--role", slave0.key)
-        assert f"{slave0.key} now serves {router.key}" in out
+        assert deployment.take_over(slave0) == router
 
         async def publish() -> list[int]:
             async with AsyncClient(settings=settings) as client:
@@ -191,6 +194,13 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
             "repaired routing table",
             lambda: event_type in live(store.load(router.owner, "routing_table")),
         )
+        # the deployment API stops and starts one role; status tells alive and what it serves
+        slave1 = RoleId.router_slave("B", 1)
+        stopped = deployment.stop(slave1)
+        started = deployment.start(slave1)
+        assert started != stopped and pid_alive(started) and not pid_alive(stopped)
+        rows = {row.role: row for row in deployment.status()[0]}
+        assert rows[slave1].alive and rows[slave0].serves == router and not rows[router].alive
     finally:
         store.close()
-        _phoenix("down", topology_file, state, urls)
+        deployment.down()

@@ -9,12 +9,11 @@ import pytest
 
 from middleware.errors import DeadLetter, Unroutable
 from middleware.routing.batching import Batcher, PriorityGate, encode, split
-from middleware.routing.protocol import Kind, PhoenixMessage
+from middleware.routing.messages import Publish, parse
 
 
 def _body(n: int, event_type: str = "quotes") -> bytes:
-    message = PhoenixMessage(
-        kind=Kind.PUBLISH,
+    message = Publish(
         event_type=event_type,
         event={"event_type": event_type, "attributes": {"n": n}},
     )
@@ -44,7 +43,7 @@ def test_a_lone_message_leaves_alone_as_the_plain_object() -> None:
 
     publish = asyncio.run(run())
     assert publish.published == [("A", "inbox", _body(1), 0)]
-    assert split(publish.published[0][2]) == ([PhoenixMessage.model_validate_json(_body(1))], [])
+    assert split(publish.published[0][2]) == ([parse(_body(1))], [])
 
 
 def test_sends_of_one_loop_turn_share_an_amqp_message_per_inbox_at_the_top_priority() -> None:

@@ -314,7 +314,8 @@ def test_quorum_reads_always_see_the_last_acknowledged_write() -> None:
 def test_router_counts_a_table_entry_written_at_w_of_n_acks() -> None:
     import asyncio
 
-    from middleware.routing.protocol import Kind, PhoenixTopology
+    from middleware.routing.messages import Replicate
+    from middleware.routing.protocol import PhoenixTopology
     from middleware.routing.roles import RouterMaster
     from middleware.settings import Settings
 
@@ -336,7 +337,7 @@ def test_router_counts_a_table_entry_written_at_w_of_n_acks() -> None:
             ("phoenix.B.router.slave.0", 9),
             ("phoenix.B.router.slave.1", 9),
         ]
-        assert all(m.kind is Kind.REPLICATE and m.version == 1 for _, m, _ in sent)  # type: ignore[attr-defined]
+        assert all(isinstance(m, Replicate) and m.version == 1 for _, m, _ in sent)
         assert not written.done()  # the master alone is 1 of the W = 2
         router.replicas.acknowledged(1, "B/router-slave-1")
         assert written.done()

@@ -1,0 +1,258 @@
+"""Phoenix wire messages (pure): one pydantic model per kind, parsed and encoded here.
+
+Every message is a JSON object whose ``kind`` picks its model (a discriminated union), and
+each model has exactly the fields its kind needs, required where the kind cannot do
+without them: a message that does not fit is refused at parsing, with pydantic's reason,
+and a role dead-letters it once with that reason.  Roles dispatch on the model's type
+through a table of handlers.
+
+The kinds that travel the ring toward an event type's owner (:class:`Routed`) carry the
+event type, the clusters visited and the priority the routers give them; the others go
+straight to one role's inbox or control queue.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+from ..errors import DeadLetter
+from .matching import Event
+from .protocol import MAX_PRIORITY, Kind
+
+__all__ = [
+    "Ack",
+    "Advertise",
+    "Answer",
+    "Configure",
+    "Confirmation",
+    "Handover",
+    "Heartbeat",
+    "Join",
+    "Message",
+    "Publish",
+    "Read",
+    "Replicate",
+    "Routed",
+    "RoutedMessage",
+    "Snapshot",
+    "Subscribe",
+    "Takeover",
+    "Unsubscribe",
+    "Unsubscribed",
+    "encode",
+    "heartbeat_value",
+    "parse",
+    "parse_many",
+    "validate",
+]
+
+_Finite = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Routed(_Message):
+    """A message routed along the ring to the owner of its event type."""
+
+    event_type: str
+    hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
+    priority: int = Field(0, ge=0, le=MAX_PRIORITY)  # set by the routing masters
+
+
+class Advertise(Routed):
+    kind: Literal[Kind.ADVERTISE] = Kind.ADVERTISE
+
+
+class Subscribe(Routed):
+    kind: Literal[Kind.SUBSCRIBE] = Kind.SUBSCRIBE
+    subscription_id: str = Field(min_length=1)
+    queue: str = Field(min_length=1)  # the subscriber's own queue
+    filter: list[list[Any]] = Field(default_factory=list)
+    latency_level: int = Field(3, ge=1, le=5)
+    confirm: Literal["broker", "e2e"] = "broker"  # how deliveries are confirmed
+    home: str | None = None  # the subscriber's cluster (its RabbitMQ and vhost hold the queue)
+    reply_to: str | None = None  # where the owner confirms it (W of N replicas hold it)
+
+
+class Unsubscribe(Routed):
+    kind: Literal[Kind.UNSUBSCRIBE] = Kind.UNSUBSCRIBE
+    subscription_id: str = Field(min_length=1)
+    home: str | None = None
+    reply_to: str | None = None
+
+
+class Unsubscribed(Routed):
+    """Owner's match master -> the routers that counted the subscription's level."""
+
+    kind: Literal[Kind.UNSUBSCRIBED] = Kind.UNSUBSCRIBED
+    latency_level: int = Field(ge=1, le=5)
+
+
+class Publish(Routed):
+    kind: Literal[Kind.PUBLISH] = Kind.PUBLISH
+    event: Event
+    broker: str | None = None  # the match broker that matched it (on delivery)
+
+
+class Heartbeat(_Message):
+    """Match slave -> its master's control queue: what predicting its T needs."""
+
+    kind: Literal[Kind.HEARTBEAT] = Kind.HEARTBEAT
+    broker: str  # the sender's owner id
+    predicted_t: _Finite
+    queue: _Finite  # events waiting
+    service_rate: _Finite  # events per busy second
+
+
+class Join(_Message):
+    kind: Literal[Kind.JOIN] = Kind.JOIN
+    cluster: str  # the cluster that joins the ring
+
+
+class Handover(_Message):
+    """Routing master -> its match masters: move the arc's subscriptions to ``cluster``."""
+
+    kind: Literal[Kind.HANDOVER] = Kind.HANDOVER
+    cluster: str
+    arc: tuple[int, int]  # ring interval (start, end]
+
+
+class Replicate(_Message):
+    """Master -> slave: one versioned entry of a table (or a tombstone)."""
+
+    kind: Literal[Kind.REPLICATE] = Kind.REPLICATE
+    state_kind: str  # routing_table, subscription
+    key: str = Field(min_length=1)
+    version: int = Field(ge=1)
+    table: dict[str, Any]  # the entry's document
+
+
+class Ack(_Message):
+    """Slave -> its master's control queue: the replica entry is stored."""
+
+    kind: Literal[Kind.ACK] = Kind.ACK
+    broker: str
+    version: int = Field(ge=1)
+    key: str | None = None
+
+
+class Read(_Message):
+    """Master -> slave: send me your replica of ``state_kind`` (a quorum read)."""
+
+    kind: Literal[Kind.READ] = Kind.READ
+    request: str
+    state_kind: str
+    reply_to: str  # the master's control queue
+
+
+class Snapshot(_Message):
+    """Slave -> master's control queue: a page of its replica, answering ``request``."""
+
+    kind: Literal[Kind.SNAPSHOT] = Kind.SNAPSHOT
+    request: str
+    state_kind: str
+    broker: str
+    entries: dict[str, tuple[int, dict[str, Any]]] = Field(default_factory=dict)
+    last: bool = False
+
+
+class Configure(_Message):
+    """Operator -> masters' control queues: switch mechanisms live."""
+
+    kind: Literal[Kind.CONFIGURE] = Kind.CONFIGURE
+    switches: dict[str, Any]
+    request: str | None = None
+    reply_to: str | None = None  # the operator's queue, answered with :class:`Answer`
+
+
+class Takeover(_Message):
+    """-> a slave's control queue: serve your master's role (``master``, its owner id)."""
+
+    kind: Literal[Kind.TAKEOVER] = Kind.TAKEOVER
+    master: str
+    request: str | None = None
+    reply_to: str | None = None
+
+
+class Answer(_Message):
+    """A role -> an operator: ``request`` (configure, take-over) is done by ``broker``."""
+
+    kind: Literal[Kind.ANSWER] = Kind.ANSWER
+    request: str | None = None
+    broker: str
+
+
+class Confirmation(_Message):
+    """Owner's match master -> a client: its (un)subscribe's outcome once W of N hold it."""
+
+    kind: Literal[Kind.CONFIRMATION] = Kind.CONFIRMATION
+    subscription_id: str
+    event_type: str
+    broker: str
+    outcome: dict[str, Any] = Field(default_factory=dict)  # removed / error / refused
+
+    @field_validator("outcome")
+    @classmethod
+    def _known(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(value) - {"removed", "error", "refused"}
+        if unknown:
+            raise ValueError(f"unknown outcome fields {sorted(unknown)}")
+        return value
+
+
+#: the kinds routed along the ring (the :class:`Routed` ones)
+RoutedMessage = Advertise | Subscribe | Unsubscribe | Unsubscribed | Publish
+
+Message = Annotated[
+    Advertise
+    | Subscribe
+    | Unsubscribe
+    | Unsubscribed
+    | Publish
+    | Heartbeat
+    | Join
+    | Handover
+    | Replicate
+    | Ack
+    | Read
+    | Snapshot
+    | Configure
+    | Takeover
+    | Answer
+    | Confirmation,
+    Field(discriminator="kind"),
+]
+_ONE: TypeAdapter[Message] = TypeAdapter(Message)
+_MANY: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
+
+
+def parse(body: bytes, what: str = "Phoenix message") -> Message:
+    """A message as a role or client receives it; malformed: ``DeadLetter`` with why."""
+    try:
+        return _ONE.validate_json(body)
+    except ValueError as exc:
+        raise DeadLetter(f"malformed {what}: {exc}") from None
+
+
+def parse_many(body: bytes) -> list[Message]:
+    """A batch (a JSON array of messages); ``ValidationError`` if any is malformed."""
+    return _MANY.validate_json(body)
+
+
+def validate(element: Any) -> Message:
+    """One element of a batch, already decoded; ``ValidationError`` if malformed."""
+    return _ONE.validate_python(element)
+
+
+def encode(message: Message) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def heartbeat_value(value: float) -> float:
+    """A measured value as a heartbeat carries it: finite (JSON has no infinity)."""
+    return 0.0 if math.isnan(value) else min(max(value, 0.0), 1e9)

@@ -1,0 +1,159 @@
+"""Phoenix messages (middleware/routing/messages.py): one model per kind, parsed and
+encoded in one place; what does not fit its kind is refused with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from middleware.errors import DeadLetter
+from middleware.routing.batching import encode as batch
+from middleware.routing.batching import split
+from middleware.routing.ids import RoleId
+from middleware.routing.messages import (
+    Ack,
+    Advertise,
+    Answer,
+    Configure,
+    Confirmation,
+    Handover,
+    Heartbeat,
+    Join,
+    Publish,
+    Read,
+    Replicate,
+    Snapshot,
+    Subscribe,
+    Takeover,
+    Unsubscribe,
+    Unsubscribed,
+    encode,
+    heartbeat_value,
+    parse,
+)
+from middleware.routing.protocol import Kind, PhoenixTopology
+
+ONE_OF_EACH = [
+    Advertise(event_type="quotes"),
+    Subscribe(event_type="quotes", subscription_id="s1", queue="q", filter=[["p", "<", 1]]),
+    Unsubscribe(event_type="quotes", subscription_id="s1", home="A", hops=["A"]),
+    Unsubscribed(event_type="quotes", latency_level=2),
+    Publish(event_type="quotes", event={"event_type": "quotes", "attributes": {"p": 1}}),
+    Heartbeat(broker="B/match-0/slave-1", predicted_t=0.1, queue=3, service_rate=100),
+    Join(cluster="D"),
+    Handover(cluster="D", arc=(1, 2**63)),
+    Replicate(state_kind="subscription", key="s1", version=4, table={"queue": "q"}),
+    Ack(broker="B/router-slave-0", version=4, key="s1"),
+    Read(request="r1", state_kind="routing_table", reply_to="px.B.router.control"),
+    Snapshot(request="r1", state_kind="routing_table", broker="B/router-slave-0", last=True),
+    Configure(switches={"outer": False}, request="r2", reply_to="px.configure.r2"),
+    Takeover(master="B/match-0", request="r3", reply_to="px.takeover.r3"),
+    Answer(request="r3", broker="B/match-0"),
+    Confirmation(subscription_id="s1", event_type="quotes", broker="B/match-0"),
+]
+
+
+def test_every_kind_has_a_model_and_round_trips() -> None:
+    assert {m.kind for m in ONE_OF_EACH} == set(Kind)
+    for message in ONE_OF_EACH:
+        assert parse(encode(message)) == message
+        assert type(parse(encode(message))) is type(message)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"kind": "subscribe", "event_type": "x", "queue": "q"}, "subscription_id"),
+        ({"kind": "publish", "event_type": "x"}, "event"),
+        (
+            {
+                "kind": "heartbeat",
+                "broker": "B/match-0/slave-0",
+                "predicted_t": 0,
+                "queue": -1,
+                "service_rate": 1,
+            },
+            "queue",
+        ),
+        (
+            {"kind": "replicate", "state_kind": "s", "key": "k", "version": 0, "table": {}},
+            "version",
+        ),
+        ({"kind": "takeover"}, "master"),
+        ({"kind": "join", "cluster": "D", "event_type": "-"}, "event_type"),  # not its field
+        ({"kind": "nope"}, "kind"),
+        (
+            {
+                "kind": "confirmation",
+                "subscription_id": "s",
+                "event_type": "x",
+                "broker": "b",
+                "outcome": {"evil": 1},
+            },
+            "unknown outcome",
+        ),
+    ],
+)
+def test_a_message_that_does_not_fit_its_kind_is_refused_with_why(body, why) -> None:
+    with pytest.raises(DeadLetter, match=why):
+        parse(json.dumps(body).encode())
+
+
+def test_a_heartbeat_refuses_what_json_cannot_carry_and_values_are_made_finite() -> None:
+    with pytest.raises(DeadLetter):
+        parse(
+            b'{"kind": "heartbeat", "broker": "b", "predicted_t": NaN, "queue": 0, '
+            b'"service_rate": 0}'
+        )
+    assert heartbeat_value(math.inf) == 1e9 and heartbeat_value(math.nan) == 0.0
+    assert heartbeat_value(-3.0) == 0.0 and heartbeat_value(2.5) == 2.5
+
+
+def test_a_batch_keeps_the_good_messages_and_names_the_bad_one() -> None:
+    good = [encode(ONE_OF_EACH[4]), encode(ONE_OF_EACH[0])]
+    messages, bad = split(batch([good[0], b'{"kind": "publish"}', good[1]]))
+    assert messages == [ONE_OF_EACH[4], ONE_OF_EACH[0]]
+    assert len(bad) == 1 and "malformed Phoenix message in a batch" in bad[0][1]
+
+
+def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
+    """The handler tables: a routing master takes routed kinds in its inbox and replica
+    answers on its control queue; a heartbeat in its inbox, or a take-over told to a
+    master, is dead-lettered with the reason."""
+    from middleware.routing.roles import MatchSlave, RouterMaster
+    from middleware.settings import Settings
+
+    topology = PhoenixTopology.model_validate(
+        {
+            "clusters": [{"id": "B", "routing_slaves": 1, "match_slaves": 1}],
+            "state_store": ":memory:",
+        }
+    )
+
+    async def scenario() -> None:
+        router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
+        assert set(router.inbox_handlers) == {
+            Join,
+            Advertise,
+            Subscribe,
+            Unsubscribe,
+            Unsubscribed,
+            Publish,
+        }
+        assert {Ack, Snapshot, Takeover} <= set(router.control_handlers)
+        with pytest.raises(DeadLetter, match="heartbeat is not for a RouterMaster's inbox"):
+            await router.handle(ONE_OF_EACH[5])
+        with pytest.raises(DeadLetter, match="not its slave"):
+            await router.control(Takeover(master="B/router"))
+        slave = MatchSlave(
+            settings=Settings.load(), topology=topology, cluster="B", index=0, slave=0
+        )
+        assert set(slave.inbox_handlers) == {Replicate, Read, Publish}
+        with pytest.raises(DeadLetter, match="not its slave"):  # another master's
+            await slave.control(Takeover(master=RoleId.router("B").owner))
+        router.store.close()
+
+    asyncio.run(scenario())
