@@ -26,6 +26,7 @@ __all__ = [
     "Ack",
     "Advertise",
     "Answer",
+    "Beat",
     "Configure",
     "Confirmation",
     "Handover",
@@ -42,6 +43,7 @@ __all__ = [
     "Takeover",
     "Unsubscribe",
     "Unsubscribed",
+    "Vote",
     "encode",
     "heartbeat_value",
     "parse",
@@ -179,6 +181,20 @@ class Takeover(_Message):
     reply_to: str | None = None
 
 
+class Beat(_Message):
+    """Master -> each of its slaves' control queues, every heartbeat interval."""
+
+    kind: Literal[Kind.BEAT] = Kind.BEAT
+    broker: str  # the master's owner id
+
+
+class Vote(_Message):
+    """Between one master's slaves: the bully election (election, answer, coordinator)."""
+
+    kind: Literal[Kind.ELECTION, Kind.ELECTION_ANSWER, Kind.COORDINATOR]
+    broker: str  # the sender's owner id
+
+
 class Answer(_Message):
     """A role -> an operator: ``request`` (configure, take-over) is done by ``broker``."""
 
@@ -223,6 +239,8 @@ Message = Annotated[
     | Snapshot
     | Configure
     | Takeover
+    | Beat
+    | Vote
     | Answer
     | Confirmation,
     Field(discriminator="kind"),

@@ -85,7 +85,7 @@ class RoleNode:
         try:
             while not stop.is_set():
                 role = self.role = self.build(self.current, promoted_from, connections)
-                self._write_status()
+                role.on_serving = self._write_status  # once its consumers are started
                 role_stop = asyncio.Event()
                 relay = asyncio.create_task(_relay(stop, role_stop))
                 answer = asyncio.create_task(self._answer(role, reply)) if reply else None
@@ -116,7 +116,7 @@ class RoleNode:
             await client.publish(outgoing(reply, request.reply_to))
 
     def _write_status(self) -> None:
-        """What this process serves now, for ``qosmq phoenix status``."""
+        """What this process serves now (written once it serves it), for ``phoenix status``."""
         if self.status_file is None:
             return
         status = {

@@ -33,6 +33,10 @@ class Kind(StrEnum):
     CONFIGURE = "configure"  # operator -> masters' control queues: switch outer/inner live
     TAKEOVER = "takeover"  # -> a slave's control queue: serve your master's role
     ANSWER = "answer"  # role -> operator: a configure or take-over is done
+    BEAT = "beat"  # master -> each slave's control queue, every heartbeat interval
+    ELECTION = "election"  # slave -> higher slaves: the master is silent (bully)
+    ELECTION_ANSWER = "election_answer"  # higher slave -> lower: I am alive, I elect
+    COORDINATOR = "coordinator"  # the winner -> the other slaves: I serve the master now
     CONFIRMATION = "confirmation"  # owner's match master -> client: (un)subscribe outcome
 
 
@@ -68,6 +72,10 @@ class PhoenixTopology(BaseModel):
     blind_dispatch: Literal["round_robin", "master"] = "round_robin"
     persist_interval_s: float = Field(60.0, gt=0)  # masters' periodic table snapshots
     read_timeout_s: float = Field(60.0, gt=0)  # how long a master waits for R replica replies
+    #: masters beat to their slaves this often; a slave suspects its master after
+    #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over
+    heartbeat_interval_s: float = Field(0.1, gt=0, le=60)
+    heartbeat_misses: int = Field(5, ge=1, le=100)
 
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:

@@ -52,6 +52,7 @@ from pydantic import ValidationError
 from .. import heap
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
@@ -62,6 +63,7 @@ from .messages import (
     Ack,
     Advertise,
     Answer,
+    Beat,
     Configure,
     Confirmation,
     Handover,
@@ -78,11 +80,12 @@ from .messages import (
     Takeover,
     Unsubscribe,
     Unsubscribed,
+    Vote,
     encode,
     heartbeat_value,
     parse,
 )
-from .protocol import MAX_PRIORITY, PhoenixTopology
+from .protocol import MAX_PRIORITY, Kind, PhoenixTopology
 from .replicas import TOMBSTONE, Quorum, live, merge_replicas
 from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
@@ -201,6 +204,7 @@ class _Role:
         self.switch_to: RoleId | None = None
         self.takeover_reply: Takeover | None = None  # answered once serving
         self.serving = asyncio.Event()  # consumers started
+        self.on_serving: Callable[[], None] | None = None  # the driver's, called then
         self._stop: asyncio.Event | None = None
         self.counters: Counter[str] = Counter()
         self.role = type(self).__name__
@@ -248,13 +252,48 @@ class _Role:
         control = self.control_of(self.id)
         await client.declare_queue(inbox_spec(control))
         tags = [await client.consume(control, self._on_control)]
+        recovery = asyncio.create_task(self.recovery(stop))
         try:
             await self._serve_inbox(client, inbox, stop, tags)
         finally:
+            recovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recovery
             for tag in tags:
                 with contextlib.suppress(Exception):
                     await client.cancel(tag)
             await self.finish()
+
+    async def recovery(self, stop: asyncio.Event) -> None:
+        """Beside serving: a master beats to its slaves every heartbeat interval (its
+        slaves elect a successor when the beats stop); a slave watches its master."""
+        if self.id.is_slave:
+            return
+        beat = Beat(broker=self.id.owner)
+        slaves = [r for r in self.id.slaves(self.topology.cluster(self.cluster))]
+        slaves = [r for r in slaves if r != self.promoted_from]
+        while not stop.is_set() and slaves:
+            await asyncio.gather(*(self.signal(r, beat) for r in slaves))
+            await asyncio.sleep(self.topology.heartbeat_interval_s)
+
+    async def signal(self, role: RoleId, message: Message) -> None:
+        """A control message to ``role``'s control queue, ahead of any backlog, that
+        expires when it would be stale (beats and votes of a dead peer do not pile up);
+        a control queue nobody declared yet (a role not started) is not an error."""
+        ttl_ms = max(
+            1, int(self.topology.heartbeat_interval_s * self.topology.heartbeat_misses * 1000)
+        )
+        try:
+            client = await self.client_for(role.cluster)
+            await client.publish(
+                outgoing(
+                    message, self.control_of(role), priority=MAX_PRIORITY, expiration_ms=ttl_ms
+                )
+            )
+        except Unroutable:
+            pass
+        except MiddlewareError as exc:
+            log.info("%s to %s not sent: %s", message.kind.value, role, exc)
 
     async def _serve_inbox(
         self, client: AsyncClient, inbox: str, stop: asyncio.Event, tags: list[str]
@@ -274,6 +313,8 @@ class _Role:
                     )
                 )
             self.serving.set()
+            if self.on_serving is not None:
+                self.on_serving()
             log.info("%s serving %s as %s", type(self).__name__, inbox, self.id)
             if self.observes_inbox:
                 await stop.wait()
@@ -625,11 +666,91 @@ class _ReplicaSet:
 
 
 class _ReplicaHolder(_Role):
-    """A slave's side of a replica set: store entries, acknowledge, answer reads."""
+    """A slave's side of a replica set: store entries, acknowledge, answer reads; watch
+    the master's beats and, when they stop, elect with the other slaves who takes over."""
 
     replica_owner = ""
     master_control = ""
     store: StateStore
+    detector: FailureDetector[RoleId] | None = None
+    bully: Bully | None = None
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {**super().control_handlers, Beat: self._on_beat, Vote: self._on_vote}
+
+    async def recovery(self, stop: asyncio.Event) -> None:
+        topology, master = self.topology, self.id.master
+        interval = topology.heartbeat_interval_s
+        # the master is watched from its first beat on: a slave that starts before its
+        # master (they start together) must not elect against a master still starting
+        self.detector = FailureDetector(interval, topology.heartbeat_misses)
+        self.bully = Bully(
+            me=self.id,
+            peers=master.slaves(topology.cluster(self.cluster)),
+            answer_s=2 * interval,
+            coordinator_s=topology.heartbeat_misses * interval,
+        )
+        while not stop.is_set():
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            effects = []
+            if master in self.detector.suspects(now) and self.bully.state is BullyState.IDLE:
+                silent = self.detector.silent_for(master, now) or 0.0
+                log.warning("%s: no beat from %s for %.2f s: electing", self.id, master, silent)
+                self.count("master_suspected")
+                effects += self.bully.master_suspected(now)
+            effects += self.bully.tick(now)
+            await self._enact(effects)
+
+    async def _enact(self, effects: list[Send | Become]) -> None:
+        kinds = {"election": Kind.ELECTION, "answer": Kind.ELECTION_ANSWER}
+        for effect in effects:
+            if isinstance(effect, Become):
+                self._promote("elected: its master went silent")
+                continue
+            kind = kinds.get(effect.what, Kind.COORDINATOR)
+            await self.signal(effect.to, Vote(kind=kind, broker=self.id.owner))
+
+    def _promote(self, why: str) -> None:
+        if self.switch_to is not None:
+            return
+        self.switch_to = self.id.master
+        self.count("takeovers")
+        log.warning("%s taking over %s (%s)", self.id, self.switch_to, why)
+        if self._stop is not None:
+            self._stop.set()
+
+    async def _on_beat(self, message: Beat) -> None:
+        if self.detector is None or self.bully is None:
+            return
+        if message.broker != self.id.master.owner:
+            raise DeadLetter(f"beat from {message.broker!r}, not {self.id}'s master")
+        now = time.monotonic()
+        self.detector.watch([self.id.master], now)
+        self.detector.heard(self.id.master, now)
+        self.bully.master_heard()
+
+    async def _on_vote(self, message: Vote) -> None:
+        if self.detector is None or self.bully is None:
+            return
+        try:
+            sender = RoleId.from_owner(message.broker)
+        except ValueError:
+            sender = None
+        if sender is None or sender not in self.bully.peers:
+            raise DeadLetter(
+                f"{message.kind.value} from {message.broker!r}, not a peer of {self.id}"
+            )
+        now = time.monotonic()
+        if message.kind is Kind.ELECTION:
+            await self._enact(self.bully.on_election(sender, now))
+        elif message.kind is Kind.ELECTION_ANSWER:
+            await self._enact(self.bully.on_answer(sender, now))
+        else:
+            self.bully.on_coordinator(sender, now)
+            self.detector.heard(self.id.master, now)  # the new master's beats start now
+            log.warning("%s: %s serves %s now", self.id, sender, self.id.master)
 
     def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover
         raise NotImplementedError

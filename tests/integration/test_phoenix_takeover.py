@@ -204,3 +204,39 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
     finally:
         store.close()
         deployment.down()
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "phoenix-roles.md"
+
+
+def test_the_deployment_example_in_the_docs_runs_as_printed(
+    settings, brokers, tmp_path: Path, name: str, monkeypatch
+) -> None:
+    import re
+
+    from middleware.routing.ids import role_queues
+
+    block = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
+    (tmp_path / "phoenix.toml").write_text(
+        f'prefix = "{name}"\n[[cluster]]\nid = "A"\n[[cluster]]\nid = "B"\nmatch_slaves = 1\n'
+    )
+    namespace: dict = {}
+    try:
+        exec(compile(block, "docs/phoenix-roles.md", "exec"), namespace)
+    finally:
+        leftover = PhoenixDeployment("phoenix.toml", ".qosmq")
+        if leftover.state_file.exists():
+            leftover.down()
+
+        async def clean() -> None:
+            async with AsyncClient(settings=settings) as client:
+                for queue in role_queues(leftover.topology):
+                    await client.delete_queue(queue)
+
+        asyncio.run(clean())
+    rows = {row.role: row for row in namespace["rows"]}
+    assert namespace["problems"] == []
+    assert rows[RoleId.match_slave("B", 0, 0)].serves == RoleId.match("B", 0)
+    assert not rows[RoleId.match("B", 0)].alive and rows[RoleId.router("A")].alive

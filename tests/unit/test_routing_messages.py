@@ -17,6 +17,7 @@ from middleware.routing.messages import (
     Ack,
     Advertise,
     Answer,
+    Beat,
     Configure,
     Confirmation,
     Handover,
@@ -30,6 +31,7 @@ from middleware.routing.messages import (
     Takeover,
     Unsubscribe,
     Unsubscribed,
+    Vote,
     encode,
     heartbeat_value,
     parse,
@@ -53,6 +55,11 @@ ONE_OF_EACH = [
     Takeover(master="B/match-0", request="r3", reply_to="px.takeover.r3"),
     Answer(request="r3", broker="B/match-0"),
     Confirmation(subscription_id="s1", event_type="quotes", broker="B/match-0"),
+    Beat(broker="B/match-0"),
+    *(
+        Vote(kind=k, broker="B/match-0/slave-1")
+        for k in ("election", "election_answer", "coordinator")
+    ),
 ]
 
 
@@ -144,6 +151,7 @@ def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
             Publish,
         }
         assert {Ack, Snapshot, Takeover} <= set(router.control_handlers)
+        assert Beat not in router.control_handlers  # a master beats, it is not beaten
         with pytest.raises(DeadLetter, match="heartbeat is not for a RouterMaster's inbox"):
             await router.handle(ONE_OF_EACH[5])
         with pytest.raises(DeadLetter, match="not its slave"):
@@ -152,6 +160,7 @@ def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
             settings=Settings.load(), topology=topology, cluster="B", index=0, slave=0
         )
         assert set(slave.inbox_handlers) == {Replicate, Read, Publish}
+        assert {Takeover, Beat, Vote} <= set(slave.control_handlers)
         with pytest.raises(DeadLetter, match="not its slave"):  # another master's
             await slave.control(Takeover(master=RoleId.router("B").owner))
         router.store.close()

@@ -1,0 +1,55 @@
+"""Failure detection from heartbeats (pure): who has been silent too long.
+
+One rule for every use: a peer is suspected once nothing was heard from it for
+``misses`` heartbeat intervals.  A peer starts with a grace period (watched = heard now),
+so a role that has just started is not suspected before its first heartbeat can arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+__all__ = ["FailureDetector"]
+
+P = TypeVar("P", bound=Hashable)
+
+
+@dataclass
+class FailureDetector(Generic[P]):
+    interval_s: float
+    misses: int
+    _last: dict[P, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.misses < 1:
+            raise ValueError(f"need interval > 0 and misses >= 1: {self.interval_s}, {self.misses}")
+
+    @property
+    def timeout_s(self) -> float:
+        """Silence after which a peer is suspected."""
+        return self.interval_s * self.misses
+
+    def watch(self, peers: Iterable[P], now: float) -> None:
+        """Start watching ``peers`` (already watched ones keep their last heartbeat)."""
+        for peer in peers:
+            self._last.setdefault(peer, now)
+
+    def heard(self, peer: P, now: float) -> None:
+        """A heartbeat (or any message) from ``peer``; unknown peers are not watched."""
+        if peer in self._last and now > self._last[peer]:
+            self._last[peer] = now
+
+    def forget(self, peer: P) -> None:
+        self._last.pop(peer, None)
+
+    def suspects(self, now: float) -> set[P]:
+        return {p for p, last in self._last.items() if now - last > self.timeout_s}
+
+    def alive(self, now: float) -> set[P]:
+        return {p for p, last in self._last.items() if now - last <= self.timeout_s}
+
+    def silent_for(self, peer: P, now: float) -> float | None:
+        last = self._last.get(peer)
+        return None if last is None else now - last

@@ -1,0 +1,113 @@
+"""Phoenix recovers from a killed master by itself (issue #23, first part): its slaves
+stop hearing its beats, elect with the bully algorithm, and the winner's process serves
+the master's role; a steady stream of events goes on and nothing is lost.
+
+Real role processes, a real SIGKILL, and the test's own counters: every event it
+published (and the broker confirmed) is looked for in its subscriber queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from middleware.localcluster.manager import pid_alive
+from middleware.routing import ChordRing
+from middleware.routing.client import PhoenixClient
+from middleware.routing.deployment import PhoenixDeployment
+from middleware.routing.ids import RoleId
+from middleware.transport import AsyncClient
+from tests.integration.test_phoenix import _topology
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+RATE = 100  # events per second, through the kill
+SECONDS = 4.0
+
+
+async def _stream(
+    settings, topology, event_type: str, queue: str, kill, first: int = 0
+) -> tuple[list[int], int, float]:
+    """Publish RATE events/s at A for SECONDS, calling ``kill()`` after one second;
+    return what the subscriber queue got, how many were published, and the kill time."""
+    async with AsyncClient(settings=settings) as client:
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        published, killed_at = first, 0.0
+        start = time.monotonic()
+        while time.monotonic() - start < SECONDS:
+            if not killed_at and time.monotonic() - start >= 1.0:
+                killed_at = time.time()
+                await asyncio.to_thread(kill)
+            await at_a.publish({"event_type": event_type, "attributes": {"n": published}})
+            published += 1
+            await asyncio.sleep(1 / RATE)
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(set(got)) < published - first:
+            while (d := await client.get(queue)) is not None:
+                got.append(json.loads(d.body)["event"]["attributes"]["n"])
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # late duplicates show here
+        while (d := await client.get(queue)) is not None:
+            got.append(json.loads(d.body)["event"]["attributes"]["n"])
+        return [n for n in got if n >= first], published, killed_at
+
+
+def test_killed_masters_are_replaced_by_an_elected_slave_and_nothing_is_lost(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    ring = ChordRing(["A", "B"])
+    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
+    topology_file, topology = _topology(
+        tmp_path, name, {"A": {}, "B": {"match_slaves": 2, "routing_slaves": 2}}
+    )
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    queue = f"{name}.sub"
+    pids = deployment.up()
+    try:
+
+        async def subscribe() -> None:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
+                deadline = time.monotonic() + 60
+                while await client.queue_length(queue) == 0:  # the path is live end to end
+                    assert time.monotonic() < deadline, "no probe reached the subscriber"
+                    await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
+                    await asyncio.sleep(0.3)
+                while await client.get(queue) is not None:
+                    pass
+
+        asyncio.run(subscribe())
+        report = []
+        first = 0
+        for master in (RoleId.match("B", 0), RoleId.router("B")):
+            successor = master.slaves(topology.cluster("B"))[0]  # the highest ranked
+            got, published, killed_at = asyncio.run(
+                _stream(
+                    settings,
+                    topology,
+                    event_type,
+                    queue,
+                    lambda m=master: deployment.kill(m),
+                    first,
+                )
+            )
+            missing = sorted(set(range(first, published)) - set(got))
+            assert not missing, f"{master}: {len(missing)} events lost: {missing[:20]}"
+            assert deployment.serves(successor) == master  # the election's winner serves it
+            assert pid_alive(pids[successor]) and not pid_alive(pids[master])
+            since = json.loads(deployment.status_file(successor).read_text())["since"]
+            report.append(
+                f"{master}: {published - first} events, 0 lost, "
+                f"{len(got) - len(set(got))} duplicates, served again "
+                f"{since - killed_at:.2f} s after the kill"
+            )
+            first = published
+        print("\n" + "\n".join(report))
+    finally:
+        deployment.down()
