@@ -102,9 +102,10 @@ class PhoenixDeployment:
         return sorted({r.cluster for r in pids})
 
     # -------------------------------------------------------------- lifecycle
-    def up(self) -> dict[RoleId, int]:
+    def up(self, *, timeout: float = 60.0) -> dict[RoleId, int]:
         """Start every role of the joined clusters (after one connection to each
-        cluster's RabbitMQ and vhost, so a wrong URL or vhost is named here)."""
+        cluster's RabbitMQ and vhost, so a wrong URL or vhost is named here); return once
+        every one serves (its consumers started), or raise naming the ones that do not."""
         if any(pid_alive(p) for p in self.pids().values()):
             raise DeploymentError("already up (down first)")
         clusters = [c.id for c in self.topology.clusters if c.joined]
@@ -114,9 +115,10 @@ class PhoenixDeployment:
             for role in RoleId.of_cluster(self.topology.cluster(cluster)):
                 pids[role] = self._spawn(role)
         self._save(pids)
+        self._await_serving(pids, timeout)
         return pids
 
-    def join(self, cluster: str) -> dict[RoleId, int]:
+    def join(self, cluster: str, *, timeout: float = 60.0) -> dict[RoleId, int]:
         """Start a listed cluster's roles, then tell every running routing master."""
         spec = self.topology.cluster(cluster)
         pids = self.pids()
@@ -126,6 +128,7 @@ class PhoenixDeployment:
         started = {role: self._spawn(role) for role in RoleId.of_cluster(spec)}
         pids.update(started)
         self._save(pids)
+        self._await_serving(started, timeout)
         others = sorted({r.cluster for r in pids} - {spec.id})
 
         async def announce() -> None:
@@ -173,8 +176,9 @@ class PhoenixDeployment:
             raise DeploymentError(f"{role.key} (pid {pid}) did not stop in {timeout:.0f} s")
         return pid
 
-    def start(self, role: RoleId) -> int:
-        """Start ``role`` again (it must be in the topology and not running); its PID."""
+    def start(self, role: RoleId, *, timeout: float = 60.0) -> int:
+        """Start ``role`` again (it must be in the topology and not running); its PID,
+        once it serves."""
         if not role.in_topology(self.topology):
             raise DeploymentError(f"{role} is not in the topology")
         pids = self.pids()
@@ -182,10 +186,14 @@ class PhoenixDeployment:
             raise DeploymentError(f"{role.key} is running (pid {pids[role]})")
         pids[role] = self._spawn(role)
         self._save(pids)
+        self._await_serving({role: pids[role]}, timeout)
         return pids[role]
 
     def take_over(self, slave: RoleId, *, timeout_s: float = 30.0) -> RoleId:
-        """Tell a running slave to serve its master's role; return once it does."""
+        """Tell a running slave to serve its master's role; return once it does (at once
+        when it already does: its slaves' election may have been quicker)."""
+        if self.serves(slave) == slave.master:
+            return slave.master
         master = runtime.run(
             take_over(self.settings, self.topology, slave, timeout_s=timeout_s),
             event_loop=self.settings.event_loop,
@@ -268,6 +276,26 @@ class PhoenixDeployment:
         runtime.run(check(), event_loop=self.settings.event_loop)
 
     # --------------------------------------------------------------- internal
+    def _await_serving(self, pids: Mapping[RoleId, int], timeout: float) -> None:
+        """Until every process in ``pids`` wrote its status file (it serves)."""
+        deadline = time.monotonic() + timeout
+        waiting = dict(pids)
+        while waiting:
+            waiting = {r: p for r, p in waiting.items() if not self.status_file(r).exists()}
+            dead = sorted(r.key for r, p in waiting.items() if not pid_alive(p))
+            if dead:
+                raise DeploymentError(
+                    f"role(s) {', '.join(dead)} ended before serving; see "
+                    + ", ".join(str(self.log_file(RoleId.from_key(k))) for k in dead)
+                )
+            if waiting and time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"role(s) {', '.join(sorted(r.key for r in waiting))} not serving "
+                    f"after {timeout:.0f} s"
+                )
+            if waiting:
+                time.sleep(0.05)
+
     def _pid(self, role: RoleId) -> int:
         pids = self.pids()
         if role not in pids:

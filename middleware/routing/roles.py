@@ -57,6 +57,7 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
+from .beats import Beater
 from .ids import RoleId
 from .matching import Filter, FilterError, SubscriptionIndex
 from .messages import (
@@ -269,20 +270,35 @@ class _Role:
         slaves elect a successor when the beats stop); a slave watches its master."""
         if self.id.is_slave:
             return
-        beat = Beat(broker=self.id.owner)
         slaves = [r for r in self.id.slaves(self.topology.cluster(self.cluster))]
         slaves = [r for r in slaves if r != self.promoted_from]
-        while not stop.is_set() and slaves:
-            await asyncio.gather(*(self.signal(r, beat) for r in slaves))
-            await asyncio.sleep(self.topology.heartbeat_interval_s)
+        if not slaves:
+            return
+        beater = Beater(
+            cluster_settings(self.settings, self.topology, self.cluster)[1],
+            [self.control_of(r) for r in slaves],
+            encode(Beat(broker=self.id.owner)),
+            interval_s=self.topology.heartbeat_interval_s,
+            ttl_ms=self._signal_ttl_ms(),
+            priority=MAX_PRIORITY,
+            name=str(self.id),
+        ).start()
+        try:
+            await stop.wait()
+        finally:
+            await asyncio.to_thread(beater.stop)
+            self.count("beats", beater.sent)
+
+    def _signal_ttl_ms(self) -> int:
+        """How long a beat or vote stays worth reading: the detection timeout."""
+        topology = self.topology
+        return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
 
     async def signal(self, role: RoleId, message: Message) -> None:
         """A control message to ``role``'s control queue, ahead of any backlog, that
         expires when it would be stale (beats and votes of a dead peer do not pile up);
         a control queue nobody declared yet (a role not started) is not an error."""
-        ttl_ms = max(
-            1, int(self.topology.heartbeat_interval_s * self.topology.heartbeat_misses * 1000)
-        )
+        ttl_ms = self._signal_ttl_ms()
         try:
             client = await self.client_for(role.cluster)
             await client.publish(
@@ -691,17 +707,36 @@ class _ReplicaHolder(_Role):
             answer_s=2 * interval,
             coordinator_s=topology.heartbeat_misses * interval,
         )
+        step, first_seen = interval / 2, None
+        woke = time.monotonic()
         while not stop.is_set():
-            await asyncio.sleep(interval / 2)
+            await asyncio.sleep(step)
             now = time.monotonic()
+            late, woke = now - woke - step, now
             effects = []
-            if master in self.detector.suspects(now) and self.bully.state is BullyState.IDLE:
+            suspected = master in self.detector.suspects(now)
+            if not suspected or late > interval:
+                # a slave that was itself paused looks again once the beats waiting in
+                # its socket had their turn: one late look is no proof of a death
+                first_seen = None
+            elif first_seen is None:
+                first_seen = now
+            elif self.bully.state is BullyState.IDLE:
                 silent = self.detector.silent_for(master, now) or 0.0
                 log.warning("%s: no beat from %s for %.2f s: electing", self.id, master, silent)
                 self.count("master_suspected")
                 effects += self.bully.master_suspected(now)
             effects += self.bully.tick(now)
             await self._enact(effects)
+
+    async def _take_over(self, message: Takeover) -> None:
+        """The operator's take-over: as an election's winner, tell the other slaves
+        first, so none of them elects against this one once the old master is silent."""
+        await super()._take_over(message)
+        if self.switch_to is not None and self.bully is not None:
+            self.bully.state = BullyState.WON
+            for peer in self.bully.peers:
+                await self.signal(peer, Vote(kind=Kind.COORDINATOR, broker=self.id.owner))
 
     async def _enact(self, effects: list[Send | Become]) -> None:
         kinds = {"election": Kind.ELECTION, "answer": Kind.ELECTION_ANSWER}

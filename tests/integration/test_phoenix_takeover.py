@@ -35,6 +35,17 @@ def _deployment(topology_file: Path, state: Path, settings, urls: str) -> Phoeni
     return PhoenixDeployment(topology_file, state, settings=settings, env=env)
 
 
+def _slow_detection(topology_file: Path) -> None:
+    """The operator's take-over, not the slaves' election (which would win first: see
+    test_phoenix_recovery.py): detection after 60 s of silence."""
+    text = topology_file.read_text()
+    topology_file.write_text(
+        text.replace(
+            "[[cluster]]", "heartbeat_misses = 100\nheartbeat_interval_s = 0.6\n[[cluster]]", 1
+        )
+    )
+
+
 def _wait(what: str, done, seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     while not done():
@@ -48,6 +59,7 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
     ring = ChordRing(["A", "B"])
     event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
     topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
+    _slow_detection(topology_file)
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue, later_queue = f"{name}.sub", f"{name}.sub.later"
@@ -149,6 +161,7 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
     ring = ChordRing(["A", "B"])
     event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
     topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"routing_slaves": 2}})
+    _slow_detection(topology_file)
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue = f"{name}.sub"
