@@ -29,7 +29,9 @@ outer mechanism; ``outer = false``: every event has priority 0).
 
 A cluster that joins at run time is added by every routing master; the one
 whose arc shrank has its match masters hand exactly that arc's subscriptions to
-the joiner.  Recovery from failures comes with the recovery issue.
+the joiner.  Masters beat to their slaves; slaves that stop hearing their master
+elect a successor (``middleware/recovery``), whose process then serves the master's
+role (``node.py``).  Names come from ``ids.py``, messages from ``messages.py``.
 """
 
 from __future__ import annotations
@@ -274,6 +276,12 @@ class _Role:
         slaves = [r for r in slaves if r != self.promoted_from]
         if not slaves:
             return
+        if self.promoted_from is None:
+            # from the first beat on its slaves watch it: a master that starts beating
+            # only once it serves is never suspected for the pauses of loading its tables
+            # (a full collection of a large heap holds every thread for ~0.5 s; a bench
+            # start saw one).  A promoted master beats at once: its slaves watch already.
+            await self.serving.wait()
         beater = Beater(
             cluster_settings(self.settings, self.topology, self.cluster)[1],
             [self.control_of(r) for r in slaves],
@@ -1142,6 +1150,9 @@ class MatchMaster(_MatchBroker):
         super().__init__(**kwargs)
         self.store = open_store(self.topology.state_store)
         self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
+        # which slaves get events: the one liveness rule of the recovery package, fed by
+        # their load heartbeats (a slave silent for three of them gets nothing)
+        self.live = FailureDetector[int](self.HEARTBEAT_S, 3)
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.turn = 0  # round robin's position (inner off)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
@@ -1179,6 +1190,9 @@ class MatchMaster(_MatchBroker):
         """A slave's load report (finite and not negative: the message's model says so)."""
         j = self.replicas.slave(message)
         state = self.slave_state.setdefault(j, RemoteBroker())
+        now = time.monotonic()
+        self.live.watch([j], now)
+        self.live.heard(j, now)
         state.report(message.queue, message.service_rate, time.monotonic())
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
@@ -1322,11 +1336,7 @@ class MatchMaster(_MatchBroker):
 
     def _live_slaves(self, now: float) -> list[int]:
         """The slaves that reported in the last three heartbeats (a silent one gets nothing)."""
-        return sorted(
-            j
-            for j, state in self.slave_state.items()
-            if now - state.reported_at <= 3 * self.HEARTBEAT_S
-        )
+        return sorted(j for j in self.live.alive(now))
 
     def choose_blind(self) -> int | None:
         """With ``inner`` off: the next of the master and its live slaves in turn
