@@ -1318,14 +1318,14 @@ class MatchMaster(_MatchBroker):
         except MiddlewareError as exc:  # the subscriber times out and says so
             log.warning("confirmation of %s not sent: %s", message.subscription_id, exc)
 
-    def choose(self) -> int | None:
+    def choose(self, now: float | None = None) -> int | None:
         """None for itself, else the slave with the smallest fresh predicted T.
 
         A master with nothing waiting keeps the event (no broker can start it sooner);
         a backlogged one compares T, a slave's T counting the hop to it (the measured
         cost of a dispatch), and sends the event where it finishes soonest.
         """
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if self.predictor.predicted_queue(now) < 1:
             return None
         predicted = {"self": self.predictor.predict(now)}

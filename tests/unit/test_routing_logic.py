@@ -371,25 +371,28 @@ def _role(cls: type, cluster: dict[str, object], state_store: str = ":memory:") 
 
 
 def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
+    import asyncio
     import time
 
-    from middleware.routing import RemoteBroker
+    from middleware.routing.ids import RoleId
+    from middleware.routing.messages import Heartbeat
     from middleware.routing.roles import MatchMaster
 
     master = _role(MatchMaster, {"id": "B", "match_slaves": 2})
     now = time.monotonic()
     master.predictor.last_close, master.predictor.service_rate = now, 100.0
     master.hop_s = 0.002
-    for j, q in ((0, 5.0), (1, 0.0)):
-        master.slave_state[j] = RemoteBroker()
-        master.slave_state[j].report(q, 100.0, now)
+    for j, q in ((0, 5.0), (1, 0.0)):  # the slaves' load reports, as they arrive
+        slave = RoleId.match_slave("B", 0, j).owner
+        report = Heartbeat(broker=slave, predicted_t=0.0, queue=q, service_rate=100.0)
+        asyncio.run(master.control(report))
     assert master.choose() is None  # nothing waiting at the master: it keeps the event
     master.predictor.queue = 40.0  # T = 41/200 s at the master; slave 1: 1/200 + 2 ms
     assert master.choose() == 1
     master.slave_state[1].sent = 200  # what it was sent since its report counts
     assert master.choose() == 0
-    master.slave_state[0].reported_at = master.slave_state[1].reported_at = now - 10
-    assert master.choose() is None  # silent slaves get nothing
+    master.predictor.queue = 5000.0  # still a backlog 10 s on ...
+    assert master.choose(now + 10) is None  # ... but silent slaves get nothing
     master.store.close()
 
 
