@@ -52,6 +52,20 @@ _KEY = re.compile(
 )
 
 
+#: per kind: its store owner, its process key, its inbox after the prefix (``c``: cluster,
+#: ``i``: match index, ``s``: slave number) — the formats persisted stores already hold
+_NAMES = {
+    RoleKind.ROUTER: ("{c}/router", "{c}/router", "{c}.router"),
+    RoleKind.ROUTER_SLAVE: ("{c}/router-slave-{s}", "{c}/router-slave-{s}", "{c}.router.slave.{s}"),
+    RoleKind.MATCH: ("{c}/match-{i}", "{c}/matcher-{i}", "{c}.match.{i}"),
+    RoleKind.MATCH_SLAVE: (
+        "{c}/match-{i}/slave-{s}",
+        "{c}/matcher-{i}-slave-{s}",
+        "{c}.match.{i}.slave.{s}",
+    ),
+}
+
+
 @dataclass(frozen=True, order=True)
 class RoleId:
     """A role: its cluster, its kind, its match master's number (match kinds) and its
@@ -117,24 +131,15 @@ class RoleId:
     @property
     def owner(self) -> str:
         """Its store owner, and how it signs acks, snapshots, heartbeats and deliveries."""
-        if self.kind is RoleKind.ROUTER:
-            return f"{self.cluster}/router"
-        if self.kind is RoleKind.ROUTER_SLAVE:
-            return f"{self.cluster}/router-slave-{self.slave}"
-        if self.kind is RoleKind.MATCH:
-            return f"{self.cluster}/match-{self.index}"
-        return f"{self.cluster}/match-{self.index}/slave-{self.slave}"
+        return self._name(0)
 
     @property
     def key(self) -> str:
         """Its process key in a deployment (``phoenix.json``, log file names)."""
-        if self.kind is RoleKind.ROUTER:
-            return f"{self.cluster}/router"
-        if self.kind is RoleKind.ROUTER_SLAVE:
-            return f"{self.cluster}/router-slave-{self.slave}"
-        if self.kind is RoleKind.MATCH:
-            return f"{self.cluster}/matcher-{self.index}"
-        return f"{self.cluster}/matcher-{self.index}-slave-{self.slave}"
+        return self._name(1)
+
+    def _name(self, which: int) -> str:
+        return _NAMES[self.kind][which].format(c=self.cluster, i=self.index, s=self.slave)
 
     @property
     def log_file(self) -> str:
@@ -143,14 +148,7 @@ class RoleId:
 
     def inbox(self, prefix: str) -> str:
         """Its inbox queue (data and replication, with priorities)."""
-        base = f"{prefix}.{self.cluster}"
-        if self.kind is RoleKind.ROUTER:
-            return f"{base}.router"
-        if self.kind is RoleKind.ROUTER_SLAVE:
-            return f"{base}.router.slave.{self.slave}"
-        if self.kind is RoleKind.MATCH:
-            return f"{base}.match.{self.index}"
-        return f"{base}.match.{self.index}.slave.{self.slave}"
+        return f"{prefix}.{self._name(2)}"
 
     def control(self, prefix: str) -> str:
         """Its control queue (a master's: acks, snapshots, heartbeats, configure; every

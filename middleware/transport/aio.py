@@ -86,6 +86,27 @@ class _Live:
     consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
 
 
+async def _basic_publish(
+    underlay: aiormq.Channel,
+    message: OutgoingMessage,
+    *,
+    mandatory: bool,
+    confirm_within: float | None,
+    wait: bool,
+) -> None:
+    """aiormq's publish of a layer message (``bytes(body)``: a bytearray is sent too);
+    ``confirm_within``: aiormq's own timeout for the broker's answer."""
+    await underlay.basic_publish(
+        bytes(message.body),
+        exchange=message.exchange,
+        routing_key=message.routing_key,
+        properties=_properties(message),
+        mandatory=mandatory,
+        timeout=confirm_within,
+        wait=wait,
+    )
+
+
 class _Refused(Exception):
     """Ends the suspect retry: the broker closed the connection at the message again."""
 
@@ -466,13 +487,12 @@ class AsyncClient:
             live = await self._await_live()
             try:
                 underlay = await self._publish_channel(live, False)
-                await underlay.basic_publish(
-                    bytes(message.body),
-                    exchange=message.exchange,
-                    routing_key=message.routing_key,
-                    properties=_properties(message),
+                await _basic_publish(
+                    underlay,
+                    message,
                     mandatory=False,
-                    timeout=self.settings.publish_timeout,
+                    confirm_within=self.settings.publish_timeout,
+                    wait=True,
                 )
                 await underlay.basic_qos(prefetch_count=0, timeout=self.settings.publish_timeout)
             except Exception as exc:
@@ -498,13 +518,11 @@ class AsyncClient:
                 # write), where waiting let one publish per channel out every two loop turns.
                 # The frame queue is bounded (backpressure), and the confirm is still awaited.
                 underlay = await self._publish_channel(live, confirm)
-                await underlay.basic_publish(
-                    bytes(message.body),
-                    exchange=message.exchange,
-                    routing_key=message.routing_key,
-                    properties=_properties(message),
+                await _basic_publish(
+                    underlay,
+                    message,
                     mandatory=message.mandatory and confirm,
-                    timeout=self.settings.publish_timeout if confirm else None,
+                    confirm_within=self.settings.publish_timeout if confirm else None,
                     wait=False,
                 )
             except Exception as exc:
