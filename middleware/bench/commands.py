@@ -79,26 +79,9 @@ def register(sub: Any) -> None:
         help="matching: distinct symbols the subscriptions pick from (fewer: more matches "
         "per event)",
     )
-    phoenix.add_argument(
-        "--rates",
-        type=numbers(0, 1e6, above=True),
-        help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)",
-    )
-    from .phoenix_timeliness import MECHANISMS
+    from .phoenix_timeliness import timeliness_arguments
 
-    phoenix.add_argument("--mechanisms", type=names(MECHANISMS), default="none,inner,outer,both")
-    phoenix.add_argument(
-        "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
-    )
-    phoenix.add_argument(
-        "--repeats", type=integer(1, 100), default=1, help="mechanism passes (rotated)"
-    )
-    phoenix.add_argument(
-        "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
-    )
-    from .phoenix_timeliness import steal_arguments
-
-    steal_arguments(phoenix)
+    timeliness_arguments(phoenix, repeats=1)
     phoenix.add_argument(
         "--work-dir", type=path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
     )

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
-from ..cliargs import integer, number
+from ..cliargs import integer, names, number, numbers
 from ..routing import ChordRing, LatencyMap
 from ..routing.client import PhoenixClient
 from ..routing.deployment import PhoenixDeployment
@@ -621,6 +621,27 @@ def steal_limits(args: argparse.Namespace) -> tuple[float | None, int]:
         raise ValueError(f"--max-steal is a % of the CPU (0-100, < 0: off), got {args.max_steal}")
     off = args.max_steal is None or args.max_steal < 0
     return (None if off else args.max_steal), args.steal_retries
+
+
+def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
+    """The cell arguments the bench command and the Spark job share: rates, mechanisms,
+    duration, repeats, warm-up and the steal rule."""
+    p.add_argument(
+        "--rates",
+        type=numbers(0, 1e6, above=True),
+        help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)",
+    )
+    p.add_argument("--mechanisms", type=names(MECHANISMS), default="none,inner,outer,both")
+    p.add_argument(
+        "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
+    )
+    p.add_argument(
+        "--repeats", type=integer(1, 100), default=repeats, help="mechanism passes (rotated)"
+    )
+    p.add_argument(
+        "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
+    )
+    steal_arguments(p)
 
 
 def steal_arguments(p: argparse.ArgumentParser) -> None:

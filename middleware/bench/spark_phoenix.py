@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cliargs import Parser, integer, integers, names, number, numbers, path
+from ..cliargs import Parser, integers, path
 from ..settings import Settings
 from . import spark_common
-from .phoenix_timeliness import MECHANISMS, run_experiment, steal_arguments, steal_limits
+from .phoenix_timeliness import MECHANISMS, run_experiment, steal_limits, timeliness_arguments
 from .spark_common import (
     StopAfterCell,
     failure,
@@ -140,20 +140,7 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
         type=integers(1, 10_000_000),
         help="comma list (rate: 200000; else 10000,…,200000)",
     )
-    p.add_argument(
-        "--rates",
-        type=numbers(0, 1e6, above=True),
-        help="events/s, comma list (rate: 100,200,400; else 200)",
-    )
-    p.add_argument("--mechanisms", type=names(MECHANISMS), default="none,inner,outer,both")
-    p.add_argument(
-        "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
-    )
-    p.add_argument("--repeats", type=integer(1, 100), default=3, help="mechanism passes (rotated)")
-    p.add_argument(
-        "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
-    )
-    steal_arguments(p)
+    timeliness_arguments(p, repeats=3)
     p.add_argument(
         "--out",
         type=path,

@@ -53,13 +53,39 @@ def _wait(what: str, done, seconds: float = 30) -> None:
         time.sleep(0.1)
 
 
+def _b_owned(tmp_path: Path, name: str, b: dict) -> tuple[str, Path, object]:
+    """An event type B owns, and a topology of A and B (``b``: B's fields) whose slaves
+    detect slowly, so that the operator's take-over is what switches."""
+    ring = ChordRing(["A", "B"])
+    event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
+    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": b})
+    _slow_detection(topology_file)
+    return event_type, topology_file, topology
+
+
+async def _drain(client: AsyncClient, queue: str, want: int) -> list[dict]:
+    """The events (n >= 0: probes aside) in ``queue`` once ``want`` arrived or 30 s passed,
+    and one more second for anything beyond them (a duplicate), as {n, by}."""
+    got: list[dict] = []
+
+    async def take() -> None:
+        while (d := await client.get(queue)) is not None:
+            message = json.loads(d.body)
+            got.append({"n": message["event"]["attributes"]["n"], "by": message["broker"]})
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(m["n"] >= 0 for m in got) < want:
+        await take()
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)
+    await take()
+    return [m for m in got if m["n"] >= 0]
+
+
 def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
     settings, brokers, tmp_path: Path, name: str
 ) -> None:
-    ring = ChordRing(["A", "B"])
-    event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
-    _slow_detection(topology_file)
+    event_type, topology_file, topology = _b_owned(tmp_path, name, {"match_slaves": 2})
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue, later_queue = f"{name}.sub", f"{name}.sub.later"
@@ -75,20 +101,6 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
             assert time.monotonic() < deadline, "no probe reached the subscriber"
             await at.publish({"event_type": event_type, "attributes": {"n": -1}})
             await asyncio.sleep(0.3)
-
-    async def drain(client: AsyncClient, q: str, want: int) -> list[dict]:
-        got: list[dict] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(m["n"] >= 0 for m in got) < want:
-            while (d := await client.get(q)) is not None:
-                message = json.loads(d.body)
-                got.append({"n": message["event"]["attributes"]["n"], "by": message["broker"]})
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # anything beyond the count (a duplicate) shows here
-        while (d := await client.get(q)) is not None:
-            message = json.loads(d.body)
-            got.append({"n": message["event"]["attributes"]["n"], "by": message["broker"]})
-        return [m for m in got if m["n"] >= 0]
 
     store = open_store(str(tmp_path / "state.sqlite3"))
     deployment = _deployment(topology_file, state, settings, urls)
@@ -122,11 +134,11 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
                     pass
                 for n in range(EVENTS):
                     await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
-                got = await drain(client, queue, EVENTS)
+                got = await _drain(client, queue, EVENTS)
                 # a new subscription is confirmed: W of N with the promoted master and slave-1
                 await subscribe_and_probe(client, at_a, later_queue)
                 await at_a.publish({"event_type": event_type, "attributes": {"n": 7}})
-                later = await drain(client, later_queue, 1)
+                later = await _drain(client, later_queue, 1)
                 return got, later
 
         got, later = asyncio.run(after())
@@ -158,10 +170,7 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
     """B's routing master killed; its slave-0 takes over in the same process: events from A
     for a type B owns are routed again, each once, and the latencyMap entry the slave held
     is the promoted master's (read back, not rebuilt)."""
-    ring = ChordRing(["A", "B"])
-    event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"routing_slaves": 2}})
-    _slow_detection(topology_file)
+    event_type, topology_file, topology = _b_owned(tmp_path, name, {"routing_slaves": 2})
     urls = ",".join(brokers.urls)
     state = tmp_path / "state"
     queue = f"{name}.sub"
@@ -190,16 +199,7 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
                 at_a = PhoenixClient(client, topology=topology, cluster="A")
                 for n in range(EVENTS):
                     await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
-                got: list[int] = []
-                deadline = time.monotonic() + 30
-                while len(got) < EVENTS and time.monotonic() < deadline:
-                    while (d := await client.get(queue)) is not None:
-                        got.append(json.loads(d.body)["event"]["attributes"]["n"])
-                    await asyncio.sleep(0.1)
-                await asyncio.sleep(1.0)
-                while (d := await client.get(queue)) is not None:
-                    got.append(json.loads(d.body)["event"]["attributes"]["n"])
-                return got
+                return [m["n"] for m in await _drain(client, queue, EVENTS)]
 
         assert sorted(asyncio.run(publish())) == list(range(EVENTS))
         # read repair: the promoted master's own copy holds the entry the slaves kept
