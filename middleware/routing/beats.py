@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import MiddlewareError
 from ..settings import Settings
@@ -24,13 +24,14 @@ log = logging.getLogger(__name__)
 
 
 class Beater:
-    """Publishes ``body`` to every queue of ``queues`` every ``interval_s`` until stopped."""
+    """Publishes ``body`` (or what it returns, read at each beat) to every queue of
+    ``queues`` every ``interval_s`` until stopped; :meth:`add` beats to one more queue."""
 
     def __init__(
         self,
         settings: Settings,
         queues: Sequence[str],
-        body: bytes,
+        body: bytes | Callable[[], bytes],
         *,
         interval_s: float,
         ttl_ms: int,
@@ -42,6 +43,10 @@ class Beater:
         self.sent = 0
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"beats of {name}", daemon=True)
+
+    def add(self, queue: str) -> None:
+        if queue not in self.queues:
+            self.queues = [*self.queues, queue]  # a new list: the thread reads the old whole
 
     def start(self) -> Beater:
         self._thread.start()
@@ -57,10 +62,11 @@ class Beater:
             try:
                 if client is None:
                     client = SyncClient(settings=self.settings).connect()
+                body = self.body() if callable(self.body) else self.body
                 for queue in self.queues:
                     client.publish(
                         OutgoingMessage(
-                            self.body,
+                            body,
                             "",
                             queue,
                             content_type="application/json",

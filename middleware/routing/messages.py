@@ -29,6 +29,7 @@ __all__ = [
     "Beat",
     "Configure",
     "Confirmation",
+    "Fence",
     "Handover",
     "Heartbeat",
     "Join",
@@ -132,6 +133,9 @@ class Replicate(_Message):
     key: str = Field(min_length=1)
     version: int = Field(ge=1)
     table: dict[str, Any]  # the entry's document
+    #: the writing master's process queue, where the ack goes (None: its control queue);
+    #: two processes may consume the control queue while one is frozen and replaced
+    reply_to: str | None = None
 
 
 class Ack(_Message):
@@ -149,7 +153,7 @@ class Read(_Message):
     kind: Literal[Kind.READ] = Kind.READ
     request: str
     state_kind: str
-    reply_to: str  # the master's control queue
+    reply_to: str  # the reading master's process queue
 
 
 class Snapshot(_Message):
@@ -182,17 +186,36 @@ class Takeover(_Message):
 
 
 class Beat(_Message):
-    """Master -> each of its slaves' control queues, every heartbeat interval."""
+    """Every heartbeat interval, both ways: master -> each of its slaves' control queues
+    (its reign, and its process queue for a FENCE), slave -> its master's control queue
+    (the reign it trusts and the newest replica version it holds, for its catch-up)."""
 
     kind: Literal[Kind.BEAT] = Kind.BEAT
-    broker: str  # the master's owner id
+    broker: str  # the sender's owner id
+    epoch: int = Field(0, ge=0)  # the master's reign (recovery/fencing.py)
+    by: int = Field(0, le=0)
+    reply_to: str | None = None  # a master's process queue
+    version: int | None = Field(None, ge=0)  # a slave's newest replica entry
 
 
 class Vote(_Message):
-    """Between one master's slaves: the bully election (election, answer, coordinator)."""
+    """Between one master's slaves: the bully election (election, answer, coordinator);
+    a COORDINATOR carries the winner's reign."""
 
     kind: Literal[Kind.ELECTION, Kind.ELECTION_ANSWER, Kind.COORDINATOR]
     broker: str  # the sender's owner id
+    epoch: int = Field(0, ge=0)
+    by: int = Field(0, le=0)
+
+
+class Fence(_Message):
+    """A slave -> the process queue of a master whose reign is older than the one it
+    trusts: step down (to the slave role given by ``by``, or the one it left)."""
+
+    kind: Literal[Kind.FENCE] = Kind.FENCE
+    broker: str  # the slave that saw the stale beat
+    epoch: int = Field(ge=0)  # the reign it trusts
+    by: int = Field(le=0)
 
 
 class Answer(_Message):
@@ -241,6 +264,7 @@ Message = Annotated[
     | Takeover
     | Beat
     | Vote
+    | Fence
     | Answer
     | Confirmation,
     Field(discriminator="kind"),

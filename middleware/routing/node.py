@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MiddlewareError, Unroutable
+from ..recovery.fencing import Reign
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .ids import RoleId, RoleKind
@@ -62,13 +63,20 @@ class RoleNode:
         self.role: _Role | None = None
         self.switches = 0
 
-    def build(self, role: RoleId, promoted_from: RoleId | None, connections: Connections) -> _Role:
+    def build(
+        self,
+        role: RoleId,
+        promoted_from: RoleId | None,
+        connections: Connections,
+        reign: Reign | None = None,
+    ) -> _Role:
         common: dict[str, Any] = {
             "settings": self.settings,
             "topology": self.topology,
             "cluster": role.cluster,
             "connections": connections,
             "promoted_from": promoted_from,
+            "reign": reign,
         }
         if role.kind is RoleKind.ROUTER:
             return RouterMaster(**common)
@@ -81,10 +89,11 @@ class RoleNode:
     async def run(self, stop: asyncio.Event) -> None:
         connections = Connections(self.settings, self.topology)
         promoted_from: RoleId | None = None
+        reign: Reign | None = None
         reply: Takeover | None = None
         try:
             while not stop.is_set():
-                role = self.role = self.build(self.current, promoted_from, connections)
+                role = self.role = self.build(self.current, promoted_from, connections, reign)
                 role.on_serving = self._write_status  # once its consumers are started
                 role_stop = asyncio.Event()
                 relay = asyncio.create_task(_relay(stop, role_stop))
@@ -98,7 +107,11 @@ class RoleNode:
                 if role.switch_to is None or stop.is_set():
                     break
                 log.warning("%s: serving %s from now on", self.current, role.switch_to)
-                promoted_from, self.current = self.current, role.switch_to
+                # up to a master: the slave it was; down to a slave (fenced): none
+                promoted_from = None if role.switch_to.is_slave else self.current
+                self.current = role.switch_to
+                # a winner's reign; a fenced master's slave trusts the reign that fenced it
+                reign = role.next_reign if not role.switch_to.is_slave else role.reign
                 reply = role.takeover_reply
                 self.switches += 1
                 # configure's switches stay with the process, not with the role it served

@@ -37,6 +37,7 @@ class Kind(StrEnum):
     ELECTION = "election"  # slave -> higher slaves: the master is silent (bully)
     ELECTION_ANSWER = "election_answer"  # higher slave -> lower: I am alive, I elect
     COORDINATOR = "coordinator"  # the winner -> the other slaves: I serve the master now
+    FENCE = "fence"  # slave -> a stale master's process queue: a newer reign serves, step down
     CONFIRMATION = "confirmation"  # owner's match master -> client: (un)subscribe outcome
 
 

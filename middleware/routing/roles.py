@@ -55,6 +55,7 @@ from .. import heap
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
+from ..recovery.fencing import Reign, Trust, Verdict
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
@@ -69,6 +70,7 @@ from .messages import (
     Beat,
     Configure,
     Confirmation,
+    Fence,
     Handover,
     Heartbeat,
     Join,
@@ -158,12 +160,20 @@ def inbox_spec(name: str) -> QueueSpec:
     return QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9)
 
 
+def process_queue_spec(name: str) -> QueueSpec:
+    """A process's own queue: it lives exactly as long as the process's connection."""
+    return QueueSpec(name, kind=QueueKind.CLASSIC, durable=False, exclusive=True, auto_delete=True)
+
+
 class Connections:
     """A role process's connections: one per RabbitMQ and vhost, shared by the clusters on
     it.  They belong to the process, not to the role it serves: a switch keeps them."""
 
     def __init__(self, settings: Settings, topology: PhoenixTopology) -> None:
         self.settings, self.topology = settings, topology
+        #: the process's own queue (exclusive: gone with its connection), where a master
+        #: serving from this process hears that a newer reign fenced it
+        self.process_queue = f"{topology.prefix}.process.{uuid.uuid4().hex[:16]}"
         self._clients: dict[str, AsyncClient] = {}  # one per RabbitMQ and vhost
         self._cluster_clients: dict[str, AsyncClient] = {}  # cluster -> its client
 
@@ -196,6 +206,7 @@ class _Role:
         cluster: str,
         connections: Connections | None = None,
         promoted_from: RoleId | None = None,
+        reign: Reign | None = None,
     ) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
@@ -203,12 +214,18 @@ class _Role:
         #: the slave this master was until it took over (its tables are read back as one
         #: replica, its old inbox is drained, it is not one of the master's slaves)
         self.promoted_from = promoted_from
+        #: a master's reign (recovery/fencing.py); a slave's first trusted one
+        self.reign = reign or Reign()
+        #: the reign a slave serves its master under once it won (set when it wins)
+        self.next_reign: Reign | None = None
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
         self.takeover_reply: Takeover | None = None  # answered once serving
         self.serving = asyncio.Event()  # consumers started
         self.on_serving: Callable[[], None] | None = None  # the driver's, called then
         self._stop: asyncio.Event | None = None
+        self.beater: Beater | None = None
+        self._former_control: str | None = None  # its consumer tag (a promoted master)
         self.counters: Counter[str] = Counter()
         self.role = type(self).__name__
         self.batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
@@ -227,18 +244,27 @@ class _Role:
 
     async def send(self, cluster: str, inbox: str, message: Message, priority: int = 0) -> None:
         client = await self.client_for(cluster)
-        if inbox not in client.topology.queues:
+        # a process queue (a reply: ack, snapshot) is its process's: never declared here
+        if inbox not in client.topology.queues and not self._is_process_queue(inbox):
             await client.declare_queue(inbox_spec(inbox))
         # with the others sent to the same inbox and priority in this loop turn
         self.count("sent")
         await self.batcher.send(cluster, inbox, encode(message), priority)
 
+    def _is_process_queue(self, queue: str) -> bool:
+        return queue.startswith(f"{self.topology.prefix}.process.")
+
     async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
         self.count("amqp_sent")  # sent / amqp_sent: the mean batch size
         client = await self.client_for(cluster)
-        await client.publish(
-            OutgoingMessage(body, "", inbox, content_type="application/json", priority=priority)
-        )
+        try:
+            await client.publish(
+                OutgoingMessage(body, "", inbox, content_type="application/json", priority=priority)
+            )
+        except Unroutable:
+            if not self._is_process_queue(inbox):
+                raise
+            self.count("replies_unroutable")  # its process is gone: nobody waits for it
 
     def inbox_of(self, role: RoleId) -> str:
         return role.inbox(self.topology.prefix)
@@ -255,6 +281,16 @@ class _Role:
         control = self.control_of(self.id)
         await client.declare_queue(inbox_spec(control))
         tags = [await client.consume(control, self._on_control)]
+        if not self.id.is_slave:  # where a FENCE finds this process
+            await client.declare_queue(process_queue_spec(self.connections.process_queue))
+            tags.append(await client.consume(self.connections.process_queue, self._on_control))
+        if self.promoted_from is not None:
+            # the control queue it had as a slave: a master of another reign beats there
+            # (it is judged like the slaves judge it), a late ELECTION is answered
+            old = self.control_of(self.promoted_from)
+            await client.declare_queue(inbox_spec(old))
+            self._former_control = await client.consume(old, self._on_control)
+            tags.append(self._former_control)
         recovery = asyncio.create_task(self.recovery(stop))
         try:
             await self._serve_inbox(client, inbox, stop, tags)
@@ -282,10 +318,17 @@ class _Role:
             # (a full collection of a large heap holds every thread for ~0.5 s; a bench
             # start saw one).  A promoted master beats at once: its slaves watch already.
             await self.serving.wait()
-        beater = Beater(
+        beater = self.beater = Beater(
             cluster_settings(self.settings, self.topology, self.cluster)[1],
             [self.control_of(r) for r in slaves],
-            encode(Beat(broker=self.id.owner)),
+            encode(
+                Beat(
+                    broker=self.id.owner,
+                    epoch=self.reign.epoch,
+                    by=self.reign.by,
+                    reply_to=self.connections.process_queue,
+                )
+            ),
             interval_s=self.topology.heartbeat_interval_s,
             ttl_ms=self._signal_ttl_ms(),
             priority=MAX_PRIORITY,
@@ -303,21 +346,23 @@ class _Role:
         return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
 
     async def signal(self, role: RoleId, message: Message) -> None:
-        """A control message to ``role``'s control queue, ahead of any backlog, that
-        expires when it would be stale (beats and votes of a dead peer do not pile up);
-        a control queue nobody declared yet (a role not started) is not an error."""
-        ttl_ms = self._signal_ttl_ms()
+        """A control message to ``role``'s control queue (see :meth:`tell`)."""
+        await self.tell(self.control_of(role), message, role.cluster)
+
+    async def tell(self, queue: str, message: Message, cluster: str | None = None) -> None:
+        """A control message to ``queue``, ahead of any backlog, that expires when it
+        would be stale (beats and votes of a dead peer do not pile up); a queue nobody
+        declared yet (a role not started) or gone (a process queue of a process that
+        died) is not an error."""
         try:
-            client = await self.client_for(role.cluster)
+            client = await self.client_for(cluster or self.cluster)
             await client.publish(
-                outgoing(
-                    message, self.control_of(role), priority=MAX_PRIORITY, expiration_ms=ttl_ms
-                )
+                outgoing(message, queue, priority=MAX_PRIORITY, expiration_ms=self._signal_ttl_ms())
             )
         except Unroutable:
             pass
         except MiddlewareError as exc:
-            log.info("%s to %s not sent: %s", message.kind.value, role, exc)
+            log.info("%s to %s not sent: %s", message.kind.value, queue, exc)
 
     async def _serve_inbox(
         self, client: AsyncClient, inbox: str, stop: asyncio.Event, tags: list[str]
@@ -427,7 +472,12 @@ class _Role:
                 await self._configure(message, delivery.queue)
                 return
             sender = getattr(message, "broker", None)
-            if self.promoted_from is not None and sender == self.promoted_from.owner:
+            if (
+                self.promoted_from is not None
+                and sender == self.promoted_from.owner
+                and not isinstance(message, Beat)  # own beats are known by their process
+                and self.promoted_from not in getattr(self.replica_set, "replicas", ())
+            ):
                 self.count("own_stale")  # sent by this process before it took over
                 return
             await self.control(message)
@@ -443,7 +493,12 @@ class _Role:
     def control_handlers(self) -> dict[type, Handler]:
         """What the role does with each kind that may come to its control queue
         (``configure`` is every role's, handled before this table)."""
-        return {Takeover: self._take_over}
+        return {
+            Takeover: self._take_over,
+            Fence: self._on_fence,
+            Beat: self._on_other_beat,
+            Vote: self._on_late_vote,
+        }
 
     async def handle(self, message: Message) -> None:
         """Dispatch an inbox message by kind; a kind this role does not take is
@@ -472,6 +527,110 @@ class _Role:
         self.takeover_reply = message if message.reply_to else None
         self.count("takeovers")
         log.warning("%s taking over %s", self.id, self.switch_to)
+        if self._stop is not None:
+            self._stop.set()
+
+    async def _on_other_beat(self, message: Beat) -> None:
+        """A master's beat that reached this master (at the control queue it had as a
+        slave): another process serving the same role.  The older reign steps down: that
+        one is fenced, or this one steps down itself."""
+        if message.reply_to == self.connections.process_queue:
+            return  # its own (sent before it switched role)
+        if self.id.is_slave:
+            raise DeadLetter(f"beat from {message.broker!r} at {self.id}'s master handler")
+        if message.broker != self.id.owner:
+            await self._on_slave_beat(message)
+            return
+        theirs = Reign(message.epoch, message.by)
+        if theirs < self.reign and message.reply_to:
+            self.count("fences_sent")
+            fence = Fence(broker=self.id.owner, epoch=self.reign.epoch, by=self.reign.by)
+            await self.tell(message.reply_to, fence)
+        elif theirs > self.reign:
+            await self._on_fence(Fence(broker=self.id.owner, epoch=theirs.epoch, by=theirs.by))
+
+    async def _on_slave_beat(self, message: Beat) -> None:
+        """A slave's beat: it is alive (the live set that dispatch and replication use);
+        a slave the replica set does not hold (the one a promoted master left, served
+        again by a fenced master or a replacement) is caught up and admitted."""
+        replicas = self.replica_set
+        try:
+            slave = RoleId.from_owner(message.broker)
+        except ValueError:
+            slave = None
+        if (
+            replicas is None
+            or slave is None
+            or slave not in self.id.slaves(self.topology.cluster(self.cluster))
+        ):
+            raise DeadLetter(f"beat from {message.broker!r}, not a slave of {self.id}")
+        if slave not in replicas.replicas:
+            await replicas.admit(slave, message.version)
+            if self.beater is not None:
+                self.beater.add(self.control_of(slave))
+            if slave == self.promoted_from and self._former_control is not None:
+                # its slave is served again: its control queue is that slave's
+                client = await self.client_for(self.cluster)
+                with contextlib.suppress(Exception):
+                    await client.cancel(self._former_control)
+                self._former_control = None
+        self.slave_heard(slave.slave)
+
+    @property
+    def replica_set(self) -> _ReplicaSet | None:
+        """A master's replicas of the table its slaves hold (None for a slave)."""
+        replicas = getattr(self, "replicas", None)
+        return replicas if isinstance(replicas, _ReplicaSet) else None
+
+    def slave_heard(self, slave: int) -> None:
+        """A slave's beat or load report arrived (masters that dispatch to slaves track it)."""
+
+    async def _on_late_vote(self, message: Vote) -> None:
+        """A slave still electing after this master took over: tell it who won."""
+        if self.id.is_slave:  # slaves have their own handler; this is a master's
+            raise DeadLetter(f"vote at master-only handler of {self.id}")
+        if message.kind is not Kind.ELECTION or self.promoted_from is None:
+            self.count("late_votes")
+            return
+        with contextlib.suppress(ValueError):
+            sender = RoleId.from_owner(message.broker)
+            if sender in self.id.slaves(self.topology.cluster(self.cluster)):
+                coordinator = Vote(
+                    kind=Kind.COORDINATOR,
+                    broker=self.promoted_from.owner,
+                    epoch=self.reign.epoch,
+                    by=self.reign.by,
+                )
+                await self.signal(sender, coordinator)
+
+    async def _on_fence(self, message: Fence) -> None:
+        """A slave trusts a newer reign than this master's: step down to the slave role
+        this process left when it took over, or (the master as started) the one the newer
+        master left.  An older or equal reign, or one no slave can have, changes nothing."""
+        reign = Reign(message.epoch, message.by)
+        if self.id.is_slave or reign.slave is None or reign.epoch == 0:
+            raise DeadLetter(f"fence from {message.broker!r} of {reign}: not for {self.id}")
+        if reign <= self.reign:
+            self.count("stale_fences")
+            return
+        spec = self.topology.cluster(self.cluster)
+        back = self.promoted_from or next(
+            (r for r in self.id.slaves(spec) if r.slave == reign.slave), None
+        )
+        if back is None:
+            raise DeadLetter(f"fence of {reign}: {self.id} has no slave-{reign.slave}")
+        if self.switch_to is not None:
+            return  # told twice
+        log.warning(
+            "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
+            self.id,
+            self.reign,
+            message.broker,
+            reign,
+            back,
+        )
+        self.count("fenced")
+        self.switch_to, self.reign = back, reign  # the slave trusts the newer reign
         if self._stop is not None:
             self._stop.set()
 
@@ -540,7 +699,9 @@ class _ReplicaSet:
         self.version = 0
         self.pending: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
         self._reads: dict[str, _PendingRead] = {}
-        self.control = role.control_of(role.id)  # where acks and snapshots come back
+        # where acks and snapshots come back: this process's own queue, not the master's
+        # control queue, which a frozen master replaced by this one may still consume
+        self.control = role.connections.process_queue
         self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
         self._dirty = False
 
@@ -648,10 +809,40 @@ class _ReplicaSet:
                 stale.set_exception(ReplicaTimeout(f"{self.owner}: entry v{oldest} below W"))
                 stale.exception()  # retrieved: nobody has to await it
             self.role.count("unacknowledged")
-        entry = Replicate(key=key, state_kind=self.kind, version=version, table=document)
+        entry = Replicate(
+            key=key, state_kind=self.kind, version=version, table=document, reply_to=self.control
+        )
         for inbox in self.slaves:  # ahead of any event backlog in the slave's inbox
             await self.role.send(self.role.cluster, inbox, entry, MAX_PRIORITY)
         return written
+
+    async def admit(self, slave: RoleId, held: int | None) -> None:
+        """Replicate to ``slave`` from now on, after sending it the whole table (the
+        version it says it holds is from another reign, not comparable with these:
+        every entry goes, in version order, ahead of any event in its inbox).  Its acks
+        count toward W from the first entry it got."""
+        inbox = self.role.inbox_of(slave)
+        entries = sorted(self.entries.items(), key=lambda item: item[1][0])
+        log.warning(
+            "%s: admitting %s (it holds up to v%s): %d entries to catch up",
+            self.owner,
+            slave,
+            held,
+            len(entries),
+        )
+        for key, (version, document) in entries:
+            entry = Replicate(
+                key=key,
+                state_kind=self.kind,
+                version=version,
+                table=document,
+                reply_to=self.control,
+            )
+            await self.role.send(self.role.cluster, inbox, entry, MAX_PRIORITY)
+        self.replicas.append(slave)
+        self.slaves.append(inbox)
+        self.names.append(slave.owner)
+        self.role.count("slaves_admitted")
 
     def acknowledged(self, version: int, replica: str) -> None:
         pending = self.pending.get(version)
@@ -700,10 +891,46 @@ class _ReplicaHolder(_Role):
     bully: Bully | None = None
 
     @functools.cached_property
+    def trust(self) -> Trust:
+        """Which reign of its master this slave follows (recovery/fencing.py)."""
+        return Trust(self.reign)
+
+    @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
         return {**super().control_handlers, Beat: self._on_beat, Vote: self._on_vote}
 
+    held_version = 0  # the newest replica entry it stored
+
+    def _beat(self) -> bytes:
+        """What this slave's beats to its master say (read by the beat thread each time)."""
+        reign = self.trust.reign
+        return encode(
+            Beat(
+                broker=self.id.owner,
+                epoch=reign.epoch,
+                by=reign.by,
+                version=self.held_version,
+                reply_to=self.connections.process_queue,  # who it is: no reply is sent
+            )
+        )
+
     async def recovery(self, stop: asyncio.Event) -> None:
+        beater = self.beater = Beater(
+            cluster_settings(self.settings, self.topology, self.cluster)[1],
+            [self.master_control],
+            self._beat,
+            interval_s=self.topology.heartbeat_interval_s,
+            ttl_ms=self._signal_ttl_ms(),
+            priority=MAX_PRIORITY,
+            name=str(self.id),
+        ).start()
+        try:
+            await self._watch_master(stop)
+        finally:
+            await asyncio.to_thread(beater.stop)
+            self.count("beats", beater.sent)
+
+    async def _watch_master(self, stop: asyncio.Event) -> None:
         topology, master = self.topology, self.id.master
         interval = topology.heartbeat_interval_s
         # the master is watched from its first beat on: a slave that starts before its
@@ -741,10 +968,23 @@ class _ReplicaHolder(_Role):
         """The operator's take-over: as an election's winner, tell the other slaves
         first, so none of them elects against this one once the old master is silent."""
         await super()._take_over(message)
+        if self.switch_to is not None:
+            self._winning_reign()
         if self.switch_to is not None and self.bully is not None:
             self.bully.state = BullyState.WON
             for peer in self.bully.peers:
-                await self.signal(peer, Vote(kind=Kind.COORDINATOR, broker=self.id.owner))
+                await self.signal(peer, self._vote(Kind.COORDINATOR))
+
+    def _winning_reign(self) -> Reign:
+        if self.next_reign is None:
+            self.next_reign = self.trust.successor(self.id.slave)
+        return self.next_reign
+
+    def _vote(self, kind: Kind) -> Vote:
+        if kind is not Kind.COORDINATOR:
+            return Vote(kind=kind, broker=self.id.owner)
+        reign = self._winning_reign()
+        return Vote(kind=kind, broker=self.id.owner, epoch=reign.epoch, by=reign.by)
 
     async def _enact(self, effects: list[Send | Become]) -> None:
         kinds = {"election": Kind.ELECTION, "answer": Kind.ELECTION_ANSWER}
@@ -752,12 +992,12 @@ class _ReplicaHolder(_Role):
             if isinstance(effect, Become):
                 self._promote("elected: its master went silent")
                 continue
-            kind = kinds.get(effect.what, Kind.COORDINATOR)
-            await self.signal(effect.to, Vote(kind=kind, broker=self.id.owner))
+            await self.signal(effect.to, self._vote(kinds.get(effect.what, Kind.COORDINATOR)))
 
     def _promote(self, why: str) -> None:
         if self.switch_to is not None:
             return
+        self._winning_reign()
         self.switch_to = self.id.master
         self.count("takeovers")
         log.warning("%s taking over %s (%s)", self.id, self.switch_to, why)
@@ -769,6 +1009,16 @@ class _ReplicaHolder(_Role):
             return
         if message.broker != self.id.master.owner:
             raise DeadLetter(f"beat from {message.broker!r}, not {self.id}'s master")
+        if self.trust.judge(Reign(message.epoch, message.by)) is Verdict.FENCE:
+            # a master of an older reign is serving (it was frozen past the timeout, or
+            # came back): its beat is not heard, and it is told to step down
+            self.count("fences_sent")
+            if message.reply_to:
+                fence = Fence(
+                    broker=self.id.owner, epoch=self.trust.reign.epoch, by=self.trust.reign.by
+                )
+                await self.tell(message.reply_to, fence)
+            return
         now = time.monotonic()
         self.detector.watch([self.id.master], now)
         self.detector.heard(self.id.master, now)
@@ -791,6 +1041,14 @@ class _ReplicaHolder(_Role):
         elif message.kind is Kind.ELECTION_ANSWER:
             await self._enact(self.bully.on_answer(sender, now))
         else:
+            reign = Reign(message.epoch, message.by)
+            if reign.slave != sender.slave or reign.epoch == 0:
+                raise DeadLetter(f"coordinator from {sender} claims {reign}, not its own win")
+            if self.trust.judge(reign) is Verdict.FENCE:
+                self.count("stale_coordinators")
+                raise DeadLetter(
+                    f"coordinator from {sender} of {reign}, older than {self.trust.reign}"
+                )
             self.bully.on_coordinator(sender, now)
             self.detector.heard(self.id.master, now)  # the new master's beats start now
             log.warning("%s: %s serves %s now", self.id, sender, self.id.master)
@@ -815,11 +1073,12 @@ class _ReplicaHolder(_Role):
             message.table,
             message.version,
         )
+        self.held_version = max(self.held_version, message.version)
         self.apply(message.key, message.table)
         self.count("replicas")
         await self.send(
             self.cluster,
-            self.master_control,
+            message.reply_to or self.master_control,  # to the master that wrote it
             Ack(key=message.key, version=message.version, broker=self.replica_owner),
         )
 
@@ -970,7 +1229,9 @@ class RouterSlave(_ReplicaHolder):
     async def run(self, stop: asyncio.Event) -> None:
         self.store = open_store(self.topology.state_store)
         try:
-            for key, (_, doc) in live(self.store.load(self.replica_owner, "routing_table")).items():
+            held = self.store.load(self.replica_owner, "routing_table")
+            self.held_version = max((v for v, _ in held.values()), default=0)
+            for key, (_, doc) in live(held).items():
                 self.table[key] = doc
             await self.serve(stop)
         finally:
@@ -1151,8 +1412,10 @@ class MatchMaster(_MatchBroker):
         self.store = open_store(self.topology.state_store)
         self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
         # which slaves get events: the one liveness rule of the recovery package, fed by
-        # their load heartbeats (a slave silent for three of them gets nothing)
-        self.live = FailureDetector[int](self.HEARTBEAT_S, 3)
+        # their beats and load heartbeats (silent for the detection timeout: nothing)
+        self.live = FailureDetector[int](
+            self.topology.heartbeat_interval_s, self.topology.heartbeat_misses
+        )
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.turn = 0  # round robin's position (inner off)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
@@ -1190,10 +1453,13 @@ class MatchMaster(_MatchBroker):
         """A slave's load report (finite and not negative: the message's model says so)."""
         j = self.replicas.slave(message)
         state = self.slave_state.setdefault(j, RemoteBroker())
-        now = time.monotonic()
-        self.live.watch([j], now)
-        self.live.heard(j, now)
+        self.slave_heard(j)
         state.report(message.queue, message.service_rate, time.monotonic())
+
+    def slave_heard(self, slave: int) -> None:
+        now = time.monotonic()
+        self.live.watch([slave], now)
+        self.live.heard(slave, now)
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
         """Send the subscriptions of the arc's event types to the joining cluster."""
@@ -1335,8 +1601,9 @@ class MatchMaster(_MatchBroker):
         return None if chosen == "self" else int(chosen.split("-")[1])
 
     def _live_slaves(self, now: float) -> list[int]:
-        """The slaves that reported in the last three heartbeats (a silent one gets nothing)."""
-        return sorted(j for j in self.live.alive(now))
+        """The slaves heard within the detection timeout that sent a load report (a
+        silent one gets nothing)."""
+        return sorted(j for j in self.live.alive(now) if j in self.slave_state)
 
     def choose_blind(self) -> int | None:
         """With ``inner`` off: the next of the master and its live slaves in turn
@@ -1360,7 +1627,9 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
 
     async def run(self, stop: asyncio.Event) -> None:
         self.store = open_store(self.topology.state_store)
-        for sid, (_, doc) in live(self.store.load(self.replica_owner, "subscription")).items():
+        held = self.store.load(self.replica_owner, "subscription")
+        self.held_version = max((v for v, _ in held.values()), default=0)
+        for sid, (_, doc) in live(held).items():
             self._held(sid, doc)
         try:
             await self._serve_observed(stop)

@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from middleware.recovery import Become, Bully, BullyState, FailureDetector, Send
+from middleware.recovery import (
+    Become,
+    Bully,
+    BullyState,
+    FailureDetector,
+    Reign,
+    Send,
+    Trust,
+    Verdict,
+)
 from middleware.routing.ids import RoleId
 
 MASTER = RoleId.match("B", 0)
@@ -105,3 +114,187 @@ def test_a_lower_slave_waits_for_the_coordinator_and_trusts_a_beating_master() -
     bully.master_heard()  # a false suspicion: the master beats again
     assert bully.state is BullyState.IDLE and bully.tick(10.0) == []
     assert bully.on_election(RoleId.match_slave("B", 0, 9), 0.0) == []  # not a peer
+
+
+# ------------------------------------------------------------------ fencing
+
+
+def test_a_slave_trusts_the_newest_reign_and_fences_older_ones() -> None:
+    trust = Trust()
+    assert trust.judge(Reign()) is Verdict.TRUST  # the master as started
+    won = trust.successor(1)
+    assert won == Reign(1, -2) and won.slave == 1 and str(won) == "epoch 1 (slave-1)"
+    assert trust.judge(won) is Verdict.TRUST and trust.reign == won
+    assert trust.judge(Reign()) is Verdict.FENCE  # the old master came back
+    # two winners of one epoch (a race): the one that was the higher slave stays
+    assert trust.judge(Reign.of_winner(1, 0)) is Verdict.TRUST
+    assert trust.judge(won) is Verdict.FENCE
+    assert trust.successor(2) == Reign(2, -3)
+
+
+class _Process:
+    """One slave process of the simulation: its election, its trust, and whether it
+    serves the master (under which reign)."""
+
+    def __init__(self, me: RoleId) -> None:
+        self.me = me
+        self.bully = Bully(me=me, peers=SLAVES, answer_s=0.2, coordinator_s=0.5)
+        self.trust = Trust()
+        self.reign: Reign | None = None  # serving the master under it
+        self.dead = False
+
+    def step_down(self, newer: Reign) -> None:
+        self.reign = None
+        self.bully = Bully(me=self.me, peers=SLAVES, answer_s=0.2, coordinator_s=0.5)
+        self.trust = Trust(newer)
+
+
+class _Cluster:
+    """The slaves of one master whose master died, with a network that delivers what
+    the machines return in whatever order a test picks."""
+
+    def __init__(self) -> None:
+        self.procs = {s: _Process(s) for s in SLAVES}
+        self.net: list[tuple[RoleId, RoleId, str, Reign]] = []  # to, from, what, reign
+        self.now = 0.0
+        self.thawed = False  # the old master was frozen, not dead, and runs again
+
+    def enact(self, proc: _Process, effects: list[Send | Become]) -> None:
+        for effect in effects:
+            if isinstance(effect, Become):
+                proc.reign = proc.trust.successor(proc.me.slave)
+                continue
+            reign = proc.trust.successor(proc.me.slave)  # what a COORDINATOR carries
+            self.net.append((effect.to, proc.me, effect.what, reign))
+
+    def deliver(self, i: int) -> None:
+        to, sender, what, reign = self.net.pop(i % len(self.net))
+        proc = self.procs[to]
+        if proc.dead:
+            return
+        if proc.reign is not None:  # a master at its former control queue
+            if what == "election":
+                self.net.append((sender, to, "coordinator", proc.reign))
+            return
+        if what == "coordinator":
+            if proc.trust.judge(reign) is Verdict.FENCE:
+                return  # stale: dead-lettered
+            proc.bully.on_coordinator(sender, self.now)
+            return
+        handle = proc.bully.on_election if what == "election" else proc.bully.on_answer
+        self.enact(proc, handle(sender, self.now))
+
+    def masters(self) -> list[_Process]:
+        return [p for p in self.procs.values() if p.reign is not None and not p.dead]
+
+    def serving(self) -> list[Reign]:
+        """The reigns served now: the promoted masters', the thawed old master's."""
+        return [p.reign for p in self.masters() if p.reign] + [Reign()] * self.thawed
+
+    def beat(self) -> None:
+        """Every master beats; slaves judge the beats; masters judge each other's (a
+        promoted master still reads the control queue it had as a slave)."""
+        if self.thawed:  # the master as started beats to every slave's control queue
+            for other in self.procs.values():
+                if other.dead or not self.thawed:
+                    continue
+                if other.reign is not None or other.trust.judge(Reign()) is Verdict.FENCE:
+                    self.thawed = False  # fenced: it steps down
+                else:
+                    other.bully.master_heard()
+        for master in self.masters():
+            for other in self.procs.values():
+                if other is master or other.dead or master.reign is None:
+                    continue
+                if other.reign is not None:  # two masters: the older reign steps down
+                    if other.reign < master.reign:
+                        other.step_down(master.reign)
+                    elif master.reign < other.reign:
+                        master.step_down(other.reign)
+                elif other.trust.judge(master.reign) is Verdict.FENCE:
+                    master.step_down(other.trust.reign)
+                else:
+                    other.bully.master_heard()
+
+    def suspect(self, proc: _Process) -> None:
+        if not proc.dead and proc.reign is None:
+            self.enact(proc, proc.bully.master_suspected(self.now))
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for proc in self.procs.values():
+            if not proc.dead and proc.reign is None:
+                self.enact(proc, proc.bully.tick(self.now))
+
+    def settle(self) -> None:
+        """Messages stop being reordered: FIFO delivery, beats, the detector's verdict
+        (a slave whose trusted reign nobody serves suspects), timeouts."""
+        for _ in range(400):
+            while self.net:
+                self.deliver(0)
+            self.beat()
+            served = self.serving()
+            for proc in self.procs.values():
+                if proc.trust.reign not in served:
+                    self.suspect(proc)
+            self.tick(0.05)
+            served = self.serving()
+            slaves = [p for p in self.procs.values() if not p.dead and p.reign is None]
+            if (
+                not self.net
+                and len(served) == 1
+                and all(p.trust.reign == served[0] for p in slaves)
+            ):
+                return
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["deliver", "tick", "suspect", "crash", "beat", "thaw"]),
+        st.integers(0, 99),
+    ),
+    max_size=60,
+)
+
+
+@given(_OPS, st.sets(st.integers(0, 2), max_size=2))
+def test_any_crash_set_and_message_order_leaves_exactly_one_master(ops, dead_at_start) -> None:
+    """Hypothesis picks which slaves are dead from the start, and then interleaves
+    deliveries in any order, timeouts, suspicions, beats and crashes (a winner too);
+    once messages stop being reordered, exactly one live process serves the master and
+    every live slave trusts its reign.  The master as started may come back (it was
+    frozen past the timeout): it serves on only if no election was won meanwhile."""
+    cluster = _Cluster()
+    for i in dead_at_start:
+        cluster.procs[SLAVES[i]].dead = True
+    crashes = len(dead_at_start)
+    for op, n in ops:
+        proc = cluster.procs[SLAVES[n % 3]]
+        if op == "deliver" and cluster.net:
+            cluster.deliver(n)
+        elif op == "tick":
+            cluster.tick(n / 200)
+        elif op == "suspect":
+            cluster.suspect(proc)
+        elif op == "crash" and crashes < 2 and not proc.dead:  # one slave always lives
+            proc.dead, crashes = True, crashes + 1
+        elif op == "beat":
+            cluster.beat()
+        elif op == "thaw" and n < 10:  # the master as started comes back
+            cluster.thawed = True
+    cluster.settle()
+    served = cluster.serving()
+    assert len(served) == 1
+    assert all(
+        p.trust.reign == served[0] for p in cluster.procs.values() if not p.dead and p.reign is None
+    )
+    masters = cluster.masters()
+    if cluster.thawed:  # no election was won meanwhile: the old master serves on
+        assert not masters
+        return
+    assert len(masters) == 1
+    assert all(
+        p.trust.reign == masters[0].reign
+        for p in cluster.procs.values()
+        if not p.dead and p.reign is None
+    )

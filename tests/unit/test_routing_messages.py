@@ -20,6 +20,7 @@ from middleware.routing.messages import (
     Beat,
     Configure,
     Confirmation,
+    Fence,
     Handover,
     Heartbeat,
     Join,
@@ -55,11 +56,12 @@ ONE_OF_EACH = [
     Takeover(master="B/match-0", request="r3", reply_to="px.takeover.r3"),
     Answer(request="r3", broker="B/match-0"),
     Confirmation(subscription_id="s1", event_type="quotes", broker="B/match-0"),
-    Beat(broker="B/match-0"),
+    Beat(broker="B/match-0", epoch=1, by=-2, reply_to="phoenix.process.x"),
     *(
         Vote(kind=k, broker="B/match-0/slave-1")
         for k in ("election", "election_answer", "coordinator")
     ),
+    Fence(broker="B/match-0/slave-0", epoch=2, by=-1),
 ]
 
 
@@ -150,8 +152,15 @@ def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
             Unsubscribed,
             Publish,
         }
-        assert {Ack, Snapshot, Takeover} <= set(router.control_handlers)
-        assert Beat not in router.control_handlers  # a master beats, it is not beaten
+        assert {Ack, Snapshot, Takeover, Beat, Fence} <= set(router.control_handlers)
+        # beats from role ids its topology does not give it as slaves are dead-lettered
+        for stranger in ("B/router-slave-7", "A/router-slave-0", "B/match-0/slave-0", "x"):
+            with pytest.raises(DeadLetter, match="not a slave of B/router"):
+                await router.control(Beat(broker=stranger, version=3))
+        # a fence no slave can have sent (epoch 0, or the master as started) changes nothing
+        with pytest.raises(DeadLetter, match="not for B/router"):
+            await router.control(Fence(broker="B/router-slave-0", epoch=0, by=0))
+        assert router.switch_to is None
         with pytest.raises(DeadLetter, match="heartbeat is not for a RouterMaster's inbox"):
             await router.handle(ONE_OF_EACH[5])
         with pytest.raises(DeadLetter, match="not its slave"):

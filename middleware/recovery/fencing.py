@@ -1,0 +1,62 @@
+"""Fencing (pure): which of two processes serving one master role is the real one.
+
+Queues are named after roles, not processes, so a master that was only frozen (a pause
+longer than the detection timeout, SIGSTOP) and comes back after its slaves elected a
+successor would serve the same inbox as the successor: two masters, one cluster split in
+two.  Every reign of a master role is therefore numbered: :class:`Reign` ``(epoch, by)``,
+the master as started is ``(0, 0)``, an election's winner takes the next epoch above the
+highest its slave has trusted, and two winners of one epoch (a race) are ordered by the
+slave each was (``slave-0`` above ``slave-1``).  Masters put their reign in every beat and
+COORDINATOR; each slave trusts the highest reign it has heard (:class:`Trust`) and answers
+a beat of a lower one with FENCE, upon which that master steps down to the slave role it
+left (or, for the master as started, to the one its successor left).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["Reign", "Trust", "Verdict"]
+
+
+@dataclass(frozen=True, order=True)
+class Reign:
+    epoch: int = 0
+    by: int = 0  # 0: the master as started; -(k + 1): the winner that was slave k
+
+    @classmethod
+    def of_winner(cls, epoch: int, slave: int) -> Reign:
+        return cls(epoch, -(slave + 1))
+
+    @property
+    def slave(self) -> int | None:
+        """The slave number the reign's master left when it took over (None: started so)."""
+        return None if self.by == 0 else -self.by - 1
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}" + ("" if self.slave is None else f" (slave-{self.slave})")
+
+
+class Verdict(StrEnum):
+    TRUST = "trust"  # the master the slave follows (its beat counts as heard)
+    FENCE = "fence"  # an older reign: tell it to step down; its beat is not heard
+
+
+@dataclass
+class Trust:
+    """One slave's view of who serves its master role now."""
+
+    reign: Reign = Reign()
+
+    def judge(self, reign: Reign) -> Verdict:
+        """A beat or COORDINATOR of ``reign``: follow it if it is not older than the one
+        trusted so far (newer: trusted from now on), else fence it."""
+        if reign < self.reign:
+            return Verdict.FENCE
+        self.reign = reign
+        return Verdict.TRUST
+
+    def successor(self, slave: int) -> Reign:
+        """The reign this slave serves under when it wins an election."""
+        return Reign.of_winner(self.reign.epoch + 1, slave)

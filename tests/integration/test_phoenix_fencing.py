@@ -1,0 +1,126 @@
+"""A master that was only frozen comes back after its slaves elected a successor: it
+must step down, not split its cluster in two (issue #23, item 7), and the slave role it
+steps down to is caught up and counts again: when the successor dies in turn, the old
+master's process wins the next election and serves with the subscriptions it got back.
+
+Real role processes, real SIGSTOP / SIGCONT / SIGKILL by PID, and the test's own counter:
+every event it published (and the broker confirmed) is looked for in its subscriber
+queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from middleware.localcluster.manager import pid_alive
+from middleware.routing import ChordRing
+from middleware.routing.client import PhoenixClient
+from middleware.routing.deployment import PhoenixDeployment
+from middleware.routing.ids import RoleId
+from middleware.transport import AsyncClient
+from tests.integration.test_phoenix import _topology
+from tests.integration.test_phoenix_recovery import _stream
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+
+
+def _until(check, timeout: float, what: str) -> float:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.02)
+    return time.time()
+
+
+def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught_up_slave(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    ring = ChordRing(["A", "B"])
+    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
+    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    queue = f"{name}.sub"
+    master = RoleId.match("B", 0)
+    slave0, slave1 = master.slaves(topology.cluster("B"))
+    pids = deployment.up()
+    frozen: dict[str, float] = {}
+    try:
+
+        async def subscribe() -> None:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
+                deadline = time.monotonic() + 60
+                while await client.queue_length(queue) == 0:  # the path is live end to end
+                    assert time.monotonic() < deadline, "no probe reached the subscriber"
+                    await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
+                    await asyncio.sleep(0.3)
+                while await client.get(queue) is not None:
+                    pass
+
+        asyncio.run(subscribe())
+
+        def thaw_once_replaced() -> None:
+            frozen["replaced"] = _until(
+                lambda: deployment.serves(slave0) == master, 10, f"{slave0} serving {master}"
+            )
+            time.sleep(0.3)  # the successor serves for a while beside the frozen one
+            os.kill(pids[master], signal.SIGCONT)
+            frozen["thawed"] = time.time()
+
+        thawer = threading.Thread(target=thaw_once_replaced)
+
+        def freeze() -> None:  # returns at once: events flow through the freeze
+            os.kill(pids[master], signal.SIGSTOP)
+            frozen["stopped"] = time.time()
+            thawer.start()
+
+        got, published, _ = asyncio.run(_stream(settings, topology, event_type, queue, freeze))
+        thawer.join(15)
+        assert "thawed" in frozen, "the frozen master was never replaced"
+        # the old master's process is alive and serves the slave role its successor left
+        _until(lambda: deployment.serves(master) == slave0, 10, f"old {master} stepping down")
+        stepped_down = json.loads(deployment.status_file(master).read_text())["since"]
+        assert pid_alive(pids[master]) and deployment.serves(slave0) == master
+        missing = sorted(set(range(published)) - set(got))
+        assert not missing, f"{len(missing)} events lost: {missing[:20]}"
+        log = deployment.log_file(master).read_text()
+        assert "fenced by" in log and f"stepping down to {slave0}" in log
+        first = published
+
+        # the successor dies: the old master's process, a slave again and caught up,
+        # outranks slave-1 and serves the master with the subscription it got back
+        got, published, killed_at = asyncio.run(
+            _stream(
+                settings,
+                topology,
+                event_type,
+                queue,
+                lambda: os.kill(pids[slave0], signal.SIGKILL),
+                first,
+            )
+        )
+        missing = sorted(set(range(first, published)) - set(got))
+        assert not missing, f"after the second failure: {len(missing)} events lost: {missing[:20]}"
+        assert deployment.serves(master) == master and not pid_alive(pids[slave0])
+        assert deployment.serves(slave1) == slave1
+        again = json.loads(deployment.status_file(master).read_text())["since"] - killed_at
+        print(
+            f"\nfrozen {frozen['replaced'] - frozen['stopped']:.2f} s until replaced, "
+            f"thawed, serving as {slave0} {stepped_down - frozen['thawed']:.2f} s later; "
+            f"{first} + {published - first} events, 0 lost, "
+            f"{len(got) - len(set(got))} duplicates after the second failure, "
+            f"which it served again {again:.2f} s after the kill"
+        )
+    finally:
+        if pid_alive(pids[master]):
+            os.kill(pids[master], signal.SIGCONT)
+        deployment.down()
