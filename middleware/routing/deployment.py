@@ -9,12 +9,15 @@ PID), one log per role and one status file per role (what the process serves now
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +32,9 @@ from .node import take_over
 from .protocol import MAX_PRIORITY, PhoenixTopology
 from .roles import cluster_settings, inbox_spec, reconfigure
 
-__all__ = ["DeploymentError", "PhoenixDeployment", "RoleStatus"]
+__all__ = ["DeploymentError", "LocalProvisioner", "PhoenixDeployment", "RoleStatus"]
+
+log = logging.getLogger(__name__)
 
 
 class DeploymentError(MiddlewareError):
@@ -76,6 +81,26 @@ class PhoenixDeployment:
         saved: dict[str, int] = json.loads(self.state_file.read_text())
         return {RoleId.from_key(key): pid for key, pid in saved.items()}
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The state file is read and written under a lock: role processes replace
+        slaves (``replace``) while an operator may start, stop or take the deployment down."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "phoenix.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    @property
+    def _stopping(self) -> Path:
+        return self.state_dir / "stopping"  # down under way: nothing is replaced
+
+    def _held(self, slot: RoleId) -> Path:
+        """Marks a slot its operator stopped (``stop``): not restarted by ``replace``."""
+        return self.log_file(slot).with_suffix(".stopped")
+
     def _save(self, pids: Mapping[RoleId, int]) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
@@ -110,11 +135,14 @@ class PhoenixDeployment:
             raise DeploymentError("already up (down first)")
         clusters = [c.id for c in self.topology.clusters if c.joined]
         self.check_reachable(clusters)
+        self._stopping.unlink(missing_ok=True)
         pids: dict[RoleId, int] = {}
-        for cluster in clusters:
-            for role in RoleId.of_cluster(self.topology.cluster(cluster)):
-                pids[role] = self._spawn(role)
-        self._save(pids)
+        with self._locked():
+            for cluster in clusters:
+                for role in RoleId.of_cluster(self.topology.cluster(cluster)):
+                    self._held(role).unlink(missing_ok=True)
+                    pids[role] = self._spawn(role)
+            self._save(pids)
         self._await_serving(pids, timeout)
         return pids
 
@@ -125,9 +153,11 @@ class PhoenixDeployment:
         if any(r.cluster == spec.id and pid_alive(p) for r, p in pids.items()):
             raise DeploymentError(f"{spec.id} is already running")
         self.check_reachable([spec.id])
-        started = {role: self._spawn(role) for role in RoleId.of_cluster(spec)}
-        pids.update(started)
-        self._save(pids)
+        with self._locked():
+            pids = self.pids()
+            started = {role: self._spawn(role) for role in RoleId.of_cluster(spec)}
+            pids.update(started)
+            self._save(pids)
         self._await_serving(started, timeout)
         others = sorted({r.cluster for r in pids} - {spec.id})
 
@@ -146,7 +176,9 @@ class PhoenixDeployment:
     def down(self, *, timeout: float = 15.0) -> int:
         """SIGTERM every role (they stop consuming and close), SIGKILL what is left after
         ``timeout``; return how many processes there were."""
-        pids = self.pids()
+        with self._locked():  # from now on no role process starts a replacement
+            self._stopping.touch()
+            pids = self.pids()
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -156,6 +188,8 @@ class PhoenixDeployment:
                     os.kill(pid, signal.SIGKILL)
             _wait_dead(pids.values(), 5.0)
         self.state_file.unlink(missing_ok=True)
+        for slot in pids:
+            self._held(slot).unlink(missing_ok=True)
         return len(pids)
 
     def kill(self, role: RoleId) -> int:
@@ -168,8 +202,10 @@ class PhoenixDeployment:
         return pid
 
     def stop(self, role: RoleId, *, timeout: float = 15.0) -> int:
-        """SIGTERM the process started as ``role`` and wait for it to end; its PID."""
+        """SIGTERM the process started as ``role`` and wait for it to end; its PID.  The
+        role it served is not replaced by its master's provisioner (``start`` undoes it)."""
         pid = self._pid(role)
+        self._held(role).touch()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         if not _wait_dead([pid], timeout):
@@ -181,13 +217,48 @@ class PhoenixDeployment:
         once it serves."""
         if not role.in_topology(self.topology):
             raise DeploymentError(f"{role} is not in the topology")
-        pids = self.pids()
-        if role in pids and pid_alive(pids[role]):
-            raise DeploymentError(f"{role.key} is running (pid {pids[role]})")
-        pids[role] = self._spawn(role)
-        self._save(pids)
+        with self._locked():
+            pids = self.pids()
+            if role in pids and pid_alive(pids[role]):
+                raise DeploymentError(f"{role.key} is running (pid {pids[role]})")
+            self._held(role).unlink(missing_ok=True)
+            pids[role] = self._spawn(role)
+            self._save(pids)
         self._await_serving({role: pids[role]}, timeout)
         return pids[role]
+
+    def replace(self, role: RoleId) -> tuple[RoleId, int] | None:
+        """Start a process serving ``role`` (a slave whose master hears nothing from it)
+        in the slot of a dead process of its cluster, its own slot first; return the slot
+        and the new PID, or None when nothing was started: a live process serves ``role``
+        already (a fenced master stepped down into it), the deployment is going down, the
+        operator stopped ``role`` (``stop``), or no slot of the cluster is free.
+
+        A slot is one process's place in the state file, named after the role it was
+        started as; its status file says what its process serves now.  The new process
+        appends to the slot's log."""
+        if not role.is_slave or not role.in_topology(self.topology):
+            raise DeploymentError(f"{role} is no slave of the topology: not replaced")
+        with self._locked():
+            pids = self.pids()
+            if self._stopping.exists() or (role in pids and self._held(role).exists()):
+                return None
+            alive = {slot for slot, pid in pids.items() if pid_alive(pid)}
+            if any(self.serves(slot) == role for slot in alive):
+                return None
+            free = [
+                slot
+                for slot in sorted(pids, key=lambda s: (s != role, s.key))
+                if slot not in alive
+                and slot.cluster == role.cluster
+                and not self._held(slot).exists()
+            ]
+            if not free:
+                return None
+            slot = free[0]
+            pids[slot] = self._spawn(slot, role)
+            self._save(pids)
+            return slot, pids[slot]
 
     def take_over(self, slave: RoleId, *, timeout_s: float = 30.0) -> RoleId:
         """Tell a running slave to serve its master's role; return once it does (at once
@@ -302,13 +373,40 @@ class PhoenixDeployment:
             raise DeploymentError(f"{role.key} was not started by this deployment")
         return pids[role]
 
-    def _spawn(self, role: RoleId) -> int:
+    def _spawn(self, slot: RoleId, role: RoleId | None = None) -> int:
+        """Start a process in ``slot`` serving ``role`` (the slot's own by default)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        status = self.status_file(role)
+        status = self.status_file(slot)
         status.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "middleware.cli", "sidecar", *_role_argv(role)]
+        argv = [sys.executable, "-m", "middleware.cli", "sidecar", *_role_argv(role or slot)]
         argv += ["--topology", str(self.topology_file), "--status-file", str(status.resolve())]
-        return spawn_daemon(argv, self.env, self.log_file(role))
+        return spawn_daemon(argv, self.env, self.log_file(slot))
+
+
+class LocalProvisioner:
+    """The recovery package's provisioner for a deployment on this machine: a master
+    that hears nothing from one of its slaves asks it for a replacement, which starts
+    in the slot of a dead process (``PhoenixDeployment.replace``).  Another scheduler
+    (systemd, Kubernetes) is one more class with this ``start``: see
+    ``docs/phoenix-recovery.md``."""
+
+    def __init__(self, deployment: PhoenixDeployment) -> None:
+        self.deployment = deployment
+
+    def start(self, role: RoleId) -> str | None:
+        """Start a process serving ``role``; what was started (for the log), or None."""
+        started = self.deployment.replace(role)
+        if started is None:
+            return None
+        slot, pid = started
+        # the new process is this one's child: reaped when it ends, never a zombie
+        threading.Thread(target=_reap, args=(pid,), name=f"reaper of {pid}", daemon=True).start()
+        return f"pid {pid} in the slot of {slot.key}"
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 def _role_argv(role: RoleId) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import MiddlewareError, Unroutable
 from ..recovery.fencing import Reign
+from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .ids import RoleId, RoleKind
@@ -54,12 +55,14 @@ class RoleNode:
         topology: PhoenixTopology,
         role: RoleId,
         status_file: Path | None = None,
+        provisioner: Provisioner | None = None,
     ) -> None:
         if not role.in_topology(topology):
             raise MiddlewareError(f"role {role} is not in the topology")
         self.settings, self.topology = settings, topology
         self.started_as = self.current = role
         self.status_file = status_file
+        self.provisioner = provisioner  # for the masters it serves
         self.role: _Role | None = None
         self.switches = 0
 
@@ -77,6 +80,7 @@ class RoleNode:
             "connections": connections,
             "promoted_from": promoted_from,
             "reign": reign,
+            "provisioner": self.provisioner,
         }
         if role.kind is RoleKind.ROUTER:
             return RouterMaster(**common)

@@ -77,6 +77,11 @@ class PhoenixTopology(BaseModel):
     #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over
     heartbeat_interval_s: float = Field(0.1, gt=0, le=60)
     heartbeat_misses: int = Field(5, ge=1, le=100)
+    #: a master that hears nothing from one of its slaves for this long (never less than
+    #: the detection timeout) asks its provisioner for a replacement, again after
+    #: ``replace_retry_s`` if none came
+    replace_after_s: float = Field(2.0, ge=0)
+    replace_retry_s: float = Field(30.0, gt=0)
 
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:

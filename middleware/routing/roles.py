@@ -56,6 +56,7 @@ from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.fencing import Reign, Trust, Verdict
+from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
@@ -207,6 +208,7 @@ class _Role:
         connections: Connections | None = None,
         promoted_from: RoleId | None = None,
         reign: Reign | None = None,
+        provisioner: Provisioner | None = None,
     ) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
@@ -218,6 +220,12 @@ class _Role:
         self.reign = reign or Reign()
         #: the reign a slave serves its master under once it won (set when it wins)
         self.next_reign: Reign | None = None
+        #: where a master asks for a replacement of a slave it no longer hears
+        self.provisioner = provisioner
+        # a master's slaves, by number, as their beats and load reports say: the one
+        # liveness rule for dispatch (match masters) and for replacements
+        self.live = FailureDetector[int](topology.heartbeat_interval_s, topology.heartbeat_misses)
+        self.replacing: dict[int, float] = {}  # slave -> when a replacement was asked for
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
         self.takeover_reply: Takeover | None = None  # answered once serving
@@ -308,16 +316,18 @@ class _Role:
         slaves elect a successor when the beats stop); a slave watches its master."""
         if self.id.is_slave:
             return
-        slaves = [r for r in self.id.slaves(self.topology.cluster(self.cluster))]
-        slaves = [r for r in slaves if r != self.promoted_from]
-        if not slaves:
+        every = self.id.slaves(self.topology.cluster(self.cluster))
+        if not every:
             return
+        # the one a promoted master left beats to it once served again (admitted then)
+        slaves = [r for r in every if r != self.promoted_from]
         if self.promoted_from is None:
             # from the first beat on its slaves watch it: a master that starts beating
             # only once it serves is never suspected for the pauses of loading its tables
             # (a full collection of a large heap holds every thread for ~0.5 s; a bench
             # start saw one).  A promoted master beats at once: its slaves watch already.
             await self.serving.wait()
+        self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
         beater = self.beater = Beater(
             cluster_settings(self.settings, self.topology, self.cluster)[1],
             [self.control_of(r) for r in slaves],
@@ -335,7 +345,10 @@ class _Role:
             name=str(self.id),
         ).start()
         try:
-            await stop.wait()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
+                await self.replace_silent(time.monotonic())
         finally:
             await asyncio.to_thread(beater.stop)
             self.count("beats", beater.sent)
@@ -583,7 +596,43 @@ class _Role:
         return replicas if isinstance(replicas, _ReplicaSet) else None
 
     def slave_heard(self, slave: int) -> None:
-        """A slave's beat or load report arrived (masters that dispatch to slaves track it)."""
+        """A slave's beat or load report arrived."""
+        now = time.monotonic()
+        self.live.watch([slave], now)
+        self.live.heard(slave, now)
+        self.replacing.pop(slave, None)
+
+    async def replace_silent(self, now: float) -> None:
+        """Ask the provisioner for a replacement of every slave silent past
+        ``replace_after_s`` (and the detection timeout), once per ``replace_retry_s``."""
+        if self.provisioner is None:
+            return
+        topology = self.topology
+        after = max(topology.replace_after_s, self.live.timeout_s)
+        for slave in self.id.slaves(topology.cluster(self.cluster)):
+            silent = self.live.silent_for(slave.slave, now)
+            asked = self.replacing.get(slave.slave)
+            if silent is None or silent <= after:
+                continue
+            if asked is not None and now - asked < topology.replace_retry_s:
+                continue
+            self.replacing[slave.slave] = now
+            try:
+                started = await asyncio.to_thread(self.provisioner.start, slave)
+            except Exception as exc:  # a provisioner's failure is not the master's
+                log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
+                continue
+            if started is None:
+                log.info("%s: %s silent for %.1f s; nothing to start", self.id, slave, silent)
+                continue
+            self.count("replacements")
+            log.warning(
+                "%s: %s silent for %.1f s: replacement started (%s)",
+                self.id,
+                slave,
+                silent,
+                started,
+            )
 
     async def _on_late_vote(self, message: Vote) -> None:
         """A slave still electing after this master took over: tell it who won."""
@@ -1411,11 +1460,6 @@ class MatchMaster(_MatchBroker):
         super().__init__(**kwargs)
         self.store = open_store(self.topology.state_store)
         self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
-        # which slaves get events: the one liveness rule of the recovery package, fed by
-        # their beats and load heartbeats (silent for the detection timeout: nothing)
-        self.live = FailureDetector[int](
-            self.topology.heartbeat_interval_s, self.topology.heartbeat_misses
-        )
         self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
         self.turn = 0  # round robin's position (inner off)
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
@@ -1455,11 +1499,6 @@ class MatchMaster(_MatchBroker):
         state = self.slave_state.setdefault(j, RemoteBroker())
         self.slave_heard(j)
         state.report(message.queue, message.service_rate, time.monotonic())
-
-    def slave_heard(self, slave: int) -> None:
-        now = time.monotonic()
-        self.live.watch([slave], now)
-        self.live.heard(slave, now)
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
         """Send the subscriptions of the arc's event types to the joining cluster."""

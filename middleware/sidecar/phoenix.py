@@ -100,8 +100,20 @@ def _run_role(args: argparse.Namespace, role: Any) -> int:
 
     topology = PhoenixTopology.load(args.topology)
     topology.cluster(args.cluster)
+    provisioner = None
+    if args.status_file is not None:  # started by a deployment: replace slaves in it
+        from ..routing.deployment import LocalProvisioner, PhoenixDeployment
+
+        deployment = PhoenixDeployment(
+            args.topology, Path(args.status_file).parent, settings=args.settings
+        )
+        provisioner = LocalProvisioner(deployment)
     node = RoleNode(
-        settings=args.settings, topology=topology, role=role, status_file=args.status_file
+        settings=args.settings,
+        topology=topology,
+        role=role,
+        status_file=args.status_file,
+        provisioner=provisioner,
     )
     return _serve(node, args.settings)
 

@@ -39,6 +39,20 @@ def _until(check, timeout: float, what: str) -> float:
     return time.time()
 
 
+async def _subscribe(settings, topology, event_type: str, queue: str) -> None:
+    """Subscribe at A (filter ``n >= -1``) and wait until a probe reaches the queue."""
+    async with AsyncClient(settings=settings) as client:
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
+        deadline = time.monotonic() + 60
+        while await client.queue_length(queue) == 0:  # the path is live end to end
+            assert time.monotonic() < deadline, "no probe reached the subscriber"
+            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
+            await asyncio.sleep(0.3)
+        while await client.get(queue) is not None:
+            pass
+
+
 def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught_up_slave(
     settings, brokers, tmp_path: Path, name: str
 ) -> None:
@@ -53,20 +67,7 @@ def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught
     pids = deployment.up()
     frozen: dict[str, float] = {}
     try:
-
-        async def subscribe() -> None:
-            async with AsyncClient(settings=settings) as client:
-                at_a = PhoenixClient(client, topology=topology, cluster="A")
-                await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
-                deadline = time.monotonic() + 60
-                while await client.queue_length(queue) == 0:  # the path is live end to end
-                    assert time.monotonic() < deadline, "no probe reached the subscriber"
-                    await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
-                    await asyncio.sleep(0.3)
-                while await client.get(queue) is not None:
-                    pass
-
-        asyncio.run(subscribe())
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
 
         def thaw_once_replaced() -> None:
             frozen["replaced"] = _until(
@@ -124,3 +125,68 @@ def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught
         if pid_alive(pids[master]):
             os.kill(pids[master], signal.SIGCONT)
         deployment.down()
+
+
+def test_dead_roles_are_replaced_by_the_provisioner_and_the_replacements_count(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    """Issue #23, items 4 and 5: a promoted master's provisioner starts a process for
+    the slave role it left, in the slot of the dead master; a killed slave is replaced in
+    its own slot; each replacement is caught up, and when the promoted master dies too,
+    the replacement (it outranks slave-1) takes over with the subscription: 0 lost."""
+    ring = ChordRing(["A", "B"])
+    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
+    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    queue = f"{name}.sub"
+    master = RoleId.match("B", 0)
+    slave0, slave1 = master.slaves(topology.cluster("B"))
+    first_pids = deployment.up()
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+        got, published, _ = asyncio.run(
+            _stream(settings, topology, event_type, queue, lambda: deployment.kill(master))
+        )
+        lost = sorted(set(range(published)) - set(got))
+        assert not lost, f"{len(lost)} events lost: {lost[:20]}"
+        assert deployment.serves(slave0) == master
+        # the dead master's slot gets a new process, serving the slave role left vacant
+        _until(
+            lambda: pid_alive(deployment.pids()[master]) and deployment.serves(master) == slave0,
+            30,
+            f"a replacement for {slave0}",
+        )
+        assert deployment.pids()[master] != first_pids[master]
+        promoted_log = deployment.log_file(slave0).read_text()
+        assert f"{slave0} silent for" in promoted_log and f"admitting {slave0}" in promoted_log
+
+        # a killed slave is replaced in its own slot
+        deployment.kill(slave1)
+        _until(
+            lambda: pid_alive(deployment.pids()[slave1]) and deployment.serves(slave1) == slave1,
+            30,
+            f"a replacement for {slave1}",
+        )
+        assert deployment.pids()[slave1] != first_pids[slave1]
+
+        # the promoted master dies: the replacement of slave-0 wins and serves with the
+        # subscription it was caught up with
+        first = published
+        got, published, _ = asyncio.run(
+            _stream(
+                settings,
+                topology,
+                event_type,
+                queue,
+                lambda: os.kill(first_pids[slave0], signal.SIGKILL),
+                first,
+            )
+        )
+        lost = sorted(set(range(first, published)) - set(got))
+        assert not lost, f"after the second failure: {len(lost)} events lost: {lost[:20]}"
+        assert deployment.serves(master) == master
+    finally:
+        pids = deployment.pids()
+        deployment.down()
+    assert not any(pid_alive(p) for p in pids.values())  # replacements stopped too

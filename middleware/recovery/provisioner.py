@@ -1,0 +1,26 @@
+"""The provisioner seam: how a master gets a replacement for a slave it no longer hears.
+
+A master asks for a role id (never a process): the replacement serves the same role,
+named by the same queues, so nothing else has to be told.  ``start`` may block (it runs
+in a thread) and returns what it started, for the log, or None when it started nothing
+(the role is served again already, the deployment is going down, nowhere to start it).
+
+``routing.deployment.LocalProvisioner`` starts role processes on this machine.  For
+another scheduler, implement ``start`` with its API, e.g. ``systemctl start
+qosmq-role@<key>`` for systemd units or a patch to a Kubernetes Deployment's replicas;
+the role id's ``key`` names the unit or pod.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..routing.ids import RoleId
+
+__all__ = ["Provisioner"]
+
+
+class Provisioner(Protocol):
+    def start(self, role: RoleId) -> str | None:
+        """Start a process serving ``role``; what was started (for the log), or None."""
+        ...
