@@ -59,10 +59,27 @@ def register(sub: Any) -> None:
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
         "--experiment",
-        choices=("matching", "rate", "subscriptions"),
+        choices=("matching", "rate", "subscriptions", "recovery"),
         default="matching",
         help="matching: (c) one match broker; rate: (a) response time vs event rate; "
-        "subscriptions: (b) response time vs subscriptions",
+        "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
+        "of each role kind under load",
+    )
+    phoenix.add_argument(
+        "--kills", type=integer(1, 10_000), default=10, help="recovery: kills per kind and rate"
+    )
+    phoenix.add_argument(
+        "--kinds",
+        type=names(("router", "router_slave", "match", "match_slave")),
+        default="router,router_slave,match,match_slave",
+        help="recovery: the role kinds killed",
+    )
+    phoenix.add_argument(
+        "--stream",
+        type=number(3, 3600),
+        default=5.0,
+        help="recovery: seconds of events per kill (the kill at a random moment from 1 s "
+        "to 2 s before the end)",
     )
     phoenix.add_argument(
         "--subscriptions",
@@ -355,6 +372,8 @@ def _run_balance(args: argparse.Namespace) -> int:
 
 
 def _run_phoenix(args: argparse.Namespace) -> int:
+    if args.experiment == "recovery":
+        return _run_phoenix_recovery(args)
     if args.experiment != "matching":
         return _run_phoenix_timeliness(args)
     from .phoenix import matching_throughput
@@ -378,6 +397,75 @@ def _run_phoenix(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _run_phoenix_recovery(args: argparse.Namespace) -> int:
+    from .phoenix_recovery import run_recovery, summarize_recovery
+
+    rates = [float(x) for x in (args.rates or "200").split(",")]
+    columns = (
+        "kind",
+        "rate",
+        "detection_s",
+        "recovery_s",
+        "function_s",
+        "events",
+        "lost",
+        "duplicates",
+        "delayed",
+        "p50_before_ms",
+        "max_latency_s",
+    )
+    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  killed", flush=True)
+
+    def report(row: dict[str, Any]) -> None:
+        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
+        print(f"{line}  {row['killed']} -> {row['served_by']}", flush=True)
+
+    rows, run = run_recovery(
+        args.settings,
+        directory=args.work_dir,
+        kinds=args.kinds.split(","),
+        rates=rates,
+        kills=args.kills,
+        seconds=args.stream,
+        report=report,
+    )
+    summary = summarize_recovery(rows)
+    keys = (
+        "kind",
+        "rate",
+        "kills",
+        "detection_p50_s",
+        "detection_p99_s",
+        "recovery_p50_s",
+        "recovery_p99_s",
+        "function_p50_s",
+        "lost",
+        "duplicates",
+        "delayed",
+        "paper_s",
+    )
+    print("\nper kind: median and p99 over the kills; paper: detection + recovery at 2000/s")
+    print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys) + "  paper / recovery_p50")
+    for r in summary:
+        times = r["paper_s"] / r["recovery_p50_s"] if r["recovery_p50_s"] else float("nan")
+        print(" ".join(f"{r[k]!s:>{max(8, len(k))}}" for k in keys) + f"  {times:.0f}x")
+    explained = run["master_kills"] * 2  # each of a killed master's two slaves elects once
+    print(
+        f"\nelections logged: {run['elections_logged']} for {run['master_kills']} master "
+        f"kills (at most {explained} explained: each live slave of a killed master elects "
+        f"once); masters stepped down (fenced): {run['stepped_down']}; logs: {run['directory']}"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"rows": rows, "summary": summary, "run": run, **_provenance(args.settings)},
+                indent=2,
+            )
+        )
+    lost = sum(r["lost"] for r in rows)
+    return 1 if lost else 0
 
 
 def _run_phoenix_timeliness(args: argparse.Namespace) -> int:

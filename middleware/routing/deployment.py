@@ -20,10 +20,12 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import runtime
 from ..errors import EntityNotFound, MiddlewareError
 from ..localcluster.manager import pid_alive, spawn_daemon
+from ..recovery.fencing import Reign
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
 from .ids import RoleId, RoleKind
@@ -49,6 +51,8 @@ class RoleStatus:
     serves: RoleId  # what it serves now (differs after a take-over)
     waiting: int | None  # AMQP messages in the inbox of what it serves; None: unknown
     inbox: str
+    reign: Reign | None = None  # a master's (recovery/fencing.py); None: unknown
+    switches: int = 0  # role switches of the process (take-overs, steps down)
 
 
 class PhoenixDeployment:
@@ -112,6 +116,13 @@ class PhoenixDeployment:
 
     def status_file(self, role: RoleId) -> Path:
         return self.log_file(role).with_suffix(".json")
+
+    def _status_of(self, role: RoleId) -> dict[str, Any]:
+        try:
+            status = json.loads(self.status_file(role).read_text())
+        except (OSError, ValueError):
+            return {}
+        return status if isinstance(status, dict) else {}
 
     def serves(self, role: RoleId) -> RoleId:
         """What the process started as ``role`` serves now (its status file), else ``role``."""
@@ -311,17 +322,25 @@ class PhoenixDeployment:
         waiting, problems = (
             runtime.run(backlogs(), event_loop=self.settings.event_loop) if pids else ({}, [])
         )
-        rows = [
-            RoleStatus(
-                role=role,
-                pid=pid,
-                alive=pid_alive(pid),
-                serves=serves[role],
-                waiting=waiting.get(role),
-                inbox=inboxes[role],
+        rows = []
+        for role, pid in sorted(pids.items(), key=lambda item: item[0].key):
+            status = self._status_of(role)
+            try:
+                reign: Reign | None = Reign(**status["reign"])
+            except (KeyError, TypeError):
+                reign = None
+            rows.append(
+                RoleStatus(
+                    role=role,
+                    pid=pid,
+                    alive=pid_alive(pid),
+                    serves=serves[role],
+                    waiting=waiting.get(role),
+                    inbox=inboxes[role],
+                    reign=reign,
+                    switches=int(status.get("switches", 0)),
+                )
             )
-            for role, pid in sorted(pids.items(), key=lambda item: item[0].key)
-        ]
         return rows, problems
 
     def check_reachable(self, clusters: Iterable[str]) -> None:

@@ -72,6 +72,7 @@ class RoleNode:
         promoted_from: RoleId | None,
         connections: Connections,
         reign: Reign | None = None,
+        failed_at: float | None = None,
     ) -> _Role:
         common: dict[str, Any] = {
             "settings": self.settings,
@@ -81,6 +82,7 @@ class RoleNode:
             "promoted_from": promoted_from,
             "reign": reign,
             "provisioner": self.provisioner,
+            "failed_at": failed_at,
         }
         if role.kind is RoleKind.ROUTER:
             return RouterMaster(**common)
@@ -94,10 +96,13 @@ class RoleNode:
         connections = Connections(self.settings, self.topology)
         promoted_from: RoleId | None = None
         reign: Reign | None = None
+        failed_at: float | None = None
         reply: Takeover | None = None
         try:
             while not stop.is_set():
-                role = self.role = self.build(self.current, promoted_from, connections, reign)
+                role = self.role = self.build(
+                    self.current, promoted_from, connections, reign, failed_at
+                )
                 role.on_serving = self._write_status  # once its consumers are started
                 role_stop = asyncio.Event()
                 relay = asyncio.create_task(_relay(stop, role_stop))
@@ -116,6 +121,7 @@ class RoleNode:
                 self.current = role.switch_to
                 # a winner's reign; a fenced master's slave trusts the reign that fenced it
                 reign = role.next_reign if not role.switch_to.is_slave else role.reign
+                failed_at = role.failed_at if not role.switch_to.is_slave else None
                 reply = role.takeover_reply
                 self.switches += 1
                 # configure's switches stay with the process, not with the role it served
@@ -136,12 +142,16 @@ class RoleNode:
         """What this process serves now (written once it serves it), for ``phoenix status``."""
         if self.status_file is None:
             return
+        reign = self.role.reign if self.role else None
         status = {
             "pid": os.getpid(),
             "started_as": self.started_as.key,
             "serves": self.current.key,
             "kind": str(self.current.kind),
             "since": time.time(),
+            # a master's reign; a slave's: the one it trusted when it started serving
+            "reign": {"epoch": reign.epoch, "by": reign.by} if reign else {},
+            "switches": self.switches,
         }
         tmp = self.status_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(status))

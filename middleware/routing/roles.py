@@ -123,6 +123,13 @@ PREDICTED_T = Gauge(
     "a match broker's predicted mean processing time T = (q + 1) / (2 mu)",
     ["cluster", "broker"],
 )
+RECOVERY_S = Histogram(
+    "qosmq_phoenix_recovery_seconds",
+    "A failed master's recovery, from the last beat its slaves heard: detection (the "
+    "election starts) and recovery (the winner serves the master's role)",
+    ["cluster", "kind", "phase"],
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0),
+)
 HOPS = Histogram(
     "qosmq_phoenix_hops",
     "ring hops of delivered events",
@@ -209,6 +216,7 @@ class _Role:
         promoted_from: RoleId | None = None,
         reign: Reign | None = None,
         provisioner: Provisioner | None = None,
+        failed_at: float | None = None,
     ) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
@@ -222,6 +230,8 @@ class _Role:
         self.next_reign: Reign | None = None
         #: where a master asks for a replacement of a slave it no longer hears
         self.provisioner = provisioner
+        #: an elected master: when (monotonic) its slave last heard the failed one
+        self.failed_at = failed_at
         # a master's slaves, by number, as their beats and load reports say: the one
         # liveness rule for dispatch (match masters) and for replacements
         self.live = FailureDetector[int](topology.heartbeat_interval_s, topology.heartbeat_misses)
@@ -397,6 +407,10 @@ class _Role:
             self.serving.set()
             if self.on_serving is not None:
                 self.on_serving()
+            if self.failed_at is not None:
+                took = time.monotonic() - self.failed_at
+                RECOVERY_S.labels(self.cluster, self.id.kind.value, "recovery").observe(took)
+                log.warning("%s served again %.2f s after its last beat", self.id, took)
             log.info("%s serving %s as %s", type(self).__name__, inbox, self.id)
             if self.observes_inbox:
                 await stop.wait()
@@ -1009,6 +1023,8 @@ class _ReplicaHolder(_Role):
                 silent = self.detector.silent_for(master, now) or 0.0
                 log.warning("%s: no beat from %s for %.2f s: electing", self.id, master, silent)
                 self.count("master_suspected")
+                self.failed_at = now - silent  # handed to the master it may become
+                RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(silent)
                 effects += self.bully.master_suspected(now)
             effects += self.bully.tick(now)
             await self._enact(effects)

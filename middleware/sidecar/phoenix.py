@@ -220,20 +220,32 @@ def _takeover(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reign(reign: Any) -> str:
+    """A master's reign as ``status`` shows it: ``0`` as started, ``2:slave-1`` the
+    second election's winner, which was slave 1."""
+    return str(reign.epoch) if reign.slave is None else f"{reign.epoch}:slave-{reign.slave}"
+
+
 def _status(args: argparse.Namespace) -> int:
-    """One line per role: process alive or not, what it serves, its inbox backlog."""
+    """One line per role slot: process alive or not, what it serves, its inbox backlog,
+    a master's reign (elections won since start) and the process's role switches."""
     deployment = _deployment(args)
     if not deployment.state_file.exists():
         print("phoenix: nothing running (no phoenix.json)", file=sys.stderr)
         return 1
     rows, problems = deployment.status()
     down = [row.role.key for row in rows if not row.alive]
-    print(f"{'role':28} {'pid':>8}  {'process':8} {'serves':28} {'waiting':>8}  inbox")
+    print(
+        f"{'role':28} {'pid':>8}  {'process':8} {'serves':28} {'waiting':>8}  "
+        f"{'reign':10} {'switches':>8}  inbox"
+    )
     for row in rows:
         shown = "-" if row.waiting is None else str(row.waiting)
         alive = "running" if row.alive else "down"
+        reign = "-" if row.reign is None or row.serves.is_slave else _reign(row.reign)
         print(
-            f"{row.role.key:28} {row.pid:>8}  {alive:8} {row.serves.key:28} {shown:>8}  {row.inbox}"
+            f"{row.role.key:28} {row.pid:>8}  {alive:8} {row.serves.key:28} {shown:>8}  "
+            f"{reign:10} {row.switches:>8}  {row.inbox}"
         )
     for problem in problems:
         print(f"phoenix: {problem}", file=sys.stderr)

@@ -1,0 +1,352 @@
+"""Phoenix recovery experiment (paper 000 §4, figure 8), on real processes and real SIGKILLs.
+
+The paper's set-up (3 clusters, each 1 routing master + 2 routing slaves + 1 match master
++ 2 match slaves: 18 role processes); one event type owned by B, subscribed at A, events
+published at A and at C alternately at a steady rate.  For each role kind, ``kills``
+times: the process now serving that role of B is SIGKILLed at a random moment of a
+stream, and the next kill waits until every role is served again (the dead process's
+role by an elected slave, the vacated slave role by the provisioner's replacement).
+
+Per kill, read from what the test harness itself saw (its consumer, the role processes'
+status files and logs), never from the roles' counters:
+
+- ``detection_s``: kill -> the first election (masters: a slave's "electing" line) or
+  the master's replacement request for a silent slave (slaves: bounded below by the
+  topology's ``replace_after_s``);
+- ``recovery_s``: kill -> the role served again (status file ``since`` of the elected
+  slave's process, or of the replacement);
+- ``function_s``: kill -> the first delivery of an event published after the kill (the
+  event path works again; for a slave that is at once);
+- events ``lost`` (published, confirmed, never delivered), ``duplicates``, and
+  ``delayed`` (delivered more than ``delayed_s`` after their publish).
+
+The baseline in the same run is the event latency before each kill (``p50_before_ms``).
+False suspicions are elections that no kill explains, counted over the whole run from the
+slaves' logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .. import runtime
+from ..localcluster.manager import pid_alive
+from ..routing.client import PhoenixClient
+from ..routing.deployment import PhoenixDeployment
+from ..routing.ids import RoleId, RoleKind
+from ..settings import Settings
+from ..transport import AsyncClient, Delivery
+from .phoenix_timeliness import Deployment
+from .stats import percentile
+
+__all__ = ["KINDS", "PAPER_S", "run_recovery", "summarize_recovery"]
+
+#: the role kinds killed, as the CLI names them
+KINDS = {
+    "router": RoleKind.ROUTER,
+    "router_slave": RoleKind.ROUTER_SLAVE,
+    "match": RoleKind.MATCH,
+    "match_slave": RoleKind.MATCH_SLAVE,
+}
+#: the paper's detection + recovery at 2 000 events/s (figure 8), seconds
+PAPER_S = {"router": 30.1, "router_slave": 19.9, "match": 29.5, "match_slave": 18.8}
+CLUSTER = "B"  # where roles are killed: the event type's owner
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def _target(kind: str) -> RoleId:
+    if kind == "router":
+        return RoleId.router(CLUSTER)
+    if kind == "router_slave":
+        return RoleId.router_slave(CLUSTER, 1)
+    if kind == "match":
+        return RoleId.match(CLUSTER, 0)
+    return RoleId.match_slave(CLUSTER, 0, 1)
+
+
+def _serving(deployment: PhoenixDeployment) -> dict[RoleId, tuple[RoleId, int]]:
+    """Every role served by a live process (its status file written by that process,
+    once it serves): role -> (slot, pid)."""
+    found = {}
+    for slot, pid in deployment.pids().items():
+        try:
+            status = json.loads(deployment.status_file(slot).read_text())
+        except (OSError, ValueError):
+            continue
+        if pid_alive(pid) and status.get("pid") == pid:
+            found[RoleId.from_key(status["serves"])] = (slot, pid)
+    return found
+
+
+def _wait_all_served(deployment: PhoenixDeployment, timeout_s: float) -> None:
+    every = {r for c in deployment.topology.clusters for r in RoleId.of_cluster(c)}
+    deadline = time.monotonic() + timeout_s
+    while not every <= set(_serving(deployment)):
+        if time.monotonic() > deadline:
+            missing = sorted(r.key for r in every - set(_serving(deployment)))
+            raise RuntimeError(f"roles not served again in {timeout_s:.0f} s: {missing}")
+        time.sleep(0.1)
+
+
+def _log_lines_after(
+    deployment: PhoenixDeployment, t: float, pattern: str
+) -> list[tuple[float, str]]:
+    """(time, line) of log lines of cluster B's slots at or after ``t`` matching ``pattern``."""
+    found = []
+    for slot in deployment.pids():
+        if slot.cluster != CLUSTER:
+            continue
+        try:
+            text = deployment.log_file(slot).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            stamp = _LOG_TIME.match(line)
+            if not stamp or pattern not in line:
+                continue
+            at = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if at >= t - 0.002:  # log stamps are to the millisecond
+                found.append((at, line))
+    return sorted(found)
+
+
+class _Stream:
+    """Publishes ``rate`` events/s alternately at A and C; the subscriber's consumer
+    records when each event arrives (the test's own counter)."""
+
+    def __init__(self, settings: Settings, deployment: Deployment, event_type: str, queue: str):
+        self.settings, self.deployment = settings, deployment
+        self.event_type, self.queue = event_type, queue
+        self.sent: dict[int, float] = {}  # n -> publish time
+        self.got: list[tuple[int, float]] = []  # (n, arrival time)
+        self.next = 0
+        self.arrived: asyncio.Event | None = None
+
+    async def _on_delivery(self, delivery: Delivery) -> None:
+        n = json.loads(delivery.body)["event"]["attributes"]["n"]
+        self.got.append((n, time.time()))
+        if self.arrived is not None:
+            self.arrived.set()
+
+    async def run(self, rate: float, seconds: float, at: float, kill: Callable[[], None]) -> float:
+        """Stream for ``seconds``, calling ``kill`` (in a thread) ``at`` seconds in;
+        wait for the stragglers; return the kill's wall time."""
+        topology = self.deployment.topology
+        self.arrived = asyncio.Event()
+        async with AsyncClient(settings=self.settings) as client:
+            tag = await client.consume(self.queue, self._on_delivery)
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            at_c = PhoenixClient(client, topology=topology, cluster="C")
+            killed_at = 0.0
+            start = time.monotonic()
+            tick = 0.01
+            per_tick = rate * tick
+            owed = 0.0
+            pending: set[asyncio.Task[None]] = set()
+            while (elapsed := time.monotonic() - start) < seconds:
+                if not killed_at and elapsed >= at:
+                    killed_at = time.time()
+                    await asyncio.to_thread(kill)
+                owed += per_tick
+                while owed >= 1:
+                    owed -= 1
+                    n = self.next
+                    self.next += 1
+                    self.sent[n] = time.time()
+                    side = at_a if n % 2 == 0 else at_c
+                    event = {"event_type": self.event_type, "attributes": {"n": n}}
+                    task = asyncio.create_task(side.publish(event))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                await asyncio.sleep(tick)
+            if pending:
+                await asyncio.gather(*pending)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len({n for n, _ in self.got}) < len(self.sent):
+                self.arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.arrived.wait(), max(0.0, deadline - time.monotonic())
+                    )
+            await asyncio.sleep(1.0)  # late duplicates show here
+            await client.cancel(tag)
+            return killed_at
+
+
+def _one_kill(
+    settings: Settings,
+    deployment: Deployment,
+    kind: str,
+    rate: float,
+    *,
+    seconds: float,
+    rng: random.Random,
+    event_type: str,
+    queue: str,
+    delayed_s: float,
+) -> dict[str, Any]:
+    phoenix = deployment.phoenix()
+    _wait_all_served(phoenix, 120)
+    target = _target(kind)
+    slot, pid = _serving(phoenix)[target]
+    stream = _Stream(settings, deployment, event_type, queue)
+
+    def kill() -> None:
+        os.kill(pid, signal.SIGKILL)
+
+    at = rng.uniform(1.0, max(1.0, seconds - 2.0))
+    killed_at = runtime.run(stream.run(rate, seconds, at, kill), event_loop=settings.event_loop)
+    _wait_all_served(phoenix, 120)
+    serving = _serving(phoenix)
+    new_slot = serving[target][0]
+    since = json.loads(phoenix.status_file(new_slot).read_text())["since"]
+    master = not target.is_slave
+    detection = _log_lines_after(
+        phoenix, killed_at, f"no beat from {target}" if master else f"{target} silent for"
+    )
+    got = stream.got
+    arrivals: dict[int, float] = {}
+    for n, t in got:
+        arrivals.setdefault(n, t)
+    after = [t for n, t in got if stream.sent[n] >= killed_at]
+    before = [
+        (arrivals[n] - stream.sent[n]) * 1000 for n in arrivals if stream.sent[n] < killed_at - 0.2
+    ]
+    latencies = [arrivals[n] - stream.sent[n] for n in arrivals]
+    return {
+        "kind": kind,
+        "rate": rate,
+        "killed": f"{target.key} (pid {pid}, slot {slot.key})",
+        "served_by": new_slot.key,
+        "detection_s": round(detection[0][0] - killed_at, 3) if detection else None,
+        "recovery_s": round(since - killed_at, 3),
+        "function_s": round(min(after) - killed_at, 3) if after else None,
+        "events": len(stream.sent),
+        "lost": len(set(stream.sent) - set(arrivals)),
+        "duplicates": len(got) - len(arrivals),
+        "delayed": sum(1 for x in latencies if x > delayed_s),
+        "p50_before_ms": round(percentile(before, 50), 1) if before else None,
+        "max_latency_s": round(max(latencies), 3) if latencies else None,
+    }
+
+
+def run_recovery(
+    settings: Settings,
+    *,
+    directory: Path,
+    kinds: Sequence[str],
+    rates: Sequence[float],
+    kills: int,
+    seconds: float = 5.0,
+    seed: int = 1,
+    delayed_s: float = 0.5,
+    report: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every kind at every rate, ``kills`` times; the per-kill rows and the run's
+    false-suspicion count (elections and fences no kill explains)."""
+    prefix = f"bench-recovery-{int(time.time())}"
+    deployment = Deployment(directory / prefix, prefix=prefix, amqp_urls=settings.amqp_urls)
+    event_type = next(
+        f"recovery{i}" for i in range(10_000) if deployment.ring.owner(f"recovery{i}") == CLUSTER
+    )
+    queue = f"{prefix}.sub"
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    with deployment.running():
+        runtime.run(_subscribe(settings, deployment, event_type, queue))
+        started = time.time()
+        for rate in rates:
+            for kind in kinds:
+                for _ in range(kills):
+                    row = _one_kill(
+                        settings,
+                        deployment,
+                        kind,
+                        rate,
+                        seconds=seconds,
+                        rng=rng,
+                        event_type=event_type,
+                        queue=queue,
+                        delayed_s=delayed_s,
+                    )
+                    rows.append(row)
+                    if report is not None:
+                        report(row)
+        phoenix = deployment.phoenix()
+        elections = len(_log_lines_after(phoenix, started, ": electing"))
+        master_kills = sum(1 for r in rows if r["kind"] in ("router", "match"))
+        # every master kill makes each live slave of it elect once at most
+        stepped_down = len(_log_lines_after(phoenix, started, "stepping down to"))
+        runtime.run(_drop(settings, queue))
+    run = {
+        "elections_logged": elections,
+        "master_kills": master_kills,
+        "stepped_down": stepped_down,
+        "directory": str(directory / prefix),
+    }
+    return rows, run
+
+
+async def _subscribe(
+    settings: Settings, deployment: Deployment, event_type: str, queue: str
+) -> None:
+    async with AsyncClient(settings=settings) as client:
+        at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
+        await at_a.subscribe(event_type, None, 1, queue)
+        deadline = time.monotonic() + 60
+        while await client.queue_length(queue) == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no probe event reached the subscriber in 60 s")
+            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
+            await asyncio.sleep(0.3)
+        while await client.get(queue) is not None:
+            pass
+
+
+async def _drop(settings: Settings, queue: str) -> None:
+    async with AsyncClient(settings=settings) as client:
+        await client.delete_queue(queue)
+
+
+def summarize_recovery(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median and p99 of detection and recovery per kind and rate, totals of events."""
+    out = []
+    for rate in sorted({r["rate"] for r in rows}):
+        for kind in KINDS:
+            mine = [r for r in rows if r["kind"] == kind and r["rate"] == rate]
+            if not mine:
+                continue
+
+            def stat(key: str, p: float, mine: list[dict[str, Any]] = mine) -> float | None:
+                values = [r[key] for r in mine if r[key] is not None]
+                return round(percentile(values, p), 3) if values else None
+
+            out.append(
+                {
+                    "kind": kind,
+                    "rate": rate,
+                    "kills": len(mine),
+                    "detection_p50_s": stat("detection_s", 50),
+                    "detection_p99_s": stat("detection_s", 99),
+                    "recovery_p50_s": stat("recovery_s", 50),
+                    "recovery_p99_s": stat("recovery_s", 99),
+                    "function_p50_s": stat("function_s", 50),
+                    "events": sum(r["events"] for r in mine),
+                    "lost": sum(r["lost"] for r in mine),
+                    "duplicates": sum(r["duplicates"] for r in mine),
+                    "delayed": sum(r["delayed"] for r in mine),
+                    "paper_s": PAPER_S[kind],
+                }
+            )
+    return out
