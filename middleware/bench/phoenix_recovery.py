@@ -125,16 +125,27 @@ class _Stream:
     """Publishes ``rate`` events/s alternately at A and C; the subscriber's consumer
     records when each event arrives (the test's own counter)."""
 
-    def __init__(self, settings: Settings, deployment: Deployment, event_type: str, queue: str):
+    def __init__(
+        self,
+        settings: Settings,
+        deployment: Deployment,
+        event_type: str,
+        queue: str,
+        first: int,
+    ) -> None:
         self.settings, self.deployment = settings, deployment
         self.event_type, self.queue = event_type, queue
         self.sent: dict[int, float] = {}  # n -> publish time
-        self.got: list[tuple[int, float]] = []  # (n, arrival time)
-        self.next = 0
+        self.got: list[tuple[int, float]] = []  # (n, arrival time), this stream's only
+        self.late = 0  # deliveries of an earlier stream's events (late duplicates)
+        self.next = first  # event numbers are unique over the run
         self.arrived: asyncio.Event | None = None
 
     async def _on_delivery(self, delivery: Delivery) -> None:
         n = json.loads(delivery.body)["event"]["attributes"]["n"]
+        if n not in self.sent:
+            self.late += 1
+            return
         self.got.append((n, time.time()))
         if self.arrived is not None:
             self.arrived.set()
@@ -195,12 +206,13 @@ def _one_kill(
     event_type: str,
     queue: str,
     delayed_s: float,
+    first: int,
 ) -> dict[str, Any]:
     phoenix = deployment.phoenix()
     _wait_all_served(phoenix, 120)
     target = _target(kind)
     slot, pid = _serving(phoenix)[target]
-    stream = _Stream(settings, deployment, event_type, queue)
+    stream = _Stream(settings, deployment, event_type, queue, first)
 
     def kill() -> None:
         os.kill(pid, signal.SIGKILL)
@@ -234,7 +246,7 @@ def _one_kill(
         "function_s": round(min(after) - killed_at, 3) if after else None,
         "events": len(stream.sent),
         "lost": len(set(stream.sent) - set(arrivals)),
-        "duplicates": len(got) - len(arrivals),
+        "duplicates": len(got) - len(arrivals) + stream.late,
         "delayed": sum(1 for x in latencies if x > delayed_s),
         "p50_before_ms": round(percentile(before, 50), 1) if before else None,
         "max_latency_s": round(max(latencies), 3) if latencies else None,
@@ -279,6 +291,7 @@ def run_recovery(
                         event_type=event_type,
                         queue=queue,
                         delayed_s=delayed_s,
+                        first=sum(r["events"] for r in rows),
                     )
                     rows.append(row)
                     if report is not None:
