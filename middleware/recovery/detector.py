@@ -41,6 +41,12 @@ class FailureDetector(Generic[P]):
         if peer in self._last and now > self._last[peer]:
             self._last[peer] = now
 
+    def grace(self, peer: P, until: float) -> None:
+        """Do not suspect ``peer`` before ``until`` (one known to be starting: a master
+        just elected, whose first beat may take a while)."""
+        if peer in self._last:
+            self._last[peer] = max(self._last[peer], until - self.timeout_s)
+
     def forget(self, peer: P) -> None:
         self._last.pop(peer, None)
 

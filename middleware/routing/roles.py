@@ -338,6 +338,17 @@ class _Role:
             # start saw one).  A promoted master beats at once: its slaves watch already.
             await self.serving.wait()
         self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
+        if self.promoted_from is not None:
+            # its slaves trusted it at its COORDINATOR and wait for its beats from then:
+            # the first goes over the connection it has, before the beat thread connects
+            first = Beat(
+                broker=self.id.owner,
+                epoch=self.reign.epoch,
+                by=self.reign.by,
+                reply_to=self.connections.process_queue,
+            )
+            for slave in slaves:
+                await self.signal(slave, first)
         beater = self.beater = Beater(
             cluster_settings(self.settings, self.topology, self.cluster)[1],
             [self.control_of(r) for r in slaves],
@@ -390,19 +401,27 @@ class _Role:
     async def _serve_inbox(
         self, client: AsyncClient, inbox: str, stop: asyncio.Event, tags: list[str]
     ) -> None:
-        await self.prepare()
+        preparing = asyncio.create_task(self.prepare())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({preparing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not preparing.done():  # fenced or stopped while reading its tables back
+            preparing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, MiddlewareError):
+                await preparing
+            log.warning("%s stopped before serving (it was still reading its tables)", self.id)
+            return
+        preparing.result()
         if self.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
             heap.settle(f"{self.role} of {self.cluster}")
-        inboxes = [inbox]
+        inboxes = [(inbox, self._on_message)]
         if self.promoted_from is not None:  # what was dispatched to it as a slave
-            inboxes.append(self.inbox_of(self.promoted_from))
+            inboxes.append((self.inbox_of(self.promoted_from), self._on_former_inbox))
         with heap.FullCollections() as collections:
-            for name in inboxes:
+            for name, on_message in inboxes:
                 await client.declare_queue(inbox_spec(name))
                 tags.append(
-                    await client.consume(
-                        name, self._on_message, prefetch=self.topology.inbox_prefetch
-                    )
+                    await client.consume(name, on_message, prefetch=self.topology.inbox_prefetch)
                 )
             self.serving.set()
             if self.on_serving is not None:
@@ -493,6 +512,9 @@ class _Role:
     async def _on_message(self, delivery: Delivery) -> None:
         await self._each(delivery, self.handle, self.gate)
 
+    async def _on_former_inbox(self, delivery: Delivery) -> None:
+        await self._each(delivery, self._former_inbox, self.gate)
+
     async def _on_control(self, delivery: Delivery) -> None:
         async def one(message: Message) -> None:
             if isinstance(message, Configure):
@@ -534,6 +556,42 @@ class _Role:
         if handler is None:
             raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s inbox")
         await handler(message)
+
+    async def answer_read(self, store: StateStore, owner: str, message: Read) -> None:
+        """The whole table ``owner`` holds of the kind asked for, in pages, to the
+        reader's queue."""
+        table = await asyncio.to_thread(store.load, owner, message.state_kind)
+        entries = list(table.items())
+        pages = [
+            entries[i : i + _ReplicaSet.PAGE] for i in range(0, len(entries), _ReplicaSet.PAGE)
+        ] or [[]]
+        for n, page in enumerate(pages):
+            await self.send(
+                self.cluster,
+                message.reply_to,
+                Snapshot(
+                    request=message.request,
+                    state_kind=message.state_kind,
+                    entries=dict(page),
+                    last=n == len(pages) - 1,
+                    broker=owner,
+                ),
+            )
+
+    async def _former_inbox(self, message: Message) -> None:
+        """What reaches the inbox a promoted master had as a slave and drains: its
+        events are handled; a READ (a master of another reign reading its replicas) is
+        answered from the replica it held, as the slave would; a replicated entry is
+        not this reign's and is dropped."""
+        replicas = self.replica_set
+        if isinstance(message, Read) and replicas is not None and self.promoted_from:
+            await self.answer_read(replicas.store, self.promoted_from.owner, message)
+            self.count("former_reads_answered")
+            return
+        if isinstance(message, Replicate):
+            self.count("former_replicas_dropped")
+            return
+        await self.handle(message)
 
     async def control(self, message: Message) -> None:
         handler = self.control_handlers.get(type(message))
@@ -1115,7 +1173,8 @@ class _ReplicaHolder(_Role):
                     f"coordinator from {sender} of {reign}, older than {self.trust.reign}"
                 )
             self.bully.on_coordinator(sender, now)
-            self.detector.heard(self.id.master, now)  # the new master's beats start now
+            # the new master beats once it switched role: one more timeout for its first
+            self.detector.grace(self.id.master, now + 2 * self.detector.timeout_s)
             log.warning("%s: %s serves %s now", self.id, sender, self.id.master)
 
     def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover
@@ -1153,24 +1212,7 @@ class _ReplicaHolder(_Role):
         self.count("reads_answered")
 
     async def _answer_read(self, message: Read) -> None:
-        """The whole table of the kind asked for, in pages, to the reader's queue."""
-        table = await asyncio.to_thread(self.store.load, self.replica_owner, message.state_kind)
-        entries = list(table.items())
-        pages = [
-            entries[i : i + _ReplicaSet.PAGE] for i in range(0, len(entries), _ReplicaSet.PAGE)
-        ] or [[]]
-        for n, page in enumerate(pages):
-            await self.send(
-                self.cluster,
-                message.reply_to,
-                Snapshot(
-                    request=message.request,
-                    state_kind=message.state_kind,
-                    entries=dict(page),
-                    last=n == len(pages) - 1,
-                    broker=self.replica_owner,
-                ),
-            )
+        await self.answer_read(self.store, self.replica_owner, message)
 
 
 class RouterMaster(_Role):

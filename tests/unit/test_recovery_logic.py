@@ -298,3 +298,12 @@ def test_any_crash_set_and_message_order_leaves_exactly_one_master(ops, dead_at_
         for p in cluster.procs.values()
         if not p.dead and p.reign is None
     )
+
+
+def test_a_master_just_elected_gets_one_more_timeout_for_its_first_beat() -> None:
+    d: FailureDetector[RoleId] = FailureDetector(0.1, 5)
+    d.watch([MASTER], now=0.0)
+    d.grace(MASTER, until=1.0)
+    assert d.suspects(0.99) == set() and d.suspects(1.01) == {MASTER}
+    d.grace(RoleId.router("B"), until=5.0)  # not watched: nothing
+    assert d.alive(1.01) == set()
