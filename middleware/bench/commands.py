@@ -451,12 +451,14 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
     for r in summary:
         times = r["paper_s"] / r["recovery_p50_s"] if r["recovery_p50_s"] else float("nan")
         print(" ".join(f"{r[k]!s:>{max(8, len(k))}}" for k in keys) + f"  {times:.0f}x")
-    explained = run["master_kills"] * 2  # each of a killed master's two slaves elects once
     print(
         f"\nelections logged: {run['elections_logged']} for {run['master_kills']} master "
-        f"kills (at most {explained} explained: each live slave of a killed master elects "
-        f"once); masters stepped down (fenced): {run['stepped_down']}; logs: {run['directory']}"
+        f"kills; false suspicions (elections against a master nobody killed in the 5 s "
+        f"before): {run['false_suspicions']}; masters stepped down (fenced): "
+        f"{run['stepped_down']}; logs: {run['directory']}"
     )
+    for line in run["false_suspicion_lines"]:
+        print(f"  false suspicion: {line}")
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -524,6 +526,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         report=report,
         max_steal_pct=max_steal,
         steal_retries=steal_retries,
+        inbox_mirrors=args.inbox_mirrors,
     )
     summary = summarize(rows)
     print(

@@ -164,8 +164,10 @@ class Deployment:
         routing_slaves: int = 2,
         match_slaves: int = 2,
         clusters: Sequence[str] = CLUSTERS,
+        inbox_mirrors: int = 2,
     ) -> None:
         self.directory, self.prefix = directory, prefix
+        self.inbox_mirrors = inbox_mirrors  # nodes per role queue (topology field)
         self.amqp_urls = list(amqp_urls)
         self.routing_slaves, self.match_slaves = routing_slaves, match_slaves
         self.clusters = list(clusters)
@@ -180,6 +182,7 @@ class Deployment:
         self.topology_file.write_text(
             f'prefix = "{self.prefix}"\nstate_store = "{self.store_path}"\n'
             f"outer = {str(outer).lower()}\ninner = {str(inner).lower()}\n"
+            f"inbox_mirrors = {self.inbox_mirrors}\n"
             + "".join(
                 f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
                 f"match_slaves = {self.match_slaves}\n"
@@ -443,6 +446,7 @@ def run_experiment(
     records: bool = False,
     max_steal_pct: float | None = None,
     steal_retries: int = 2,
+    inbox_mirrors: int = 2,
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
@@ -466,6 +470,7 @@ def run_experiment(
             directory / f"subs-{count}",
             prefix=f"bench-phx-{os.getpid()}-{count}",
             amqp_urls=settings.amqp_urls,
+            inbox_mirrors=inbox_mirrors,
         )
         loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
         for rate in rates:
@@ -640,6 +645,12 @@ def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
     )
     p.add_argument(
         "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
+    )
+    p.add_argument(
+        "--inbox-mirrors",
+        type=integer(0, 16),
+        default=2,
+        help="RabbitMQ nodes holding each role queue (0: no mirroring policy)",
     )
     steal_arguments(p)
 

@@ -65,6 +65,7 @@ class PhoenixGrid:
     warmup_s: float
     max_steal_pct: float | None = 5.0
     steal_retries: int = 2
+    inbox_mirrors: int = 2  # RabbitMQ nodes per role queue
 
     @property
     def cells(self) -> int:
@@ -123,6 +124,7 @@ def parse_grid(args: argparse.Namespace) -> PhoenixGrid:
         args.warmup,
         max_steal,
         retries,
+        getattr(args, "inbox_mirrors", 2),
     )
 
 
@@ -182,6 +184,7 @@ def _run_count_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) 
                 records=True,
                 max_steal_pct=grid.max_steal_pct,
                 steal_retries=grid.steal_retries,
+                inbox_mirrors=grid.inbox_mirrors,
             )
         return {"subscriptions": count, "rows": rows}
     except Exception as exc:

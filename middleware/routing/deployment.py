@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from ..localcluster.manager import pid_alive, spawn_daemon
 from ..recovery.fencing import Reign
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
+from ..transport.management import management_put, vhost_path
 from .ids import RoleId, RoleKind
 from .messages import Join, encode
 from .node import take_over
@@ -146,6 +148,7 @@ class PhoenixDeployment:
             raise DeploymentError("already up (down first)")
         clusters = [c.id for c in self.topology.clusters if c.joined]
         self.check_reachable(clusters)
+        self.mirror_inboxes(clusters)
         self._stopping.unlink(missing_ok=True)
         pids: dict[RoleId, int] = {}
         with self._locked():
@@ -164,6 +167,7 @@ class PhoenixDeployment:
         if any(r.cluster == spec.id and pid_alive(p) for r, p in pids.items()):
             raise DeploymentError(f"{spec.id} is already running")
         self.check_reachable([spec.id])
+        self.mirror_inboxes([spec.id])
         with self._locked():
             pids = self.pids()
             started = {role: self._spawn(role) for role in RoleId.of_cluster(spec)}
@@ -364,6 +368,44 @@ class PhoenixDeployment:
                     ) from None
 
         runtime.run(check(), event_loop=self.settings.event_loop)
+
+    def mirror_inboxes(self, clusters: Iterable[str]) -> list[str]:
+        """Set the policy that mirrors the role queues of ``clusters`` over
+        ``inbox_mirrors`` nodes of each cluster's RabbitMQ (management API); return what
+        could not be done, as messages (the roles run without it, on one node each)."""
+        mirrors = self.topology.inbox_mirrors
+        if mirrors < 2:
+            return []
+        prefix = self.topology.prefix
+        policy = {
+            # role inboxes and control queues; not the process queues (exclusive: never
+            # mirrored) nor client queues declared under other names
+            "pattern": f"^{re.escape(prefix)}\\.(?!process\\.)",
+            "apply-to": "queues",
+            "priority": 7,
+            "definition": {
+                "ha-mode": "exactly",
+                "ha-params": mirrors,
+                "ha-sync-mode": "automatic",
+            },
+        }
+        problems, seen = [], set()
+        for cluster in clusters:
+            key, conf = cluster_settings(self.settings, self.topology, cluster)
+            if key in seen:
+                continue
+            seen.add(key)
+            path = f"/api/policies/{vhost_path(conf)}/qosmq-phoenix-{prefix}"
+            try:
+                management_put(conf, path, policy)
+            except OSError as exc:
+                problems.append(
+                    f"cluster {cluster!r}: role queues not mirrored (management API: {exc}); "
+                    "they live on one RabbitMQ node each"
+                )
+        for problem in problems:
+            log.warning("%s", problem)
+        return problems
 
     # --------------------------------------------------------------- internal
     def _await_serving(self, pids: Mapping[RoleId, int], timeout: float) -> None:

@@ -82,6 +82,11 @@ class PhoenixTopology(BaseModel):
     #: ``replace_retry_s`` if none came
     replace_after_s: float = Field(2.0, ge=0)
     replace_retry_s: float = Field(30.0, gt=0)
+    #: how many RabbitMQ nodes hold each role inbox and control queue (a classic mirrored
+    #: queue, by a policy ``phoenix up`` sets): 2 survives the loss of one node; 0 or 1:
+    #: no policy (the queue lives on one node).  RabbitMQ 3.10's quorum queues have no
+    #: priorities, which the latency levels need (docs/phoenix-recovery.md)
+    inbox_mirrors: int = Field(2, ge=0, le=16)
 
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:

@@ -338,38 +338,41 @@ class _Role:
             # start saw one).  A promoted master beats at once: its slaves watch already.
             await self.serving.wait()
         self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
+        beat = Beat(
+            broker=self.id.owner,
+            epoch=self.reign.epoch,
+            by=self.reign.by,
+            reply_to=self.connections.process_queue,
+        )
         if self.promoted_from is not None:
             # its slaves trusted it at its COORDINATOR and wait for its beats from then:
             # the first goes over the connection it has, before the beat thread connects
-            first = Beat(
-                broker=self.id.owner,
-                epoch=self.reign.epoch,
-                by=self.reign.by,
-                reply_to=self.connections.process_queue,
-            )
             for slave in slaves:
-                await self.signal(slave, first)
+                await self.signal(slave, beat)
+
+        async def replacing() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
+                await self.replace_silent(time.monotonic())
+
+        await self.beating([self.control_of(r) for r in slaves], encode(beat), replacing())
+
+    async def beating(
+        self, queues: list[str], body: bytes | Callable[[], bytes], meanwhile: Awaitable[None]
+    ) -> None:
+        """Beat ``body`` to ``queues`` from a thread of its own while ``meanwhile`` runs."""
         beater = self.beater = Beater(
             cluster_settings(self.settings, self.topology, self.cluster)[1],
-            [self.control_of(r) for r in slaves],
-            encode(
-                Beat(
-                    broker=self.id.owner,
-                    epoch=self.reign.epoch,
-                    by=self.reign.by,
-                    reply_to=self.connections.process_queue,
-                )
-            ),
+            queues,
+            body,
             interval_s=self.topology.heartbeat_interval_s,
             ttl_ms=self._signal_ttl_ms(),
             priority=MAX_PRIORITY,
             name=str(self.id),
         ).start()
         try:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
-                await self.replace_silent(time.monotonic())
+            await meanwhile
         finally:
             await asyncio.to_thread(beater.stop)
             self.count("beats", beater.sent)
@@ -1036,20 +1039,7 @@ class _ReplicaHolder(_Role):
         )
 
     async def recovery(self, stop: asyncio.Event) -> None:
-        beater = self.beater = Beater(
-            cluster_settings(self.settings, self.topology, self.cluster)[1],
-            [self.master_control],
-            self._beat,
-            interval_s=self.topology.heartbeat_interval_s,
-            ttl_ms=self._signal_ttl_ms(),
-            priority=MAX_PRIORITY,
-            name=str(self.id),
-        ).start()
-        try:
-            await self._watch_master(stop)
-        finally:
-            await asyncio.to_thread(beater.stop)
-            self.count("beats", beater.sent)
+        await self.beating([self.master_control], self._beat, self._watch_master(stop))
 
     async def _watch_master(self, stop: asyncio.Event) -> None:
         topology, master = self.topology, self.id.master

@@ -20,13 +20,8 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
-from middleware.routing import ChordRing
-from middleware.routing.client import PhoenixClient
-from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
-from middleware.transport import AsyncClient
-from tests.integration.test_phoenix import _topology
-from tests.integration.test_phoenix_recovery import _stream
+from tests.integration.test_phoenix_recovery import _deployment, _stream, _subscribe
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 
@@ -39,28 +34,12 @@ def _until(check, timeout: float, what: str) -> float:
     return time.time()
 
 
-async def _subscribe(settings, topology, event_type: str, queue: str) -> None:
-    """Subscribe at A (filter ``n >= -1``) and wait until a probe reaches the queue."""
-    async with AsyncClient(settings=settings) as client:
-        at_a = PhoenixClient(client, topology=topology, cluster="A")
-        await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
-        deadline = time.monotonic() + 60
-        while await client.queue_length(queue) == 0:  # the path is live end to end
-            assert time.monotonic() < deadline, "no probe reached the subscriber"
-            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
-            await asyncio.sleep(0.3)
-        while await client.get(queue) is not None:
-            pass
-
-
 def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught_up_slave(
     settings, brokers, tmp_path: Path, name: str
 ) -> None:
-    ring = ChordRing(["A", "B"])
-    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
-    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
-    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2}}
+    )
     queue = f"{name}.sub"
     master = RoleId.match("B", 0)
     slave0, slave1 = master.slaves(topology.cluster("B"))
@@ -134,11 +113,9 @@ def test_dead_roles_are_replaced_by_the_provisioner_and_the_replacements_count(
     the slave role it left, in the slot of the dead master; a killed slave is replaced in
     its own slot; each replacement is caught up, and when the promoted master dies too,
     the replacement (it outranks slave-1) takes over with the subscription: 0 lost."""
-    ring = ChordRing(["A", "B"])
-    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 2}})
-    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
-    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2}}
+    )
     queue = f"{name}.sub"
     master = RoleId.match("B", 0)
     slave0, slave1 = master.slaves(topology.cluster("B"))

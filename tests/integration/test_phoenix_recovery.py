@@ -23,6 +23,7 @@ from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
 from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
+from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
 from tests.integration.test_phoenix import _topology
 
@@ -59,33 +60,43 @@ async def _stream(
         return [n for n in got if n >= first], published, killed_at
 
 
+def _deployment(
+    settings, brokers, tmp_path: Path, name: str, clusters: dict[str, dict[str, object]]
+) -> tuple[str, PhoenixTopology, PhoenixDeployment]:
+    """An event type cluster B owns, the topology of ``clusters`` and its deployment over
+    the test brokers (not started)."""
+    ring = ChordRing(list(clusters))
+    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
+    topology_file, topology = _topology(tmp_path, name, clusters)
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    return event_type, topology, deployment
+
+
+async def _subscribe(settings, topology, event_type: str, queue: str) -> None:
+    """Subscribe at A (filter ``n >= -1``) and wait until a probe reaches the queue."""
+    async with AsyncClient(settings=settings) as client:
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
+        deadline = time.monotonic() + 60
+        while await client.queue_length(queue) == 0:  # the path is live end to end
+            assert time.monotonic() < deadline, "no probe reached the subscriber"
+            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
+            await asyncio.sleep(0.3)
+        while await client.get(queue) is not None:
+            pass
+
+
 def test_killed_masters_are_replaced_by_an_elected_slave_and_nothing_is_lost(
     settings, brokers, tmp_path: Path, name: str
 ) -> None:
-    ring = ChordRing(["A", "B"])
-    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
-    topology_file, topology = _topology(
-        tmp_path, name, {"A": {}, "B": {"match_slaves": 2, "routing_slaves": 2}}
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2, "routing_slaves": 2}}
     )
-    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
-    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
     queue = f"{name}.sub"
     pids = deployment.up()
     try:
-
-        async def subscribe() -> None:
-            async with AsyncClient(settings=settings) as client:
-                at_a = PhoenixClient(client, topology=topology, cluster="A")
-                await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
-                deadline = time.monotonic() + 60
-                while await client.queue_length(queue) == 0:  # the path is live end to end
-                    assert time.monotonic() < deadline, "no probe reached the subscriber"
-                    await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
-                    await asyncio.sleep(0.3)
-                while await client.get(queue) is not None:
-                    pass
-
-        asyncio.run(subscribe())
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
         report = []
         first = 0
         for master in (RoleId.match("B", 0), RoleId.router("B")):

@@ -1,0 +1,87 @@
+"""A RabbitMQ node dies under Phoenix load (issue #23, item 6): the role queues are
+classic queues mirrored over two nodes by the policy ``phoenix up`` sets (RabbitMQ 3.10's
+quorum queues have no priorities), so SIGKILL of the node that holds B's routing
+master's inbox loses no event whose publish the broker confirmed.
+
+Real broker nodes (the test's own local cluster: the chaos fixture), a real SIGKILL by
+PID, and the test's own counter of what reached the subscriber queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from middleware.errors import MiddlewareError
+from middleware.routing.client import PhoenixClient
+from middleware.routing.ids import RoleId
+from middleware.transport import AsyncClient
+from middleware.transport.management import management_get
+from tests.integration.test_phoenix_recovery import _deployment, _subscribe
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+RATE = 100
+
+
+def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
+    settings, brokers, local_cluster, tmp_path: Path, name: str
+) -> None:
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}
+    )
+    queue = f"{name}.sub"
+    inbox = RoleId.router("B").inbox(topology.prefix)
+    deployment.up()
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+        path = f"/api/queues/%2F/{urllib.parse.quote(inbox, safe='')}"
+        deadline = time.monotonic() + 30
+        info = management_get(settings, path)
+        # the management API's view lags (statistics every 5 s): until it shows the
+        # policy on B's routing master's inbox and a synchronised mirror of it
+        while not (info.get("policy") and info.get("synchronised_slave_nodes")):
+            assert time.monotonic() < deadline, f"{inbox} is not mirrored: {info}"
+            time.sleep(0.5)
+            info = management_get(settings, path)
+        assert info["policy"] == f"qosmq-phoenix-{topology.prefix}"
+        victim = info["node"]  # where B's routing master's inbox lives
+
+        async def stream() -> tuple[set[int], set[int], int]:
+            confirmed: set[int] = set()
+            failed = 0
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                start = time.monotonic()
+                n = 0
+                while time.monotonic() - start < 6.0:
+                    if n == RATE:  # one second in
+                        await asyncio.to_thread(local_cluster.kill, victim)
+                    try:
+                        await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                        confirmed.add(n)
+                    except MiddlewareError:
+                        failed += 1  # refused or failed: the publisher knows, not lost
+                    n += 1
+                    await asyncio.sleep(1 / RATE)
+                got: set[int] = set()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not confirmed <= got:
+                    try:  # the test's own reads may meet the failover too: read again
+                        while (d := await client.get(queue)) is not None:
+                            got.add(json.loads(d.body)["event"]["attributes"]["n"])
+                    except MiddlewareError:
+                        pass
+                    await asyncio.sleep(0.2)
+                return confirmed, got, failed
+
+        confirmed, got, failed = asyncio.run(stream())
+        lost = sorted(confirmed - got)
+        assert not lost, f"{len(lost)} confirmed events lost after {victim} died: {lost[:20]}"
+        assert len(confirmed) > 4 * RATE
+        print(f"\n{victim} killed: {len(confirmed)} confirmed, 0 lost, {failed} refused")
+    finally:
+        deployment.down()
