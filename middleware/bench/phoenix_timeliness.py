@@ -164,7 +164,7 @@ class Deployment:
         routing_slaves: int = 2,
         match_slaves: int = 2,
         clusters: Sequence[str] = CLUSTERS,
-        inbox_mirrors: int = 2,
+        inbox_mirrors: int = 0,
     ) -> None:
         self.directory, self.prefix = directory, prefix
         self.inbox_mirrors = inbox_mirrors  # nodes per role queue (topology field)
@@ -446,7 +446,7 @@ def run_experiment(
     records: bool = False,
     max_steal_pct: float | None = None,
     steal_retries: int = 2,
-    inbox_mirrors: int = 2,
+    inbox_mirrors: int = 0,
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
@@ -649,7 +649,7 @@ def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
     p.add_argument(
         "--inbox-mirrors",
         type=integer(0, 16),
-        default=2,
+        default=0,
         help="RabbitMQ nodes holding each role queue (0: no mirroring policy)",
     )
     steal_arguments(p)

@@ -65,7 +65,7 @@ class PhoenixGrid:
     warmup_s: float
     max_steal_pct: float | None = 5.0
     steal_retries: int = 2
-    inbox_mirrors: int = 2  # RabbitMQ nodes per role queue
+    inbox_mirrors: int = 0  # RabbitMQ nodes per role queue (0: no mirroring)
 
     @property
     def cells(self) -> int:
@@ -124,7 +124,7 @@ def parse_grid(args: argparse.Namespace) -> PhoenixGrid:
         args.warmup,
         max_steal,
         retries,
-        getattr(args, "inbox_mirrors", 2),
+        getattr(args, "inbox_mirrors", 0),
     )
 
 

@@ -84,9 +84,10 @@ class PhoenixTopology(BaseModel):
     replace_retry_s: float = Field(30.0, gt=0)
     #: how many RabbitMQ nodes hold each role inbox and control queue (a classic mirrored
     #: queue, by a policy ``phoenix up`` sets): 2 survives the loss of one node; 0 or 1:
-    #: no policy (the queue lives on one node).  RabbitMQ 3.10's quorum queues have no
+    #: no policy (the queue lives on one node).  Off by default: on this machine it made
+    #: responses 60-160x slower (docs/results.md).  RabbitMQ 3.10's quorum queues have no
     #: priorities, which the latency levels need (docs/phoenix-recovery.md)
-    inbox_mirrors: int = Field(2, ge=0, le=16)
+    inbox_mirrors: int = Field(0, ge=0, le=16)
 
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:

@@ -36,9 +36,13 @@ def _phoenix(command: str, topology: Path, state: Path, urls: str, *arguments: s
 
 
 def _topology(
-    tmp_path: Path, name: str, clusters: dict[str, dict[str, object]]
+    tmp_path: Path,
+    name: str,
+    clusters: dict[str, dict[str, object]],
+    fields: dict[str, object] | None = None,
 ) -> tuple[Path, PhoenixTopology]:
-    """The test's topology file (clusters with their own TOML fields) and its model."""
+    """The test's topology file (top-level ``fields``, clusters with their own TOML
+    fields) and its model."""
 
     def toml(value: object) -> str:
         if isinstance(value, bool):
@@ -46,6 +50,7 @@ def _topology(
         return f'"{value}"' if isinstance(value, str) else str(value)
 
     text = f'prefix = "{name}"\nstate_store = "{tmp_path / "state.sqlite3"}"\n'
+    text += "".join(f"{key} = {toml(value)}\n" for key, value in (fields or {}).items())
     for cluster, fields in clusters.items():
         text += f'[[cluster]]\nid = "{cluster}"\n'
         text += "".join(f"{key} = {toml(value)}\n" for key, value in fields.items())

@@ -167,3 +167,54 @@ def test_dead_roles_are_replaced_by_the_provisioner_and_the_replacements_count(
         pids = deployment.pids()
         deployment.down()
     assert not any(pid_alive(p) for p in pids.values())  # replacements stopped too
+
+
+def test_the_winner_killed_while_it_takes_over_is_replaced_by_the_next_slave(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    """Issue #23, "a master during an election": B's match master is SIGKILLed, and
+    slave-0 is SIGKILLed the moment its log says it takes over (before it serves); the
+    slaves left (slave-1) elect again and serve the master's role; nothing is lost."""
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2}}
+    )
+    queue = f"{name}.sub"
+    master = RoleId.match("B", 0)
+    slave0, slave1 = master.slaves(topology.cluster("B"))
+    pids = deployment.up()
+    killed: dict[str, float] = {}
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+
+        def kill_the_winner() -> None:
+            log = deployment.log_file(slave0)
+            start = log.stat().st_size
+            _until(
+                lambda: "taking over" in log.read_text(errors="replace")[start:],
+                10,
+                f"{slave0} taking over",
+            )
+            os.kill(pids[slave0], signal.SIGKILL)
+            killed["winner"] = time.time()
+
+        killer = threading.Thread(target=kill_the_winner)
+
+        def kill_master() -> None:
+            killer.start()  # watches slave-0's log from before the master's death
+            os.kill(pids[master], signal.SIGKILL)
+            killed["master"] = time.time()
+
+        got, published, _ = asyncio.run(_stream(settings, topology, event_type, queue, kill_master))
+        killer.join(15)
+        assert "winner" in killed, "slave-0 never took over"
+        missing = sorted(set(range(published)) - set(got))
+        assert not missing, f"{len(missing)} events lost: {missing[:20]}"
+        _until(lambda: deployment.serves(slave1) == master, 10, f"{slave1} serving {master}")
+        since = json.loads(deployment.status_file(slave1).read_text())["since"]
+        print(
+            f"\nwinner killed {killed['winner'] - killed['master']:.2f} s after the master; "
+            f"{slave1} serves {since - killed['master']:.2f} s after the master's kill; "
+            f"{published} events, 0 lost, {len(got) - len(set(got))} duplicates"
+        )
+    finally:
+        deployment.down()

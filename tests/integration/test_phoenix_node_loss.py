@@ -1,7 +1,7 @@
-"""A RabbitMQ node dies under Phoenix load (issue #23, item 6): the role queues are
-classic queues mirrored over two nodes by the policy ``phoenix up`` sets (RabbitMQ 3.10's
-quorum queues have no priorities), so SIGKILL of the node that holds B's routing
-master's inbox loses no event whose publish the broker confirmed.
+"""A RabbitMQ node dies under Phoenix load (issue #23, item 6): with ``inbox_mirrors = 2``
+the role queues are classic queues mirrored over two nodes by the policy ``phoenix up``
+sets (RabbitMQ 3.10's quorum queues have no priorities), so SIGKILL of the node that
+holds B's routing master's inbox loses no event whose publish the broker confirmed.
 
 Real broker nodes (the test's own local cluster: the chaos fixture), a real SIGKILL by
 PID, and the test's own counter of what reached the subscriber queue."""
@@ -31,7 +31,7 @@ def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
     settings, brokers, local_cluster, tmp_path: Path, name: str
 ) -> None:
     event_type, topology, deployment = _deployment(
-        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}, {"inbox_mirrors": 2}
     )
     queue = f"{name}.sub"
     inbox = RoleId.router("B").inbox(topology.prefix)

@@ -61,13 +61,18 @@ async def _stream(
 
 
 def _deployment(
-    settings, brokers, tmp_path: Path, name: str, clusters: dict[str, dict[str, object]]
+    settings,
+    brokers,
+    tmp_path: Path,
+    name: str,
+    clusters: dict[str, dict[str, object]],
+    fields: dict[str, object] | None = None,
 ) -> tuple[str, PhoenixTopology, PhoenixDeployment]:
-    """An event type cluster B owns, the topology of ``clusters`` and its deployment over
-    the test brokers (not started)."""
+    """An event type cluster B owns, the topology of ``clusters`` (and top-level
+    ``fields``) and its deployment over the test brokers (not started)."""
     ring = ChordRing(list(clusters))
     event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, clusters)
+    topology_file, topology = _topology(tmp_path, name, clusters, fields)
     env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
     deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
     return event_type, topology, deployment
