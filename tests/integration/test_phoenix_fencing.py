@@ -34,15 +34,25 @@ def _until(check, timeout: float, what: str) -> float:
     return time.time()
 
 
-def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught_up_slave(
-    settings, brokers, tmp_path: Path, name: str
-) -> None:
+MASTER = RoleId.match("B", 0)
+
+
+def _b_with_two_match_slaves(settings, brokers, tmp_path: Path, name: str):
+    """Clusters A and B, B's match master with two slaves (not started), an event type B
+    owns and the subscriber queue's name."""
     event_type, topology, deployment = _deployment(
         settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2}}
     )
-    queue = f"{name}.sub"
-    master = RoleId.match("B", 0)
-    slave0, slave1 = master.slaves(topology.cluster("B"))
+    return event_type, topology, deployment, f"{name}.sub"
+
+
+def test_a_frozen_master_that_comes_back_steps_down_and_serves_again_as_a_caught_up_slave(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    event_type, topology, deployment, queue = _b_with_two_match_slaves(
+        settings, brokers, tmp_path, name
+    )
+    master, slave0, slave1 = MASTER, *MASTER.slaves(topology.cluster("B"))
     pids = deployment.up()
     frozen: dict[str, float] = {}
     try:
@@ -113,12 +123,10 @@ def test_dead_roles_are_replaced_by_the_provisioner_and_the_replacements_count(
     the slave role it left, in the slot of the dead master; a killed slave is replaced in
     its own slot; each replacement is caught up, and when the promoted master dies too,
     the replacement (it outranks slave-1) takes over with the subscription: 0 lost."""
-    event_type, topology, deployment = _deployment(
-        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2}}
+    event_type, topology, deployment, queue = _b_with_two_match_slaves(
+        settings, brokers, tmp_path, name
     )
-    queue = f"{name}.sub"
-    master = RoleId.match("B", 0)
-    slave0, slave1 = master.slaves(topology.cluster("B"))
+    master, slave0, slave1 = MASTER, *MASTER.slaves(topology.cluster("B"))
     first_pids = deployment.up()
     try:
         asyncio.run(_subscribe(settings, topology, event_type, queue))
@@ -175,12 +183,10 @@ def test_the_winner_killed_while_it_takes_over_is_replaced_by_the_next_slave(
     """Issue #23, "a master during an election": B's match master is SIGKILLed, and
     slave-0 is SIGKILLed the moment its log says it takes over (before it serves); the
     slaves left (slave-1) elect again and serve the master's role; nothing is lost."""
-    event_type, topology, deployment = _deployment(
-        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2}}
+    event_type, topology, deployment, queue = _b_with_two_match_slaves(
+        settings, brokers, tmp_path, name
     )
-    queue = f"{name}.sub"
-    master = RoleId.match("B", 0)
-    slave0, slave1 = master.slaves(topology.cluster("B"))
+    master, slave0, slave1 = MASTER, *MASTER.slaves(topology.cluster("B"))
     pids = deployment.up()
     killed: dict[str, float] = {}
     try:
