@@ -75,6 +75,16 @@ def register(sub: Any) -> None:
         help="recovery: the role kinds killed",
     )
     phoenix.add_argument(
+        "--heartbeat-interval",
+        type=number(0.001, 60),
+        help="recovery: the topology's heartbeat_interval_s (default: the topology's, 0.1)",
+    )
+    phoenix.add_argument(
+        "--heartbeat-misses",
+        type=integer(1, 100),
+        help="recovery: the topology's heartbeat_misses (default: the topology's, 5)",
+    )
+    phoenix.add_argument(
         "--stream",
         type=number(3, 3600),
         default=5.0,
@@ -430,6 +440,14 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         kills=args.kills,
         seconds=args.stream,
         report=report,
+        fields={
+            key: value
+            for key, value in (
+                ("heartbeat_interval_s", args.heartbeat_interval),
+                ("heartbeat_misses", args.heartbeat_misses),
+            )
+            if value is not None
+        },
     )
     summary = summarize_recovery(rows)
     keys = (
@@ -446,7 +464,10 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         "delayed",
         "paper_s",
     )
-    print("\nper kind: median and p99 over the kills; paper: detection + recovery at 2000/s")
+    print(
+        "\nper kind: median and p99 over the kills; paper: detection + recovery at 2000/s; "
+        f"topology fields set: {run['topology'] or 'none (defaults)'}"
+    )
     print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys) + "  paper / recovery_p50")
     for r in summary:
         times = r["paper_s"] / r["recovery_p50_s"] if r["recovery_p50_s"] else float("nan")

@@ -35,7 +35,7 @@ import random
 import re
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -267,11 +267,15 @@ def run_recovery(
     seed: int = 1,
     delayed_s: float = 0.5,
     report: Callable[[dict[str, Any]], None] | None = None,
+    fields: Mapping[str, float] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every kind at every rate, ``kills`` times; the per-kill rows and the run's
-    false-suspicion count (elections and fences no kill explains)."""
+    false-suspicion count (elections and fences no kill explains).  ``fields``: topology
+    fields to set (``heartbeat_interval_s``, ``heartbeat_misses``, ``replace_after_s``)."""
     prefix = f"bench-recovery-{int(time.time())}"
-    deployment = Deployment(directory / prefix, prefix=prefix, amqp_urls=settings.amqp_urls)
+    deployment = Deployment(
+        directory / prefix, prefix=prefix, amqp_urls=settings.amqp_urls, fields=fields
+    )
     event_type = next(
         f"recovery{i}" for i in range(10_000) if deployment.ring.owner(f"recovery{i}") == CLUSTER
     )
@@ -314,6 +318,7 @@ def run_recovery(
         stepped_down = len(_log_lines_after(phoenix, started, "stepping down to", cluster=None))
         runtime.run(_drop(settings, queue))
     run = {
+        "topology": dict(fields or {}),
         "elections_logged": len(elections),
         "master_kills": len(master_kills),
         "false_suspicions": len(false),

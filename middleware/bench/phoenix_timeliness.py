@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,9 +165,11 @@ class Deployment:
         match_slaves: int = 2,
         clusters: Sequence[str] = CLUSTERS,
         inbox_mirrors: int = 0,
+        fields: Mapping[str, float] | None = None,
     ) -> None:
         self.directory, self.prefix = directory, prefix
         self.inbox_mirrors = inbox_mirrors  # nodes per role queue (topology field)
+        self.fields = dict(fields or {})  # more top-level topology fields (heartbeats)
         self.amqp_urls = list(amqp_urls)
         self.routing_slaves, self.match_slaves = routing_slaves, match_slaves
         self.clusters = list(clusters)
@@ -183,6 +185,7 @@ class Deployment:
             f'prefix = "{self.prefix}"\nstate_store = "{self.store_path}"\n'
             f"outer = {str(outer).lower()}\ninner = {str(inner).lower()}\n"
             f"inbox_mirrors = {self.inbox_mirrors}\n"
+            + "".join(f"{key} = {value}\n" for key, value in self.fields.items())
             + "".join(
                 f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
                 f"match_slaves = {self.match_slaves}\n"
