@@ -81,7 +81,8 @@ def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
         confirmed, got, failed = asyncio.run(stream())
         lost = sorted(confirmed - got)
         assert not lost, f"{len(lost)} confirmed events lost after {victim} died: {lost[:20]}"
-        assert len(confirmed) > 4 * RATE
+        # the stream went on through the failover (publishes stall while it runs)
+        assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
         print(f"\n{victim} killed: {len(confirmed)} confirmed, 0 lost, {failed} refused")
     finally:
         deployment.down()
