@@ -13,7 +13,8 @@ pika and aiormq exceptions are translated at the transport boundary
     ├── NotConnected (RuntimeError)            permanent: call connect() first
     ├── RetryableError                         the same call may succeed later
     │   ├── BrokerUnreachable (ConnectionError)   no node of the cluster answered
-    │   │   └── ConnectionLost                    a live connection died mid-call
+    │   │   ├── ConnectionLost                    a live connection died mid-call
+    │   │   └── LinkDown                          Phoenix: a link to another cluster failed
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
     │   └── ConfirmTimeout (TimeoutError)         no broker confirm in time
     ├── PublishError                           the broker refused a publish
@@ -57,6 +58,7 @@ __all__ = [
     "EntityNotFound",
     "HandlerInstruction",
     "InvalidArgument",
+    "LinkDown",
     "MalformedMessage",
     "MessageMalformed",
     "MessageRefused",
@@ -116,6 +118,11 @@ class BrokerUnreachable(RetryableError, ConnectionError):
 
 class ConnectionLost(BrokerUnreachable):
     """The connection died while a call was in progress."""
+
+
+class LinkDown(BrokerUnreachable):
+    """Phoenix: a routing master's send to another cluster was not confirmed within the
+    topology's ``link_timeout_s`` (the router looks for a detour; nothing is lost)."""
 
 
 class WindowFull(RetryableError):

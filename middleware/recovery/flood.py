@@ -15,8 +15,10 @@ gets it answers FOUND back along the probe's path.  At P:
   P can reach: the paper's rule does not tell the two apart, and neither can P).
 
 Bound: every node forwards one probe per flood to each flood neighbour once, so a flood
-sends at most ``sum(len(neighbours(v)))`` PROBE messages over the ring plus, for the one
-answer, at most ``len(ring) - 1`` FOUND hops (:func:`message_bound`).
+sends at most ``sum(len(neighbours(v)))`` PROBE messages over the ring, at most one more
+from each node but the origin straight to the target, and, for the one answer the target
+gives (it answers a flood once), at most ``len(ring) - 1`` FOUND hops
+(:func:`message_bound`).
 
 The machines here only return what to send (:class:`Send`) and the verdict
 (:class:`Verdict`); a routing master's driver carries the messages and times out.
@@ -92,9 +94,11 @@ def neighbours(ring: ChordRing, cluster: str) -> list[str]:
 
 
 def message_bound(ring: ChordRing) -> int:
-    """The most messages one flood sends (PROBEs over every flood link once, and one
-    FOUND walking back at most ``len(ring) - 1`` hops)."""
-    return sum(len(neighbours(ring, c)) for c in ring.clusters) + len(ring) - 1
+    """The most messages one flood sends: PROBEs over every flood link once, one from
+    each node but the origin and the target straight to the target, and one FOUND walking
+    back at most ``len(ring) - 1`` hops."""
+    n = len(ring)
+    return sum(len(neighbours(ring, c)) for c in ring.clusters) + max(0, n - 2) + n - 1
 
 
 @dataclass

@@ -76,7 +76,8 @@ class ClientCore:
 
     def publication(self, event: Event | dict[str, Any]) -> Publish:
         event = event if isinstance(event, Event) else Event.parse(event)
-        return Publish(event_type=event.event_type, event=event)
+        # the id lets the type's owner route it once, however often it is sent again
+        return Publish(event_type=event.event_type, event=event, id=uuid.uuid4().hex[:16])
 
     def subscription(
         self,

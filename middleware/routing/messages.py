@@ -30,10 +30,12 @@ __all__ = [
     "Configure",
     "Confirmation",
     "Fence",
+    "Found",
     "Handover",
     "Heartbeat",
     "Join",
     "Message",
+    "Probe",
     "Publish",
     "Read",
     "Replicate",
@@ -65,6 +67,14 @@ class Routed(_Message):
     event_type: str
     hops: list[str] = Field(default_factory=list)  # clusters visited, for hop counts
     priority: int = Field(0, ge=0, le=MAX_PRIORITY)  # set by the routing masters
+    #: the message's own id (the client's or the entry router's): the type's owner routes
+    #: one id once, so a message sent again over a detour is not matched twice
+    id: str | None = Field(None, min_length=1, max_length=64)
+    #: on a detour, the routing masters still to pass before the ring goes on as usual
+    #: (each hop forwards to the first; docs/phoenix-ring-failures.md)
+    via: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = Field(
+        default_factory=list, max_length=64
+    )
 
 
 class Advertise(Routed):
@@ -244,6 +254,33 @@ class Confirmation(_Message):
         return value
 
 
+_Cluster = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class Probe(_Message):
+    """The bounded flood (recovery/flood.py): routing master -> routing masters' control
+    queues, looking for a way to ``target``."""
+
+    kind: Literal[Kind.PROBE] = Kind.PROBE
+    flood: str = Field(min_length=1, max_length=200)
+    origin: _Cluster
+    target: _Cluster
+    path: list[_Cluster] = Field(min_length=1, max_length=64)  # origin first, sender last
+    ttl: int = Field(ge=0, le=64)
+
+
+class Found(_Message):
+    """The flood's target answered: back along the probe's path to its origin."""
+
+    kind: Literal[Kind.FOUND] = Kind.FOUND
+    flood: str = Field(min_length=1, max_length=200)
+    origin: _Cluster
+    target: _Cluster
+    path: list[_Cluster] = Field(min_length=1, max_length=64)
+    by: Literal["master", "slave"]
+    at: int = Field(ge=0, le=63)  # the index in ``path`` this FOUND is addressed to
+
+
 #: the kinds routed along the ring (the :class:`Routed` ones)
 RoutedMessage = Advertise | Subscribe | Unsubscribe | Unsubscribed | Publish
 
@@ -266,7 +303,9 @@ Message = Annotated[
     | Vote
     | Fence
     | Answer
-    | Confirmation,
+    | Confirmation
+    | Probe
+    | Found,
     Field(discriminator="kind"),
 ]
 _ONE: TypeAdapter[Message] = TypeAdapter(Message)

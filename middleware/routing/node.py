@@ -93,7 +93,7 @@ class RoleNode:
         return MatchSlave(index=role.index, slave=role.slave, **common)
 
     async def run(self, stop: asyncio.Event) -> None:
-        connections = Connections(self.settings, self.topology)
+        connections = Connections(self.settings, self.topology, self.current.cluster)
         promoted_from: RoleId | None = None
         reign: Reign | None = None
         failed_at: float | None = None

@@ -8,11 +8,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import ConfigurationError
 
-__all__ = ["MAX_PRIORITY", "ClusterSpec", "Kind", "PhoenixTopology"]
+__all__ = ["MAX_PRIORITY", "ClusterSpec", "Kind", "LinkSpec", "PhoenixTopology"]
 
 MAX_PRIORITY = 9
 
@@ -39,6 +39,8 @@ class Kind(StrEnum):
     COORDINATOR = "coordinator"  # the winner -> the other slaves: I serve the master now
     FENCE = "fence"  # slave -> a stale master's process queue: a newer reign serves, step down
     CONFIRMATION = "confirmation"  # owner's match master -> client: (un)subscribe outcome
+    PROBE = "probe"  # routing master -> routing masters' control queues: the bounded flood
+    FOUND = "found"  # the flood's target -> back along the probe's path to its origin
 
 
 class ClusterSpec(BaseModel):
@@ -50,6 +52,17 @@ class ClusterSpec(BaseModel):
     match_slaves: int = Field(0, ge=0, le=16)  # per match master
     joined: bool = True  # false: listed, but joins later (qosmq phoenix join)
     routing_slaves: int = Field(0, ge=0, le=16)  # replicas of the routing master's tables
+
+
+class LinkSpec(BaseModel):
+    """How the roles of cluster ``from`` reach cluster ``to``'s RabbitMQ, when not by
+    ``to``'s own ``amqp_urls`` (a TCP proxy, another network path): one per directed link,
+    so that a fault on one link leaves the others standing."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    source: str = Field(alias="from", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    target: str = Field(alias="to", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    amqp_urls: tuple[str, ...] = Field(min_length=1)
 
 
 class PhoenixTopology(BaseModel):
@@ -88,6 +101,31 @@ class PhoenixTopology(BaseModel):
     #: responses 60-160x slower (docs/results.md).  RabbitMQ 3.10's quorum queues have no
     #: priorities, which the latency levels need (docs/phoenix-recovery.md)
     inbox_mirrors: int = Field(0, ge=0, le=16)
+    #: directed links with addresses of their own (``[[link]]`` tables)
+    links: tuple[LinkSpec, ...] = ()
+    #: ring failures (docs/phoenix-ring-failures.md): a forward to another cluster not
+    #: confirmed within ``link_timeout_s`` counts as a failed link and starts a flood; no
+    #: FOUND within ``flood_timeout_s``: the target is taken as gone for now (its events
+    #: wait, and the flood is run again); a failed direct link is tried again every
+    #: ``link_retry_s`` and traffic goes back to it once it answers
+    link_timeout_s: float = Field(1.0, gt=0, le=60)
+    flood_timeout_s: float = Field(1.0, gt=0, le=60)
+    link_retry_s: float = Field(0.5, gt=0, le=60)
+
+    @model_validator(mode="after")
+    def _links_between_clusters(self) -> PhoenixTopology:
+        ids = {c.id for c in self.clusters}
+        for link in self.links:
+            for end in (link.source, link.target):
+                if end not in ids:
+                    raise ValueError(f"link {link.source}->{link.target}: no cluster {end!r}")
+        return self
+
+    def link(self, source: str | None, target: str) -> LinkSpec | None:
+        """The link ``source`` -> ``target`` when it has addresses of its own."""
+        if source is None or source == target:
+            return None
+        return next((k for k in self.links if (k.source, k.target) == (source, target)), None)
 
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:
@@ -105,7 +143,8 @@ class PhoenixTopology(BaseModel):
             return cls.model_validate(
                 {
                     "clusters": data.get("cluster", []),
-                    **{k: v for k, v in data.items() if k != "cluster"},
+                    "links": data.get("link", []),
+                    **{k: v for k, v in data.items() if k not in ("cluster", "link")},
                 }
             )
         except (OSError, tomllib.TOMLDecodeError) as exc:

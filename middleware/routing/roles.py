@@ -43,7 +43,7 @@ import functools
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -62,6 +62,7 @@ from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, Queue
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
 from .beats import Beater
+from .detours import Detours
 from .ids import RoleId
 from .matching import Filter, FilterError, SubscriptionIndex
 from .messages import (
@@ -72,10 +73,12 @@ from .messages import (
     Configure,
     Confirmation,
     Fence,
+    Found,
     Handover,
     Heartbeat,
     Join,
     Message,
+    Probe,
     Publish,
     Read,
     Replicate,
@@ -139,13 +142,15 @@ HOPS = Histogram(
 
 
 def cluster_settings(
-    settings: Settings, topology: PhoenixTopology, cluster: str
+    settings: Settings, topology: PhoenixTopology, cluster: str, source: str | None = None
 ) -> tuple[str, Settings]:
     """The settings for a cluster's RabbitMQ (its own ``amqp_urls`` and ``vhost``, else
-    the process's), and a key that is the same for clusters sharing one RabbitMQ vhost
-    (one connection each)."""
+    the process's; reached from cluster ``source`` over the link's own addresses when the
+    topology gives that link some), and a key that is the same for clusters sharing one
+    RabbitMQ vhost and path (one connection each)."""
     spec = topology.cluster(cluster)
-    urls = spec.amqp_urls or settings.amqp_urls
+    link = topology.link(source, cluster)
+    urls = link.amqp_urls if link else (spec.amqp_urls or settings.amqp_urls)
     vhost = spec.vhost or settings.vhost
     if (urls, vhost) == (settings.amqp_urls, settings.vhost):
         return "default", settings
@@ -177,8 +182,11 @@ class Connections:
     """A role process's connections: one per RabbitMQ and vhost, shared by the clusters on
     it.  They belong to the process, not to the role it serves: a switch keeps them."""
 
-    def __init__(self, settings: Settings, topology: PhoenixTopology) -> None:
+    def __init__(
+        self, settings: Settings, topology: PhoenixTopology, home: str | None = None
+    ) -> None:
         self.settings, self.topology = settings, topology
+        self.home = home  # the process's cluster: other clusters are reached over its links
         #: the process's own queue (exclusive: gone with its connection), where a master
         #: serving from this process hears that a newer reign fenced it
         self.process_queue = f"{topology.prefix}.process.{uuid.uuid4().hex[:16]}"
@@ -188,7 +196,7 @@ class Connections:
     async def client_for(self, cluster: str) -> AsyncClient:
         client = self._cluster_clients.get(cluster)  # the hot path: every forward, delivery
         if client is None:
-            key, settings = cluster_settings(self.settings, self.topology, cluster)
+            key, settings = cluster_settings(self.settings, self.topology, cluster, self.home)
             if key not in self._clients:
                 self._clients[key] = await AsyncClient(settings=settings).connect()
             client = self._cluster_clients[cluster] = self._clients[key]
@@ -220,7 +228,7 @@ class _Role:
     ) -> None:
         self.topology, self.cluster = topology, cluster
         self.settings = settings
-        self.connections = connections or Connections(settings, topology)
+        self.connections = connections or Connections(settings, topology, cluster)
         #: the slave this master was until it took over (its tables are read back as one
         #: replica, its old inbox is drained, it is not one of the master's slaves)
         self.promoted_from = promoted_from
@@ -1221,9 +1229,39 @@ class RouterMaster(_Role):
             c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
         )
         self.latency = LatencyMap()
+        self.detours = Detours(
+            cluster=self.cluster,
+            ring=self.ring,
+            topology=self.topology,
+            send=self.send,
+            tell=self.tell,
+            client_for=self.client_for,
+            count=self.count,
+            prefix=self.topology.prefix,
+        )
+        #: the ids of the messages this owner routed lately: one sent again over a
+        #: detour (its first send's confirm lost with the link) is routed once
+        self._routed: OrderedDict[str, None] = OrderedDict()
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.replicas.persisting(self.serve(stop), stop)
+        watch = asyncio.create_task(self.detours.watch(stop))
+        try:
+            await self.replicas.persisting(self.serve(stop), stop)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
+        if cluster == self.cluster:
+            await super()._publish_body(cluster, inbox, body, priority)
+            return
+        self.count("amqp_sent")
+        client = await self.client_for(cluster)
+        message = OutgoingMessage(
+            body, "", inbox, content_type="application/json", priority=priority
+        )
+        await self.detours.publish(client, lambda: client.publish(message, retry=False))
 
     async def prepare(self) -> None:
         table = await self.replicas.read(self.topology.read_timeout_s)
@@ -1232,7 +1270,12 @@ class RouterMaster(_Role):
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
-        return {**super().control_handlers, **self.replicas.handlers()}
+        return {
+            **super().control_handlers,
+            **self.replicas.handlers(),
+            Probe: self.detours.on_probe,
+            Found: self.detours.on_found,
+        }
 
     @functools.cached_property
     def inbox_handlers(self) -> dict[type, Handler]:
@@ -1252,7 +1295,16 @@ class RouterMaster(_Role):
         await self._join(message.cluster)
 
     async def _route(self, message: RoutedMessage) -> None:
+        if message.via:  # on a detour: pass it on toward the next hop of its path
+            await self._relay(message)
+            return
         et = message.event_type
+        owner = self.ring.owner(et)
+        if message.id is None:  # one id from here on, however often it is sent again
+            message = message.model_copy(update={"id": uuid.uuid4().hex[:16]})
+        elif owner == self.cluster and self._routed_before(message.id):
+            self.count("duplicates_dropped")
+            return
         if isinstance(message, Subscribe | Unsubscribe):
             message = self._homed(message)
         if isinstance(message, Subscribe):
@@ -1270,11 +1322,10 @@ class RouterMaster(_Role):
         forwarded = message.model_copy(
             update={"hops": [*message.hops, self.cluster], "priority": priority}
         )
-        owner = self.ring.owner(et)
         if owner != self.cluster:
             next_hop = self.ring.route(self.cluster, et)[1]
             self.count("forwarded")
-            await self.send(next_hop, self.inbox_of(RoleId.router(next_hop)), forwarded, priority)
+            await self.detours.forward(next_hop, forwarded, priority)
             return
         masters = self.topology.cluster(self.cluster).match_masters
         index = ring_id(et) % masters  # routing table: SHA-1 of the type over the masters
@@ -1282,6 +1333,24 @@ class RouterMaster(_Role):
         await self.send(
             self.cluster, self.inbox_of(RoleId.match(self.cluster, index)), forwarded, priority
         )
+
+    async def _relay(self, message: RoutedMessage) -> None:
+        hop, rest = message.via[0], message.via[1:]
+        if hop not in {c.id for c in self.topology.clusters}:
+            raise DeadLetter(f"{message.kind.value}: detour hop {hop!r} is not in the topology")
+        if hop == self.cluster:  # a path naming this cluster again: go on from here
+            await self._route(message.model_copy(update={"via": rest}))
+            return
+        self.count("relayed")
+        await self.detours.forward(hop, message.model_copy(update={"via": rest}), message.priority)
+
+    def _routed_before(self, message_id: str, keep: int = 100_000) -> bool:
+        if message_id in self._routed:
+            return True
+        self._routed[message_id] = None
+        if len(self._routed) > keep:
+            self._routed.popitem(last=False)
+        return False
 
     def _homed(self, subscription: Subscribe | Unsubscribe) -> Subscribe | Unsubscribe:
         """The subscriber's cluster, where deliveries and confirmations go: the entry
@@ -1299,6 +1368,7 @@ class RouterMaster(_Role):
         """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
         self.topology.cluster(cluster)
         handover = self.ring.join(cluster)
+        self.detours.table.joined(cluster)
         self.count("joins")
         if handover is None or handover.previous_owner != self.cluster:
             return

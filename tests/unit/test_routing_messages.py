@@ -21,9 +21,11 @@ from middleware.routing.messages import (
     Configure,
     Confirmation,
     Fence,
+    Found,
     Handover,
     Heartbeat,
     Join,
+    Probe,
     Publish,
     Read,
     Replicate,
@@ -62,6 +64,14 @@ ONE_OF_EACH = [
         for k in ("election", "election_answer", "coordinator")
     ),
     Fence(broker="B/match-0/slave-0", epoch=2, by=-1),
+    Probe(flood="A#1", origin="A", target="C", path=["A", "B"], ttl=3),
+    Found(flood="A#1", origin="A", target="C", path=["A", "B"], by="master", at=1),
+    Publish(
+        event_type="quotes",
+        event={"event_type": "quotes", "attributes": {}},
+        id="e1",
+        via=["B", "C"],
+    ),
 ]
 
 
@@ -103,6 +113,18 @@ def test_every_kind_has_a_model_and_round_trips() -> None:
                 "outcome": {"evil": 1},
             },
             "unknown outcome",
+        ),
+        (
+            {"kind": "publish", "event_type": "x", "event": {"event_type": "x"}, "via": ["a b"]},
+            "via",
+        ),
+        (
+            {"kind": "probe", "flood": "f", "origin": "A", "target": "B", "path": [], "ttl": 1},
+            "path",
+        ),
+        (
+            {"kind": "found", "flood": "f", "origin": "A", "target": "B", "path": ["A"], "by": "x"},
+            "by",
         ),
     ],
 )

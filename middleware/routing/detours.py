@@ -1,0 +1,277 @@
+"""A routing master's links to other clusters: the driver of ``recovery/links.py``.
+
+Every forward to another cluster's routing master goes through :meth:`Detours.forward`:
+over the direct link while it confirms within ``link_timeout_s``; when a send is not
+confirmed, the link is marked down and a bounded flood (``recovery/flood.py``) looks for
+another way, its PROBEs and FOUNDs travelling the routing masters' control queues (never
+behind an inbox backlog, never through the priority gate the waiting forwards hold).  A
+FOUND sets a detour: the message goes to the first hop with the rest of the path in
+``via`` and each hop forwards along it at the message's priority.  Meanwhile the message
+waits in the sending handler: its inbox delivery is not acknowledged until it left, so a
+router that dies waiting loses nothing.  A background task tries each failed direct link
+every ``link_retry_s`` (a round trip to the neighbour's inbox) and traffic goes back to
+it once it answers; floods that found nothing are run again meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge, Histogram
+
+from ..errors import LinkDown, MiddlewareError, NotConnected, RetryableError
+from ..recovery import flood
+from ..recovery.links import LinkTable, Started
+from .ids import RoleId
+from .messages import Found, Message, Probe, RoutedMessage
+
+if TYPE_CHECKING:
+    from ..transport import AsyncClient
+    from .protocol import PhoenixTopology
+    from .ring import ChordRing
+
+__all__ = ["LINK_ERRORS", "Detours"]
+
+log = logging.getLogger(__name__)
+
+#: what a send to another cluster raises when the link, not the message, is at fault
+LINK_ERRORS = (RetryableError, NotConnected, TimeoutError)
+
+LINKS_DOWN = Gauge(
+    "qosmq_phoenix_links_down", "links to other clusters a routing master found down", ["cluster"]
+)
+DETOURS = Gauge(
+    "qosmq_phoenix_detours", "clusters a routing master reaches over a detour now", ["cluster"]
+)
+FLOOD_MESSAGES = PromCounter(
+    "qosmq_phoenix_flood_messages_total",
+    "PROBE and FOUND messages a routing master sent",
+    ["cluster"],
+)
+REROUTE_S = Histogram(
+    "qosmq_phoenix_reroute_seconds",
+    "from a link's failed send to the detour its flood found",
+    ["cluster"],
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0),
+)
+
+
+class Detours:
+    """One routing master's links (its role supplies the sends and the counters)."""
+
+    def __init__(
+        self,
+        *,
+        cluster: str,
+        ring: ChordRing,
+        topology: PhoenixTopology,
+        send: Callable[[str, str, Message, int], Awaitable[None]],
+        tell: Callable[[str, Message, str], Awaitable[None]],
+        client_for: Callable[[str], Awaitable[AsyncClient]],
+        count: Callable[[str, int], None],
+        prefix: str,
+    ) -> None:
+        self.cluster, self.topology, self.prefix = cluster, topology, prefix
+        self.table = LinkTable(cluster, ring)
+        self._send, self._tell, self._client_for, self._count = send, tell, client_for, count
+        self._changed = asyncio.Event()  # set (and replaced) whenever a way changes
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._flooded = 0  # flood messages already counted in the metric
+
+    # ------------------------------------------------------------------ forwarding
+    async def forward(self, dest: str, message: RoutedMessage, priority: int) -> None:
+        """Send ``message`` to ``dest``'s routing master: directly, over a detour, or
+        (no way known yet) once one is."""
+        while True:
+            path = self.table.path(dest)
+            if path is None:
+                changed = self._changed
+                try:
+                    await asyncio.wait_for(changed.wait(), self.topology.flood_timeout_s)
+                except TimeoutError:
+                    self._start(self.table.again(dest))
+                continue
+            hop = path[0]
+            onward = message.model_copy(update={"via": [*path[1:], *message.via]})
+            inbox = RoleId.router(hop).inbox(self.prefix)
+            try:  # connecting, declaring and confirming together stay within the bound
+                await asyncio.wait_for(
+                    self._send(hop, inbox, onward, priority), 2 * self.topology.link_timeout_s
+                )
+            except LINK_ERRORS as exc:
+                self._count("link_failures", 1)
+                if hop not in self.table.down:
+                    log.warning("%s -> %s: link failed (%s); flooding", self.cluster, hop, exc)
+                self._start(self.table.failed(hop, dest, time.monotonic()))
+                self._wake()
+                continue
+            if len(path) > 1:
+                self._count("detoured", 1)
+            return
+
+    async def publish(self, client: AsyncClient, send: Callable[[], Awaitable[None]]) -> None:
+        """One AMQP publish to another cluster: fail fast when its connection is down
+        (the transport would wait ``connect_timeout`` for its failover), and within
+        ``link_timeout_s`` for the broker's confirm."""
+        if not client.ready:
+            raise LinkDown("no connection (failing over)")
+        try:
+            await asyncio.wait_for(send(), self.topology.link_timeout_s)
+        except TimeoutError:
+            raise LinkDown(
+                f"not confirmed within link_timeout_s = {self.topology.link_timeout_s} s"
+            ) from None
+
+    # ------------------------------------------------------------------ the flood
+    def _start(self, started: list[Started]) -> None:
+        loop = asyncio.get_running_loop()
+        for flood_ in started:
+            self._count("floods", 1)
+            self._launch(flood_.sends)
+            loop.call_later(
+                self.topology.flood_timeout_s, self._timed_out, flood_.flood, flood_.target
+            )
+        self._gauges()
+
+    def _timed_out(self, flood_id: str, target: str) -> None:
+        verdict = self.table.timed_out(flood_id, target)
+        if verdict is not None:
+            self._count("floods_unanswered", 1)
+            log.warning(
+                "%s: no way to %s found within %.1f s (its events wait; flooding again)",
+                self.cluster,
+                target,
+                self.topology.flood_timeout_s,
+            )
+            self._wake()
+
+    def _launch(self, sends: list[flood.Send]) -> None:
+        for send in sends:
+            message = _wire(send.message)
+            queue = RoleId.router(send.to).control(self.prefix)
+            task = asyncio.ensure_future(self._quietly(queue, message, send.to))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._gauges()
+
+    async def _quietly(self, queue: str, message: Message, cluster: str) -> None:
+        """A flood message: one try, bounded; a link it cannot take is not an error (the
+        flood goes on elsewhere)."""
+        try:
+            await asyncio.wait_for(
+                self._tell(queue, message, cluster), self.topology.link_timeout_s
+            )
+        except (MiddlewareError, TimeoutError) as exc:
+            log.debug("%s: flood message to %s not sent: %s", self.cluster, cluster, exc)
+
+    async def on_probe(self, message: Probe) -> None:
+        probe = flood.Probe(
+            message.flood, message.origin, message.target, tuple(message.path), message.ttl
+        )
+        target = probe.target == self.cluster
+        self._launch(self.table.answer(probe) if target else self.table.probe(probe))
+
+    async def on_found(self, message: Found) -> None:
+        found = flood.Found(
+            message.flood,
+            message.origin,
+            message.target,
+            tuple(message.path),
+            message.by,
+            message.at,
+        )
+        result = self.table.found(found)
+        if isinstance(result, list):
+            self._launch(result)
+            return
+        since = self.table.down.get(result.target)
+        if self.table.detours.get(result.target) and since is not None:
+            took = time.monotonic() - since
+            REROUTE_S.labels(self.cluster).observe(took)
+            self._count("detours_found", 1)
+            log.warning(
+                "%s -> %s: detour over %s, %.3f s after the link failed",
+                self.cluster,
+                result.target,
+                " -> ".join(result.path[1:]),
+                took,
+            )
+        self._wake()
+
+    # ------------------------------------------------------------------ the way back
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Every ``link_retry_s``: try each failed direct link; flood again for the
+        clusters no flood reached."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.topology.link_retry_s)
+            for dest in list(self.table.down):
+                if await self._answers(dest) and self.table.healed(dest):
+                    self._count("links_healed", 1)
+                    log.warning("%s -> %s: direct link answers again", self.cluster, dest)
+                    self._wake()
+            for dest in list(self.table.unreachable):
+                self._start(self.table.again(dest))
+            self._gauges()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _answers(self, dest: str) -> bool:
+        """A round trip to ``dest``'s routing master's inbox over the direct link."""
+        bound = self.topology.link_timeout_s
+        try:
+            client = await asyncio.wait_for(self._client_for(dest), bound)
+            if not client.ready:
+                return False
+            inbox = RoleId.router(dest).inbox(self.prefix)
+            await asyncio.wait_for(client.queue_length(inbox), bound)
+        except (MiddlewareError, TimeoutError):
+            return False
+        return True
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        LINKS_DOWN.labels(self.cluster).set(len(self.table.down))
+        DETOURS.labels(self.cluster).set(len(self.table.detours))
+        fresh = self.table.flood_messages - self._flooded
+        if fresh:
+            FLOOD_MESSAGES.labels(self.cluster).inc(fresh)
+            self._count("flood_messages", fresh)
+            self._flooded = self.table.flood_messages
+
+    def status(self) -> dict[str, Any]:
+        """For ``qosmq phoenix status`` and the tests: the links down and the detours."""
+        return {
+            "down": sorted(self.table.down),
+            "detours": {d: list(p) for d, p in sorted(self.table.detours.items())},
+            "unreachable": sorted(self.table.unreachable),
+        }
+
+
+def _wire(message: flood.Probe | flood.Found) -> Message:
+    if isinstance(message, flood.Probe):
+        return Probe(
+            flood=message.flood,
+            origin=message.origin,
+            target=message.target,
+            path=list(message.path),
+            ttl=message.ttl,
+        )
+    return Found(
+        flood=message.flood,
+        origin=message.origin,
+        target=message.target,
+        path=list(message.path),
+        by="slave" if message.by == "slave" else "master",
+        at=message.at,
+    )
