@@ -76,10 +76,14 @@ class Detours:
         client_for: Callable[[str], Awaitable[AsyncClient]],
         count: Callable[[str, int], None],
         prefix: str,
+        shared: Callable[[str], bool] = lambda _cluster: False,
     ) -> None:
         self.cluster, self.topology, self.prefix = cluster, topology, prefix
         self.table = LinkTable(cluster, ring)
         self._send, self._tell, self._client_for, self._count = send, tell, client_for, count
+        #: clusters reached over this cluster's own connection (one RabbitMQ and vhost for
+        #: both): no other path exists, the transport's failover is the recovery
+        self.shared = shared
         self._changed = asyncio.Event()  # set (and replaced) whenever a way changes
         self._tasks: set[asyncio.Future[Any]] = set()
         self._flooded = 0  # flood messages already counted in the metric
@@ -88,6 +92,9 @@ class Detours:
     async def forward(self, dest: str, message: RoutedMessage, priority: int) -> None:
         """Send ``message`` to ``dest``'s routing master: directly, over a detour, or
         (no way known yet) once one is."""
+        if self.shared(dest):
+            await self._send(dest, RoleId.router(dest).inbox(self.prefix), message, priority)
+            return
         while True:
             path = self.table.path(dest)
             if path is None:

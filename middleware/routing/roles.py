@@ -1238,6 +1238,7 @@ class RouterMaster(_Role):
             client_for=self.client_for,
             count=self.count,
             prefix=self.topology.prefix,
+            shared=self._shares_connection,
         )
         #: the ids of the messages this owner routed lately: one sent again over a
         #: detour (its first send's confirm lost with the link) is routed once
@@ -1252,8 +1253,14 @@ class RouterMaster(_Role):
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
 
+    @functools.cache  # noqa: B019 - one role object per process role, a few clusters
+    def _shares_connection(self, cluster: str) -> bool:
+        """True when ``cluster`` is reached over this cluster's own connection."""
+        own = cluster_settings(self.settings, self.topology, self.cluster)[0]
+        return cluster_settings(self.settings, self.topology, cluster, self.cluster)[0] == own
+
     async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
-        if cluster == self.cluster:
+        if self._shares_connection(cluster):
             await super()._publish_body(cluster, inbox, body, priority)
             return
         self.count("amqp_sent")
