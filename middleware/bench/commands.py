@@ -59,11 +59,27 @@ def register(sub: Any) -> None:
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
         "--experiment",
-        choices=("matching", "rate", "subscriptions", "recovery"),
+        choices=("matching", "rate", "subscriptions", "recovery", "link"),
         default="matching",
         help="matching: (c) one match broker; rate: (a) response time vs event rate; "
         "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
-        "of each role kind under load",
+        "of each role kind under load; link: a link between two routing masters cut or "
+        "blackholed under load (detour, way back)",
+    )
+    phoenix.add_argument(
+        "--cuts", type=integer(1, 10_000), default=5, help="link: faults per kind and rate"
+    )
+    phoenix.add_argument(
+        "--faults",
+        type=names(("cut", "blackhole")),
+        default="cut,blackhole",
+        help="link: cut (connections reset, new ones refused), blackhole (open, silent)",
+    )
+    phoenix.add_argument(
+        "--down",
+        type=number(0.5, 600),
+        default=2.5,
+        help="link: seconds the link stays broken before it heals",
     )
     phoenix.add_argument(
         "--kills", type=integer(1, 10_000), default=10, help="recovery: kills per kind and rate"
@@ -384,6 +400,8 @@ def _run_balance(args: argparse.Namespace) -> int:
 def _run_phoenix(args: argparse.Namespace) -> int:
     if args.experiment == "recovery":
         return _run_phoenix_recovery(args)
+    if args.experiment == "link":
+        return _run_phoenix_links(args)
     if args.experiment != "matching":
         return _run_phoenix_timeliness(args)
     from .phoenix import matching_throughput
@@ -407,6 +425,61 @@ def _run_phoenix(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _run_phoenix_links(args: argparse.Namespace) -> int:
+    from .phoenix_links import run_links, summarize_links
+
+    rates = [float(x) for x in (args.rates or "200").split(",")]
+    columns = (
+        "fault",
+        "rate",
+        "detect_s",
+        "reroute_s",
+        "function_s",
+        "back_s",
+        "floods",
+        "flood_messages",
+        "events",
+        "lost",
+        "duplicates",
+        "p50_direct_ms",
+        "p50_detour_ms",
+    )
+    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  detour", flush=True)
+
+    def report(row: dict[str, Any]) -> None:
+        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
+        print(f"{line}  {row['detour']}", flush=True)
+
+    rows, run = run_links(
+        args.settings,
+        directory=args.work_dir,
+        faults=args.faults.split(","),
+        rates=rates,
+        cuts=args.cuts,
+        seconds=max(args.stream, args.down + 3.0),
+        down_s=args.down,
+        report=report,
+    )
+    summary = summarize_links(rows)
+    keys = tuple(summary[0]) if summary else ()
+    print(
+        f"\nper fault: median and p99 over the cuts of {run['link']} (detour via "
+        f"{run['detour_via']}, link down {run['down_s']} s each); target: function_p50_s <= 1"
+    )
+    print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys))
+    for r in summary:
+        print(" ".join(f"{r[k]!s:>{max(8, len(k))}}" for k in keys))
+    print(f"logs: {run['directory']}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"rows": rows, "summary": summary, "run": run, **_provenance(args.settings)},
+                indent=2,
+            )
+        )
+    return 1 if sum(r["lost"] for r in rows) else 0
 
 
 def _run_phoenix_recovery(args: argparse.Namespace) -> int:

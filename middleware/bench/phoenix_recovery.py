@@ -123,8 +123,8 @@ def _log_lines_after(
 
 
 class _Stream:
-    """Publishes ``rate`` events/s alternately at A and C; the subscriber's consumer
-    records when each event arrives (the test's own counter)."""
+    """Publishes ``rate`` events/s alternately at the ``entries`` clusters (A and C); the
+    subscriber's consumer records when each event arrives (the test's own counter)."""
 
     def __init__(
         self,
@@ -133,9 +133,11 @@ class _Stream:
         event_type: str,
         queue: str,
         first: int,
+        entries: Sequence[str] = ("A", "C"),
     ) -> None:
         self.settings, self.deployment = settings, deployment
         self.event_type, self.queue = event_type, queue
+        self.entries = list(entries)
         self.sent: dict[int, float] = {}  # n -> publish time
         self.got: list[tuple[int, float]] = []  # (n, arrival time), this stream's only
         self.late = 0  # deliveries of an earlier stream's events (late duplicates)
@@ -154,29 +156,37 @@ class _Stream:
     async def run(self, rate: float, seconds: float, at: float, kill: Callable[[], None]) -> float:
         """Stream for ``seconds``, calling ``kill`` (in a thread) ``at`` seconds in;
         wait for the stragglers; return the kill's wall time."""
+        return (await self.run_actions(rate, seconds, [(at, kill)]))[0]
+
+    async def run_actions(
+        self, rate: float, seconds: float, actions: Sequence[tuple[float, Callable[[], None]]]
+    ) -> list[float]:
+        """Stream for ``seconds``, calling each action (in a thread) at its time; wait
+        for the stragglers; return the actions' wall times."""
         topology = self.deployment.topology
         self.arrived = asyncio.Event()
+        pending_actions = sorted(actions, key=lambda a: a[0])
+        done: list[float] = []
         async with AsyncClient(settings=self.settings) as client:
             tag = await client.consume(self.queue, self._on_delivery)
-            at_a = PhoenixClient(client, topology=topology, cluster="A")
-            at_c = PhoenixClient(client, topology=topology, cluster="C")
-            killed_at = 0.0
+            sides = [PhoenixClient(client, topology=topology, cluster=c) for c in self.entries]
             start = time.monotonic()
             tick = 0.01
             per_tick = rate * tick
             owed = 0.0
             pending: set[asyncio.Task[None]] = set()
             while (elapsed := time.monotonic() - start) < seconds:
-                if not killed_at and elapsed >= at:
-                    killed_at = time.time()
-                    await asyncio.to_thread(kill)
+                while pending_actions and elapsed >= pending_actions[0][0]:
+                    _, action = pending_actions.pop(0)
+                    done.append(time.time())
+                    await asyncio.to_thread(action)
                 owed += per_tick
                 while owed >= 1:
                     owed -= 1
                     n = self.next
                     self.next += 1
                     self.sent[n] = time.time()
-                    side = at_a if n % 2 == 0 else at_c
+                    side = sides[n % len(sides)]
                     event = {"event_type": self.event_type, "attributes": {"n": n}}
                     task = asyncio.create_task(side.publish(event))
                     pending.add(task)
@@ -193,7 +203,7 @@ class _Stream:
                     )
             await asyncio.sleep(1.0)  # late duplicates show here
             await client.cancel(tag)
-            return killed_at
+            return done
 
 
 def _one_kill(

@@ -166,8 +166,10 @@ class Deployment:
         clusters: Sequence[str] = CLUSTERS,
         inbox_mirrors: int = 0,
         fields: Mapping[str, float] | None = None,
+        links: Mapping[tuple[str, str], str] | None = None,
     ) -> None:
         self.directory, self.prefix = directory, prefix
+        self.links = dict(links or {})  # (from, to) -> the URL that link takes
         self.inbox_mirrors = inbox_mirrors  # nodes per role queue (topology field)
         self.fields = dict(fields or {})  # more top-level topology fields (heartbeats)
         self.amqp_urls = list(amqp_urls)
@@ -190,6 +192,10 @@ class Deployment:
                 f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
                 f"match_slaves = {self.match_slaves}\n"
                 for c in self.clusters
+            )
+            + "".join(
+                f'[[link]]\nfrom = "{a}"\nto = "{b}"\namqp_urls = ["{url}"]\n'
+                for (a, b), url in sorted(self.links.items())
             )
         )
         self.topology = PhoenixTopology.load(self.topology_file)

@@ -159,6 +159,8 @@ class Detours:
             self._wake()
 
     def _launch(self, sends: list[flood.Send]) -> None:
+        if sends:  # one line per node and step: the experiment sums them per flood
+            log.info("flood %s: %d message(s) sent", sends[0].message.flood, len(sends))
         for send in sends:
             message = _wire(send.message)
             queue = RoleId.router(send.to).control(self.prefix)

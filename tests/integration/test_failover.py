@@ -13,10 +13,10 @@ import time
 import pytest
 
 from middleware.errors import MiddlewareError
+from middleware.localcluster.proxy import FaultProxy
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, OutgoingMessage, QueueSpec, SyncClient
 from tests.conftest import Face, LoopThread
-from tests.proxy import FaultProxy
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest.mark.slow]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from middleware.localcluster.proxy import FaultProxy
 from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
 from middleware.routing.deployment import PhoenixDeployment
@@ -26,7 +27,6 @@ from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
 from tests.integration.test_phoenix import _management, _topology
-from tests.proxy import FaultProxy
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100  # events per second

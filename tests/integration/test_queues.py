@@ -21,11 +21,11 @@ from middleware.errors import (
     QueueSaveFailed,
     WindowExceeded,
 )
+from middleware.localcluster.proxy import FaultProxy
 from middleware.queues import AsyncQueues, EnqueueStatus, NodePool, SyncQueues
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, QueueKind, SyncClient
 from tests.conftest import LoopThread
-from tests.proxy import FaultProxy
 
 pytestmark = pytest.mark.rabbit
 

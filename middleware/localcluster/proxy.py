@@ -1,4 +1,7 @@
-"""A TCP proxy the tests control, for real link failures: cut, blackhole (drop), delay.
+"""A fault-injecting TCP proxy for real link failures: cut, blackhole (drop), delay.
+
+The tests and the ring-failure experiment (``qosmq bench phoenix --experiment link``)
+put one in front of a RabbitMQ per link they want to break.
 
 Threads and plain sockets, loopback only.  ``cut()`` resets every open
 connection (and, with ``refuse=True``, closes new ones at once);
@@ -14,6 +17,8 @@ import socket
 import struct
 import threading
 import time
+
+__all__ = ["FaultProxy"]
 
 
 class FaultProxy:

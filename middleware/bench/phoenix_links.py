@@ -1,0 +1,266 @@
+"""Phoenix link failures (issue #24, ``qosmq bench phoenix --experiment link``), on real
+processes and real link faults.
+
+Three clusters (A, B, C; a routing master and a match master each) on the given
+RabbitMQ; every directed link between two clusters goes through a fault-injecting TCP
+proxy of the bench's (``[[link]]`` in the topology).  One event type whose owner X is A's
+direct ring neighbour; events published at A at a steady rate; the subscriber homed at
+the third cluster Y.  Per cut, at a random moment of a stream, the link A<->X is cut
+(connections reset, new ones refused) or blackholed (connections stay open and carry
+nothing: only the missing confirm tells), and healed ``down_s`` later.
+
+Per cut, from what the harness itself saw (its consumer's arrivals, the clock of the
+fault) and the routers' logs (when each step happened, flood messages per node):
+
+- ``detect_s``: fault -> A's router logs the failed link (its flood starts);
+- ``reroute_s``: fault -> A's router logs the detour its flood found;
+- ``function_s``: fault -> the first arrival of an event published after the fault (the
+  target the issue sets: <= 1 s median);
+- ``back_s``: heal -> A's router logs the direct link answering again;
+- ``flood_messages``: PROBEs and FOUNDs sent by all routers for the floods since the fault;
+- events ``lost`` (published, confirmed, never delivered) and ``duplicates``;
+- the baseline in the same run: event latency before the fault (``p50_direct_ms``)
+  against latency over the detour (``p50_detour_ms``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import runtime
+from ..localcluster.proxy import FaultProxy
+from ..routing.client import PhoenixClient
+from ..settings import Settings
+from ..transport import AsyncClient
+from .phoenix_recovery import _drop, _log_lines_after, _Stream
+from .phoenix_timeliness import Deployment
+from .stats import percentile
+
+__all__ = ["FAULTS", "run_links", "summarize_links"]
+
+FAULTS = ("cut", "blackhole")
+CLUSTERS = ("A", "B", "C")
+_FLOOD = re.compile(r"flood (\S+): (\d+) message")
+
+
+def _proxied_port(url: str) -> int:
+    port = urllib.parse.urlsplit(url).port
+    return 5672 if port is None else port
+
+
+def _wait_back(deployment: Deployment, x: str, since: float, timeout_s: float) -> float | None:
+    """When A's router logged the direct link to ``x`` answering again (None: not yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = _log_lines_after(deployment.phoenix(), since, f"A -> {x}: direct link", "A")
+        if lines:
+            return lines[0][0]
+        time.sleep(0.1)
+    return None
+
+
+def _one_cut(
+    settings: Settings,
+    deployment: Deployment,
+    proxies: dict[tuple[str, str], FaultProxy],
+    fault: str,
+    rate: float,
+    *,
+    seconds: float,
+    down_s: float,
+    rng: random.Random,
+    event_type: str,
+    x: str,
+    queue: str,
+    first: int,
+) -> dict[str, Any]:
+    stream = _Stream(settings, deployment, event_type, queue, first, entries=("A",))
+    pair = (proxies["A", x], proxies[x, "A"])
+
+    def break_link() -> None:
+        for proxy in pair:
+            if fault == "cut":
+                proxy.cut()
+            else:
+                proxy.blackhole()
+
+    def heal() -> None:
+        for proxy in pair:
+            proxy.heal()
+
+    at = rng.uniform(1.0, max(1.0, seconds - down_s - 1.0))
+    fault_at, heal_at = runtime.run(
+        stream.run_actions(rate, seconds, [(at, break_link), (at + down_s, heal)]),
+        event_loop=settings.event_loop,
+    )
+    back = _wait_back(deployment, x, heal_at, 60.0)
+    phoenix = deployment.phoenix()
+    detected = _log_lines_after(phoenix, fault_at, f"A -> {x}: link failed", "A")
+    detour = _log_lines_after(phoenix, fault_at, f"A -> {x}: detour over", "A")
+    floods = _log_lines_after(phoenix, fault_at, "flood A#", None)
+    flood_ids = set()
+    messages = 0
+    for _, line in floods:
+        found = _FLOOD.search(line)
+        if found:
+            flood_ids.add(found.group(1))
+            messages += int(found.group(2))
+    arrivals: dict[int, float] = {}
+    for n, t in stream.got:
+        arrivals.setdefault(n, t)
+    after = [t for n, t in stream.got if stream.sent[n] >= fault_at]
+    direct = [
+        (arrivals[n] - stream.sent[n]) * 1000 for n in arrivals if stream.sent[n] < fault_at - 0.2
+    ]
+    detoured_since = detour[0][0] if detour else heal_at
+    over_detour = [
+        (arrivals[n] - stream.sent[n]) * 1000
+        for n in arrivals
+        if detoured_since + 0.2 <= stream.sent[n] < heal_at - 0.1
+    ]
+    return {
+        "fault": fault,
+        "rate": rate,
+        "detour": detour[0][1].rsplit("detour over ", 1)[1].split(",")[0] if detour else None,
+        "fault_at": fault_at,
+        "detect_s": round(detected[0][0] - fault_at, 3) if detected else None,
+        "reroute_s": round(detour[0][0] - fault_at, 3) if detour else None,
+        "function_s": round(min(after) - fault_at, 3) if after else None,
+        "back_s": round(back - heal_at, 3) if back is not None else None,
+        "floods": len(flood_ids),
+        "flood_messages": messages,
+        "events": len(stream.sent),
+        "lost": len(set(stream.sent) - set(arrivals)),
+        "duplicates": len(stream.got) - len(arrivals) + stream.late,
+        "p50_direct_ms": round(percentile(direct, 50), 1) if direct else None,
+        "p50_detour_ms": round(percentile(over_detour, 50), 1) if over_detour else None,
+    }
+
+
+def run_links(
+    settings: Settings,
+    *,
+    directory: Path,
+    faults: Sequence[str],
+    rates: Sequence[float],
+    cuts: int,
+    seconds: float = 6.0,
+    down_s: float = 2.5,
+    seed: int = 1,
+    report: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every fault at every rate, ``cuts`` times; the per-cut rows and the run."""
+    prefix = f"bench-link-{int(time.time())}"
+    port = _proxied_port(settings.amqp_urls[0])
+    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
+    try:
+        deployment = Deployment(
+            directory / prefix,
+            prefix=prefix,
+            amqp_urls=settings.amqp_urls,
+            routing_slaves=0,
+            match_slaves=0,
+            links={pair: proxy.url for pair, proxy in proxies.items()},
+        )
+        ring = deployment.ring
+        event_type = next(
+            t for t in (f"link{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
+        )
+        x = ring.owner(event_type)
+        y = next(c for c in CLUSTERS if c not in ("A", x))
+        queue = f"{prefix}.sub"
+        rng = random.Random(seed)
+        rows: list[dict[str, Any]] = []
+        with deployment.running():
+            runtime.run(_subscribe_at(settings, deployment, event_type, queue, y))
+            for rate in rates:
+                for fault in faults:
+                    for _ in range(cuts):
+                        row = _one_cut(
+                            settings,
+                            deployment,
+                            proxies,
+                            fault,
+                            rate,
+                            seconds=seconds,
+                            down_s=down_s,
+                            rng=rng,
+                            event_type=event_type,
+                            x=x,
+                            queue=queue,
+                            first=sum(r["events"] for r in rows),
+                        )
+                        rows.append(row)
+                        if report is not None:
+                            report(row)
+            runtime.run(_drop(settings, queue))
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
+    run = {
+        "link": f"A <-> {x}",
+        "detour_via": y,
+        "subscriber_home": y,
+        "down_s": down_s,
+        "directory": str(directory / prefix),
+    }
+    return rows, run
+
+
+async def _subscribe_at(
+    settings: Settings, deployment: Deployment, event_type: str, queue: str, home: str
+) -> None:
+    """Subscribe at ``home``; wait until an event published at A reaches the queue."""
+    async with AsyncClient(settings=settings) as client:
+        at_home = PhoenixClient(client, topology=deployment.topology, cluster=home)
+        at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
+        await at_home.subscribe(event_type, None, 1, queue)
+        deadline = time.monotonic() + 60
+        while await client.queue_length(queue) == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no probe event reached the subscriber in 60 s")
+            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
+            await asyncio.sleep(0.3)
+        while await client.get(queue) is not None:
+            pass
+
+
+def summarize_links(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median and p99 per fault and rate; totals of events, losses, duplicates."""
+    out = []
+    for rate in sorted({r["rate"] for r in rows}):
+        for fault in FAULTS:
+            mine = [r for r in rows if r["fault"] == fault and r["rate"] == rate]
+            if not mine:
+                continue
+
+            def stat(key: str, p: float, mine: list[dict[str, Any]] = mine) -> float | None:
+                values = [r[key] for r in mine if r[key] is not None]
+                return round(percentile(values, p), 3) if values else None
+
+            out.append(
+                {
+                    "fault": fault,
+                    "rate": rate,
+                    "cuts": len(mine),
+                    "detect_p50_s": stat("detect_s", 50),
+                    "reroute_p50_s": stat("reroute_s", 50),
+                    "function_p50_s": stat("function_s", 50),
+                    "function_p99_s": stat("function_s", 99),
+                    "back_p50_s": stat("back_s", 50),
+                    "flood_messages_p50": stat("flood_messages", 50),
+                    "p50_direct_ms": stat("p50_direct_ms", 50),
+                    "p50_detour_ms": stat("p50_detour_ms", 50),
+                    "events": sum(r["events"] for r in mine),
+                    "lost": sum(r["lost"] for r in mine),
+                    "duplicates": sum(r["duplicates"] for r in mine),
+                }
+            )
+    return out
