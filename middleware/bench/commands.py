@@ -82,6 +82,11 @@ def register(sub: Any) -> None:
         help="link: seconds the link stays broken before it heals",
     )
     phoenix.add_argument(
+        "--link-timeout",
+        type=number(0.01, 60),
+        help="link: the topology's link_timeout_s (default: the topology's, 1.0)",
+    )
+    phoenix.add_argument(
         "--kills", type=integer(1, 10_000), default=10, help="recovery: kills per kind and rate"
     )
     phoenix.add_argument(
@@ -461,12 +466,14 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
         seconds=max(args.stream, args.down + 3.0),
         down_s=args.down,
         report=report,
+        fields={} if args.link_timeout is None else {"link_timeout_s": args.link_timeout},
     )
     summary = summarize_links(rows)
     keys = tuple(summary[0]) if summary else ()
     print(
         f"\nper fault: median and p99 over the cuts of {run['link']} (detour via "
-        f"{run['detour_via']}, link down {run['down_s']} s each); target: function_p50_s <= 1"
+        f"{run['detour_via']}, link down {run['down_s']} s each); target: function_p50_s <= 1; "
+        f"topology fields set: {run['topology'] or 'none (defaults)'}"
     )
     print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys))
     for r in summary:

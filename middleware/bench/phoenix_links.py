@@ -30,7 +30,7 @@ import random
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +155,10 @@ def run_links(
     down_s: float = 2.5,
     seed: int = 1,
     report: Callable[[dict[str, Any]], None] | None = None,
+    fields: Mapping[str, float] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every fault at every rate, ``cuts`` times; the per-cut rows and the run."""
+    """Every fault at every rate, ``cuts`` times; the per-cut rows and the run.
+    ``fields``: topology fields to set (``link_timeout_s``, ``link_retry_s``, ...)."""
     prefix = f"bench-link-{int(time.time())}"
     port = _proxied_port(settings.amqp_urls[0])
     proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
@@ -168,6 +170,7 @@ def run_links(
             routing_slaves=0,
             match_slaves=0,
             links={pair: proxy.url for pair, proxy in proxies.items()},
+            fields=fields,
         )
         ring = deployment.ring
         event_type = next(
@@ -209,6 +212,7 @@ def run_links(
         "detour_via": y,
         "subscriber_home": y,
         "down_s": down_s,
+        "topology": dict(fields or {}),
         "directory": str(directory / prefix),
     }
     return rows, run

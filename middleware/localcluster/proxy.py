@@ -6,7 +6,8 @@ put one in front of a RabbitMQ per link they want to break.
 Threads and plain sockets, loopback only.  ``cut()`` resets every open
 connection (and, with ``refuse=True``, closes new ones at once);
 ``blackhole()`` keeps connections open but forwards nothing, so only
-heartbeats can notice; ``delay(s)`` holds every chunk for ``s`` seconds.
+heartbeats (or missing confirms) can notice, and ``heal()`` resets them;
+``delay(s)`` holds every chunk for ``s`` seconds.
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ class FaultProxy:
         self.delay_s = seconds
 
     def heal(self) -> None:
+        """Back to forwarding.  Connections that were blackholed are reset: the bytes they
+        dropped leave a gap no real TCP stream has (a real one retransmits, or dies by
+        its timeouts), and resuming one would misalign AMQP's confirm numbering."""
+        blackholed = self.blackholed
         self.refusing = self.blackholed = False
         self.delay_s = 0.0
+        if blackholed:
+            self.cut(refuse=False)
 
     def close(self) -> None:
         self._stop.set()
