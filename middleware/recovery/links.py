@@ -20,7 +20,9 @@ Rules:
 - a flood's FOUND from the target's master sets the detour; no FOUND within the
   timeout marks the target unreachable (``LEFT`` for now: its messages wait) and the
   driver floods again after a while;
-- a healed direct link drops the detour: traffic goes back to it.
+- a healed direct link drops the detour: traffic goes back to it;
+- a destination no flood reached for ``leave_after_s`` has left (:meth:`gone`); once
+  the ring dropped it, :meth:`forget` clears every trace of it.
 """
 
 from __future__ import annotations
@@ -153,6 +155,24 @@ class LinkTable:
         self.unreachable.discard(dest)
         self._reach()
         return True
+
+    def gone(self, now: float, after_s: float) -> list[str]:
+        """The clusters no flood reached, down for ``after_s`` or more: they left."""
+        return sorted(
+            c for c in self.unreachable if c in self.down and now - self.down[c] >= after_s
+        )
+
+    def forget(self, cluster: str) -> None:
+        """``cluster`` left the ring (the ring object already dropped it): no link, no
+        detour, no flood toward it, and no detour through it."""
+        self.down.pop(cluster, None)
+        self.unreachable.discard(cluster)
+        self.floods.pop(cluster, None)
+        self.detours.pop(cluster, None)
+        for dest, detour in list(self.detours.items()):
+            if cluster in detour[:-1]:
+                del self.detours[dest]
+        self._reach()
 
     def joined(self, cluster: str) -> None:
         """The ring changed (a join): the flood node's reach follows it."""

@@ -77,6 +77,7 @@ class Detours:
         count: Callable[[str, int], None],
         prefix: str,
         shared: Callable[[str], bool] = lambda _cluster: False,
+        on_left: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.cluster, self.topology, self.prefix = cluster, topology, prefix
         self.table = LinkTable(cluster, ring)
@@ -84,18 +85,24 @@ class Detours:
         #: clusters reached over this cluster's own connection (one RabbitMQ and vhost for
         #: both): no other path exists, the transport's failover is the recovery
         self.shared = shared
+        #: called once for a cluster no flood reached for ``leave_after_s`` (it left)
+        self.on_left = on_left
+        self._declared: set[str] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a way changes
         self._tasks: set[asyncio.Future[Any]] = set()
         self._flooded = 0  # flood messages already counted in the metric
 
     # ------------------------------------------------------------------ forwarding
-    async def forward(self, dest: str, message: RoutedMessage, priority: int) -> None:
+    async def forward(self, dest: str, message: RoutedMessage, priority: int) -> bool:
         """Send ``message`` to ``dest``'s routing master: directly, over a detour, or
-        (no way known yet) once one is."""
+        (no way known yet) once one is.  False: ``dest`` left the ring meanwhile (the
+        caller routes the message again)."""
         if self.shared(dest):
             await self._send(dest, RoleId.router(dest).inbox(self.prefix), message, priority)
-            return
+            return True
         while True:
+            if dest not in self.table.ring.clusters:
+                return False
             path = self.table.path(dest)
             if path is None:
                 changed = self._changed
@@ -120,7 +127,7 @@ class Detours:
                 continue
             if len(path) > 1:
                 self._count("detoured", 1)
-            return
+            return True
 
     async def publish(self, client: AsyncClient, send: Callable[[], Awaitable[None]]) -> None:
         """One AMQP publish to another cluster: fail fast when its connection is down
@@ -227,6 +234,17 @@ class Detours:
                     self._wake()
             for dest in list(self.table.unreachable):
                 self._start(self.table.again(dest))
+            gone = self.table.gone(time.monotonic(), self.topology.leave_after_s)
+            for dest in gone:
+                if dest not in self._declared and self.on_left is not None:
+                    self._declared.add(dest)
+                    log.warning(
+                        "%s: no flood reached %s for %.1f s: it left the ring",
+                        self.cluster,
+                        dest,
+                        self.topology.leave_after_s,
+                    )
+                    await self.on_left(dest)
             self._gauges()
         for task in list(self._tasks):
             task.cancel()
@@ -243,6 +261,17 @@ class Detours:
         except (MiddlewareError, TimeoutError):
             return False
         return True
+
+    def joined(self, cluster: str) -> None:
+        """``cluster`` (re)joined the ring: it may be found gone again later."""
+        self._declared.discard(cluster)
+        self.table.joined(cluster)
+
+    def left(self, cluster: str) -> None:
+        """``cluster`` left the ring (already dropped from it): forget it, and let the
+        forwards waiting for it route again."""
+        self.table.forget(cluster)
+        self._wake()
 
     def _wake(self) -> None:
         self._changed.set()

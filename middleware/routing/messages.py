@@ -34,10 +34,13 @@ __all__ = [
     "Handover",
     "Heartbeat",
     "Join",
+    "Leave",
     "Message",
     "Probe",
     "Publish",
     "Read",
+    "Recover",
+    "Recovered",
     "Replicate",
     "Routed",
     "RoutedMessage",
@@ -281,6 +284,37 @@ class Found(_Message):
     at: int = Field(ge=0, le=63)  # the index in ``path`` this FOUND is addressed to
 
 
+class Leave(_Message):
+    """A routing master -> every routing master's control queue (and each to its match
+    roles): ``cluster`` left the ring (no flood reached it for ``leave_after_s``)."""
+
+    kind: Literal[Kind.LEAVE] = Kind.LEAVE
+    cluster: _Cluster
+    by: _Cluster  # the routing master that found it gone
+
+
+class Recover(_Message):
+    """The departed cluster's successor's routing master -> its match masters' control
+    queues: restore the departed match masters' subscriptions of ``arc`` that route to
+    you, from the persisted state, then answer :class:`Recovered`."""
+
+    kind: Literal[Kind.RECOVER] = Kind.RECOVER
+    cluster: _Cluster  # the departed cluster
+    arc: tuple[int, int]  # ring interval (start, end] it owned
+    masters: int = Field(ge=1, le=16)  # its match masters (whose stores to read)
+    request: str = Field(min_length=1, max_length=200)
+    reply_to: str = Field(min_length=1)  # the router's process queue
+
+
+class Recovered(_Message):
+    """A match master -> the recovering router: ``request`` done, ``restored`` held now."""
+
+    kind: Literal[Kind.RECOVERED] = Kind.RECOVERED
+    request: str = Field(min_length=1, max_length=200)
+    broker: str
+    restored: int = Field(ge=0)
+
+
 #: the kinds routed along the ring (the :class:`Routed` ones)
 RoutedMessage = Advertise | Subscribe | Unsubscribe | Unsubscribed | Publish
 
@@ -305,7 +339,10 @@ Message = Annotated[
     | Answer
     | Confirmation
     | Probe
-    | Found,
+    | Found
+    | Leave
+    | Recover
+    | Recovered,
     Field(discriminator="kind"),
 ]
 _ONE: TypeAdapter[Message] = TypeAdapter(Message)

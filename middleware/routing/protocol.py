@@ -41,6 +41,9 @@ class Kind(StrEnum):
     CONFIRMATION = "confirmation"  # owner's match master -> client: (un)subscribe outcome
     PROBE = "probe"  # routing master -> routing masters' control queues: the bounded flood
     FOUND = "found"  # the flood's target -> back along the probe's path to its origin
+    LEAVE = "leave"  # a routing master -> every routing master, its match roles: X left
+    RECOVER = "recover"  # the departed's successor's router -> its match masters: restore
+    RECOVERED = "recovered"  # a match master -> that router: restored (how many)
 
 
 class ClusterSpec(BaseModel):
@@ -111,6 +114,11 @@ class PhoenixTopology(BaseModel):
     link_timeout_s: float = Field(1.0, gt=0, le=60)
     flood_timeout_s: float = Field(1.0, gt=0, le=60)
     link_retry_s: float = Field(0.5, gt=0, le=60)
+    #: a cluster no flood has reached for this long (its RabbitMQ unreachable from every
+    #: routing master that tried) has left the ring: its successor takes over its arc
+    #: from the persisted state.  Longer than a role's recovery (#23), which keeps the
+    #: cluster's RabbitMQ reachable anyway
+    leave_after_s: float = Field(3.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _links_between_clusters(self) -> PhoenixTopology:

@@ -62,8 +62,8 @@ from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, Queue
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
 from .beats import Beater
-from .detours import Detours
-from .ids import RoleId
+from .detours import LINK_ERRORS, Detours
+from .ids import RoleId, RoleKind
 from .matching import Filter, FilterError, SubscriptionIndex
 from .messages import (
     Ack,
@@ -77,10 +77,13 @@ from .messages import (
     Handover,
     Heartbeat,
     Join,
+    Leave,
     Message,
     Probe,
     Publish,
     Read,
+    Recover,
+    Recovered,
     Replicate,
     Routed,
     RoutedMessage,
@@ -132,6 +135,12 @@ RECOVERY_S = Histogram(
     "election starts) and recovery (the winner serves the master's role)",
     ["cluster", "kind", "phase"],
     buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0),
+)
+LEAVE_S = Histogram(
+    "qosmq_phoenix_leave_recovery_seconds",
+    "a departed cluster's arc taken over: from the leave to every match master restored",
+    ["cluster"],
+    buckets=(0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
 )
 HOPS = Histogram(
     "qosmq_phoenix_hops",
@@ -1239,10 +1248,17 @@ class RouterMaster(_Role):
             count=self.count,
             prefix=self.topology.prefix,
             shared=self._shares_connection,
+            on_left=self._announce_leave,
         )
         #: the ids of the messages this owner routed lately: one sent again over a
         #: detour (its first send's confirm lost with the link) is routed once
         self._routed: OrderedDict[str, None] = OrderedDict()
+        self._spec = self.topology.cluster(self.cluster)
+        #: departed clusters whose arc this router took over: (arc, restored)
+        self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
+        #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
+        self._recoveries: dict[str, tuple[set[str], int, asyncio.Future[int]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -1282,6 +1298,8 @@ class RouterMaster(_Role):
             **self.replicas.handlers(),
             Probe: self.detours.on_probe,
             Found: self.detours.on_found,
+            Leave: self._on_leave,
+            Recovered: self._on_recovered,
         }
 
     @functools.cached_property
@@ -1329,11 +1347,14 @@ class RouterMaster(_Role):
         forwarded = message.model_copy(
             update={"hops": [*message.hops, self.cluster], "priority": priority}
         )
-        if owner != self.cluster:
+        while owner != self.cluster:
             next_hop = self.ring.route(self.cluster, et)[1]
             self.count("forwarded")
-            await self.detours.forward(next_hop, forwarded, priority)
-            return
+            if await self.detours.forward(next_hop, forwarded, priority):
+                return
+            self.count("rerouted")  # the next hop left the ring meanwhile: route again
+            owner = self.ring.owner(et)
+        await self._taken_over(et)
         masters = self.topology.cluster(self.cluster).match_masters
         index = ring_id(et) % masters  # routing table: SHA-1 of the type over the masters
         self.count("routed")
@@ -1349,7 +1370,106 @@ class RouterMaster(_Role):
             await self._route(message.model_copy(update={"via": rest}))
             return
         self.count("relayed")
-        await self.detours.forward(hop, message.model_copy(update={"via": rest}), message.priority)
+        onward = message.model_copy(update={"via": rest})
+        if not await self.detours.forward(hop, onward, message.priority):
+            self.count("rerouted")  # the hop left the ring: the ring goes on from here
+            await self._route(message.model_copy(update={"via": []}))
+
+    async def _taken_over(self, event_type: str) -> None:
+        """An event type of an arc this router took over from a departed cluster waits
+        until its match masters restored that arc's subscriptions (the paper's buffer:
+        the waiting handlers and the inbox behind them)."""
+        for arc, restored in list(self._recovering.values()):
+            if not restored.is_set() and arc.covers(event_type):
+                self.count("held_for_recovery")
+                await restored.wait()
+
+    async def _announce_leave(self, cluster: str) -> None:
+        """No flood reached ``cluster`` for ``leave_after_s``: tell every other routing
+        master (one bounded try each: one that misses it finds out by itself), then act."""
+        message = Leave(cluster=cluster, by=self.cluster)
+        for other in self.ring.clusters:
+            if other in (cluster, self.cluster):
+                continue
+            try:
+                await asyncio.wait_for(
+                    self.send(other, self.control_of(RoleId.router(other)), message, MAX_PRIORITY),
+                    2 * self.topology.link_timeout_s,
+                )
+            except LINK_ERRORS as exc:
+                log.warning("%s: could not tell %s that %s left: %s", self.id, other, cluster, exc)
+        await self._leave(cluster, self.cluster)
+
+    async def _on_leave(self, message: Leave) -> None:
+        await self._leave(message.cluster, message.by)
+
+    async def _leave(self, cluster: str, by: str) -> None:
+        """``cluster`` left: drop it from the ring; this cluster's match roles stop
+        delivering to its subscribers (dead-lettered with why); the successor's match
+        masters restore its arc from the persisted state."""
+        if cluster == self.cluster or cluster not in self.ring.clusters or len(self.ring) < 2:
+            return
+        arc = Arc(cluster, cluster, ring_id(self.ring.predecessor(cluster)), ring_id(cluster))
+        successor = self.ring.leave(cluster)
+        self.detours.left(cluster)
+        self.count("leaves")
+        log.warning("%s left the ring (found by %s); its arc goes to %s", cluster, by, successor)
+        told = Leave(cluster=cluster, by=by)
+        for role in RoleId.of_cluster(self.topology.cluster(self.cluster)):
+            if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
+                await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+        if successor == self.cluster:
+            restored = asyncio.Event()
+            self._recovering[cluster] = (arc, restored)
+            task = asyncio.create_task(self._recover(cluster, arc, restored))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _recover(self, cluster: str, arc: Arc, restored: asyncio.Event) -> None:
+        """RECOVERY to each of this cluster's match masters; the arc's events wait until
+        every one answered (or ``read_timeout_s``)."""
+        started = time.monotonic()
+        request = uuid.uuid4().hex
+        masters = [RoleId.match(self.cluster, i) for i in range(self._spec.match_masters)]
+        answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._recoveries[request] = ({m.owner for m in masters}, 0, answered)
+        ask = Recover(
+            cluster=cluster,
+            arc=(arc.start, arc.end),
+            masters=self.topology.cluster(cluster).match_masters,
+            request=request,
+            reply_to=self.connections.process_queue,
+        )
+        try:
+            for master in masters:
+                await self.send(self.cluster, self.control_of(master), ask, MAX_PRIORITY)
+            count = await asyncio.wait_for(answered, self.topology.read_timeout_s)
+        except TimeoutError:
+            count = self._recoveries[request][1]
+            log.warning("%s: not every match master restored %s's arc in time", self.id, cluster)
+        finally:
+            self._recoveries.pop(request, None)
+            restored.set()
+        took = time.monotonic() - started
+        LEAVE_S.labels(self.cluster).observe(took)
+        self.count("leaves_recovered")
+        log.warning(
+            "%s took over the arc of %s: %d subscriptions restored in %.3f s",
+            self.cluster,
+            cluster,
+            count,
+            took,
+        )
+
+    async def _on_recovered(self, message: Recovered) -> None:
+        entry = self._recoveries.get(message.request)
+        if entry is None:
+            return  # late: the recovery went on without it
+        waiting, count, answered = entry
+        waiting.discard(message.broker)
+        self._recoveries[message.request] = (waiting, count + message.restored, answered)
+        if not waiting and not answered.done():
+            answered.set_result(count + message.restored)
 
     def _routed_before(self, message_id: str, keep: int = 100_000) -> bool:
         if message_id in self._routed:
@@ -1375,8 +1495,13 @@ class RouterMaster(_Role):
         """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
         self.topology.cluster(cluster)
         handover = self.ring.join(cluster)
-        self.detours.table.joined(cluster)
+        self.detours.joined(cluster)
+        self._recovering.pop(cluster, None)
         self.count("joins")
+        back = Join(cluster=cluster)  # a cluster that left and came back: deliver to it again
+        for role in RoleId.of_cluster(self._spec):
+            if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
+                await self.send(self.cluster, self.control_of(role), back, MAX_PRIORITY)
         if handover is None or handover.previous_owner != self.cluster:
             return
         log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
@@ -1435,6 +1560,23 @@ class _MatchBroker(_Role):
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
         self._e2e: dict[AsyncClient, AsyncConfirmPublisher] = {}  # one per connection
         self._e2e_lock = asyncio.Lock()
+        #: clusters that left the ring: deliveries to their subscribers are dead-lettered
+        self.departed: set[str] = set()
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {**super().control_handlers, Leave: self._on_leave, Join: self._on_join_back}
+
+    async def _on_join_back(self, message: Join) -> None:
+        self.departed.discard(message.cluster)
+
+    async def _on_leave(self, message: Leave) -> None:
+        self.departed.add(message.cluster)
+        log.warning(
+            "%s: %s left the ring; its subscribers' deliveries dead-lettered",
+            self.name,
+            message.cluster,
+        )
 
     def _add(self, sid: str, document: dict[str, Any]) -> None:
         flt = Filter.parse(document["filter"])  # FilterError before anything changes
@@ -1499,6 +1641,10 @@ class _MatchBroker(_Role):
             _, queue, confirm, home = self.queues[sid]
             if queues.get((home, queue)) != "e2e":
                 queues[home, queue] = confirm
+        gone = sorted(
+            f"{queue} (cluster {home})" for home, queue in queues if home in self.departed
+        )
+        queues = {k: v for k, v in queues.items() if k[0] not in self.departed}
         sends = []
         for (home, queue), confirm in sorted(queues.items()):
             if confirm == "e2e":
@@ -1515,6 +1661,9 @@ class _MatchBroker(_Role):
                 raise result  # not settled: the inbox delivery is dead-lettered with why
             else:
                 self.count("delivered")
+        if gone:  # after the others' copies went out: not lost, kept with why
+            self.count("home_departed", len(gone))
+            raise DeadLetter(f"subscriber home cluster left the ring: {', '.join(gone)}")
 
     @property
     def name(self) -> str:
@@ -1606,7 +1755,37 @@ class MatchMaster(_MatchBroker):
             **super().control_handlers,
             **self.replicas.handlers(),
             Heartbeat: self._on_heartbeat,
+            Recover: self._on_recover,
         }
+
+    async def _on_recover(self, message: Recover) -> None:
+        """RECOVERY: hold the departed match masters' subscriptions of the arc that this
+        cluster's router sends to this match master, read from the persisted state;
+        answer once matching them works, then write them as this master's own."""
+        self.departed.add(message.cluster)
+        arc = Arc(message.cluster, message.cluster, *message.arc)
+        masters = self.topology.cluster(self.cluster).match_masters
+        found: dict[str, dict[str, Any]] = {}
+        for i in range(message.masters):
+            owner = RoleId.match(message.cluster, i).owner
+            table = await asyncio.to_thread(self.store.load, owner, "subscription")
+            for sid, (_, doc) in live(table).items():
+                event_type = doc.get("event_type")
+                if (
+                    isinstance(event_type, str)
+                    and arc.covers(event_type)
+                    and ring_id(event_type) % masters == self.index
+                    and sid not in self.subscriptions
+                    and self._held(sid, doc)
+                ):
+                    found[sid] = doc
+        self.subscriptions.update(found)
+        self.count("restored", len(found))
+        log.warning("%s: %d subscriptions of %s restored", self.name, len(found), message.cluster)
+        done = Recovered(request=message.request, broker=self.owner, restored=len(found))
+        await self.send(self.cluster, message.reply_to, done, MAX_PRIORITY)
+        for sid, doc in found.items():  # persisted and replicated as this master's own
+            await self.replicas.write(sid, doc)
 
     @functools.cached_property
     def inbox_handlers(self) -> dict[type, Handler]:

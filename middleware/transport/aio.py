@@ -159,6 +159,8 @@ class AsyncClient:
         self._reply_handlers: list[ReplyHandler] = []
         self._fatal: MiddlewareError | None = None
         self._tag_seq = 0
+        self._dead_letter_lock = asyncio.Lock()
+        self._dead_letter_declared = False
 
     # ------------------------------------------------------------ lifecycle
     async def connect(self) -> Self:
@@ -955,9 +957,14 @@ class AsyncClient:
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers
         (always publishable: headers the broker would refuse are left out, and said so)."""
-        if DEAD_LETTER_EXCHANGE not in self.topology.exchanges:
-            for spec in DEAD_LETTER_TOPOLOGY:
-                await self._apply_with_retry(spec)
+        if not self._dead_letter_declared:
+            # once, whole: concurrent first dead-letters each saw the exchange recorded
+            # before its queue was bound, published to no route and went unsettled
+            async with self._dead_letter_lock:
+                if not self._dead_letter_declared:
+                    for spec in DEAD_LETTER_TOPOLOGY:
+                        await self._apply_with_retry(spec)
+                    self._dead_letter_declared = True
         await self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )

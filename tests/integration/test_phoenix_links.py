@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 import urllib.parse
 from pathlib import Path
@@ -35,7 +36,9 @@ RATE = 100  # events per second
 class Links:
     """Three clusters on their own vhosts, a proxy per directed link, the roles up."""
 
-    def __init__(self, settings, brokers, tmp_path: Path, name: str) -> None:
+    def __init__(
+        self, settings, brokers, tmp_path: Path, name: str, fields: dict | None = None
+    ) -> None:
         try:
             _management(settings, "GET", "/api/overview")
         except OSError:
@@ -59,7 +62,9 @@ class Links:
         self.y = next(c for c in "BC" if c != self.x)
         port = int(brokers.urls[0].rsplit(":", 1)[1].strip("/"))
         self.proxies = {(a, b): FaultProxy(port) for a in "ABC" for b in "ABC" if a != b}
-        _, self.topology = _topology(tmp_path, name, {c: {"vhost": self.vhosts[c]} for c in "ABC"})
+        _, self.topology = _topology(
+            tmp_path, name, {c: {"vhost": self.vhosts[c]} for c in "ABC"}, fields
+        )
         path = tmp_path / "phoenix.toml"
         path.write_text(
             path.read_text()
@@ -87,6 +92,26 @@ class Links:
     def heal(self, a: str, b: str) -> None:
         self.proxies[a, b].heal()
         self.proxies[b, a].heal()
+
+    def remove(self, cluster: str) -> None:
+        """The whole cluster goes: its role processes SIGKILLed, its RabbitMQ unreachable
+        from every other cluster (each link into and out of it cut)."""
+        for role in RoleId.of_cluster(self.topology.cluster(cluster)):
+            self.deployment.kill(role)
+        for (a, b), proxy in self.proxies.items():
+            if cluster in (a, b):
+                proxy.cut()
+
+    def restore_links(self, cluster: str) -> None:
+        for (a, b), proxy in self.proxies.items():
+            if cluster in (a, b):
+                proxy.heal()
+
+    def logs(self) -> str:
+        return "".join(
+            self.deployment.log_file(role).read_text(errors="replace")
+            for role in self.deployment.pids()
+        )
 
     def close(self) -> None:
         try:
@@ -161,8 +186,8 @@ class Links:
 
 
 @pytest.fixture
-def links(settings, brokers, tmp_path: Path, name: str):
-    world = Links(settings, brokers, tmp_path, name)
+def links(settings, brokers, tmp_path: Path, name: str, request):
+    world = Links(settings, brokers, tmp_path, name, getattr(request, "param", None))
     try:
         world.deployment.up()
         asyncio.run(world.subscribe())
@@ -212,3 +237,59 @@ def test_a_flapping_link_loses_and_duplicates_nothing(links) -> None:
     log = links.router_log("A")
     assert log.count("detour over") >= 1, log[-3000:]
     print(f"\n{published} events through 3 cuts, 0 lost, 0 duplicates")
+
+
+@pytest.mark.parametrize("links", [{"leave_after_s": 1.5}], indirect=True)
+def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(links) -> None:
+    """X (the owner of the subscribed type) goes entirely; A's forwards to it fail, no
+    flood reaches it, and after ``leave_after_s`` every router drops it from the ring: X's
+    successor restores X's subscriptions from the persisted state, and the events
+    published at A (they waited at A meanwhile) are matched there and delivered, none
+    lost; the copies for a subscriber homed at X are dead-lettered with the reason.  X
+    then comes back by the join path and takes its arc back: the events after
+    the rejoin are delivered exactly once."""
+    x = links.x
+    successor = ChordRing(c for c in "ABC" if c != x).owner(links.event_type)
+    homed_at_x = f"{links.queue}.at-{x}"
+
+    async def subscribe_at_x() -> None:  # a subscriber whose home cluster will leave
+        async with AsyncClient(settings=links.cluster(x)) as client:
+            at_x = PhoenixClient(client, topology=links.topology, cluster=x)
+            await at_x.subscribe(links.event_type, [("n", ">=", 0)], 1, homed_at_x, wait_s=60)
+
+    async def dead_lettered(expected: int) -> list[tuple[int, str]]:
+        async with AsyncClient(settings=links.cluster(successor)) as client:
+            found: list[tuple[int, str]] = []
+            deadline = time.monotonic() + 20
+            while len(found) < expected and time.monotonic() < deadline:
+                while (d := await client.get("qosmq.dead-letter")) is not None:
+                    event = json.loads(d.body)["event"]["attributes"]["n"]
+                    found.append((event, str(d.headers.get("x-qosmq-reason"))))
+                await asyncio.sleep(0.2)
+            return found
+
+    asyncio.run(subscribe_at_x())
+    removed_at = time.time()
+    links.remove(x)
+    arrivals, published, _ = asyncio.run(links.stream(5.0, []))
+    _check(arrivals, published)
+    # the copies for the subscriber whose home left: dead-lettered with why, none dropped
+    dead = asyncio.run(dead_lettered(published))
+    missing = sorted(set(range(published)) - {n for n, _ in dead})
+    assert not missing and len(dead) == published, (missing, len(dead), published)
+    assert all(f"{homed_at_x} (cluster {x})" in why and "left the ring" in why for _, why in dead)
+    logs = links.logs()
+    assert f"{x} left the ring" in logs, logs[-3000:]
+    taken = re.search(rf"{successor} took over the arc of {x}: (\d+) subscriptions restored", logs)
+    assert taken and int(taken.group(1)) >= 1, logs[-3000:]
+    first = min(t for _, t in arrivals)
+    print(
+        f"\nleave of {x}: {published} events published at A after the removal, 0 lost, "
+        f"0 duplicates; the first delivered {first - removed_at:.2f} s after the removal "
+        f"(matched at {successor}, {taken.group(1)} subscription(s) restored)"
+    )
+    links.restore_links(x)
+    links.deployment.join(x)
+    arrivals, published, _ = asyncio.run(links.stream(3.0, []))
+    _check(arrivals, published)
+    print(f"after {x} rejoined: {published} events, 0 lost, 0 duplicates")

@@ -144,3 +144,24 @@ def test_flood_messages_are_counted_within_the_bound() -> None:
     world.run(world.tables[origin].failed(dest, dest, now=0.0))
     total = sum(t.flood_messages for t in world.tables.values())
     assert 0 < total <= message_bound(world.ring)
+
+
+def test_a_cluster_no_flood_reaches_is_gone_after_leave_after_s_and_then_forgotten() -> None:
+    world = World(8, 11)
+    origin = "c0"
+    gone = world.ring.successors(origin, 1)[0]
+    other = next(c for c in world.ring.clusters if c not in (origin, gone))
+    world.dead.add(gone)  # the whole cluster: nobody reaches it
+    table = world.tables[origin]
+    started = table.failed(gone, gone, now=10.0)
+    world.run(started)
+    assert table.path(gone) is None
+    assert table.timed_out(started[0].flood, gone) is not None
+    assert table.gone(now=12.0, after_s=3.0) == []  # not yet
+    assert table.gone(now=13.0, after_s=3.0) == [gone]
+    table.detours[other] = (gone, other)  # a stale detour through it goes too
+    world.ring.leave(gone)
+    table.forget(gone)
+    assert gone not in table.down and gone not in table.unreachable
+    assert other not in table.detours and gone not in table.node.reachable
+    assert table.gone(now=99.0, after_s=3.0) == []

@@ -25,9 +25,12 @@ from middleware.routing.messages import (
     Handover,
     Heartbeat,
     Join,
+    Leave,
     Probe,
     Publish,
     Read,
+    Recover,
+    Recovered,
     Replicate,
     Snapshot,
     Subscribe,
@@ -72,6 +75,9 @@ ONE_OF_EACH = [
         id="e1",
         via=["B", "C"],
     ),
+    Leave(cluster="B", by="A"),
+    Recover(cluster="B", arc=(1, 2), masters=2, request="r4", reply_to="px.process.y"),
+    Recovered(request="r4", broker="C/match-0", restored=3),
 ]
 
 
