@@ -59,15 +59,24 @@ def register(sub: Any) -> None:
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
         "--experiment",
-        choices=("matching", "rate", "subscriptions", "recovery", "link"),
+        choices=("matching", "rate", "subscriptions", "recovery", "link", "leave"),
         default="matching",
         help="matching: (c) one match broker; rate: (a) response time vs event rate; "
         "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
         "of each role kind under load; link: a link between two routing masters cut or "
-        "blackholed under load (detour, way back)",
+        "blackholed under load (detour, way back); leave: a whole cluster removed under "
+        "load (its arc restored at its successor from the persisted state)",
     )
     phoenix.add_argument(
-        "--cuts", type=integer(1, 10_000), default=5, help="link: faults per kind and rate"
+        "--cuts",
+        type=integer(1, 10_000),
+        default=5,
+        help="link: faults per kind and rate; leave: removals (a fresh deployment each)",
+    )
+    phoenix.add_argument(
+        "--leave-after",
+        type=number(0.1, 3600),
+        help="leave: the topology's leave_after_s (default: the topology's, 3.0)",
     )
     phoenix.add_argument(
         "--faults",
@@ -407,6 +416,8 @@ def _run_phoenix(args: argparse.Namespace) -> int:
         return _run_phoenix_recovery(args)
     if args.experiment == "link":
         return _run_phoenix_links(args)
+    if args.experiment == "leave":
+        return _run_phoenix_leave(args)
     if args.experiment != "matching":
         return _run_phoenix_timeliness(args)
     from .phoenix import matching_throughput
@@ -487,6 +498,56 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
             )
         )
     return 1 if sum(r["lost"] for r in rows) else 0
+
+
+def _run_phoenix_leave(args: argparse.Namespace) -> int:
+    from .phoenix_links import run_leave, summarize_leave
+
+    rate = float((args.rates or "200").split(",")[0])
+    subscriptions = int((args.subscriptions or "200000").split(",")[0])
+    columns = (
+        "subscriptions",
+        "rate",
+        "departed",
+        "successor",
+        "detect_s",
+        "restore_s",
+        "restored",
+        "restored_per_s",
+        "function_s",
+        "events",
+        "lost_after",
+        "lost_in_departed",
+        "duplicates",
+    )
+    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns), flush=True)
+
+    def report(row: dict[str, Any]) -> None:
+        print(" ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns), flush=True)
+
+    fields = {} if args.leave_after is None else {"leave_after_s": args.leave_after}
+    rows = run_leave(
+        args.settings,
+        directory=args.work_dir,
+        runs=args.cuts,
+        rate=rate,
+        subscriptions=subscriptions,
+        seconds=max(args.stream, 10.0),
+        report=report,
+        fields=fields,
+    )
+    summary = summarize_leave(rows)
+    print(
+        "\nmedian and p99 over the removals; target: function_p50_s <= 5 with 200 000 "
+        f"subscriptions; topology fields set: {fields or 'none (defaults)'}"
+    )
+    print(" ".join(f"{k:>{max(8, len(k))}}" for k in summary))
+    print(" ".join(f"{v!s:>{max(8, len(k))}}" for k, v in summary.items()))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"rows": rows, "summary": summary, **_provenance(args.settings)}, indent=2)
+        )
+    return 1 if summary["lost_after"] else 0
 
 
 def _run_phoenix_recovery(args: argparse.Namespace) -> int:

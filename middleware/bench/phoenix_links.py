@@ -30,20 +30,21 @@ import random
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import runtime
 from ..localcluster.proxy import FaultProxy
 from ..routing.client import PhoenixClient
+from ..routing.ids import RoleId
 from ..settings import Settings
 from ..transport import AsyncClient
 from .phoenix_recovery import _drop, _log_lines_after, _Stream
 from .phoenix_timeliness import Deployment
 from .stats import percentile
 
-__all__ = ["FAULTS", "run_links", "summarize_links"]
+__all__ = ["FAULTS", "run_leave", "run_links", "summarize_leave", "summarize_links"]
 
 FAULTS = ("cut", "blackhole")
 CLUSTERS = ("A", "B", "C")
@@ -268,3 +269,158 @@ def summarize_links(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+# ---------------------------------------------------------------------- cluster leave
+_TOOK_OVER = re.compile(r"took over the arc of (\S+): (\d+) subscriptions restored in ([\d.]+) s")
+
+
+def _leave_docs(
+    ring: Any, owner: str, home: str, count: int, prefix: str
+) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """``count`` subscriptions on 30 event types ``owner`` owns, made at ``home``."""
+    types = [t for t in (f"leave-ev{i}" for i in range(10_000)) if ring.owner(t) == owner][:30]
+    rng = random.Random(7)
+    for i in range(count):
+        yield (
+            f"s{i}",
+            home,
+            {
+                "event_type": types[i % len(types)],
+                "filter": [["symbol", "=", f"S{rng.randrange(1000)}"]],
+                "queue": f"{prefix}.unused",
+                "latency_level": 1 + i % 5,
+                "home": home,
+            },
+        )
+
+
+def _one_leave(
+    settings: Settings,
+    directory: Path,
+    run_index: int,
+    *,
+    rate: float,
+    subscriptions: int,
+    seconds: float,
+    fields: Mapping[str, float] | None,
+) -> dict[str, Any]:
+    prefix = f"bench-leave-{int(time.time())}-{run_index}"
+    port = _proxied_port(settings.amqp_urls[0])
+    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
+    try:
+        deployment = Deployment(
+            directory / prefix,
+            prefix=prefix,
+            amqp_urls=settings.amqp_urls,
+            routing_slaves=0,
+            match_slaves=0,
+            links={pair: proxy.url for pair, proxy in proxies.items()},
+            fields=fields,
+        )
+        ring = deployment.ring
+        event_type = next(
+            t for t in (f"leave{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
+        )
+        x = ring.owner(event_type)
+        y = next(c for c in CLUSTERS if c not in ("A", x))
+        preloaded = deployment.preload(_leave_docs(ring, x, y, subscriptions, prefix))
+        queue = f"{prefix}.sub"
+        with deployment.running():
+            runtime.run(_subscribe_at(settings, deployment, event_type, queue, y))
+            stream = _Stream(settings, deployment, event_type, queue, 0, entries=("A",))
+            phoenix = deployment.phoenix()
+
+            def remove() -> None:
+                for role in RoleId.of_cluster(deployment.topology.cluster(x)):
+                    phoenix.kill(role)
+                for (a, b), proxy in proxies.items():
+                    if x in (a, b):
+                        proxy.cut()
+
+            (removed_at,) = runtime.run(
+                stream.run_actions(rate, seconds, [(1.5, remove)]),
+                event_loop=settings.event_loop,
+            )
+            left = _log_lines_after(phoenix, removed_at, f"{x} left the ring", None)
+            took = _log_lines_after(phoenix, removed_at, f"took over the arc of {x}", None)
+            runtime.run(_drop(settings, queue))
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
+    arrivals: dict[int, float] = {}
+    for n, t in stream.got:
+        arrivals.setdefault(n, t)
+    after = [n for n in stream.sent if stream.sent[n] >= removed_at]
+    before = [n for n in stream.sent if stream.sent[n] < removed_at]
+    restored = restore_s = None
+    if took:
+        found = _TOOK_OVER.search(took[0][1])
+        if found:
+            restored, restore_s = int(found.group(2)), float(found.group(3))
+    first_after = min((arrivals[n] for n in after if n in arrivals), default=None)
+    return {
+        "subscriptions": preloaded,
+        "rate": rate,
+        "departed": x,
+        "successor": ring.successors(x, 1)[0],
+        "detect_s": round(left[0][0] - removed_at, 3) if left else None,
+        "restore_s": restore_s,
+        "restored": restored,
+        "restored_per_s": round(restored / restore_s) if restored and restore_s else None,
+        "function_s": round(first_after - removed_at, 3) if first_after else None,
+        "events": len(stream.sent),
+        "lost_after": sum(1 for n in after if n not in arrivals),
+        "lost_in_departed": sum(1 for n in before if n not in arrivals),
+        "duplicates": len(stream.got) - len(arrivals) + stream.late,
+    }
+
+
+def run_leave(
+    settings: Settings,
+    *,
+    directory: Path,
+    runs: int,
+    rate: float,
+    subscriptions: int,
+    seconds: float = 10.0,
+    report: Callable[[dict[str, Any]], None] | None = None,
+    fields: Mapping[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """``runs`` removals of the cluster that owns the stream's type, each on a fresh
+    deployment holding ``subscriptions`` subscriptions in the departed cluster's arc."""
+    rows = []
+    for i in range(runs):
+        row = _one_leave(
+            settings,
+            directory,
+            i,
+            rate=rate,
+            subscriptions=subscriptions,
+            seconds=seconds,
+            fields=fields,
+        )
+        rows.append(row)
+        if report is not None:
+            report(row)
+    return rows
+
+
+def summarize_leave(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def stat(key: str, p: float) -> float | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        return round(percentile(values, p), 3) if values else None
+
+    return {
+        "runs": len(rows),
+        "subscriptions": rows[0]["subscriptions"] if rows else 0,
+        "detect_p50_s": stat("detect_s", 50),
+        "restore_p50_s": stat("restore_s", 50),
+        "function_p50_s": stat("function_s", 50),
+        "function_p99_s": stat("function_s", 99),
+        "restored_per_s_p50": stat("restored_per_s", 50),
+        "events": sum(r["events"] for r in rows),
+        "lost_after": sum(r["lost_after"] for r in rows),
+        "lost_in_departed": sum(r["lost_in_departed"] for r in rows),
+        "duplicates": sum(r["duplicates"] for r in rows),
+    }
