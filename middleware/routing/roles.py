@@ -1574,6 +1574,12 @@ class _MatchBroker(_Role):
         self._e2e_lock = asyncio.Lock()
         #: clusters that left the ring: deliveries to their subscribers are dead-lettered
         self.departed: set[str] = set()
+        #: restored from a departed cluster, not indexed yet: event type -> {sid: doc}
+        self.unindexed: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def index_type(self, event_type: str) -> None:
+        """Index the restored subscriptions of one type (match masters restore)."""
+        self.unindexed.pop(event_type, None)
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -1626,6 +1632,8 @@ class _MatchBroker(_Role):
 
     async def _match(self, message: Publish) -> None:
         self.predictor.arrived(now=time.monotonic())
+        if self.unindexed and message.event_type in self.unindexed:
+            self.index_type(message.event_type)  # restored from a departed cluster
         try:
             index = self.indexes.get(message.event_type)
             matched = index.match(message.event.attributes) if index else set()
@@ -1725,6 +1733,30 @@ class _MatchBroker(_Role):
                 await observe
 
 
+def _restorable(
+    store: StateStore,
+    owners: list[str],
+    arc: Arc,
+    masters: int,
+    index: int,
+    held: set[str],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """(In a thread) the subscriptions of ``owners`` in ``arc`` that the router sends to
+    match master ``index`` of ``masters``, not ``held`` already: event type -> {sid: doc}."""
+    by_type: dict[str, dict[str, dict[str, Any]]] = {}
+    mine: dict[str, bool] = {}
+    for owner in owners:
+        for sid, (_, doc) in live(store.load(owner, "subscription")).items():
+            event_type = doc.get("event_type")
+            if not isinstance(event_type, str) or sid in held:
+                continue
+            if event_type not in mine:
+                mine[event_type] = arc.covers(event_type) and ring_id(event_type) % masters == index
+            if mine[event_type]:
+                by_type.setdefault(event_type, {})[sid] = doc
+    return by_type
+
+
 def _subscription_document(message: Subscribe) -> dict[str, Any]:
     return {
         "event_type": message.event_type,
@@ -1751,6 +1783,9 @@ class MatchMaster(_MatchBroker):
         self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
         self._confirming: set[asyncio.Task[None]] = set()  # subscribe confirmations in flight
         self.replicas = _ReplicaSet(self, self.store, "subscription")
+        #: event types restored from a departed cluster: matched here, never dispatched
+        #: (the restored subscriptions are not replicated to the slaves, see ``adopt``)
+        self.local_types: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.replicas.persisting(self._serve_observed(stop), stop)
@@ -1771,31 +1806,47 @@ class MatchMaster(_MatchBroker):
         }
 
     async def _on_recover(self, message: Recover) -> None:
-        """RECOVERY: hold the departed match masters' subscriptions of the arc that this
-        cluster's router sends to this match master, read from the persisted state;
-        answer once matching them works, then write them as this master's own."""
+        """RECOVERY: take the departed match masters' subscriptions of the arc that this
+        cluster's router sends to this match master, read from the persisted state, and
+        answer at once: an event type is indexed when its first event comes (or by the
+        background indexer, type after type, whichever is first); then they are written
+        as this master's own."""
         self.departed.add(message.cluster)
         arc = Arc(message.cluster, message.cluster, *message.arc)
         masters = self.topology.cluster(self.cluster).match_masters
-        found: dict[str, dict[str, Any]] = {}
-        for i in range(message.masters):
-            owner = RoleId.match(message.cluster, i).owner
-            table = await asyncio.to_thread(self.store.load, owner, "subscription")
-            for sid, (_, doc) in live(table).items():
-                event_type = doc.get("event_type")
-                if (
-                    isinstance(event_type, str)
-                    and arc.covers(event_type)
-                    and ring_id(event_type) % masters == self.index
-                    and sid not in self.subscriptions
-                    and self._held(sid, doc)
-                ):
-                    found[sid] = doc
+        owners = [RoleId.match(message.cluster, i).owner for i in range(message.masters)]
+        by_type = await asyncio.to_thread(
+            _restorable, self.store, owners, arc, masters, self.index, set(self.subscriptions)
+        )
+        found = {sid: doc for docs in by_type.values() for sid, doc in docs.items()}
         self.subscriptions.update(found)
+        for event_type, docs in by_type.items():
+            self.unindexed.setdefault(event_type, {}).update(docs)
+            self.local_types.add(event_type)
         self.count("restored", len(found))
         log.warning("%s: %d subscriptions of %s restored", self.name, len(found), message.cluster)
         done = Recovered(request=message.request, broker=self.owner, restored=len(found))
         await self.send(self.cluster, message.reply_to, done, MAX_PRIORITY)
+        task = asyncio.create_task(self._index_restored(found))
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
+
+    def index_type(self, event_type: str) -> None:
+        """Index the restored subscriptions of one type (those still held and not
+        replaced or removed meanwhile)."""
+        for sid, doc in self.unindexed.pop(event_type, {}).items():
+            if self.subscriptions.get(sid) is doc and sid not in self.queues:
+                self._held(sid, doc)
+
+    async def _index_restored(self, found: dict[str, dict[str, Any]]) -> None:
+        """Index the restored types one by one between other work, then adopt them."""
+        started = time.monotonic()
+        while self.unindexed:
+            self.index_type(next(iter(self.unindexed)))
+            await asyncio.sleep(0)
+        log.info(
+            "%s: restored subscriptions indexed in %.2f s", self.name, time.monotonic() - started
+        )
         await self.replicas.adopt(found)  # this master's own from now on
 
     @functools.cached_property
@@ -1862,6 +1913,9 @@ class MatchMaster(_MatchBroker):
         )
 
     async def _on_publish(self, message: Publish) -> None:
+        if message.event_type in self.local_types:  # its slaves do not hold them
+            await self._match(message)
+            return
         target = self.choose() if self.topology.inner else self.choose_blind()
         if target is None:
             await self._match(message)
