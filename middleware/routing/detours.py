@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
-from ..errors import LinkDown, MiddlewareError, NotConnected, RetryableError
+from ..errors import DeadLetter, LinkDown, MiddlewareError, NotConnected, RetryableError
 from ..recovery import flood
 from ..recovery.links import LinkTable, Started
 from .ids import RoleId
@@ -202,6 +202,12 @@ class Detours:
             message.by,
             message.at,
         )
+        if found.at == 0 and found.origin != self.cluster:
+            raise DeadLetter(
+                f"found: flood {found.flood} is {found.origin}'s, not {self.cluster}'s"
+            )
+        if found.at > 0 and found.path[found.at] != self.cluster:
+            raise DeadLetter(f"found: {self.cluster} is not at index {found.at} of its path")
         result = self.table.found(found)
         if isinstance(result, list):
             self._launch(result)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from ..errors import DeadLetter
 from .matching import Event
@@ -271,6 +271,12 @@ class Probe(_Message):
     path: list[_Cluster] = Field(min_length=1, max_length=64)  # origin first, sender last
     ttl: int = Field(ge=0, le=64)
 
+    @model_validator(mode="after")
+    def _from_its_origin(self) -> Probe:
+        if self.path[0] != self.origin:
+            raise ValueError("a probe's path starts at its origin")
+        return self
+
 
 class Found(_Message):
     """The flood's target answered: back along the probe's path to its origin."""
@@ -282,6 +288,12 @@ class Found(_Message):
     path: list[_Cluster] = Field(min_length=1, max_length=64)
     by: Literal["master", "slave"]
     at: int = Field(ge=0, le=63)  # the index in ``path`` this FOUND is addressed to
+
+    @model_validator(mode="after")
+    def _on_its_path(self) -> Found:
+        if self.at >= len(self.path) or self.path[0] != self.origin:
+            raise ValueError("at must index the path, which starts at the origin")
+        return self
 
 
 class Leave(_Message):

@@ -307,3 +307,67 @@ def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(l
     arrivals, published, _ = asyncio.run(links.stream(3.0, []))
     _check(arrivals, published)
     print(f"after {x} rejoined: {published} events, 0 lost, 0 duplicates")
+
+
+def test_forged_ring_messages_are_dead_lettered_with_why_and_traffic_goes_on(links) -> None:
+    """A FOUND for a flood A never started, a detour through a cluster the topology does
+    not have, and a probe whose path does not start at its origin: each dead-lettered
+    once with the reason; the events around them are all delivered."""
+    from middleware.routing.messages import Found, Publish, encode
+    from middleware.transport import (
+        BindingSpec,
+        ExchangeSpec,
+        ExchangeType,
+        OutgoingMessage,
+        QueueKind,
+        QueueSpec,
+    )
+    from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
+
+    prefix = links.topology.prefix
+    control = RoleId.router("A").control(prefix)
+    inbox = RoleId.router("A").inbox(prefix)
+    forged = [
+        (
+            control,
+            encode(Found(flood="C#9", origin="C", target="B", path=["C"], by="master", at=0)),
+        ),
+        (
+            inbox,
+            encode(
+                Publish(
+                    event_type=links.event_type,
+                    event={"event_type": links.event_type, "attributes": {"n": -5}},
+                    via=["Z"],
+                )
+            ),
+        ),
+        (control, b'{"kind":"probe","flood":"f","origin":"A","target":"B","path":["C"],"ttl":1}'),
+    ]
+
+    async def forge() -> tuple[list[str], list[str]]:
+        async with AsyncClient(settings=links.cluster("A")) as client:
+            dl = f"{links.name}.dead"  # the test's own queue on the layer's dead-letter exchange
+            await client.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
+            await client.declare_queue(QueueSpec(dl, kind=QueueKind.CLASSIC))
+            await client.bind(BindingSpec(dl, DEAD_LETTER_EXCHANGE))
+            for queue, body in forged:
+                await client.publish(OutgoingMessage(body, "", queue))
+            reasons: dict[str, list[str]] = {control: [], inbox: []}
+            deadline = time.monotonic() + 20
+            while sum(map(len, reasons.values())) < 3 and time.monotonic() < deadline:
+                d = await client.get(dl)
+                if d is None:
+                    await asyncio.sleep(0.1)
+                    continue
+                where = str(d.headers.get("x-qosmq-queue"))
+                reasons.setdefault(where, []).append(str(d.headers.get("x-qosmq-reason")))
+            return reasons[control], reasons[inbox]
+
+    at_control, at_inbox = asyncio.run(forge())
+    assert len(at_control) == 2 and len(at_inbox) == 1, (at_control, at_inbox)
+    assert any("is C's, not A's" in why for why in at_control), at_control
+    assert any("starts at its origin" in why for why in at_control), at_control
+    assert "detour hop 'Z' is not in the topology" in at_inbox[0], at_inbox
+    arrivals, published, _ = asyncio.run(links.stream(1.0, []))
+    _check(arrivals, published)

@@ -132,6 +132,15 @@ def test_every_kind_has_a_model_and_round_trips() -> None:
             {"kind": "found", "flood": "f", "origin": "A", "target": "B", "path": ["A"], "by": "x"},
             "by",
         ),
+        (
+            {"kind": "found", "flood": "f", "origin": "A", "target": "B", "path": ["A"]}
+            | {"by": "master", "at": 3},
+            "at must index",
+        ),
+        (
+            {"kind": "probe", "flood": "f", "origin": "A", "target": "B", "path": ["C"], "ttl": 1},
+            "starts at its origin",
+        ),
     ],
 )
 def test_a_message_that_does_not_fit_its_kind_is_refused_with_why(body, why) -> None:
