@@ -78,6 +78,7 @@ class Detours:
         prefix: str,
         shared: Callable[[str], bool] = lambda _cluster: False,
         on_left: Callable[[str], Awaitable[None]] | None = None,
+        on_unreachable: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.cluster, self.topology, self.prefix = cluster, topology, prefix
         self.table = LinkTable(cluster, ring)
@@ -88,6 +89,9 @@ class Detours:
         #: called once for a cluster no flood reached for ``leave_after_s`` (it left)
         self.on_left = on_left
         self._declared: set[str] = set()
+        #: called once per outage when a flood for a cluster found no way
+        self.on_unreachable = on_unreachable
+        self._suspected: set[str] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a way changes
         self._tasks: set[asyncio.Future[Any]] = set()
         self._flooded = 0  # flood messages already counted in the metric
@@ -157,6 +161,11 @@ class Detours:
         verdict = self.table.timed_out(flood_id, target)
         if verdict is not None:
             self._count("floods_unanswered", 1)
+            if target not in self._suspected and self.on_unreachable is not None:
+                self._suspected.add(target)
+                task = asyncio.ensure_future(self.on_unreachable(target))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             log.warning(
                 "%s: no way to %s found within %.1f s (its events wait; flooding again)",
                 self.cluster,
@@ -235,6 +244,7 @@ class Detours:
                 await asyncio.wait_for(stop.wait(), self.topology.link_retry_s)
             for dest in list(self.table.down):
                 if await self._answers(dest) and self.table.healed(dest):
+                    self._suspected.discard(dest)
                     self._count("links_healed", 1)
                     log.warning("%s -> %s: direct link answers again", self.cluster, dest)
                     self._wake()
@@ -271,6 +281,7 @@ class Detours:
     def joined(self, cluster: str) -> None:
         """``cluster`` (re)joined the ring: it may be found gone again later."""
         self._declared.discard(cluster)
+        self._suspected.discard(cluster)
         self.table.joined(cluster)
 
     def left(self, cluster: str) -> None:

@@ -316,6 +316,9 @@ class Recover(_Message):
     masters: int = Field(ge=1, le=16)  # its match masters (whose stores to read)
     request: str = Field(min_length=1, max_length=200)
     reply_to: str = Field(min_length=1)  # the router's process queue
+    #: the departed cluster is only suspected (a flood found no way): read its state
+    #: now and keep it ready, answer nothing (the leave's RECOVER then finds it read)
+    prepare: bool = False
 
 
 class Recovered(_Message):

@@ -1261,6 +1261,7 @@ class RouterMaster(_Role):
             prefix=self.topology.prefix,
             shared=self._shares_connection,
             on_left=self._announce_leave,
+            on_unreachable=self._suspect,
         )
         #: the ids of the messages this owner routed lately: one sent again over a
         #: detour (its first send's confirm lost with the link) is routed once
@@ -1415,13 +1416,43 @@ class RouterMaster(_Role):
     async def _on_leave(self, message: Leave) -> None:
         await self._leave(message.cluster, message.by)
 
+    def _departure(self, cluster: str) -> tuple[Arc, str]:
+        """The arc ``cluster`` owns and who would take it over."""
+        start = ring_id(self.ring.predecessor(cluster))
+        return Arc(cluster, cluster, start, ring_id(cluster)), self.ring.successors(cluster, 1)[0]
+
+    async def _suspect(self, cluster: str) -> None:
+        """A flood for ``cluster`` found no way: its successor's match masters read its
+        subscriptions now (prepare), so that a leave declared ``leave_after_s`` later
+        finds them read.  One bounded try each; a miss only costs the leave that time."""
+        if cluster not in self.ring.clusters or len(self.ring) < 3:
+            return
+        arc, successor = self._departure(cluster)
+        ask = Recover(
+            cluster=cluster,
+            arc=(arc.start, arc.end),
+            masters=self.topology.cluster(cluster).match_masters,
+            request=f"prepare-{uuid.uuid4().hex}",
+            reply_to=self.connections.process_queue,
+            prepare=True,
+        )
+        for i in range(self.topology.cluster(successor).match_masters):
+            queue = self.control_of(RoleId.match(successor, i))
+            try:
+                await asyncio.wait_for(
+                    self.send(successor, queue, ask, MAX_PRIORITY), 2 * self.topology.link_timeout_s
+                )
+            except LINK_ERRORS as exc:
+                log.info("%s: prepare for %s not sent to %s: %s", self.id, cluster, queue, exc)
+        self.count("suspected")
+
     async def _leave(self, cluster: str, by: str) -> None:
         """``cluster`` left: drop it from the ring; this cluster's match roles stop
         delivering to its subscribers (dead-lettered with why); the successor's match
         masters restore its arc from the persisted state."""
         if cluster == self.cluster or cluster not in self.ring.clusters or len(self.ring) < 2:
             return
-        arc = Arc(cluster, cluster, ring_id(self.ring.predecessor(cluster)), ring_id(cluster))
+        arc, _ = self._departure(cluster)
         successor = self.ring.leave(cluster)
         self.detours.left(cluster)
         self.count("leaves")
@@ -1587,6 +1618,9 @@ class _MatchBroker(_Role):
 
     async def _on_join_back(self, message: Join) -> None:
         self.departed.discard(message.cluster)
+        standby = getattr(self, "standby", None)
+        if standby is not None:
+            standby.pop(message.cluster, None)
 
     async def _on_leave(self, message: Leave) -> None:
         self.departed.add(message.cluster)
@@ -1733,22 +1767,21 @@ class _MatchBroker(_Role):
                 await observe
 
 
+#: restored subscriptions: event type -> {subscription id: document}
+Restorable = dict[str, dict[str, dict[str, Any]]]
+
+
 def _restorable(
-    store: StateStore,
-    owners: list[str],
-    arc: Arc,
-    masters: int,
-    index: int,
-    held: set[str],
-) -> dict[str, dict[str, dict[str, Any]]]:
+    store: StateStore, owners: list[str], arc: Arc, masters: int, index: int
+) -> Restorable:
     """(In a thread) the subscriptions of ``owners`` in ``arc`` that the router sends to
-    match master ``index`` of ``masters``, not ``held`` already: event type -> {sid: doc}."""
-    by_type: dict[str, dict[str, dict[str, Any]]] = {}
+    match master ``index`` of ``masters``: event type -> {sid: doc}."""
+    by_type: Restorable = {}
     mine: dict[str, bool] = {}
     for owner in owners:
         for sid, (_, doc) in live(store.load(owner, "subscription")).items():
             event_type = doc.get("event_type")
-            if not isinstance(event_type, str) or sid in held:
+            if not isinstance(event_type, str):
                 continue
             if event_type not in mine:
                 mine[event_type] = arc.covers(event_type) and ring_id(event_type) % masters == index
@@ -1774,6 +1807,8 @@ class MatchMaster(_MatchBroker):
     sends each event to the broker with the smallest predicted processing time T,
     itself included."""
 
+    STANDBY_S = 60.0  # how long subscriptions read ahead for a suspected leave are kept
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store = open_store(self.topology.state_store)
@@ -1786,6 +1821,8 @@ class MatchMaster(_MatchBroker):
         #: event types restored from a departed cluster: matched here, never dispatched
         #: (the restored subscriptions are not replicated to the slaves, see ``adopt``)
         self.local_types: set[str] = set()
+        #: departed clusters' subscriptions read ahead (a router suspected the departure)
+        self.standby: dict[str, asyncio.Future[Restorable]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.replicas.persisting(self._serve_observed(stop), stop)
@@ -1807,18 +1844,32 @@ class MatchMaster(_MatchBroker):
 
     async def _on_recover(self, message: Recover) -> None:
         """RECOVERY: take the departed match masters' subscriptions of the arc that this
-        cluster's router sends to this match master, read from the persisted state, and
-        answer at once: an event type is indexed when its first event comes (or by the
-        background indexer, type after type, whichever is first); then they are written
-        as this master's own."""
+        cluster's router sends to this match master, read from the persisted state (or
+        already read, when a router suspected the departure: ``prepare``), and answer at
+        once: an event type is indexed when its first event comes (or by the background
+        indexer, type after type, whichever is first); then they are written as this
+        master's own."""
+        reading = self.standby.pop(message.cluster, None)
+        if reading is None:
+            reading = self._read_departed(message)
+        if message.prepare:  # keep it ready for the leave; forget it if none comes
+            self.standby[message.cluster] = reading
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.STANDBY_S, self._forget_standby, message.cluster, reading)
+            self.count("prepared")
+            return
+        try:
+            by_type = await reading
+        except Exception as exc:  # the read ahead failed: read now
+            log.warning("%s: reading %s's state ahead failed (%s)", self.name, message.cluster, exc)
+            by_type = await self._read_departed(message)
         self.departed.add(message.cluster)
-        arc = Arc(message.cluster, message.cluster, *message.arc)
-        masters = self.topology.cluster(self.cluster).match_masters
-        owners = [RoleId.match(message.cluster, i).owner for i in range(message.masters)]
-        by_type = await asyncio.to_thread(
-            _restorable, self.store, owners, arc, masters, self.index, set(self.subscriptions)
-        )
-        found = {sid: doc for docs in by_type.values() for sid, doc in docs.items()}
+        found = {
+            sid: doc
+            for docs in by_type.values()
+            for sid, doc in docs.items()
+            if sid not in self.subscriptions
+        }
         self.subscriptions.update(found)
         for event_type, docs in by_type.items():
             self.unindexed.setdefault(event_type, {}).update(docs)
@@ -1831,12 +1882,18 @@ class MatchMaster(_MatchBroker):
         self._confirming.add(task)
         task.add_done_callback(self._confirming.discard)
 
-    def index_type(self, event_type: str) -> None:
-        """Index the restored subscriptions of one type (those still held and not
-        replaced or removed meanwhile)."""
-        for sid, doc in self.unindexed.pop(event_type, {}).items():
-            if self.subscriptions.get(sid) is doc and sid not in self.queues:
-                self._held(sid, doc)
+    def _read_departed(self, message: Recover) -> asyncio.Future[Restorable]:
+        arc = Arc(message.cluster, message.cluster, *message.arc)
+        masters = self.topology.cluster(self.cluster).match_masters
+        owners = [RoleId.match(message.cluster, i).owner for i in range(message.masters)]
+        return asyncio.ensure_future(
+            asyncio.to_thread(_restorable, self.store, owners, arc, masters, self.index)
+        )
+
+    def _forget_standby(self, cluster: str, reading: asyncio.Future[Restorable]) -> None:
+        if self.standby.get(cluster) is reading:
+            del self.standby[cluster]
+            self.count("prepared_unused")
 
     async def _index_restored(self, found: dict[str, dict[str, Any]]) -> None:
         """Index the restored types one by one between other work, then adopt them."""
@@ -1848,6 +1905,13 @@ class MatchMaster(_MatchBroker):
             "%s: restored subscriptions indexed in %.2f s", self.name, time.monotonic() - started
         )
         await self.replicas.adopt(found)  # this master's own from now on
+
+    def index_type(self, event_type: str) -> None:
+        """Index the restored subscriptions of one type (those still held and not
+        replaced or removed meanwhile)."""
+        for sid, doc in self.unindexed.pop(event_type, {}).items():
+            if self.subscriptions.get(sid) is doc and sid not in self.queues:
+                self._held(sid, doc)
 
     @functools.cached_property
     def inbox_handlers(self) -> dict[type, Handler]:
