@@ -26,11 +26,13 @@ fault) and the routers' logs (when each step happened, flood messages per node):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from ..settings import Settings
 from ..transport import AsyncClient
 from .phoenix_recovery import _drop, _log_lines_after, _Stream
 from .phoenix_timeliness import Deployment
-from .stats import percentile
+from .stats import percentile, row_percentile
 
 __all__ = ["FAULTS", "run_leave", "run_links", "summarize_leave", "summarize_links"]
 
@@ -54,6 +56,47 @@ _FLOOD = re.compile(r"flood (\S+): (\d+) message")
 def _proxied_port(url: str) -> int:
     port = urllib.parse.urlsplit(url).port
     return 5672 if port is None else port
+
+
+@dataclass
+class _World:
+    """A 3-cluster deployment with a proxy per directed link, and the stream's type:
+    one whose owner ``x`` is A's direct ring neighbour; ``y`` is the third cluster."""
+
+    deployment: Deployment
+    proxies: dict[tuple[str, str], FaultProxy]
+    event_type: str
+    x: str
+    y: str
+    queue: str
+
+
+@contextlib.contextmanager
+def _world(
+    settings: Settings, directory: Path, prefix: str, fields: Mapping[str, float] | None
+) -> Iterator[_World]:
+    port = _proxied_port(settings.amqp_urls[0])
+    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
+    try:
+        deployment = Deployment(
+            directory / prefix,
+            prefix=prefix,
+            amqp_urls=settings.amqp_urls,
+            routing_slaves=0,
+            match_slaves=0,
+            links={pair: proxy.url for pair, proxy in proxies.items()},
+            fields=fields,
+        )
+        ring = deployment.ring
+        event_type = next(
+            t for t in (f"{prefix}-{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
+        )
+        x = ring.owner(event_type)
+        y = next(c for c in CLUSTERS if c not in ("A", x))
+        yield _World(deployment, proxies, event_type, x, y, f"{prefix}.sub")
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
 
 
 def _wait_back(deployment: Deployment, x: str, since: float, timeout_s: float) -> float | None:
@@ -161,53 +204,33 @@ def run_links(
     """Every fault at every rate, ``cuts`` times; the per-cut rows and the run.
     ``fields``: topology fields to set (``link_timeout_s``, ``link_retry_s``, ...)."""
     prefix = f"bench-link-{int(time.time())}"
-    port = _proxied_port(settings.amqp_urls[0])
-    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
-    try:
-        deployment = Deployment(
-            directory / prefix,
-            prefix=prefix,
-            amqp_urls=settings.amqp_urls,
-            routing_slaves=0,
-            match_slaves=0,
-            links={pair: proxy.url for pair, proxy in proxies.items()},
-            fields=fields,
-        )
-        ring = deployment.ring
-        event_type = next(
-            t for t in (f"link{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
-        )
-        x = ring.owner(event_type)
-        y = next(c for c in CLUSTERS if c not in ("A", x))
-        queue = f"{prefix}.sub"
-        rng = random.Random(seed)
-        rows: list[dict[str, Any]] = []
-        with deployment.running():
-            runtime.run(_subscribe_at(settings, deployment, event_type, queue, y))
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    with _world(settings, directory, prefix, fields) as world:
+        x, y = world.x, world.y
+        with world.deployment.running():
+            runtime.run(_subscribe_at(settings, world.deployment, world.event_type, world.queue, y))
             for rate in rates:
                 for fault in faults:
                     for _ in range(cuts):
                         row = _one_cut(
                             settings,
-                            deployment,
-                            proxies,
+                            world.deployment,
+                            world.proxies,
                             fault,
                             rate,
                             seconds=seconds,
                             down_s=down_s,
                             rng=rng,
-                            event_type=event_type,
+                            event_type=world.event_type,
                             x=x,
-                            queue=queue,
+                            queue=world.queue,
                             first=sum(r["events"] for r in rows),
                         )
                         rows.append(row)
                         if report is not None:
                             report(row)
-            runtime.run(_drop(settings, queue))
-    finally:
-        for proxy in proxies.values():
-            proxy.close()
+            runtime.run(_drop(settings, world.queue))
     run = {
         "link": f"A <-> {x}",
         "detour_via": y,
@@ -246,23 +269,19 @@ def summarize_links(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if not mine:
                 continue
 
-            def stat(key: str, p: float, mine: list[dict[str, Any]] = mine) -> float | None:
-                values = [r[key] for r in mine if r[key] is not None]
-                return round(percentile(values, p), 3) if values else None
-
             out.append(
                 {
                     "fault": fault,
                     "rate": rate,
                     "cuts": len(mine),
-                    "detect_p50_s": stat("detect_s", 50),
-                    "reroute_p50_s": stat("reroute_s", 50),
-                    "function_p50_s": stat("function_s", 50),
-                    "function_p99_s": stat("function_s", 99),
-                    "back_p50_s": stat("back_s", 50),
-                    "flood_messages_p50": stat("flood_messages", 50),
-                    "p50_direct_ms": stat("p50_direct_ms", 50),
-                    "p50_detour_ms": stat("p50_detour_ms", 50),
+                    "detect_p50_s": row_percentile(mine, "detect_s", 50),
+                    "reroute_p50_s": row_percentile(mine, "reroute_s", 50),
+                    "function_p50_s": row_percentile(mine, "function_s", 50),
+                    "function_p99_s": row_percentile(mine, "function_s", 99),
+                    "back_p50_s": row_percentile(mine, "back_s", 50),
+                    "flood_messages_p50": row_percentile(mine, "flood_messages", 50),
+                    "p50_direct_ms": row_percentile(mine, "p50_direct_ms", 50),
+                    "p50_detour_ms": row_percentile(mine, "p50_detour_ms", 50),
                     "events": sum(r["events"] for r in mine),
                     "lost": sum(r["lost"] for r in mine),
                     "duplicates": sum(r["duplicates"] for r in mine),
@@ -306,35 +325,19 @@ def _one_leave(
     fields: Mapping[str, float] | None,
 ) -> dict[str, Any]:
     prefix = f"bench-leave-{int(time.time())}-{run_index}"
-    port = _proxied_port(settings.amqp_urls[0])
-    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
-    try:
-        deployment = Deployment(
-            directory / prefix,
-            prefix=prefix,
-            amqp_urls=settings.amqp_urls,
-            routing_slaves=0,
-            match_slaves=0,
-            links={pair: proxy.url for pair, proxy in proxies.items()},
-            fields=fields,
-        )
+    with _world(settings, directory, prefix, fields) as world:
+        deployment, x, y, queue = world.deployment, world.x, world.y, world.queue
         ring = deployment.ring
-        event_type = next(
-            t for t in (f"leave{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
-        )
-        x = ring.owner(event_type)
-        y = next(c for c in CLUSTERS if c not in ("A", x))
         preloaded = deployment.preload(_leave_docs(ring, x, y, subscriptions, prefix))
-        queue = f"{prefix}.sub"
         with deployment.running():
-            runtime.run(_subscribe_at(settings, deployment, event_type, queue, y))
-            stream = _Stream(settings, deployment, event_type, queue, 0, entries=("A",))
+            runtime.run(_subscribe_at(settings, deployment, world.event_type, queue, y))
+            stream = _Stream(settings, deployment, world.event_type, queue, 0, entries=("A",))
             phoenix = deployment.phoenix()
 
             def remove() -> None:
                 for role in RoleId.of_cluster(deployment.topology.cluster(x)):
                     phoenix.kill(role)
-                for (a, b), proxy in proxies.items():
+                for (a, b), proxy in world.proxies.items():
                     if x in (a, b):
                         proxy.cut()
 
@@ -345,9 +348,6 @@ def _one_leave(
             left = _log_lines_after(phoenix, removed_at, f"{x} left the ring", None)
             took = _log_lines_after(phoenix, removed_at, f"took over the arc of {x}", None)
             runtime.run(_drop(settings, queue))
-    finally:
-        for proxy in proxies.values():
-            proxy.close()
     arrivals: dict[int, float] = {}
     for n, t in stream.got:
         arrivals.setdefault(n, t)
@@ -407,18 +407,14 @@ def run_leave(
 
 
 def summarize_leave(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    def stat(key: str, p: float) -> float | None:
-        values = [r[key] for r in rows if r[key] is not None]
-        return round(percentile(values, p), 3) if values else None
-
     return {
         "runs": len(rows),
         "subscriptions": rows[0]["subscriptions"] if rows else 0,
-        "detect_p50_s": stat("detect_s", 50),
-        "restore_p50_s": stat("restore_s", 50),
-        "function_p50_s": stat("function_s", 50),
-        "function_p99_s": stat("function_s", 99),
-        "restored_per_s_p50": stat("restored_per_s", 50),
+        "detect_p50_s": row_percentile(rows, "detect_s", 50),
+        "restore_p50_s": row_percentile(rows, "restore_s", 50),
+        "function_p50_s": row_percentile(rows, "function_s", 50),
+        "function_p99_s": row_percentile(rows, "function_s", 99),
+        "restored_per_s_p50": row_percentile(rows, "restored_per_s", 50),
         "events": sum(r["events"] for r in rows),
         "lost_after": sum(r["lost_after"] for r in rows),
         "lost_in_departed": sum(r["lost_in_departed"] for r in rows),

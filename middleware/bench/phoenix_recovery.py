@@ -48,7 +48,7 @@ from ..routing.ids import RoleId, RoleKind
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .phoenix_timeliness import Deployment
-from .stats import percentile
+from .stats import percentile, row_percentile
 
 __all__ = ["KINDS", "PAPER_S", "run_recovery", "summarize_recovery"]
 
@@ -369,20 +369,16 @@ def summarize_recovery(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if not mine:
                 continue
 
-            def stat(key: str, p: float, mine: list[dict[str, Any]] = mine) -> float | None:
-                values = [r[key] for r in mine if r[key] is not None]
-                return round(percentile(values, p), 3) if values else None
-
             out.append(
                 {
                     "kind": kind,
                     "rate": rate,
                     "kills": len(mine),
-                    "detection_p50_s": stat("detection_s", 50),
-                    "detection_p99_s": stat("detection_s", 99),
-                    "recovery_p50_s": stat("recovery_s", 50),
-                    "recovery_p99_s": stat("recovery_s", 99),
-                    "function_p50_s": stat("function_s", 50),
+                    "detection_p50_s": row_percentile(mine, "detection_s", 50),
+                    "detection_p99_s": row_percentile(mine, "detection_s", 99),
+                    "recovery_p50_s": row_percentile(mine, "recovery_s", 50),
+                    "recovery_p99_s": row_percentile(mine, "recovery_s", 99),
+                    "function_p50_s": row_percentile(mine, "function_s", 50),
                     "events": sum(r["events"] for r in mine),
                     "lost": sum(r["lost"] for r in mine),
                     "duplicates": sum(r["duplicates"] for r in mine),

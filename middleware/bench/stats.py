@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["percentile", "whole"]
+__all__ = ["percentile", "row_percentile", "whole"]
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -20,3 +21,10 @@ def percentile(values: Sequence[float], p: float) -> float:
 def whole(value: float | None) -> str:
     """A reading for a table: rounded to a whole number, ``-`` when there is none."""
     return "-" if value is None else f"{value:.0f}"
+
+
+def row_percentile(rows: Sequence[Mapping[str, Any]], key: str, p: float) -> float | None:
+    """The ``p``-th percentile of ``key`` over the rows that have it, to the millisecond
+    (None when none has it)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(percentile(values, p), 3) if values else None
