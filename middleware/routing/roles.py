@@ -1462,11 +1462,31 @@ class RouterMaster(_Role):
             if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
                 await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
         if successor == self.cluster:
+            await self._restore_routing_table(cluster, arc)
             restored = asyncio.Event()
             self._recovering[cluster] = (arc, restored)
             task = asyncio.create_task(self._recover(cluster, arc, restored))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _restore_routing_table(self, cluster: str, arc: Arc) -> None:
+        """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
+        persisted state.  As the owner it had counted every subscription of those types
+        (each passed it last), so its entry replaces whatever this router counted."""
+        owner = RoleId.router(cluster).owner
+        table = await asyncio.to_thread(self.replicas.store.load, owner, "routing_table")
+        taken = 0
+        for event_type, (_, doc) in live(table).items():
+            try:
+                entry = (int(doc["level_sum"]), int(doc["count"]))
+            except (KeyError, TypeError, ValueError):
+                continue  # an entry an older version kept: its subscriptions still match
+            if arc.covers(event_type) and entry[1] > 0:
+                self.latency.entries[event_type] = entry
+                await self.replicas.write(event_type, {"level_sum": entry[0], "count": entry[1]})
+                taken += 1
+        self.count("routing_entries_restored", taken)
+        log.info("%s: %d routing-table entries of %s restored", self.cluster, taken, cluster)
 
     async def _recover(self, cluster: str, arc: Arc, restored: asyncio.Event) -> None:
         """RECOVERY to each of this cluster's match masters; the arc's events wait until
@@ -1875,12 +1895,26 @@ class MatchMaster(_MatchBroker):
             self.unindexed.setdefault(event_type, {}).update(docs)
             self.local_types.add(event_type)
         self.count("restored", len(found))
+        await asyncio.to_thread(self._take_advertisements, message, set(by_type))
         log.warning("%s: %d subscriptions of %s restored", self.name, len(found), message.cluster)
         done = Recovered(request=message.request, broker=self.owner, restored=len(found))
         await self.send(self.cluster, message.reply_to, done, MAX_PRIORITY)
         task = asyncio.create_task(self._index_restored(found))
         self._confirming.add(task)
         task.add_done_callback(self._confirming.discard)
+
+    def _take_advertisements(self, message: Recover, types: set[str]) -> None:
+        """(In a thread) the departed match masters' advertisements of the arc's types
+        this master now holds, kept as its own."""
+        arc = Arc(message.cluster, message.cluster, *message.arc)
+        masters = self.topology.cluster(self.cluster).match_masters
+        for i in range(message.masters):
+            owner = RoleId.match(message.cluster, i).owner
+            for event_type, (version, doc) in live(self.store.load(owner, "advertisement")).items():
+                if event_type in types or (
+                    arc.covers(event_type) and ring_id(event_type) % masters == self.index
+                ):
+                    self.store.save(self.owner, "advertisement", event_type, doc, version)
 
     def _read_departed(self, message: Recover) -> asyncio.Future[Restorable]:
         arc = Arc(message.cluster, message.cluster, *message.arc)

@@ -294,6 +294,8 @@ def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(l
     assert all(f"{homed_at_x} (cluster {x})" in why and "left the ring" in why for _, why in dead)
     logs = links.logs()
     assert f"{x} left the ring" in logs, logs[-3000:]
+    entries = re.search(rf"{successor}: (\d+) routing-table entries of {x} restored", logs)
+    assert entries and int(entries.group(1)) >= 1, logs[-3000:]  # the type's latency level
     taken = re.search(rf"{successor} took over the arc of {x}: (\d+) subscriptions restored", logs)
     assert taken and int(taken.group(1)) >= 1, logs[-3000:]
     first = min(t for _, t in arrivals)
