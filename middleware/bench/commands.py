@@ -188,6 +188,13 @@ def register(sub: Any) -> None:
 
     phoenix_arguments(job)
     job.set_defaults(run=_run_spark_phoenix, master="local[*]")
+    job = jobs.add_parser(
+        "faults", help="Phoenix role recovery, link failures or cluster leave, with a report"
+    )
+    from .spark_faults import arguments as faults_arguments
+
+    faults_arguments(job)
+    job.set_defaults(run=_run_spark_faults, master="local[*]")
 
 
 def _grid_arguments(
@@ -848,6 +855,12 @@ def _run_spool(args: argparse.Namespace) -> int:
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:
     from .spark_confirms import execute
+
+    return execute(args)
+
+
+def _run_spark_faults(args: argparse.Namespace) -> int:
+    from .spark_faults import execute
 
     return execute(args)
 

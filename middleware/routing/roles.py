@@ -1454,6 +1454,12 @@ class RouterMaster(_Role):
             return
         arc, _ = self._departure(cluster)
         successor = self.ring.leave(cluster)
+        if successor == self.cluster:  # before anything awaits: the arc's events wait
+            restored = asyncio.Event()
+            self._recovering[cluster] = (arc, restored)
+            task = asyncio.create_task(self._recover(cluster, arc, restored))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         self.detours.left(cluster)
         self.count("leaves")
         log.warning("%s left the ring (found by %s); its arc goes to %s", cluster, by, successor)
@@ -1461,13 +1467,6 @@ class RouterMaster(_Role):
         for role in RoleId.of_cluster(self.topology.cluster(self.cluster)):
             if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
                 await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
-        if successor == self.cluster:
-            await self._restore_routing_table(cluster, arc)
-            restored = asyncio.Event()
-            self._recovering[cluster] = (arc, restored)
-            task = asyncio.create_task(self._recover(cluster, arc, restored))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     async def _restore_routing_table(self, cluster: str, arc: Arc) -> None:
         """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
@@ -1492,6 +1491,10 @@ class RouterMaster(_Role):
         """RECOVERY to each of this cluster's match masters; the arc's events wait until
         every one answered (or ``read_timeout_s``)."""
         started = time.monotonic()
+        try:
+            await self._restore_routing_table(cluster, arc)
+        except Exception as exc:  # priorities fall back to defaults; matching goes on
+            log.warning("%s: %s's routing table not restored: %s", self.id, cluster, exc)
         request = uuid.uuid4().hex
         masters = [RoleId.match(self.cluster, i) for i in range(self._spec.match_masters)]
         answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
