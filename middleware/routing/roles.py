@@ -1468,13 +1468,13 @@ class RouterMaster(_Role):
             if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
                 await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
 
-    async def _restore_routing_table(self, cluster: str, arc: Arc) -> None:
+    async def _restore_routing_table(self, cluster: str, arc: Arc) -> dict[str, dict[str, Any]]:
         """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
         persisted state.  As the owner it had counted every subscription of those types
         (each passed it last), so its entry replaces whatever this router counted."""
         owner = RoleId.router(cluster).owner
         table = await asyncio.to_thread(self.replicas.store.load, owner, "routing_table")
-        taken = 0
+        taken: dict[str, dict[str, Any]] = {}
         for event_type, (_, doc) in live(table).items():
             try:
                 entry = (int(doc["level_sum"]), int(doc["count"]))
@@ -1482,19 +1482,20 @@ class RouterMaster(_Role):
                 continue  # an entry an older version kept: its subscriptions still match
             if arc.covers(event_type) and entry[1] > 0:
                 self.latency.entries[event_type] = entry
-                await self.replicas.write(event_type, {"level_sum": entry[0], "count": entry[1]})
-                taken += 1
-        self.count("routing_entries_restored", taken)
-        log.info("%s: %d routing-table entries of %s restored", self.cluster, taken, cluster)
+                taken[event_type] = {"level_sum": entry[0], "count": entry[1]}
+        self.count("routing_entries_restored", len(taken))
+        log.info("%s: %d routing-table entries of %s restored", self.cluster, len(taken), cluster)
+        return taken
+
+    async def _write_entries(self, entries: dict[str, dict[str, Any]]) -> None:
+        for event_type, document in entries.items():
+            await self.replicas.write(event_type, document)
 
     async def _recover(self, cluster: str, arc: Arc, restored: asyncio.Event) -> None:
         """RECOVERY to each of this cluster's match masters; the arc's events wait until
         every one answered (or ``read_timeout_s``)."""
         started = time.monotonic()
-        try:
-            await self._restore_routing_table(cluster, arc)
-        except Exception as exc:  # priorities fall back to defaults; matching goes on
-            log.warning("%s: %s's routing table not restored: %s", self.id, cluster, exc)
+        routing_table = asyncio.create_task(self._restore_routing_table(cluster, arc))
         request = uuid.uuid4().hex
         masters = [RoleId.match(self.cluster, i) for i in range(self._spec.match_masters)]
         answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -1515,7 +1516,16 @@ class RouterMaster(_Role):
             log.warning("%s: not every match master restored %s's arc in time", self.id, cluster)
         finally:
             self._recoveries.pop(request, None)
+            try:  # beside the match masters' restore: the held events get its priorities
+                entries = await routing_table
+            except Exception as exc:  # priorities fall back to defaults; matching goes on
+                log.warning("%s: %s's routing table not restored: %s", self.id, cluster, exc)
+                entries = {}
             restored.set()
+            if entries:  # persisted and replicated as this router's own, after
+                task = asyncio.create_task(self._write_entries(entries))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         took = time.monotonic() - started
         LEAVE_S.labels(self.cluster).observe(took)
         self.count("leaves_recovered")
