@@ -25,7 +25,6 @@ fault) and the routers' logs (when each step happened, flood messages per node):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import re
@@ -38,13 +37,11 @@ from typing import Any
 
 from .. import runtime
 from ..localcluster.proxy import FaultProxy
-from ..routing.client import PhoenixClient
 from ..routing.ids import RoleId
 from ..settings import Settings
-from ..transport import AsyncClient
-from .phoenix_recovery import _drop, _log_lines_after, _Stream
+from .phoenix_recovery import _drop, _log_lines_after, _Stream, _subscribe
 from .phoenix_timeliness import Deployment
-from .stats import percentile, row_percentile
+from .stats import by_rate_and, percentile, row_percentile
 
 __all__ = ["FAULTS", "run_leave", "run_links", "summarize_leave", "summarize_links"]
 
@@ -209,7 +206,7 @@ def run_links(
     with _world(settings, directory, prefix, fields) as world:
         x, y = world.x, world.y
         with world.deployment.running():
-            runtime.run(_subscribe_at(settings, world.deployment, world.event_type, world.queue, y))
+            runtime.run(_subscribe(settings, world.deployment, world.event_type, world.queue, y))
             for rate in rates:
                 for fault in faults:
                     for _ in range(cuts):
@@ -242,51 +239,28 @@ def run_links(
     return rows, run
 
 
-async def _subscribe_at(
-    settings: Settings, deployment: Deployment, event_type: str, queue: str, home: str
-) -> None:
-    """Subscribe at ``home``; wait until an event published at A reaches the queue."""
-    async with AsyncClient(settings=settings) as client:
-        at_home = PhoenixClient(client, topology=deployment.topology, cluster=home)
-        at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
-        await at_home.subscribe(event_type, None, 1, queue)
-        deadline = time.monotonic() + 60
-        while await client.queue_length(queue) == 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError("no probe event reached the subscriber in 60 s")
-            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
-            await asyncio.sleep(0.3)
-        while await client.get(queue) is not None:
-            pass
-
-
 def summarize_links(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median and p99 per fault and rate; totals of events, losses, duplicates."""
     out = []
-    for rate in sorted({r["rate"] for r in rows}):
-        for fault in FAULTS:
-            mine = [r for r in rows if r["fault"] == fault and r["rate"] == rate]
-            if not mine:
-                continue
-
-            out.append(
-                {
-                    "fault": fault,
-                    "rate": rate,
-                    "cuts": len(mine),
-                    "detect_p50_s": row_percentile(mine, "detect_s", 50),
-                    "reroute_p50_s": row_percentile(mine, "reroute_s", 50),
-                    "function_p50_s": row_percentile(mine, "function_s", 50),
-                    "function_p99_s": row_percentile(mine, "function_s", 99),
-                    "back_p50_s": row_percentile(mine, "back_s", 50),
-                    "flood_messages_p50": row_percentile(mine, "flood_messages", 50),
-                    "p50_direct_ms": row_percentile(mine, "p50_direct_ms", 50),
-                    "p50_detour_ms": row_percentile(mine, "p50_detour_ms", 50),
-                    "events": sum(r["events"] for r in mine),
-                    "lost": sum(r["lost"] for r in mine),
-                    "duplicates": sum(r["duplicates"] for r in mine),
-                }
-            )
+    for rate, fault, mine in by_rate_and(rows, "fault", FAULTS):
+        out.append(
+            {
+                "fault": fault,
+                "rate": rate,
+                "cuts": len(mine),
+                "detect_p50_s": row_percentile(mine, "detect_s", 50),
+                "reroute_p50_s": row_percentile(mine, "reroute_s", 50),
+                "function_p50_s": row_percentile(mine, "function_s", 50),
+                "function_p99_s": row_percentile(mine, "function_s", 99),
+                "back_p50_s": row_percentile(mine, "back_s", 50),
+                "flood_messages_p50": row_percentile(mine, "flood_messages", 50),
+                "p50_direct_ms": row_percentile(mine, "p50_direct_ms", 50),
+                "p50_detour_ms": row_percentile(mine, "p50_detour_ms", 50),
+                "events": sum(r["events"] for r in mine),
+                "lost": sum(r["lost"] for r in mine),
+                "duplicates": sum(r["duplicates"] for r in mine),
+            }
+        )
     return out
 
 
@@ -330,7 +304,7 @@ def _one_leave(
         ring = deployment.ring
         preloaded = deployment.preload(_leave_docs(ring, x, y, subscriptions, prefix))
         with deployment.running():
-            runtime.run(_subscribe_at(settings, deployment, world.event_type, queue, y))
+            runtime.run(_subscribe(settings, deployment, world.event_type, queue, y))
             stream = _Stream(settings, deployment, world.event_type, queue, 0, entries=("A",))
             phoenix = deployment.phoenix()
 

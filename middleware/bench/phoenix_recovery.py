@@ -48,7 +48,7 @@ from ..routing.ids import RoleId, RoleKind
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .phoenix_timeliness import Deployment
-from .stats import percentile, row_percentile
+from .stats import by_rate_and, percentile, row_percentile
 
 __all__ = ["KINDS", "PAPER_S", "run_recovery", "summarize_recovery"]
 
@@ -340,11 +340,13 @@ def run_recovery(
 
 
 async def _subscribe(
-    settings: Settings, deployment: Deployment, event_type: str, queue: str
+    settings: Settings, deployment: Deployment, event_type: str, queue: str, home: str = "A"
 ) -> None:
+    """Subscribe at ``home``; wait until an event published at A reaches the queue."""
     async with AsyncClient(settings=settings) as client:
+        at_home = PhoenixClient(client, topology=deployment.topology, cluster=home)
         at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
-        await at_a.subscribe(event_type, None, 1, queue)
+        await at_home.subscribe(event_type, None, 1, queue)
         deadline = time.monotonic() + 60
         while await client.queue_length(queue) == 0:
             if time.monotonic() > deadline:
@@ -363,27 +365,22 @@ async def _drop(settings: Settings, queue: str) -> None:
 def summarize_recovery(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median and p99 of detection and recovery per kind and rate, totals of events."""
     out = []
-    for rate in sorted({r["rate"] for r in rows}):
-        for kind in KINDS:
-            mine = [r for r in rows if r["kind"] == kind and r["rate"] == rate]
-            if not mine:
-                continue
-
-            out.append(
-                {
-                    "kind": kind,
-                    "rate": rate,
-                    "kills": len(mine),
-                    "detection_p50_s": row_percentile(mine, "detection_s", 50),
-                    "detection_p99_s": row_percentile(mine, "detection_s", 99),
-                    "recovery_p50_s": row_percentile(mine, "recovery_s", 50),
-                    "recovery_p99_s": row_percentile(mine, "recovery_s", 99),
-                    "function_p50_s": row_percentile(mine, "function_s", 50),
-                    "events": sum(r["events"] for r in mine),
-                    "lost": sum(r["lost"] for r in mine),
-                    "duplicates": sum(r["duplicates"] for r in mine),
-                    "delayed": sum(r["delayed"] for r in mine),
-                    "paper_s": PAPER_S[kind],
-                }
-            )
+    for rate, kind, mine in by_rate_and(rows, "kind", KINDS):
+        out.append(
+            {
+                "kind": kind,
+                "rate": rate,
+                "kills": len(mine),
+                "detection_p50_s": row_percentile(mine, "detection_s", 50),
+                "detection_p99_s": row_percentile(mine, "detection_s", 99),
+                "recovery_p50_s": row_percentile(mine, "recovery_s", 50),
+                "recovery_p99_s": row_percentile(mine, "recovery_s", 99),
+                "function_p50_s": row_percentile(mine, "function_s", 50),
+                "events": sum(r["events"] for r in mine),
+                "lost": sum(r["lost"] for r in mine),
+                "duplicates": sum(r["duplicates"] for r in mine),
+                "delayed": sum(r["delayed"] for r in mine),
+                "paper_s": PAPER_S[kind],
+            }
+        )
     return out

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["percentile", "row_percentile", "whole"]
+__all__ = ["by_rate_and", "percentile", "row_percentile", "whole"]
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -28,3 +28,15 @@ def row_percentile(rows: Sequence[Mapping[str, Any]], key: str, p: float) -> flo
     (None when none has it)."""
     values = [r[key] for r in rows if r.get(key) is not None]
     return round(percentile(values, p), 3) if values else None
+
+
+def by_rate_and(
+    rows: Sequence[Mapping[str, Any]], key: str, order: Iterable[str]
+) -> Iterator[tuple[float, str, list[Mapping[str, Any]]]]:
+    """The rows grouped by rate (ascending), then by ``key`` in ``order``; empty groups
+    left out."""
+    for rate in sorted({r["rate"] for r in rows}):
+        for value in order:
+            mine = [r for r in rows if r[key] == value and r["rate"] == rate]
+            if mine:
+                yield rate, value, mine
