@@ -304,14 +304,6 @@ class Detours:
             self._count("flood_messages", fresh)
             self._flooded = self.table.flood_messages
 
-    def status(self) -> dict[str, Any]:
-        """For ``qosmq phoenix status`` and the tests: the links down and the detours."""
-        return {
-            "down": sorted(self.table.down),
-            "detours": {d: list(p) for d, p in sorted(self.table.detours.items())},
-            "unreachable": sorted(self.table.unreachable),
-        }
-
 
 def _wire(message: flood.Probe | flood.Found) -> Message:
     if isinstance(message, flood.Probe):
