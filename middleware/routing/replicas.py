@@ -3,15 +3,36 @@
 A write is durable once W of the N replicas acknowledged it; a read asks R replicas
 and keeps the newest version.  W + R > N makes every read set meet every write set,
 so a read always sees the latest acknowledged write.
+
+:class:`ReplicaLog` is a master's side of one replicated table as a state machine: it
+takes writes, acks, snapshot pages and admissions and returns what to do (``Persist``
+an entry, send a message ``ToReplica``, resolve a version as ``Written`` or ``GaveUp``
+on it).  The role's driver (``roles._ReplicaSet``) does the I/O and keeps the futures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TOMBSTONE", "Quorum", "Versioned", "live", "merge_replicas"]
+from ..errors import DeadLetter
+from .ids import RoleId
+from .messages import Ack, Heartbeat, Read, Replicate, Snapshot
+
+__all__ = [
+    "TOMBSTONE",
+    "GaveUp",
+    "Persist",
+    "Quorum",
+    "ReadResult",
+    "ReplicaLog",
+    "ToReplica",
+    "Versioned",
+    "Written",
+    "live",
+    "merge_replicas",
+]
 
 #: A deleted entry is written as this document (with a new version), so a replica
 #: that missed the delete cannot bring the entry back at the next quorum read.
@@ -79,3 +100,202 @@ def merge_replicas(
 def live(entries: Entries) -> dict[str, tuple[int, dict[str, Any]]]:
     """The entries that are not tombstones."""
     return {k: (v, d) for k, (v, d) in entries.items() if d != TOMBSTONE}
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    """Save this entry in the master's own copy (the store keeps the newest version)."""
+
+    key: str
+    version: int
+    document: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToReplica:
+    """Send ``message`` to ``replica``'s inbox, ahead of any event backlog there."""
+
+    replica: RoleId
+    message: Replicate | Read
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """W of N replicas hold ``version``: it is durable."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class GaveUp:
+    """``version`` is no longer waited for (too many writes below W: slaves silent)."""
+
+    version: int
+
+
+Effect = Persist | ToReplica | Written | GaveUp
+
+
+@dataclass(slots=True)
+class _Read:
+    pages: dict[str, dict[str, tuple[int, dict[str, Any]]]] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
+    first: Entries = field(default_factory=dict)  # the master's own reply
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    entries: dict[str, tuple[int, dict[str, Any]]]  # live: tombstones dropped
+    repairs: list[Persist]  # entries the master's own copy was behind on
+    replies: int  # how many replicas answered, the master's own copy included
+    degraded: bool  # fewer than R answered: started from what did
+
+
+MASTER = "master"  # how the master's own copy acknowledges a write
+
+
+class ReplicaLog:
+    """A master's replicated table: versions, entries, writes waiting for W acks, reads
+    collecting R replies.  No I/O: every method returns the effects to carry out.
+
+    ``replicas`` are the slaves it replicates to (the topology's, less the one it was
+    promoted from); ``n`` is N as the topology has it (slaves + 1), so that a promoted
+    master's read still needs R of those N and meets every write W of them acknowledged.
+    """
+
+    MAX_PENDING = 100_000  # writes waiting for W acks before the oldest are given up
+
+    def __init__(
+        self,
+        *,
+        owner: str,
+        kind: str,
+        replicas: Iterable[RoleId],
+        n: int,
+        reply_to: str,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
+        self.owner, self.kind, self.reply_to = owner, kind, reply_to
+        self.replicas = list(replicas)
+        self.quorum = Quorum.majority(n)
+        self.max_pending = max_pending
+        self.version = 0
+        self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
+        self.pending: dict[int, set[str]] = {}  # version -> replicas that acked it
+        self.reads: dict[str, _Read] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """How the replicas sign acks, snapshots and heartbeats."""
+        return [r.owner for r in self.replicas]
+
+    def _replicate(self, key: str, version: int, document: dict[str, Any]) -> Replicate:
+        return Replicate(
+            key=key, state_kind=self.kind, version=version, table=document, reply_to=self.reply_to
+        )
+
+    def write(self, key: str, document: dict[str, Any] | None) -> tuple[int, list[Effect]]:
+        """One entry (None: delete, as a tombstone): its version and the effects, in
+        order: persist it here, resolve or give up versions, replicate it."""
+        self.version += 1
+        version, document = self.version, TOMBSTONE if document is None else document
+        self.entries[key] = (version, document)
+        effects: list[Effect] = [Persist(key, version, document)]
+        self.pending[version] = set()
+        effects += self.acked(version, MASTER)
+        while len(self.pending) > self.max_pending:  # slaves silent for long: stop waiting
+            oldest = next(iter(self.pending))  # versions are added in increasing order
+            del self.pending[oldest]
+            effects.append(GaveUp(oldest))
+        entry = self._replicate(key, version, document)
+        effects += [ToReplica(replica, entry) for replica in self.replicas]
+        return version, effects
+
+    def acked(self, version: int, replica: str) -> list[Written]:
+        """``replica`` holds ``version``: ``Written`` once W distinct replicas do (once;
+        an ack for a version already written or given up changes nothing)."""
+        acks = self.pending.get(version)
+        if acks is None:
+            return []
+        acks.add(replica)
+        if not self.quorum.written(acks):
+            return []
+        del self.pending[version]
+        return [Written(version)]
+
+    def sender(self, message: Heartbeat | Ack | Snapshot) -> RoleId:
+        """The replica that sent ``message``; one the set does not hold (a forged or
+        stale sender) is dead-lettered: its ack must not count toward W, its snapshot
+        toward R, its heartbeat must not draw events to an inbox nobody serves."""
+        for replica in self.replicas:
+            if replica.owner == message.broker:
+                return replica
+        raise DeadLetter(
+            f"{message.kind} from {message.broker!r}, not a replica of {self.owner} "
+            f"(its replicas: {', '.join(self.names) or 'none'})"
+        )
+
+    def on_ack(self, message: Ack) -> list[Written]:
+        self.sender(message)
+        return self.acked(message.version, message.broker)
+
+    def begin_read(self, request: str, own: Entries, held: Entries | None = None) -> list[Effect]:
+        """A quorum read: the master's own copy is the first reply (with ``held``, the
+        replica a promoted master held as a slave, merged in); ask every replica for R - 1
+        more."""
+        first = merge_replicas([held, own], at_least=1) if held is not None else dict(own)
+        self.reads[request] = _Read(first=first)
+        if self.quorum.read <= 1:
+            return []
+        ask = Read(request=request, state_kind=self.kind, reply_to=self.reply_to)
+        return [ToReplica(replica, ask) for replica in self.replicas]
+
+    def page(self, message: Snapshot) -> bool:
+        """A page of a replica's snapshot; True once the read has R replies (a page for
+        a read that ended, or from a replica not in the set, changes nothing)."""
+        self.sender(message)
+        read = self.reads.get(message.request)
+        if read is None:
+            return False
+        read.pages.setdefault(message.broker, {}).update(message.entries)
+        if message.last:
+            read.done.add(message.broker)
+        return self.complete(message.request)
+
+    def complete(self, request: str) -> bool:
+        read = self.reads.get(request)
+        return read is not None and 1 + len(read.done) >= self.quorum.read
+
+    def finish_read(self, request: str, own: Entries) -> ReadResult:
+        """Merge what answered (newest version per key), take it as the table, and say
+        which entries the master's own copy (``own``) must be repaired with."""
+        read = self.reads.pop(request)
+        replies = [read.first, *(read.pages[b] for b in sorted(read.done))]
+        degraded = len(replies) < self.quorum.read
+        merged = merge_replicas(replies, at_least=min(len(replies), self.quorum.read))
+        for key, (version, document) in self.entries.items():  # written while it read
+            if version > merged.get(key, (0, None))[0]:
+                merged[key] = (version, document)
+        self.version = max([self.version, *(v for v, _ in merged.values())])
+        repairs = [
+            Persist(key, version, document)
+            for key, (version, document) in merged.items()
+            if own.get(key, (-1, None))[0] < version
+        ]
+        self.entries = dict(merged)
+        return ReadResult(live(merged), repairs, len(replies), degraded)
+
+    def admit(self, slave: RoleId) -> list[Effect]:
+        """Replicate to ``slave`` from now on, after the whole table in version order
+        (the version it says it holds is from another reign, not comparable with these).
+        Its acks count toward W from the first entry it gets."""
+        entries = sorted(self.entries.items(), key=lambda item: item[1][0])
+        self.replicas.append(slave)
+        return [ToReplica(slave, self._replicate(k, v, d)) for k, (v, d) in entries]
+
+    def adopt(self, documents: Mapping[str, dict[str, Any]]) -> None:
+        """Entries taken over from elsewhere (a departed cluster): this master's own from
+        now on, each with a new version; persisted by a snapshot, not replicated."""
+        for key, document in documents.items():
+            self.version += 1
+            self.entries[key] = (self.version, document)

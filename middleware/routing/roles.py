@@ -98,7 +98,16 @@ from .messages import (
     parse,
 )
 from .protocol import MAX_PRIORITY, Kind, PhoenixTopology
-from .replicas import TOMBSTONE, Quorum, live, merge_replicas
+from .replicas import (
+    TOMBSTONE,
+    Effect,
+    GaveUp,
+    Persist,
+    ReplicaLog,
+    ToReplica,
+    Written,
+    live,
+)
 from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
 from .store import StateStore, open_store
@@ -804,47 +813,74 @@ class ReplicaTimeout(MiddlewareError):
     """A replica write was given up before W of N replicas acknowledged it."""
 
 
-class _PendingRead:
-    def __init__(self) -> None:
-        self.entries: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {}
-        self.done: set[str] = set()
-        self.changed = asyncio.Event()
-
-
 class _ReplicaSet:
-    """A master's replicas of one table: its own store plus one per slave (over RabbitMQ).
+    """The driver of a master's replicated table (``replicas.ReplicaLog`` decides): its
+    own store plus one replica per slave (over RabbitMQ).
 
     ``write`` persists locally and sends the versioned entry to every slave; the
-    entry counts as written once W of N acknowledged it (``written`` resolves then).
+    entry counts as written once W of N acknowledged it (the future resolves then).
     ``read`` asks the slaves for snapshots and merges R of N replies, newest version
     per key, repairing the master's own copy.  ``persist_loop`` also writes the whole
     table to the store periodically (besides every change), off the event loop.
     """
 
     PAGE = 5000
-    MAX_PENDING = 100_000  # writes waiting for W acks before the oldest are given up
 
     def __init__(self, role: _Role, store: StateStore, kind: str) -> None:
         self.role, self.store, self.kind, self.owner = role, store, kind, role.id.owner
-        #: the slaves the topology gives this master, less the one it was promoted from
-        self.replicas = [
-            r
-            for r in role.id.slaves(role.topology.cluster(role.cluster))
-            if r != role.promoted_from
-        ]
-        self.slaves = [role.inbox_of(r) for r in self.replicas]  # their inboxes
-        self.names = [r.owner for r in self.replicas]  # how they sign acks, snapshots, heartbeats
-        # N as the topology has it: a promoted master's read still needs R of those N
-        # (its own replica is one reply), so it meets every write W of them acknowledged
-        self.quorum = Quorum.majority(len(role.id.slaves(role.topology.cluster(role.cluster))) + 1)
-        self.version = 0
-        self.pending: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
-        self._reads: dict[str, _PendingRead] = {}
-        # where acks and snapshots come back: this process's own queue, not the master's
-        # control queue, which a frozen master replaced by this one may still consume
-        self.control = role.connections.process_queue
-        self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
+        spec = role.topology.cluster(role.cluster)
+        self.log = ReplicaLog(
+            owner=self.owner,
+            kind=kind,
+            # the slaves the topology gives this master, less the one it was promoted from
+            replicas=[r for r in role.id.slaves(spec) if r != role.promoted_from],
+            # N as the topology has it: a promoted master's read still needs R of those N
+            n=len(role.id.slaves(spec)) + 1,
+            # where acks and snapshots come back: this process's own queue, not the
+            # master's control queue, which a frozen master replaced by this one may
+            # still consume
+            reply_to=role.connections.process_queue,
+        )
+        self.written: dict[int, asyncio.Future[None]] = {}  # versions waiting for W
+        self._reads: dict[str, asyncio.Event] = {}
         self._dirty = False
+
+    @property
+    def entries(self) -> dict[str, tuple[int, dict[str, Any]]]:
+        return self.log.entries
+
+    async def _apply(self, effects: Iterable[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Persist):
+                # in a thread: the store may be busy (a snapshot, another process's
+                # transaction), and the loop goes on meanwhile; stores keep the newest
+                # version whatever the order
+                await asyncio.to_thread(
+                    self.store.save,
+                    self.owner,
+                    self.kind,
+                    effect.key,
+                    effect.document,
+                    effect.version,
+                )
+                self._dirty = True
+            elif isinstance(effect, ToReplica):  # ahead of any event backlog in its inbox
+                inbox = self.role.inbox_of(effect.replica)
+                await self.role.send(self.role.cluster, inbox, effect.message, MAX_PRIORITY)
+            else:
+                self._resolve(effect)
+
+    def _resolve(self, effect: Written | GaveUp) -> None:
+        future = self.written.pop(effect.version, None)
+        if isinstance(effect, Written):
+            self.role.count("replicated")
+            if future is not None and not future.done():
+                future.set_result(None)
+            return
+        self.role.count("unacknowledged")
+        if future is not None and not future.done():
+            future.set_exception(ReplicaTimeout(f"{self.owner}: entry v{effect.version} below W"))
+            future.exception()  # retrieved: nobody has to await it
 
     async def persist_once(self) -> bool:
         """Snapshot the table to the store (in a thread); False when nothing changed."""
@@ -884,43 +920,37 @@ class _ReplicaSet:
 
     async def read(self, timeout_s: float) -> dict[str, tuple[int, dict[str, Any]]]:
         own = self.store.load(self.owner, self.kind)
-        replies = [own]
         promoted = self.role.promoted_from
-        if promoted is not None:  # the replica it held as a slave is the read's first reply;
-            held = self.store.load(promoted.owner, self.kind)  # the master's own copy (if
-            replies = [merge_replicas([held, own], at_least=1)]  # this store has one) adds
-        if self.quorum.read > 1:
-            request = uuid.uuid4().hex
-            pending = self._reads[request] = _PendingRead()
-            ask = Read(request=request, state_kind=self.kind, reply_to=self.control)
-            for inbox in self.slaves:
-                await self.role.send(self.role.cluster, inbox, ask, MAX_PRIORITY)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    while len(pending.done) < self.quorum.read - 1:
-                        await pending.changed.wait()
-                        pending.changed.clear()
-            except TimeoutError:
-                self.role.count("degraded_reads")
-                log.warning(
-                    "%s: read quorum R=%d not reached in %.0f s (%d replies); "
-                    "starting from what answered",
-                    self.owner,
-                    self.quorum.read,
-                    timeout_s,
-                    len(pending.done) + 1,
-                )
-            finally:
-                del self._reads[request]
-            replies += [pending.entries[b] for b in sorted(pending.done)]
-        merged = merge_replicas(replies, at_least=min(len(replies), self.quorum.read))
-        self.version = max((v for v, _ in merged.values()), default=0)
-        for key, (version, document) in merged.items():
-            if own.get(key, (-1, None))[0] < version:  # read repair of the master's copy
-                self.store.save(self.owner, self.kind, key, document, version)
-                self.role.count("read_repairs")
-        self.entries = dict(merged)
-        return live(merged)
+        # the replica it held as a slave is the read's first reply, with the master's
+        # own copy (if this store has one) merged in
+        held = self.store.load(promoted.owner, self.kind) if promoted is not None else None
+        request = uuid.uuid4().hex
+        changed = self._reads[request] = asyncio.Event()
+        try:
+            await self._apply(self.log.begin_read(request, own, held))
+            async with asyncio.timeout(timeout_s):
+                while not self.log.complete(request):
+                    await changed.wait()
+                    changed.clear()
+        except TimeoutError:
+            pass
+        finally:
+            del self._reads[request]
+        result = self.log.finish_read(request, own)
+        if result.degraded:
+            self.role.count("degraded_reads")
+            log.warning(
+                "%s: read quorum R=%d not reached in %.0f s (%d replies); "
+                "starting from what answered",
+                self.owner,
+                self.log.quorum.read,
+                timeout_s,
+                result.replies,
+            )
+        for repair in result.repairs:  # read repair of the master's copy
+            self.store.save(self.owner, self.kind, repair.key, repair.document, repair.version)
+            self.role.count("read_repairs")
+        return result.entries
 
     async def adopt(self, documents: dict[str, dict[str, Any]]) -> None:
         """Entries taken over from a departed cluster: this master's own from now on,
@@ -928,105 +958,49 @@ class _ReplicaSet:
         replication round each would hold the master for minutes).  They are not
         replicated to its slaves: a slave promoted later reads them back from this
         master's persisted copy (``read``), which a store shared by the host holds."""
-        for key, document in documents.items():
-            self.version += 1
-            self.entries[key] = (self.version, document)
+        self.log.adopt(documents)
         self._dirty = True
         await self.persist_once()
 
-    def page(self, message: Snapshot) -> None:
-        pending = self._reads.get(message.request)
-        if pending is None:
-            return  # a reply to an earlier read
-        pending.entries.setdefault(message.broker, {}).update(message.entries)
-        if message.last:
-            pending.done.add(message.broker)
-            pending.changed.set()
-
     async def write(self, key: str, document: dict[str, Any] | None) -> asyncio.Future[None]:
-        """Persist and replicate one entry (None: delete, as a tombstone)."""
-        self.version += 1
-        version, document = self.version, TOMBSTONE if document is None else document
-        self.entries[key] = (version, document)
-        # in a thread: the store may be busy (a snapshot, another process's transaction),
-        # and the loop goes on meanwhile; stores keep the newest version whatever the order
-        await asyncio.to_thread(self.store.save, self.owner, self.kind, key, document, version)
-        self._dirty = True
+        """Persist and replicate one entry (None: delete, as a tombstone); the future
+        resolves once W of N replicas hold it."""
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.pending[version] = ({"master"}, written)
-        self.acknowledged(version, "master")
-        while len(self.pending) > self.MAX_PENDING:  # slaves silent for long: stop waiting
-            oldest = next(iter(self.pending))  # versions are added in increasing order
-            _, stale = self.pending.pop(oldest)
-            if not stale.done():
-                stale.set_exception(ReplicaTimeout(f"{self.owner}: entry v{oldest} below W"))
-                stale.exception()  # retrieved: nobody has to await it
-            self.role.count("unacknowledged")
-        entry = Replicate(
-            key=key, state_kind=self.kind, version=version, table=document, reply_to=self.control
-        )
-        for inbox in self.slaves:  # ahead of any event backlog in the slave's inbox
-            await self.role.send(self.role.cluster, inbox, entry, MAX_PRIORITY)
+        version, effects = self.log.write(key, document)
+        self.written[version] = written
+        await self._apply(effects)
         return written
 
     async def admit(self, slave: RoleId, held: int | None) -> None:
-        """Replicate to ``slave`` from now on, after sending it the whole table (the
-        version it says it holds is from another reign, not comparable with these:
-        every entry goes, in version order, ahead of any event in its inbox).  Its acks
-        count toward W from the first entry it got."""
-        inbox = self.role.inbox_of(slave)
-        entries = sorted(self.entries.items(), key=lambda item: item[1][0])
+        """Replicate to ``slave`` from now on, after sending it the whole table, ahead of
+        any event in its inbox."""
         log.warning(
             "%s: admitting %s (it holds up to v%s): %d entries to catch up",
             self.owner,
             slave,
             held,
-            len(entries),
+            len(self.entries),
         )
-        for key, (version, document) in entries:
-            entry = Replicate(
-                key=key,
-                state_kind=self.kind,
-                version=version,
-                table=document,
-                reply_to=self.control,
-            )
-            await self.role.send(self.role.cluster, inbox, entry, MAX_PRIORITY)
-        self.replicas.append(slave)
-        self.slaves.append(inbox)
-        self.names.append(slave.owner)
+        await self._apply(self.log.admit(slave))
         self.role.count("slaves_admitted")
 
-    def acknowledged(self, version: int, replica: str) -> None:
-        pending = self.pending.get(version)
-        if pending is None:
-            return
-        acks, written = pending
-        acks.add(replica)
-        if self.quorum.written(acks):
-            del self.pending[version]  # W of N hold it: the entry is durable
-            if not written.done():
-                written.set_result(None)
-            self.role.count("replicated")
+    @property
+    def replicas(self) -> list[RoleId]:
+        return self.log.replicas
 
     def slave(self, message: Heartbeat | Ack | Snapshot) -> int:
-        """The slave number of the sender of ``message``; one the topology does not have
-        (a forged or stale sender) is dead-lettered: its ack must not count toward W, its
-        snapshot toward R, its heartbeat must not draw events to an inbox nobody serves."""
-        if message.broker in self.names:
-            return self.replicas[self.names.index(message.broker)].slave
-        raise DeadLetter(
-            f"{message.kind} from {message.broker!r}, not a replica of {self.owner} "
-            f"(its replicas: {', '.join(self.names) or 'none'})"
-        )
+        """The slave number of the sender (``DeadLetter`` for one not in the set)."""
+        return self.log.sender(message).slave
 
     async def on_ack(self, message: Ack) -> None:
-        self.slave(message)
-        self.acknowledged(message.version, message.broker)
+        for effect in self.log.on_ack(message):
+            self._resolve(effect)
 
     async def on_snapshot(self, message: Snapshot) -> None:
-        self.slave(message)
-        self.page(message)
+        if self.log.page(message):
+            changed = self._reads.get(message.request)
+            if changed is not None:
+                changed.set()
 
     def handlers(self) -> dict[type, Handler]:
         """The master's control-queue handlers for its replicas' answers."""

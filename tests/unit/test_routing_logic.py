@@ -311,44 +311,6 @@ def test_quorum_reads_always_see_the_last_acknowledged_write() -> None:
     assert q.resolve({"m": None, "s1": None}) is None
 
 
-def test_router_counts_a_table_entry_written_at_w_of_n_acks() -> None:
-    import asyncio
-
-    from middleware.routing.messages import Replicate
-    from middleware.routing.protocol import PhoenixTopology
-    from middleware.routing.roles import RouterMaster
-    from middleware.settings import Settings
-
-    topology = PhoenixTopology.model_validate(
-        {"clusters": [{"id": "B", "routing_slaves": 2}], "state_store": ":memory:"}
-    )
-
-    async def scenario() -> None:
-        router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
-        assert (router.replicas.quorum.replicas, router.replicas.quorum.write) == (3, 2)
-        sent: list[tuple[str, object, int]] = []
-
-        async def send(cluster: str, inbox: str, message: object, priority: int = 0) -> None:
-            sent.append((inbox, message, priority))
-
-        router.send = send  # type: ignore[method-assign]  # the wire is the integration tests'
-        written = await router.replicas.write("quotes", {"level_sum": 1, "count": 1})
-        assert [(inbox, p) for inbox, _, p in sent] == [
-            ("phoenix.B.router.slave.0", 9),
-            ("phoenix.B.router.slave.1", 9),
-        ]
-        assert all(isinstance(m, Replicate) and m.version == 1 for _, m, _ in sent)
-        assert not written.done()  # the master alone is 1 of the W = 2
-        router.replicas.acknowledged(1, "B/router-slave-1")
-        assert written.done()
-        router.replicas.acknowledged(1, "B/router-slave-0")  # late ack of a written entry
-        assert router.counters["replicated"] == 1 and not router.replicas.pending
-        assert router.store.load("B/router", "routing_table")["quotes"][0] == 1
-        router.store.close()
-
-    asyncio.run(scenario())
-
-
 def test_replica_merge_keeps_the_newest_version_and_honours_deletes() -> None:
     from middleware.routing.replicas import TOMBSTONE, live, merge_replicas
 
@@ -394,28 +356,6 @@ def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
     master.predictor.queue = 5000.0  # still a backlog 10 s on ...
     assert master.choose(now + 10) is None  # ... but silent slaves get nothing
     master.store.close()
-
-
-def test_writes_never_acknowledged_are_given_up_oldest_first() -> None:
-    import asyncio
-
-    from middleware.routing.roles import MatchMaster, ReplicaTimeout
-
-    async def scenario() -> None:
-        master = _role(MatchMaster, {"id": "B", "match_slaves": 2})
-
-        async def send(*_: object, **__: object) -> None:  # the slaves never answer
-            return None
-
-        master.send = send  # type: ignore[method-assign]
-        master.replicas.MAX_PENDING = 3
-        written = [await master.replicas.write(f"s{i}", {"q": i}) for i in range(5)]
-        assert sorted(master.replicas.pending) == [3, 4, 5]
-        assert isinstance(written[0].exception(), ReplicaTimeout)
-        assert master.counters["unacknowledged"] == 2 and not written[4].done()
-        master.store.close()
-
-    asyncio.run(scenario())
 
 
 def test_masters_snapshot_their_table_periodically(tmp_path) -> None:
