@@ -38,6 +38,7 @@ from typing import Any
 from .. import runtime
 from ..localcluster.proxy import FaultProxy
 from ..routing.ids import RoleId
+from ..routing.records import SubscriptionRecord
 from ..settings import Settings
 from .phoenix_recovery import _drop, _log_lines_after, _Stream, _subscribe
 from .phoenix_timeliness import Deployment
@@ -270,7 +271,7 @@ _TOOK_OVER = re.compile(r"took over the arc of (\S+): (\d+) subscriptions restor
 
 def _leave_docs(
     ring: Any, owner: str, home: str, count: int, prefix: str
-) -> Iterator[tuple[str, str, dict[str, Any]]]:
+) -> Iterator[tuple[str, str, SubscriptionRecord]]:
     """``count`` subscriptions on 30 event types ``owner`` owns, made at ``home``."""
     types = [t for t in (f"leave-ev{i}" for i in range(10_000)) if ring.owner(t) == owner][:30]
     rng = random.Random(7)
@@ -278,13 +279,13 @@ def _leave_docs(
         yield (
             f"s{i}",
             home,
-            {
-                "event_type": types[i % len(types)],
-                "filter": [["symbol", "=", f"S{rng.randrange(1000)}"]],
-                "queue": f"{prefix}.unused",
-                "latency_level": 1 + i % 5,
-                "home": home,
-            },
+            SubscriptionRecord(
+                event_type=types[i % len(types)],
+                filter=[["symbol", "=", f"S{rng.randrange(1000)}"]],
+                queue=f"{prefix}.unused",
+                latency_level=1 + i % 5,
+                home=home,
+            ),
         )
 
 

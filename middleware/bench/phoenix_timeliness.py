@@ -31,7 +31,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from ..routing.client import PhoenixClient
 from ..routing.deployment import PhoenixDeployment
 from ..routing.ids import RoleId, role_queues
 from ..routing.protocol import PhoenixTopology
+from ..routing.records import LatencyEntry, SubscriptionRecord
 from ..routing.roles import reconfigure
 from ..routing.store import open_store
 from ..runtime import EventLoopName
@@ -102,8 +103,8 @@ class Workload:
         if not self.symbols_per_type:
             self.symbols_per_type = max(1, self.subscriptions // self.types // 2)
 
-    def subscription_docs(self, prefix: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
-        """(id, subscriber's cluster, document) for every subscription, plus one probe each."""
+    def subscription_docs(self, prefix: str) -> Iterator[tuple[str, str, SubscriptionRecord]]:
+        """(id, subscriber's cluster, record) for every subscription, plus one probe each."""
         rng = random.Random(self.seed)
         for i in range(self.subscriptions):
             event_type = self.event_types[i % self.types]
@@ -111,28 +112,28 @@ class Workload:
             yield (
                 f"s{i}",
                 at,
-                {
-                    "event_type": event_type,
-                    "filter": [
+                SubscriptionRecord(
+                    event_type=event_type,
+                    filter=[
                         ["symbol", "=", f"S{rng.randrange(self.symbols_per_type)}"],
                         ["price", "<", rng.randrange(1, 1000)],
                     ],
-                    "queue": subscriber_queue(prefix, at),
-                    "latency_level": self.levels[event_type],
-                    "home": at,
-                },
+                    queue=subscriber_queue(prefix, at),
+                    latency_level=self.levels[event_type],
+                    home=at,
+                ),
             )
         for event_type in self.event_types:  # readiness probes
             yield (
                 f"probe-{event_type}",
                 CLIENTS[0],
-                {
-                    "event_type": event_type,
-                    "filter": [["probe", "exists"]],
-                    "queue": f"{prefix}.probe",
-                    "latency_level": self.levels[event_type],
-                    "home": CLIENTS[0],
-                },
+                SubscriptionRecord(
+                    event_type=event_type,
+                    filter=[["probe", "exists"]],
+                    queue=f"{prefix}.probe",
+                    latency_level=self.levels[event_type],
+                    home=CLIENTS[0],
+                ),
             )
 
     def event(self, rng: random.Random, seq: int) -> dict[str, Any]:
@@ -201,17 +202,17 @@ class Deployment:
         self.topology = PhoenixTopology.load(self.topology_file)
         return self.topology
 
-    def preload(self, subscriptions: Iterator[tuple[str, str, dict[str, Any]]]) -> int:
+    def preload(self, subscriptions: Iterator[tuple[str, str, SubscriptionRecord]]) -> int:
         """Write subscriptions and latency tables as the roles would hold them."""
         per_owner: dict[str, dict[str, tuple[int, dict[str, Any]]]] = defaultdict(dict)
         tables: dict[str, LatencyMap] = defaultdict(LatencyMap)
         n = 0
-        for sid, at, doc in subscriptions:
-            event_type = doc["event_type"]
+        for sid, at, record in subscriptions:
+            event_type = record.event_type
             path = self.ring.route(at, event_type)
             for router in path:  # every routing master on the path saw the subscription
-                tables[router].add(event_type, doc["latency_level"])
-            per_owner[path[-1]][sid] = (1, doc)
+                tables[router].add(event_type, record.latency_level)
+            per_owner[path[-1]][sid] = (1, replace(record, path=path).to_document())
             n += 1
         store = open_store(str(self.store_path))
         try:
@@ -223,7 +224,7 @@ class Deployment:
                 ]:
                     store.snapshot(role.owner, "subscription", docs)
                 entries = {
-                    et: (1, {"level_sum": total, "count": count})
+                    et: (1, LatencyEntry(total, count).to_document())
                     for et, (total, count) in tables[cluster].entries.items()
                 }
                 for role in [

@@ -118,6 +118,8 @@ class ChordRing:
         key = ring_id(event_type)
         path = [start]
         current = ring_id(start)
+        if self._successor_id(key) == current:  # the start owns it: no hop
+            return path
         while True:
             successor = self._successor_id((current + 1) % SIZE)
             if current == successor or _between(key, current, successor):

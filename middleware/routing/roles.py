@@ -43,7 +43,7 @@ import functools
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -64,7 +64,7 @@ from .batching import Batcher, PriorityGate, split
 from .beats import Beater
 from .detours import LINK_ERRORS, Detours
 from .ids import RoleId, RoleKind
-from .matching import Filter, FilterError, SubscriptionIndex
+from .matching import FilterError
 from .messages import (
     Ack,
     Advertise,
@@ -98,6 +98,8 @@ from .messages import (
     parse,
 )
 from .protocol import MAX_PRIORITY, Kind, PhoenixTopology
+from .records import LatencyEntry, RecordError, SubscriptionRecord
+from .registry import Registry
 from .replicas import (
     TOMBSTONE,
     Effect,
@@ -110,8 +112,9 @@ from .replicas import (
 )
 from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
+from .router import Forward, RouterLogic
 from .store import StateStore, open_store
-from .timeliness import LatencyMap, QueuePredictor, RemoteBroker, choose_broker, round_robin
+from .timeliness import Dispatch, QueuePredictor
 
 __all__ = [
     "MatchMaster",
@@ -796,6 +799,7 @@ class _Role:
         except ValidationError as exc:
             raise DeadLetter(f"configure: {exc.errors(include_url=False)}") from None
         self.batcher.max_messages = self.topology.batch_max
+        self.reconfigured()
         self.count("configured")
         log.info("%s of %s configured live: %s", self.role, self.cluster, switches)
         if message.reply_to:  # the operator's own queue: published to, never declared here
@@ -803,6 +807,10 @@ class _Role:
             client = await self.client_for(self.cluster)
             with contextlib.suppress(Unroutable):  # the operator gave up and left
                 await client.publish(outgoing(reply, message.reply_to))
+
+    def reconfigured(self) -> None:
+        """The switches changed (``self.topology`` is a new object): logic that holds the
+        topology takes the new one."""
 
 
 #: what ``qosmq phoenix configure`` may switch live on the running masters
@@ -1223,7 +1231,8 @@ class RouterMaster(_Role):
         self.ring = ChordRing(
             c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
         )
-        self.latency = LatencyMap()
+        self.logic = RouterLogic(self.cluster, self.topology, self.ring)
+        self.latency = self.logic.latency
         self.detours = Detours(
             cluster=self.cluster,
             ring=self.ring,
@@ -1237,9 +1246,6 @@ class RouterMaster(_Role):
             on_left=self._announce_leave,
             on_unreachable=self._suspect,
         )
-        #: the ids of the messages this owner routed lately: one sent again over a
-        #: detour (its first send's confirm lost with the link) is routed once
-        self._routed: OrderedDict[str, None] = OrderedDict()
         self._spec = self.topology.cluster(self.cluster)
         #: departed clusters whose arc this router took over: (arc, restored)
         self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
@@ -1275,8 +1281,8 @@ class RouterMaster(_Role):
 
     async def prepare(self) -> None:
         table = await self.replicas.read(self.topology.read_timeout_s)
-        for event_type, (_, doc) in table.items():
-            self.latency.entries[event_type] = (int(doc["level_sum"]), int(doc["count"]))
+        for refused in self.logic.load(table):
+            log.warning("%s: routing-table entry left out: %s", self.id, refused)
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -1295,70 +1301,45 @@ class RouterMaster(_Role):
         return {Join: self._on_join, **dict.fromkeys(routed, self._route)}
 
     def urgency(self, message: Message) -> int:
-        return self.priority(message) if isinstance(message, Routed) else 0
+        return self.logic.priority(message) if isinstance(message, Routed) else 0
 
-    def priority(self, message: Routed) -> int:
-        """The latency level's priority: the highest any router on the path knows."""
-        if not self.topology.outer:
-            return 0
-        return max(message.priority, self.latency.priority(message.event_type))
+    def reconfigured(self) -> None:
+        self.logic.topology = self.topology  # ``outer`` switched live
 
     async def _on_join(self, message: Join) -> None:
         await self._join(message.cluster)
 
     async def _route(self, message: RoutedMessage) -> None:
+        """``RouterLogic`` decides; this writes the latencyMap entries it names, waits
+        for an arc being restored, and sends (again, when a next hop left meanwhile)."""
         if message.via:  # on a detour: pass it on toward the next hop of its path
             await self._relay(message)
             return
-        et = message.event_type
-        owner = self.ring.owner(et)
-        if message.id is None:  # one id from here on, however often it is sent again
-            message = message.model_copy(update={"id": uuid.uuid4().hex[:16]})
-        elif owner == self.cluster and self._routed_before(message.id):
-            self.count("duplicates_dropped")
+        writes, forwarded = self.logic.accept(message)
+        for write in writes:
+            entry = None if write.entry is None else write.entry.to_document()
+            await self.replicas.write(write.event_type, entry)
+        if forwarded is None:
+            if not writes:
+                self.count("duplicates_dropped")
             return
-        if isinstance(message, Subscribe | Unsubscribe):
-            message = self._homed(message)
-        if isinstance(message, Subscribe):
-            self.latency.add(et, message.latency_level)
-        elif isinstance(message, Unsubscribed):
-            self.latency.remove(et, message.latency_level)
-        if isinstance(message, Subscribe | Unsubscribed):
-            entry = self.latency.entries.get(et)
-            await self.replicas.write(
-                et, None if entry is None else {"level_sum": entry[0], "count": entry[1]}
-            )
-            if isinstance(message, Unsubscribed):
-                return
-        priority = self.priority(message)
-        forwarded = message.model_copy(
-            update={"hops": [*message.hops, self.cluster], "priority": priority}
-        )
-        while owner != self.cluster:
-            next_hop = self.ring.route(self.cluster, et)[1]
+        while isinstance(step := self.logic.step(forwarded), Forward):
             self.count("forwarded")
-            if await self.detours.forward(next_hop, forwarded, priority):
+            if await self.detours.forward(step.cluster, step.message, step.priority):
                 return
             self.count("rerouted")  # the next hop left the ring meanwhile: route again
-            owner = self.ring.owner(et)
-        await self._taken_over(et)
-        masters = self.topology.cluster(self.cluster).match_masters
-        index = ring_id(et) % masters  # routing table: SHA-1 of the type over the masters
+        await self._taken_over(forwarded.event_type)
         self.count("routed")
-        await self.send(
-            self.cluster, self.inbox_of(RoleId.match(self.cluster, index)), forwarded, priority
-        )
+        match = self.inbox_of(RoleId.match(self.cluster, step.index))
+        await self.send(self.cluster, match, step.message, step.priority)
 
     async def _relay(self, message: RoutedMessage) -> None:
-        hop, rest = message.via[0], message.via[1:]
-        if hop not in {c.id for c in self.topology.clusters}:
-            raise DeadLetter(f"{message.kind.value}: detour hop {hop!r} is not in the topology")
-        if hop == self.cluster:  # a path naming this cluster again: go on from here
-            await self._route(message.model_copy(update={"via": rest}))
+        step = self.logic.relay(message)
+        if not isinstance(step, Forward):  # a path naming this cluster again: on from here
+            await self._route(step)
             return
         self.count("relayed")
-        onward = message.model_copy(update={"via": rest})
-        if not await self.detours.forward(hop, onward, message.priority):
+        if not await self.detours.forward(step.cluster, step.message, step.priority):
             self.count("rerouted")  # the hop left the ring: the ring goes on from here
             await self._route(message.model_copy(update={"via": []}))
 
@@ -1451,12 +1432,12 @@ class RouterMaster(_Role):
         taken: dict[str, dict[str, Any]] = {}
         for event_type, (_, doc) in live(table).items():
             try:
-                entry = (int(doc["level_sum"]), int(doc["count"]))
-            except (KeyError, TypeError, ValueError):
+                entry = LatencyEntry.from_document(doc)
+            except RecordError:
                 continue  # an entry an older version kept: its subscriptions still match
-            if arc.covers(event_type) and entry[1] > 0:
-                self.latency.entries[event_type] = entry
-                taken[event_type] = {"level_sum": entry[0], "count": entry[1]}
+            if arc.covers(event_type) and entry.count > 0:
+                self.latency.entries[event_type] = (entry.level_sum, entry.count)
+                taken[event_type] = entry.to_document()
         self.count("routing_entries_restored", len(taken))
         log.info("%s: %d routing-table entries of %s restored", self.cluster, len(taken), cluster)
         return taken
@@ -1521,26 +1502,6 @@ class RouterMaster(_Role):
         if not waiting and not answered.done():
             answered.set_result(count + message.restored)
 
-    def _routed_before(self, message_id: str, keep: int = 100_000) -> bool:
-        if message_id in self._routed:
-            return True
-        self._routed[message_id] = None
-        if len(self._routed) > keep:
-            self._routed.popitem(last=False)
-        return False
-
-    def _homed(self, subscription: Subscribe | Unsubscribe) -> Subscribe | Unsubscribe:
-        """The subscriber's cluster, where deliveries and confirmations go: the entry
-        router's when unsaid."""
-        home = subscription.home
-        if home is None:
-            home = subscription.hops[0] if subscription.hops else self.cluster
-        if home not in {c.id for c in self.topology.clusters}:
-            raise DeadLetter(
-                f"{subscription.kind.value}: home cluster {home!r} is not in the topology"
-            )
-        return subscription.model_copy(update={"home": home})
-
     async def _join(self, cluster: str) -> None:
         """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
         self.topology.cluster(cluster)
@@ -1604,20 +1565,18 @@ class _MatchBroker(_Role):
         self.index = index
         self.id = RoleId.match(self.cluster, index)  # a slave's is set by MatchSlave
         self.owner = self.id.owner  # subscriptions are the master's
-        self.indexes: dict[str, SubscriptionIndex] = {}
-        # sid -> (event type, subscriber queue, confirm: "broker" or "e2e", home cluster)
-        self.queues: dict[str, tuple[str, str, str, str]] = {}
+        self.registry = Registry(self.cluster)  # records, indexed; where matches go
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
         self._e2e: dict[AsyncClient, AsyncConfirmPublisher] = {}  # one per connection
         self._e2e_lock = asyncio.Lock()
         #: clusters that left the ring: deliveries to their subscribers are dead-lettered
         self.departed: set[str] = set()
-        #: restored from a departed cluster, not indexed yet: event type -> {sid: doc}
-        self.unindexed: dict[str, dict[str, dict[str, Any]]] = {}
 
     def index_type(self, event_type: str) -> None:
-        """Index the restored subscriptions of one type (match masters restore)."""
-        self.unindexed.pop(event_type, None)
+        """Index the restored subscriptions of one type (match masters restore them)."""
+        for refused in self.registry.index_type(event_type):
+            log.warning("%s: restored subscription left out: %s", self.name, refused)
+            self.count("refused")
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -1637,47 +1596,21 @@ class _MatchBroker(_Role):
             message.cluster,
         )
 
-    def _add(self, sid: str, document: dict[str, Any]) -> None:
-        flt = Filter.parse(document["filter"])  # FilterError before anything changes
-        if sid in self.queues:
-            self._remove(sid)
-        event_type = document["event_type"]
-        self.indexes.setdefault(event_type, SubscriptionIndex()).add(sid, flt)
-        self.queues[sid] = (
-            event_type,
-            document["queue"],
-            document.get("confirm", "broker"),
-            document.get("home") or self.cluster,  # before homes were kept: the owner's
-        )
-
     def _held(self, sid: str, document: dict[str, Any]) -> bool:
-        """``_add`` a stored or replicated subscription; one the index cannot hold (kept
+        """Hold a stored or replicated subscription; one the registry cannot hold (kept
         by an older version) is logged and left out, never stopping the role."""
-        try:
-            self._add(sid, document)
-        except (FilterError, KeyError, TypeError) as exc:
-            log.warning("%s: subscription %s left out: %s", self.name, sid, exc)
+        refused = self.registry.hold(sid, document)
+        if refused is not None:
+            log.warning("%s: subscription %s left out: %s", self.name, sid, refused)
             self.count("refused")
-            return False
-        return True
-
-    def _remove(self, sid: str) -> None:
-        where = self.queues.pop(sid, None)
-        if where is None:
-            return
-        event_type = where[0]
-        index = self.indexes[event_type]
-        index.remove(sid)
-        if not len(index):
-            del self.indexes[event_type]
+        return refused is None
 
     async def _match(self, message: Publish) -> None:
         self.predictor.arrived(now=time.monotonic())
-        if self.unindexed and message.event_type in self.unindexed:
+        if message.event_type in self.registry.unindexed:
             self.index_type(message.event_type)  # restored from a departed cluster
         try:
-            index = self.indexes.get(message.event_type)
-            matched = index.match(message.event.attributes) if index else set()
+            matched = self.registry.match(message.event_type, message.event.attributes)
             self.count("matched", len(matched))
             HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
             if matched:
@@ -1697,17 +1630,10 @@ class _MatchBroker(_Role):
         the RabbitMQ of the subscriber's own cluster; the copies are confirmed together
         (e2e subscriptions: once the subscriber handled it)."""
         body = encode(message.model_copy(update={"broker": self.name}))
-        queues: dict[tuple[str, str], str] = {}  # (home cluster, queue) -> confirm
-        for sid in matched:
-            _, queue, confirm, home = self.queues[sid]
-            if queues.get((home, queue)) != "e2e":
-                queues[home, queue] = confirm
-        gone = sorted(
-            f"{queue} (cluster {home})" for home, queue in queues if home in self.departed
-        )
-        queues = {k: v for k, v in queues.items() if k[0] not in self.departed}
+        copies = self.registry.copies(matched, self.departed)
+        queues, gone = copies.queues, copies.departed
         sends = []
-        for (home, queue), confirm in sorted(queues.items()):
+        for (home, queue), confirm in queues.items():
             if confirm == "e2e":
                 publisher = await self._e2e_publisher(home)
                 sends.append(publisher.publish(body, routing_key=queue, expect=[queue]))
@@ -1715,7 +1641,7 @@ class _MatchBroker(_Role):
                 outgoing = OutgoingMessage(body, "", queue, content_type="application/json")
                 sends.append((await self.client_for(home)).publish(outgoing))
         results = await asyncio.gather(*sends, return_exceptions=True)
-        for (home, queue), result in zip(sorted(queues), results, strict=True):
+        for (home, queue), result in zip(queues, results, strict=True):
             if isinstance(result, Unroutable):
                 log.warning("subscriber queue %s of cluster %s is gone", queue, home)
             elif isinstance(result, BaseException):
@@ -1797,16 +1723,16 @@ def _restorable(
     return by_type
 
 
-def _subscription_document(message: Subscribe) -> dict[str, Any]:
-    return {
-        "event_type": message.event_type,
-        "filter": message.filter,
-        "queue": message.queue,
-        "latency_level": message.latency_level,
-        "confirm": message.confirm,
-        "home": message.home,
-        "path": message.hops,  # the routing masters that counted its latency level
-    }
+def _subscription_record(message: Subscribe) -> SubscriptionRecord:
+    return SubscriptionRecord(
+        event_type=message.event_type,
+        filter=message.filter,
+        queue=message.queue,
+        latency_level=message.latency_level,
+        confirm=message.confirm,
+        home=message.home,
+        path=message.hops,  # the routing masters that counted its latency level
+    )
 
 
 class MatchMaster(_MatchBroker):
@@ -1819,10 +1745,7 @@ class MatchMaster(_MatchBroker):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store = open_store(self.topology.state_store)
-        self.slave_state: dict[int, RemoteBroker] = {}  # last heartbeat + sent since
-        self.hop_s = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
-        self.turn = 0  # round robin's position (inner off)
-        self.subscriptions: dict[str, dict[str, Any]] = {}  # sid -> document, for hand-over
+        self.dispatch = Dispatch()  # the slaves' load reports; predicted-T and blind choice
         self._confirming: set[asyncio.Task[None]] = set()  # subscribe confirmations in flight
         self.replicas = _ReplicaSet(self, self.store, "subscription")
         #: event types restored from a departed cluster: matched here, never dispatched
@@ -1836,9 +1759,8 @@ class MatchMaster(_MatchBroker):
 
     async def prepare(self) -> None:
         for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():
-            if self._held(sid, doc):
-                self.subscriptions[sid] = doc
-        log.info("%s: %d subscriptions read back", self.owner, len(self.subscriptions))
+            self._held(sid, doc)
+        log.info("%s: %d subscriptions read back", self.owner, len(self.registry))
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -1871,16 +1793,11 @@ class MatchMaster(_MatchBroker):
             log.warning("%s: reading %s's state ahead failed (%s)", self.name, message.cluster, exc)
             by_type = await self._read_departed(message)
         self.departed.add(message.cluster)
-        found = {
-            sid: doc
-            for docs in by_type.values()
-            for sid, doc in docs.items()
-            if sid not in self.subscriptions
-        }
-        self.subscriptions.update(found)
-        for event_type, docs in by_type.items():
-            self.unindexed.setdefault(event_type, {}).update(docs)
-            self.local_types.add(event_type)
+        found, refused = self.registry.restore(by_type)
+        self.local_types.update(by_type)
+        for why in refused:
+            log.warning("%s: restored subscription left out: %s", self.name, why)
+        self.count("refused", len(refused))
         self.count("restored", len(found))
         await asyncio.to_thread(self._take_advertisements, message, set(by_type))
         log.warning("%s: %d subscriptions of %s restored", self.name, len(found), message.cluster)
@@ -1919,20 +1836,13 @@ class MatchMaster(_MatchBroker):
     async def _index_restored(self, found: dict[str, dict[str, Any]]) -> None:
         """Index the restored types one by one between other work, then adopt them."""
         started = time.monotonic()
-        while self.unindexed:
-            self.index_type(next(iter(self.unindexed)))
+        while self.registry.unindexed:
+            self.index_type(next(iter(self.registry.unindexed)))
             await asyncio.sleep(0)
         log.info(
             "%s: restored subscriptions indexed in %.2f s", self.name, time.monotonic() - started
         )
         await self.replicas.adopt(found)  # this master's own from now on
-
-    def index_type(self, event_type: str) -> None:
-        """Index the restored subscriptions of one type (those still held and not
-        replaced or removed meanwhile)."""
-        for sid, doc in self.unindexed.pop(event_type, {}).items():
-            if self.subscriptions.get(sid) is doc and sid not in self.queues:
-                self._held(sid, doc)
 
     @functools.cached_property
     def inbox_handlers(self) -> dict[type, Handler]:
@@ -1947,34 +1857,30 @@ class MatchMaster(_MatchBroker):
     async def _on_heartbeat(self, message: Heartbeat) -> None:
         """A slave's load report (finite and not negative: the message's model says so)."""
         j = self.replicas.slave(message)
-        state = self.slave_state.setdefault(j, RemoteBroker())
         self.slave_heard(j)
-        state.report(message.queue, message.service_rate, time.monotonic())
+        self.dispatch.reported(j, message.queue, message.service_rate, time.monotonic())
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
         """Send the subscriptions of the arc's event types to the joining cluster."""
-        handover = Arc(joiner, self.cluster, *arc)
-        moving = [
-            (sid, doc)
-            for sid, doc in self.subscriptions.items()
-            if handover.covers(doc["event_type"])
-        ]
-        for sid, doc in moving:
-            fields = {k: v for k, v in doc.items() if k not in ("path", "home")}
+        moving = self.registry.in_arc(Arc(joiner, self.cluster, *arc).covers)
+        for sid, record in moving:
             await self.send(
                 joiner,
                 self.inbox_of(RoleId.router(joiner)),
                 Subscribe(
                     subscription_id=sid,
+                    event_type=record.event_type,
+                    filter=record.filter,
+                    queue=record.queue,
+                    latency_level=record.latency_level,
+                    confirm=record.confirm,
                     # deliveries still go home; the routers that counted its level so far
                     # stay on its path, so an unsubscribe reaches them too
-                    home=doc.get("home") or self.cluster,
-                    hops=doc.get("path") or [],
-                    **fields,
+                    home=record.homed(self.cluster),
+                    hops=record.path,
                 ),
             )
-            self._remove(sid)
-            del self.subscriptions[sid]
+            self.registry.remove(sid)
             await self.replicas.write(sid, None)
         self.count("handed_over", len(moving))
 
@@ -1982,14 +1888,13 @@ class MatchMaster(_MatchBroker):
         await self._hand_over(message.cluster, message.arc)
 
     async def _on_subscribe(self, message: Subscribe) -> None:
-        doc = _subscription_document(message)
+        record = _subscription_record(message)
         try:
-            self._add(message.subscription_id, doc)
+            self.registry.add(message.subscription_id, record)
         except FilterError as exc:  # sent by something other than the layer's client
             self._confirm(message, None, {"error": str(exc), "refused": "filter"})
             raise DeadLetter(f"subscription {message.subscription_id}: {exc}") from None
-        self.subscriptions[message.subscription_id] = doc
-        written = await self.replicas.write(message.subscription_id, doc)
+        written = await self.replicas.write(message.subscription_id, record.to_document())
         self._confirm(message, written, {})
 
     async def _on_advertise(self, message: Advertise) -> None:
@@ -2001,12 +1906,16 @@ class MatchMaster(_MatchBroker):
         if message.event_type in self.local_types:  # its slaves do not hold them
             await self._match(message)
             return
-        target = self.choose() if self.topology.inner else self.choose_blind()
+        now = time.monotonic()
+        live = self.live.alive(now)
+        if self.topology.inner:
+            target = self.dispatch.choose(self.predictor, live, now)
+        else:
+            target = self.dispatch.choose_blind(live, self.topology.blind_dispatch)
         if target is None:
             await self._match(message)
             return
         self.count("dispatched")
-        self.slave_state[target].sent += 1
         started = time.monotonic()
         await self.send(
             self.cluster,
@@ -2014,23 +1923,21 @@ class MatchMaster(_MatchBroker):
             message,
             message.priority,
         )
-        hop = time.monotonic() - started
-        self.hop_s = hop if not self.hop_s else 0.9 * self.hop_s + 0.1 * hop
+        self.dispatch.dispatched(target, time.monotonic() - started)
 
     async def _unsubscribe(self, message: Unsubscribe) -> None:
         """Forget the subscription here and in the replicas (a tombstone), and tell the
         routing masters that counted its latency level to take it out of latencyMap."""
         sid = message.subscription_id
-        doc = self.subscriptions.get(sid)
-        if doc is None or doc["event_type"] != message.event_type:  # unknown here
+        record = self.registry.get(sid)
+        if record is None or record.event_type != message.event_type:  # unknown here
             self._confirm(message, None, {"removed": False})
             return
-        del self.subscriptions[sid]
-        self._remove(sid)
+        self.registry.remove(sid)
         written = await self.replicas.write(sid, None)
         self.count("unsubscribed")
-        taken_out = Unsubscribed(event_type=doc["event_type"], latency_level=doc["latency_level"])
-        for cluster in dict.fromkeys(doc.get("path") or []):
+        taken_out = Unsubscribed(event_type=record.event_type, latency_level=record.latency_level)
+        for cluster in dict.fromkeys(record.path):
             with contextlib.suppress(Unroutable):  # a cluster that left counts nothing
                 await self.send(
                     cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
@@ -2077,35 +1984,6 @@ class MatchMaster(_MatchBroker):
         except MiddlewareError as exc:  # the subscriber times out and says so
             log.warning("confirmation of %s not sent: %s", message.subscription_id, exc)
 
-    def choose(self, now: float | None = None) -> int | None:
-        """None for itself, else the slave with the smallest fresh predicted T.
-
-        A master with nothing waiting keeps the event (no broker can start it sooner);
-        a backlogged one compares T, a slave's T counting the hop to it (the measured
-        cost of a dispatch), and sends the event where it finishes soonest.
-        """
-        now = time.monotonic() if now is None else now
-        if self.predictor.predicted_queue(now) < 1:
-            return None
-        predicted = {"self": self.predictor.predict(now)}
-        for j in self._live_slaves(now):
-            predicted[f"slave-{j}"] = self.slave_state[j].predict(now) + self.hop_s
-        chosen = choose_broker(predicted)
-        return None if chosen == "self" else int(chosen.split("-")[1])
-
-    def _live_slaves(self, now: float) -> list[int]:
-        """The slaves heard within the detection timeout that sent a load report (a
-        silent one gets nothing)."""
-        return sorted(j for j in self.live.alive(now) if j in self.slave_state)
-
-    def choose_blind(self) -> int | None:
-        """With ``inner`` off: the next of the master and its live slaves in turn
-        (``round_robin``), or None, itself, every time (``master``)."""
-        if self.topology.blind_dispatch == "master":
-            return None
-        chosen, self.turn = round_robin([None, *self._live_slaves(time.monotonic())], self.turn)
-        return chosen
-
 
 class MatchSlave(_MatchBroker, _ReplicaHolder):
     """Holds a replica of its master's subscriptions (persisted, acknowledged), matches
@@ -2131,7 +2009,7 @@ class MatchSlave(_MatchBroker, _ReplicaHolder):
 
     def apply(self, key: str, document: dict[str, Any]) -> None:
         if document == TOMBSTONE:
-            self._remove(key)
+            self.registry.remove(key)
         else:
             self._held(key, document)
 

@@ -23,11 +23,12 @@ gets mu = NC / (time it was busy in the window): its capacity, as the model mean
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 __all__ = [
+    "Dispatch",
     "LatencyMap",
     "QueuePredictor",
     "RemoteBroker",
@@ -209,3 +210,47 @@ class RemoteBroker:
             self.queue + self.sent, 0.0, self.service_rate, max(0.0, now - self.reported_at)
         )
         return mean_processing_time(q, self.service_rate)
+
+
+@dataclass
+class Dispatch:
+    """A match master's choice of broker for each event (the inner mechanism), pure.
+
+    ``choose``: None for itself, else the live slave with the smallest fresh predicted
+    T.  A master with nothing waiting keeps the event (no broker can start it sooner); a
+    backlogged one compares T, a slave's T counting the hop to it (the measured cost of a
+    dispatch), and sends the event where it finishes soonest.  ``choose_blind`` (inner
+    off): the next of the master and its live slaves in turn (``round_robin``), or the
+    master every time (``mode="master"``).  ``live`` is what the failure detector says;
+    a slave that sent no load report yet gets nothing.
+    """
+
+    slaves: dict[int, RemoteBroker] = field(default_factory=dict)
+    hop_s: float = 0.0  # moving mean of one dispatch to a slave (publish + confirm)
+    turn: int = 0  # round robin's position
+
+    def reported(self, slave: int, queue: float, service_rate: float, now: float) -> None:
+        self.slaves.setdefault(slave, RemoteBroker()).report(queue, service_rate, now)
+
+    def dispatched(self, slave: int, took_s: float) -> None:
+        """An event sent to ``slave``; the send took ``took_s``."""
+        self.slaves[slave].sent += 1
+        self.hop_s = took_s if not self.hop_s else 0.9 * self.hop_s + 0.1 * took_s
+
+    def reporting(self, live: Iterable[int]) -> list[int]:
+        return sorted(j for j in live if j in self.slaves)
+
+    def choose(self, own: QueuePredictor, live: Iterable[int], now: float) -> int | None:
+        if own.predicted_queue(now) < 1:
+            return None
+        predicted = {"self": own.predict(now)}
+        for j in self.reporting(live):
+            predicted[f"slave-{j}"] = self.slaves[j].predict(now) + self.hop_s
+        chosen = choose_broker(predicted)
+        return None if chosen == "self" else int(chosen.split("-")[1])
+
+    def choose_blind(self, live: Iterable[int], mode: str = "round_robin") -> int | None:
+        if mode == "master":
+            return None
+        chosen, self.turn = round_robin([None, *self.reporting(live)], self.turn)
+        return chosen

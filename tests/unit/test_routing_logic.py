@@ -333,29 +333,33 @@ def _role(cls: type, cluster: dict[str, object], state_store: str = ":memory:") 
 
 
 def test_master_keeps_events_until_a_backlog_makes_a_slave_sooner() -> None:
-    import asyncio
-    import time
+    from middleware.routing.timeliness import Dispatch
 
-    from middleware.routing.ids import RoleId
-    from middleware.routing.messages import Heartbeat
-    from middleware.routing.roles import MatchMaster
-
-    master = _role(MatchMaster, {"id": "B", "match_slaves": 2})
-    now = time.monotonic()
-    master.predictor.last_close, master.predictor.service_rate = now, 100.0
-    master.hop_s = 0.002
+    dispatch = Dispatch(hop_s=0.002)
+    master = QueuePredictor(last_close=100.0, service_rate=100.0)
     for j, q in ((0, 5.0), (1, 0.0)):  # the slaves' load reports, as they arrive
-        slave = RoleId.match_slave("B", 0, j).owner
-        report = Heartbeat(broker=slave, predicted_t=0.0, queue=q, service_rate=100.0)
-        asyncio.run(master.control(report))
-    assert master.choose() is None  # nothing waiting at the master: it keeps the event
-    master.predictor.queue = 40.0  # T = 41/200 s at the master; slave 1: 1/200 + 2 ms
-    assert master.choose() == 1
-    master.slave_state[1].sent = 200  # what it was sent since its report counts
-    assert master.choose() == 0
-    master.predictor.queue = 5000.0  # still a backlog 10 s on ...
-    assert master.choose(now + 10) is None  # ... but silent slaves get nothing
-    master.store.close()
+        dispatch.reported(j, q, 100.0, now=100.0)
+    live = {0, 1}
+    assert dispatch.choose(master, live, 100.0) is None  # nothing waiting: it keeps it
+    master.queue = 40.0  # T = 41/200 s at the master; slave 1: 1/200 + 2 ms
+    assert dispatch.choose(master, live, 100.0) == 1
+    for _ in range(200):  # what it was sent since its report counts
+        dispatch.dispatched(1, 0.002)
+    assert dispatch.choose(master, live, 100.0) == 0
+    master.queue = 5000.0  # still a backlog ...
+    assert dispatch.choose(master, set(), 110.0) is None  # ... but silent slaves get nothing
+    assert dispatch.choose(master, {2}, 100.0) is None  # nor one that never reported
+
+
+def test_blind_dispatch_turns_over_the_master_and_its_reporting_live_slaves() -> None:
+    from middleware.routing.timeliness import Dispatch
+
+    dispatch = Dispatch()
+    dispatch.reported(0, 0.0, 1.0, now=0.0)
+    dispatch.reported(1, 0.0, 1.0, now=0.0)
+    assert [dispatch.choose_blind({0, 1, 2}) for _ in range(4)] == [None, 0, 1, None]
+    assert [dispatch.choose_blind({1}) for _ in range(2)] == [1, None]  # slave 0 silent
+    assert dispatch.choose_blind({0, 1}, mode="master") is None
 
 
 def test_masters_snapshot_their_table_periodically(tmp_path) -> None:

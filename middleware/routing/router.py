@@ -1,0 +1,161 @@
+"""A routing master's logic (paper 000): ring forwarding and latencyMap, without I/O.
+
+For each routed message (a publish, a subscription, an unsubscription, an
+advertisement) :meth:`RouterLogic.accept` decides what the routing master does before
+it passes the message on: give it the id it keeps however often it is sent again, drop
+one the owner already routed (sent again over a detour after its first confirm was lost
+with a link), fix a subscription's home cluster, count or take out a latency level and
+say which latencyMap entry to write (``WriteEntry``), and stamp the hop and the
+priority.  :meth:`RouterLogic.step` then says where it goes: ``Forward`` to the next
+cluster on the ring (fingers), or ``ToMatch`` the match master the routing table names
+at the owner.  :meth:`RouterLogic.relay` follows a detour's path.
+
+The driver (``roles.RouterMaster``) persists and replicates entries, sends, waits for
+an arc being restored, and asks ``step`` again when a next hop left the ring meanwhile.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DeadLetter
+from .messages import RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
+from .protocol import PhoenixTopology
+from .records import LatencyEntry, RecordError
+from .ring import ChordRing, ring_id
+from .timeliness import LatencyMap
+
+__all__ = ["Forward", "RouterLogic", "ToMatch", "WriteEntry"]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEntry:
+    """Persist and replicate the latencyMap entry of ``event_type`` (None: delete it)."""
+
+    event_type: str
+    entry: LatencyEntry | None
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send ``message`` to ``cluster``'s routing master with ``priority``."""
+
+    cluster: str
+    message: RoutedMessage
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToMatch:
+    """Hand ``message`` to this cluster's match master ``index``."""
+
+    index: int
+    message: RoutedMessage
+    priority: int
+
+
+class RouterLogic:
+    """One routing master's ring position, latencyMap and recently routed ids."""
+
+    KEEP_IDS = 100_000  # ids an owner remembers to drop a message routed twice
+
+    def __init__(
+        self,
+        cluster: str,
+        topology: PhoenixTopology,
+        ring: ChordRing,
+        *,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
+        keep_ids: int = KEEP_IDS,
+    ) -> None:
+        self.cluster, self.topology, self.ring = cluster, topology, ring
+        self.latency = LatencyMap()
+        self.new_id, self.keep_ids = new_id, keep_ids
+        self._routed: OrderedDict[str, None] = OrderedDict()
+
+    def load(self, table: Mapping[str, tuple[int, Mapping[str, Any]]]) -> list[str]:
+        """The routing table read back (event type -> (version, document)); why any
+        entry was left out (a document no version wrote)."""
+        refused = []
+        for event_type, (_, document) in table.items():
+            try:
+                entry = LatencyEntry.from_document(document)
+            except RecordError as exc:
+                refused.append(f"{event_type}: {exc}")
+                continue
+            self.latency.entries[event_type] = (entry.level_sum, entry.count)
+        return refused
+
+    def priority(self, message: RoutedMessage) -> int:
+        """The latency level's priority: the highest any router on the path knows."""
+        if not self.topology.outer:
+            return 0
+        return max(message.priority, self.latency.priority(message.event_type))
+
+    def accept(self, message: RoutedMessage) -> tuple[list[WriteEntry], RoutedMessage | None]:
+        """What to write, and the message to pass on (None: it ends here: a duplicate
+        the owner routed already, or an unsubscription's latency level taken out)."""
+        et = message.event_type
+        if message.id is None:  # one id from here on, however often it is sent again
+            message = message.model_copy(update={"id": self.new_id()})
+        elif self.ring.owner(et) == self.cluster and self._routed_before(message.id):
+            return [], None
+        if isinstance(message, Subscribe | Unsubscribe):
+            message = self._homed(message)
+        writes: list[WriteEntry] = []
+        if isinstance(message, Subscribe):
+            self.latency.add(et, message.latency_level)
+        elif isinstance(message, Unsubscribed):
+            self.latency.remove(et, message.latency_level)
+        if isinstance(message, Subscribe | Unsubscribed):
+            writes.append(WriteEntry(et, LatencyEntry.of(self.latency.entries.get(et))))
+            if isinstance(message, Unsubscribed):
+                return writes, None
+        stamped = message.model_copy(
+            update={"hops": [*message.hops, self.cluster], "priority": self.priority(message)}
+        )
+        return writes, stamped
+
+    def step(self, message: RoutedMessage) -> Forward | ToMatch:
+        """The next hop on the ring now, or the match master at the owner."""
+        et = message.event_type
+        if self.ring.owner(et) != self.cluster:
+            return Forward(self.ring.route(self.cluster, et)[1], message, message.priority)
+        masters = self.topology.cluster(self.cluster).match_masters
+        # the routing table: SHA-1 of the event type over the cluster's match masters
+        return ToMatch(ring_id(et) % masters, message, message.priority)
+
+    def relay(self, message: RoutedMessage) -> Forward | RoutedMessage:
+        """A message on a detour: ``Forward`` to the next hop of its path, or the message
+        to route from here (the path named this cluster)."""
+        hop, rest = message.via[0], message.via[1:]
+        if hop not in {c.id for c in self.topology.clusters}:
+            raise DeadLetter(f"{message.kind.value}: detour hop {hop!r} is not in the topology")
+        onward = message.model_copy(update={"via": rest})
+        if hop == self.cluster:
+            return onward
+        return Forward(hop, onward, message.priority)
+
+    def _routed_before(self, message_id: str) -> bool:
+        if message_id in self._routed:
+            return True
+        self._routed[message_id] = None
+        if len(self._routed) > self.keep_ids:
+            self._routed.popitem(last=False)
+        return False
+
+    def _homed(self, subscription: Subscribe | Unsubscribe) -> Subscribe | Unsubscribe:
+        """The subscriber's cluster, where deliveries and confirmations go: the entry
+        router's when unsaid."""
+        home = subscription.home
+        if home is None:
+            home = subscription.hops[0] if subscription.hops else self.cluster
+        if home not in {c.id for c in self.topology.clusters}:
+            raise DeadLetter(
+                f"{subscription.kind.value}: home cluster {home!r} is not in the topology"
+            )
+        return subscription.model_copy(update={"home": home})
