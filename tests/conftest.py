@@ -104,6 +104,22 @@ def brokers() -> Iterator[Brokers]:
 @pytest.fixture
 def settings(brokers: Brokers) -> Settings:
     """Settings for the test brokers with fast failure detection."""
+    return broker_settings(brokers)
+
+
+@pytest.fixture(scope="module")
+def module_settings(brokers: Brokers) -> Settings:
+    """``settings`` for a module's shared fixtures (a deployment and its traffic)."""
+    return broker_settings(brokers)
+
+
+@pytest.fixture(scope="module")
+def module_name() -> str:
+    """``name`` for a module's shared fixtures."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def broker_settings(brokers: Brokers) -> Settings:
     return Settings.load(
         amqp_urls=",".join(brokers.urls),
         heartbeat=2,

@@ -182,12 +182,12 @@ def test_fuzzed_phoenix_messages_leave_roles_alive_and_events_exact(
         QueueKind,
     )
     from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
-    from tests.integration.test_phoenix import _topology
+    from tests.integration.phoenix_support import write_topology
     from tests.integration.test_phoenix_bad_input import _take
 
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"bids{i}" for i in range(1000) if ring.owner(f"bids{i}") == "B")
-    topology_file, topology = _topology(
+    topology_file, topology = write_topology(
         tmp_path, name, {c: {"match_slaves": 1 if c == "B" else 0} for c in "ABC"}
     )
     urls = list(brokers.urls)

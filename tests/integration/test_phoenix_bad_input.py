@@ -26,7 +26,7 @@ from middleware.transport import (
     QueueSpec,
 )
 from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
-from tests.integration.test_phoenix import _topology
+from tests.integration.phoenix_support import write_topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 
@@ -61,7 +61,7 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
 ) -> None:
     ring = ChordRing(["A", "B", "C"])
     event_type = next(f"bids{i}" for i in range(1000) if ring.owner(f"bids{i}") == "B")
-    topology_file, topology = _topology(
+    topology_file, topology = write_topology(
         tmp_path, name, {c: {"match_slaves": 1 if c == "B" else 0} for c in "ABC"}
     )
     urls = ",".join(brokers.urls)

@@ -21,16 +21,15 @@ import pytest
 
 from middleware.localcluster.manager import pid_alive
 from middleware.routing.ids import RoleId
+from tests.integration.phoenix_support import eventually
 from tests.integration.test_phoenix_recovery import _deployment, _stream, _subscribe
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 
 
 def _until(check, timeout: float, what: str) -> float:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.02)
+    """When ``check`` came true (wall clock, to compare with the roles' logs)."""
+    eventually(check, what, timeout, interval=0.02)
     return time.time()
 
 

@@ -27,7 +27,7 @@ from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
-from tests.integration.test_phoenix import _management, _topology
+from tests.integration.phoenix_support import management, write_topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100  # events per second
@@ -46,16 +46,16 @@ class Links:
         cluster_fields: dict | None = None,
     ) -> None:
         try:
-            _management(settings, "GET", "/api/overview")
+            management(settings, "GET", "/api/overview")
         except OSError:
             pytest.skip("needs the brokers' management API to create a vhost per cluster")
         self.settings, self.name = settings, name
         self.vhosts = {c: f"/{name}-{c.lower()}" for c in "ABC"}
         for vhost in self.vhosts.values():
             quoted = urllib.parse.quote(vhost, safe="")
-            assert _management(settings, "PUT", f"/api/vhosts/{quoted}", {}) in (201, 204)
+            assert management(settings, "PUT", f"/api/vhosts/{quoted}", {}) in (201, 204)
             grant = {"configure": ".*", "write": ".*", "read": ".*"}
-            assert _management(settings, "PUT", f"/api/permissions/{quoted}/guest", grant) in (
+            assert management(settings, "PUT", f"/api/permissions/{quoted}/guest", grant) in (
                 201,
                 204,
             )
@@ -68,7 +68,7 @@ class Links:
         self.y = next(c for c in "BC" if c != self.x)
         port = int(brokers.urls[0].rsplit(":", 1)[1].strip("/"))
         self.proxies = {(a, b): FaultProxy(port) for a in "ABC" for b in "ABC" if a != b}
-        _, self.topology = _topology(
+        _, self.topology = write_topology(
             tmp_path,
             name,
             {c: {"vhost": self.vhosts[c], **(cluster_fields or {})} for c in "ABC"},
@@ -129,7 +129,7 @@ class Links:
             for proxy in self.proxies.values():
                 proxy.close()
             for vhost in self.vhosts.values():
-                _management(
+                management(
                     self.settings, "DELETE", f"/api/vhosts/{urllib.parse.quote(vhost, safe='')}"
                 )
 

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
-from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
 from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
-from tests.integration.test_phoenix import _topology
+from tests.integration.phoenix_support import deployment as phoenix
+from tests.integration.phoenix_support import event, owned_by, take, until_delivered, write_topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100  # events per second, through the kill
@@ -70,11 +70,9 @@ def _deployment(
 ) -> tuple[str, PhoenixTopology, PhoenixDeployment]:
     """An event type cluster B owns, the topology of ``clusters`` (and top-level
     ``fields``) and its deployment over the test brokers (not started)."""
-    ring = ChordRing(list(clusters))
-    event_type = next(f"flow{i}" for i in range(1000) if ring.owner(f"flow{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, clusters, fields)
-    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
-    deployment = PhoenixDeployment(topology_file, tmp_path / "state", settings=settings, env=env)
+    event_type = owned_by(list(clusters), "B", "flow")
+    topology_file, topology = write_topology(tmp_path, name, clusters, fields)
+    deployment = phoenix(topology_file, tmp_path / "state", settings, ",".join(brokers.urls))
     return event_type, topology, deployment
 
 
@@ -83,13 +81,9 @@ async def _subscribe(settings, topology, event_type: str, queue: str) -> None:
     async with AsyncClient(settings=settings) as client:
         at_a = PhoenixClient(client, topology=topology, cluster="A")
         await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue)
-        deadline = time.monotonic() + 60
-        while await client.queue_length(queue) == 0:  # the path is live end to end
-            assert time.monotonic() < deadline, "no probe reached the subscriber"
-            await at_a.publish({"event_type": event_type, "attributes": {"n": -1}})
-            await asyncio.sleep(0.3)
-        while await client.get(queue) is not None:
-            pass
+        publish = lambda k: at_a.publish(event(event_type, n=-1))  # noqa: E731
+        await until_delivered(client, queue, publish, "probe")  # the path is live end to end
+        await take(client, queue)
 
 
 def test_killed_masters_are_replaced_by_an_elected_slave_and_nothing_is_lost(

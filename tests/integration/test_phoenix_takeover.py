@@ -8,10 +8,7 @@ received, what the shared store holds)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,15 +21,19 @@ from middleware.routing.ids import RoleId
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
-from tests.integration.test_phoenix import _phoenix, _topology
+from tests.integration.phoenix_support import (
+    attribute,
+    cli,
+    collect,
+    event,
+    eventually,
+    until_delivered,
+    write_topology,
+)
+from tests.integration.phoenix_support import deployment as phoenix
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 EVENTS = 200
-
-
-def _deployment(topology_file: Path, state: Path, settings, urls: str) -> PhoenixDeployment:
-    env = {**os.environ, "QOSMQ_AMQP_URLS": urls}
-    return PhoenixDeployment(topology_file, state, settings=settings, env=env)
 
 
 def _slow_detection(topology_file: Path) -> None:
@@ -46,19 +47,12 @@ def _slow_detection(topology_file: Path) -> None:
     )
 
 
-def _wait(what: str, done, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < deadline, f"no {what} in {seconds:.0f} s"
-        time.sleep(0.1)
-
-
 def _b_owned(tmp_path: Path, name: str, b: dict) -> tuple[str, Path, object]:
     """An event type B owns, and a topology of A and B (``b``: B's fields) whose slaves
     detect slowly, so that the operator's take-over is what switches."""
     ring = ChordRing(["A", "B"])
     event_type = next(f"ticks{i}" for i in range(1000) if ring.owner(f"ticks{i}") == "B")
-    topology_file, topology = _topology(tmp_path, name, {"A": {}, "B": b})
+    topology_file, topology = write_topology(tmp_path, name, {"A": {}, "B": b})
     _slow_detection(topology_file)
     return event_type, topology_file, topology
 
@@ -66,20 +60,14 @@ def _b_owned(tmp_path: Path, name: str, b: dict) -> tuple[str, Path, object]:
 async def _drain(client: AsyncClient, queue: str, want: int) -> list[dict]:
     """The events (n >= 0: probes aside) in ``queue`` once ``want`` arrived or 30 s passed,
     and one more second for anything beyond them (a duplicate), as {n, by}."""
-    got: list[dict] = []
-
-    async def take() -> None:
-        while (d := await client.get(queue)) is not None:
-            message = json.loads(d.body)
-            got.append({"n": message["event"]["attributes"]["n"], "by": message["broker"]})
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and sum(m["n"] >= 0 for m in got) < want:
-        await take()
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(1.0)
-    await take()
-    return [m for m in got if m["n"] >= 0]
+    got = await collect(
+        client,
+        queue,
+        lambda so_far: sum(attribute(m) >= 0 for m in so_far) >= want,
+        f"{want} events",
+        strict=False,
+    )
+    return [{"n": attribute(m), "by": m["broker"]} for m in got if attribute(m) >= 0]
 
 
 def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
@@ -96,14 +84,10 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
 
     async def subscribe_and_probe(client: AsyncClient, at: PhoenixClient, q: str) -> None:
         await at.subscribe(event_type, [("n", ">=", -1)], 1, q)  # probes too
-        deadline = time.monotonic() + 60
-        while await client.queue_length(q) == 0:  # until the path is live end to end
-            assert time.monotonic() < deadline, "no probe reached the subscriber"
-            await at.publish({"event_type": event_type, "attributes": {"n": -1}})
-            await asyncio.sleep(0.3)
+        await until_delivered(client, q, lambda k: at.publish(event(event_type, n=-1)), "probe")
 
     store = open_store(str(tmp_path / "state.sqlite3"))
-    deployment = _deployment(topology_file, state, settings, urls)
+    deployment = phoenix(topology_file, state, settings, urls)
     pids = deployment.up()
     try:
 
@@ -115,14 +99,14 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
         asyncio.run(before())
         # the subscription is in slave-0's replica before its master dies (checked in the
         # store, not asked of the roles)
-        _wait(
-            "replica on slave-0",
+        eventually(
             lambda: len(live(store.load(slave0.owner, "subscription"))) == 1,
+            "replica on slave-0",
         )
         deployment.kill(master)  # SIGKILL
         assert not pid_alive(pids[master])
 
-        out = _phoenix("takeover", topology_file, state, urls, "--role", slave0.key)  # the CLI
+        out = cli(deployment, "takeover", "--role", slave0.key)  # the CLI
         assert f"{slave0.key} now serves {master.key}" in out
         assert deployment.serves(slave0) == master
         assert pid_alive(pids[slave0])  # the same process, not a restart
@@ -149,13 +133,13 @@ def test_a_match_slave_told_to_take_over_serves_its_master_exactly_once(
         assert later_queue in {
             d["queue"] for _, d in live(store.load(master.owner, "subscription")).values()
         }
-        _wait(
-            "replica of the new subscription on slave-1",
+        eventually(
             lambda: len(live(store.load(slave1.owner, "subscription"))) == 2,
+            "replica of the new subscription on slave-1",
         )
         # status names what each process serves now; the killed master's process is down
         with pytest.raises(subprocess.CalledProcessError) as failed:
-            _phoenix("status", topology_file, state, urls)
+            cli(deployment, "status")
         line = next(x for x in failed.value.stdout.splitlines() if x.startswith(slave0.key))
         assert line.split()[2:4] == ["running", master.key], line
         assert line.endswith(master.inbox(name)), line
@@ -176,7 +160,7 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
     queue = f"{name}.sub"
     router, slave0 = RoleId.router("B"), RoleId.router_slave("B", 0)
     store = open_store(str(tmp_path / "state.sqlite3"))
-    deployment = _deployment(topology_file, state, settings, urls)
+    deployment = phoenix(topology_file, state, settings, urls)
     deployment.up()
     try:
 
@@ -186,9 +170,9 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
                 await at_a.subscribe(event_type, [("n", ">=", 0)], 2, queue)
 
         asyncio.run(subscribe())
-        _wait(
-            "latencyMap entry on router slave-0",
+        eventually(
             lambda: event_type in live(store.load(slave0.owner, "routing_table")),
+            "latencyMap entry on router slave-0",
         )
         deployment.kill(router)
         store.snapshot(router.owner, "routing_table", {})  # only the slaves hold it now
@@ -203,9 +187,9 @@ def test_a_routing_slave_told_to_take_over_routes_with_the_table_it_holds(
 
         assert sorted(asyncio.run(publish())) == list(range(EVENTS))
         # read repair: the promoted master's own copy holds the entry the slaves kept
-        _wait(
-            "repaired routing table",
+        eventually(
             lambda: event_type in live(store.load(router.owner, "routing_table")),
+            "repaired routing table",
         )
         # the deployment API stops and starts one role; status tells alive and what it serves
         slave1 = RoleId.router_slave("B", 1)

@@ -1,4 +1,5 @@
-"""Adaptive batching of role-to-role messages (the logic; over RabbitMQ in test_phoenix)."""
+"""Adaptive batching of role-to-role messages (the logic; over RabbitMQ: the priorities
+test of Phoenix)."""
 
 from __future__ import annotations
 

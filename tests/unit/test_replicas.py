@@ -255,3 +255,33 @@ def test_a_read_sees_every_write_acknowledged_before_it_whatever_the_order(
         if (result.entries)
         else True
     )
+
+
+def test_quorum_reads_always_see_the_last_acknowledged_write() -> None:
+    from itertools import combinations
+
+    from middleware.routing import Quorum, Versioned
+
+    q = Quorum.majority(3)
+    assert (q.write, q.read) == (2, 2)
+    with pytest.raises(ValueError, match="W \\+ R"):
+        Quorum(3, 1, 2)
+    replicas = ["m", "s1", "s2"]
+    for acked in combinations(replicas, 2):  # every write set of size W
+        assert q.written(acked) and not q.written(acked[:1])
+        state = {r: (Versioned(2, "new") if r in acked else Versioned(1, "old")) for r in replicas}
+        for asked in combinations(replicas, 2):  # every read set of size R
+            assert q.resolve({r: state[r] for r in asked}) == Versioned(2, "new")
+    assert q.resolve({"m": None, "s1": None}) is None
+
+
+def test_replica_merge_keeps_the_newest_version_and_honours_deletes() -> None:
+    from middleware.routing.replicas import TOMBSTONE, live, merge_replicas
+
+    master = {"a": (3, {"v": "a3"}), "b": (1, {"v": "b1"})}
+    slave0 = {"a": (2, {"v": "a2"}), "b": (4, TOMBSTONE), "c": (5, {"v": "c5"})}
+    merged = merge_replicas([master, slave0], at_least=2)
+    assert merged == {"a": (3, {"v": "a3"}), "b": (4, TOMBSTONE), "c": (5, {"v": "c5"})}
+    assert live(merged) == {"a": (3, {"v": "a3"}), "c": (5, {"v": "c5"})}
+    with pytest.raises(ValueError, match="needs 2 replies"):
+        merge_replicas([master], at_least=2)

@@ -1,0 +1,55 @@
+"""The deployment as an operator sees it: ``qosmq phoenix status`` lists every role's
+process and what it serves; a role killed by SIGKILL makes it fail, naming the role."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+from middleware.localcluster.manager import pid_alive
+from middleware.routing.ids import RoleId
+from tests.integration.phoenix_support import cli, eventually, running
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+
+
+@dataclass
+class Run:
+    name: str
+    pids: dict[str, int]  # phoenix.json: role key -> PID
+    report: str  # status with every role running
+    failed: subprocess.CalledProcessError  # status with C's match master killed
+
+
+@pytest.fixture(scope="module")
+def run(brokers, module_settings, module_name, tmp_path_factory) -> Run:
+    settings, name = module_settings, module_name
+    directory = tmp_path_factory.mktemp("deployment")
+    with running(directory, name, settings, ",".join(brokers.urls), {c: {} for c in "ABC"}) as d:
+        report = cli(d, "status")
+        pids = json.loads(d.state_file.read_text())
+        killed = d.kill(RoleId.match("C", 0))
+        eventually(lambda: not pid_alive(killed), "the killed role gone", 10)
+        with pytest.raises(subprocess.CalledProcessError) as failed:
+            cli(d, "status")
+    return Run(name, pids, report, failed.value)
+
+
+def test_status_lists_each_role_serving_the_role_it_started_as(run: Run) -> None:
+    for key, pid in run.pids.items():
+        line = rf"^{re.escape(key)} +{pid} +running +{re.escape(key)} +\d+ "
+        assert re.search(line, run.report, re.M), run.report
+
+
+def test_status_names_each_roles_inbox(run: Run) -> None:
+    assert f"{run.name}.C.match.0\n" in run.report, run.report
+
+
+def test_status_fails_naming_a_killed_role(run: Run) -> None:
+    assert run.failed.returncode == 1
+    assert "1 role(s) down: C/matcher-0" in run.failed.stderr
+    assert re.search(r"^C/matcher-0 +\d+ +down ", run.failed.stdout, re.M), run.failed.stdout

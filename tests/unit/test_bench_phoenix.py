@@ -1,0 +1,57 @@
+"""The Phoenix bench's summaries and its deployment's cleanup."""
+
+from __future__ import annotations
+
+
+def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
+    from middleware.bench.phoenix_timeliness import summarize
+
+    def row(mechanism: str, rate: float, mean: float, p99: float | None) -> dict[str, object]:
+        return {
+            "subscriptions": 1000,
+            "mechanism": mechanism,
+            "rate": rate,
+            "mean_ms": mean,
+            "p50_ms": mean,
+            "p99_ms": p99,
+            "urgent_mean_ms": None,
+            "bulk_mean_ms": mean,
+        }
+
+    rows = [row("none", 100, 10.0, 30.0), row("none", 100, 20.0, 50.0)]
+    rows += [row("none", 100, 60.0, None), row("inner", 100, 5.0, 9.0)]
+    rows[0]["cpu"] = {"machine": 50.0, "router": 20.0}
+    rows[1]["cpu"] = {"machine": 70.0, "router": None}
+    summary = {(r["mechanism"], r["rate"]): r for r in summarize(rows)}
+    none = summary[("none", 100)]
+    assert none["repeats"] == 3
+    assert none["mean_ms"] == 30.0 and none["mean_ms_range"] == [10.0, 60.0]
+    assert none["p99_ms"] == 40.0 and none["p99_ms_range"] == [30.0, 50.0]  # None skipped
+    assert none["urgent_mean_ms"] is None and "urgent_mean_ms_range" not in none
+    assert summary[("inner", 100)]["mean_ms_range"] == [5.0, 5.0]
+    assert none["cpu"] == {"machine": 60.0, "router": 20.0}  # rows without a reading skipped
+    assert summary[("inner", 100)]["cpu"] == {}
+
+
+def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """The queues a deployment deletes are exactly its roles' inboxes and control queues;
+    a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
+    from middleware.bench.phoenix_timeliness import Deployment
+    from middleware.routing.ids import role_queues
+
+    deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])
+    names = role_queues(deployment.topology)
+    assert len(names) == len(set(names)) == 3 * 6 * 2  # 6 roles: inbox + control each
+    assert "px.A.router.control" in names and "px.C.match.0.slave.1" in names
+
+    async def unreachable() -> int:
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(deployment, "up", lambda: None)
+    monkeypatch.setattr(deployment, "down", lambda: None)
+    monkeypatch.setattr(deployment, "delete_queues", unreachable)
+    with deployment.running():
+        pass
+    assert "queues of px not deleted: connection refused" in capsys.readouterr().err

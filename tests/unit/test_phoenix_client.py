@@ -1,0 +1,23 @@
+"""``client``: what a Phoenix client refuses before any I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_a_phoenix_client_refuses_a_connection_to_another_clusters_rabbitmq() -> None:
+    from middleware.errors import ConfigurationError
+    from middleware.routing.client import PhoenixClient
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient
+
+    topology = PhoenixTopology.model_validate(
+        {"clusters": [{"id": "A"}, {"id": "B", "vhost": "/b"}]}
+    )
+    client = AsyncClient(settings=Settings.load())  # never connected: refused before any I/O
+    PhoenixClient(client, topology=topology, cluster="A")
+    with pytest.raises(ConfigurationError, match=r"cluster 'B' is on .* vhost '/b'"):
+        PhoenixClient(client, topology=topology, cluster="B")
+    with pytest.raises(ConfigurationError, match="not in the topology"):
+        PhoenixClient(client, topology=topology, cluster="Z")
