@@ -31,6 +31,7 @@ from middleware.localcluster.manager import _amqp_handshake
 from middleware.runtime import EventLoopName, loop_factory
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, SyncClient
+from middleware.transport.management import management_get
 
 TEST_BASE_PORT = int(os.environ.get("QOSMQ_TEST_BASE_PORT", "5790"))
 
@@ -116,7 +117,7 @@ def module_settings(brokers: Brokers) -> Settings:
 @pytest.fixture(scope="module")
 def module_name() -> str:
     """``name`` for a module's shared fixtures."""
-    return f"t-{uuid.uuid4().hex[:10]}"
+    return _new_name()
 
 
 def broker_settings(brokers: Brokers) -> Settings:
@@ -141,7 +142,40 @@ def local_cluster(brokers: Brokers) -> Iterator[LocalCluster]:
 @pytest.fixture
 def name() -> str:
     """A unique name for this test's queues and exchanges."""
-    return f"t-{uuid.uuid4().hex[:10]}"
+    return _new_name()
+
+
+_NAMES: list[str] = []  # every name handed out this session
+
+
+def _new_name() -> str:
+    _NAMES.append(f"t-{uuid.uuid4().hex[:10]}")
+    return _NAMES[-1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leftover_queues(brokers: Brokers) -> Iterator[None]:
+    """On brokers the tests did not start (``QOSMQ_AMQP_URLS``), delete at the end the
+    queues named after this session's test names: thousands of idle queues left behind
+    by earlier runs slow the brokers (and every benchmark run on them).  Needs the
+    management API to list them; without it they stay."""
+    yield
+    if brokers.cluster is not None or not _NAMES:
+        return
+    settings = broker_settings(brokers)
+    try:
+        queues = management_get(settings, "/api/queues?columns=name,vhost", timeout=30)
+    except (OSError, ValueError):
+        return
+    names = tuple(_NAMES)
+    leftover = [
+        q["name"] for q in queues if q["vhost"] == settings.vhost and q["name"].startswith(names)
+    ]
+    if not leftover:
+        return
+    with contextlib.suppress(Exception), SyncClient(settings=settings) as client:
+        for queue in leftover:
+            client.delete_queue(queue)
 
 
 # ------------------------------------------------------------- both faces
