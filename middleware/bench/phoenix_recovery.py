@@ -235,9 +235,11 @@ def _one_kill(
     new_slot = serving[target][0]
     since = json.loads(phoenix.status_file(new_slot).read_text())["since"]
     master = not target.is_slave
-    detection = _log_lines_after(
-        phoenix, killed_at, f"no beat from {target}" if master else f"{target} silent for"
+    # a master's death: its lease came back (beats.py), or its beats stopped
+    needles = (
+        [f"lease of {target} ", f"no beat from {target} "] if master else [f"{target} silent for"]
     )
+    detection = sorted(line for n in needles for line in _log_lines_after(phoenix, killed_at, n))
     got = stream.got
     arrivals: dict[int, float] = {}
     for n, t in got:
@@ -320,7 +322,8 @@ def run_recovery(
         def explained(at: float, line: str) -> bool:
             """Within 5 s after a kill of the master the line names."""
             return any(
-                f"no beat from {r['target']} " in line and 0 <= at - r["killed_at"] <= 5.0
+                (f"no beat from {r['target']} " in line or f"lease of {r['target']} " in line)
+                and 0 <= at - r["killed_at"] <= 5.0
                 for r in master_kills
             )
 

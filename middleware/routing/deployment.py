@@ -281,7 +281,13 @@ class PhoenixDeployment:
         if self.serves(slave) == slave.master:
             return slave.master
         master = runtime.run(
-            take_over(self.settings, self.topology, slave, timeout_s=timeout_s),
+            take_over(
+                self.settings,
+                self.topology,
+                slave,
+                timeout_s=timeout_s,
+                served=lambda: self.serves(slave) == slave.master,
+            ),
             event_loop=self.settings.event_loop,
         )
         return RoleId.from_owner(master)

@@ -209,6 +209,7 @@ class Beat(_Message):
     by: int = Field(0, le=0)
     reply_to: str | None = None  # a master's process queue
     version: int | None = Field(None, ge=0)  # a slave's newest replica entry
+    lease: str | None = None  # the sender's lease queue (routing/beats.py)
 
 
 class Vote(_Message):

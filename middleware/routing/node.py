@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,9 +165,16 @@ async def _relay(stop: asyncio.Event, role_stop: asyncio.Event) -> None:
 
 
 async def take_over(
-    settings: Settings, topology: PhoenixTopology, slave: RoleId, *, timeout_s: float = 30.0
+    settings: Settings,
+    topology: PhoenixTopology,
+    slave: RoleId,
+    *,
+    timeout_s: float = 30.0,
+    served: Callable[[], bool] | None = None,
 ) -> str:
     """Tell ``slave`` to serve its master's role; return once it does (the master's id).
+    ``served``: says whether it serves it already (its slaves' election may win while
+    the message waits in a control queue the switching process no longer reads).
 
     Raises :class:`MiddlewareError` when ``slave`` is no slave of the topology, or when
     it did not answer in ``timeout_s`` (it may not be running)."""
@@ -198,7 +206,11 @@ async def take_over(
                 raise MiddlewareError(f"{slave} has no control queue: is it running?") from None
             try:
                 async with asyncio.timeout(timeout_s):
-                    return await answered
+                    while served is None or not served():
+                        done, _ = await asyncio.wait([answered], timeout=0.1)
+                        if done:
+                            return answered.result()
+                    return slave.master.owner
             except TimeoutError:
                 raise MiddlewareError(
                     f"{slave} did not take over {slave.master} in {timeout_s:.0f} s"

@@ -93,6 +93,10 @@ class PhoenixTopology(BaseModel):
     #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over
     heartbeat_interval_s: float = Field(0.1, gt=0, le=60)
     heartbeat_misses: int = Field(5, ge=1, le=100)
+    #: each role process holds a lease on its beat connection (routing/beats.py): when the
+    #: process dies its watchers (a master's slaves) hear it at once from the broker,
+    #: instead of after ``heartbeat_misses`` silent intervals; off: the beats alone
+    leases: bool = True
     #: a master that hears nothing from one of its slaves for this long (never less than
     #: the detection timeout) asks its provisioner for a replacement, again after
     #: ``replace_retry_s`` if none came

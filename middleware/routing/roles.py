@@ -61,7 +61,7 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
-from .beats import Beater
+from .beats import LEASE_TOKEN, Beater, is_lease
 from .detours import LINK_ERRORS, Detours
 from .ids import RoleId, RoleKind
 from .matching import FilterError
@@ -385,12 +385,18 @@ class _Role:
                     await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
                 await self.replace_silent(time.monotonic())
 
-        await self.beating([self.control_of(r) for r in slaves], encode(beat), replacing())
+        await self.beating([self.control_of(r) for r in slaves], lambda: beat, replacing())
 
     async def beating(
-        self, queues: list[str], body: bytes | Callable[[], bytes], meanwhile: Awaitable[None]
+        self, queues: list[str], beat: Callable[[], Beat], meanwhile: Awaitable[None]
     ) -> None:
-        """Beat ``body`` to ``queues`` from a thread of its own while ``meanwhile`` runs."""
+        """Beat to ``queues`` from a thread of its own while ``meanwhile`` runs (``beat``
+        is read at each beat); the thread's connection holds this process's lease, which
+        every beat names (beats.py)."""
+
+        def body() -> bytes:
+            return encode(beat().model_copy(update={"lease": beater.lease}))
+
         beater = self.beater = Beater(
             cluster_settings(self.settings, self.topology, self.cluster)[1],
             queues,
@@ -399,6 +405,7 @@ class _Role:
             ttl_ms=self._signal_ttl_ms(),
             priority=MAX_PRIORITY,
             name=str(self.id),
+            lease=f"{self.connections.process_queue}.lease" if self.topology.leases else None,
         ).start()
         try:
             await meanwhile
@@ -1036,21 +1043,73 @@ class _ReplicaHolder(_Role):
 
     held_version = 0  # the newest replica entry it stored
 
-    def _beat(self) -> bytes:
+    def _beat(self) -> Beat:
         """What this slave's beats to its master say (read by the beat thread each time)."""
         reign = self.trust.reign
-        return encode(
-            Beat(
-                broker=self.id.owner,
-                epoch=reign.epoch,
-                by=reign.by,
-                version=self.held_version,
-                reply_to=self.connections.process_queue,  # who it is: no reply is sent
-            )
+        return Beat(
+            broker=self.id.owner,
+            epoch=reign.epoch,
+            by=reign.by,
+            version=self.held_version,
+            reply_to=self.connections.process_queue,  # who it is: no reply is sent
         )
 
+    master_lease: str | None = None  # the lease its master's beats name (beats.py)
+    lost_lease: str | None = None  # the one whose token came back: its holder is gone
+    _lease_tag: str | None = None  # this slave's consumer of master_lease
+    _unwatching: asyncio.Future[None] | None = None
+
     async def recovery(self, stop: asyncio.Event) -> None:
-        await self.beating([self.master_control], self._beat, self._watch_master(stop))
+        try:
+            await self.beating([self.master_control], self._beat, self._watch_master(stop))
+        finally:
+            await self._unwatch_lease()
+
+    async def _watch_lease(self, lease: str) -> None:
+        """Consume the master's lease queue (and no longer the one before): its token
+        arrives here the moment the master's connection closes."""
+        if lease in (self.master_lease, self.lost_lease):
+            return
+        if not is_lease(lease, self.topology.prefix):
+            raise DeadLetter(f"beat names {lease!r}, not a lease queue of {self.topology.prefix}")
+        await self._unwatch_lease()
+        self.master_lease = lease
+
+        async def on_token(delivery: Delivery) -> None:
+            if delivery.body != LEASE_TOKEN:
+                raise DeadLetter(f"not a lease token in {lease!r}")
+            await self._lease_returned(lease)
+
+        client = await self.client_for(self.cluster)
+        try:
+            self._lease_tag = await client.consume(lease, on_token, prefetch=1)
+        except MiddlewareError as exc:  # gone already: the beats alone tell
+            log.info("%s: lease %s of %s not watched: %s", self.id, lease, self.id.master, exc)
+
+    async def _unwatch_lease(self) -> None:
+        tag, self._lease_tag = self._lease_tag, None
+        if tag is not None:
+            client = await self.client_for(self.cluster)
+            with contextlib.suppress(MiddlewareError):
+                await client.cancel(tag)
+
+    async def _lease_returned(self, lease: str) -> None:
+        """The master's connection closed: it is gone (a frozen master keeps it)."""
+        if lease != self.master_lease or self.detector is None or self.bully is None:
+            return  # an older lease of a master that reconnected since
+        master, now = self.id.master, time.monotonic()
+        self.lost_lease = lease
+        self.detector.lost(master)
+        # not from inside this consumer's own handler: cancel waits for handlers to end
+        self._unwatching = asyncio.ensure_future(self._unwatch_lease())
+        if self.bully.state is not BullyState.IDLE:
+            return
+        silent = self.detector.silent_for(master, now) or 0.0
+        log.warning("%s: lease of %s returned (its connection closed): electing", self.id, master)
+        self.count("master_lease_returned")
+        self.failed_at = now - silent
+        RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(silent)
+        await self._enact(self.bully.master_suspected(now))
 
     async def _watch_master(self, stop: asyncio.Event) -> None:
         topology, master = self.topology, self.id.master
@@ -1143,10 +1202,14 @@ class _ReplicaHolder(_Role):
                 )
                 await self.tell(message.reply_to, fence)
             return
+        if message.lease is not None and message.lease == self.lost_lease:
+            return  # sent before its connection closed: no sign of life
         now = time.monotonic()
         self.detector.watch([self.id.master], now)
         self.detector.heard(self.id.master, now)
         self.bully.master_heard()
+        if message.lease is not None:
+            await self._watch_lease(message.lease)
 
     async def _on_vote(self, message: Vote) -> None:
         if self.detector is None or self.bully is None:

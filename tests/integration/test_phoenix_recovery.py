@@ -172,3 +172,39 @@ def test_the_recovery_benchmark_kills_each_kind_and_counts_what_it_saw(
         assert 0 < row["detection_s"] < row["recovery_s"]
     assert "paper / recovery_p50" in result.stdout
     assert not any(pid_alive(int(p)) for p in re.findall(r"pid (\d+)", result.stdout))
+
+
+def test_a_killed_master_is_known_by_its_lease_before_any_beat_is_missed(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    """Beats that would take 5 s to tell (50 misses of 0.1 s): the SIGKILLed match
+    master's connection closes, the broker hands its lease token to a slave, and the
+    slaves elect at once; the winner serves long before the beats could have said it,
+    and every event published through the kill arrives."""
+    event_type, topology, deployment = _deployment(
+        settings,
+        brokers,
+        tmp_path,
+        name,
+        {"A": {}, "B": {"match_slaves": 2}},
+        {"heartbeat_misses": 50},
+    )
+    queue, master = f"{name}.sub", RoleId.match("B", 0)
+    successor = master.slaves(topology.cluster("B"))[0]
+    pids = deployment.up()
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+        got, published, killed_at = asyncio.run(
+            _stream(settings, topology, event_type, queue, lambda: deployment.kill(master))
+        )
+        assert sorted(set(got)) == list(range(published))
+        assert deployment.serves(successor) == master and not pid_alive(pids[master])
+        since = json.loads(deployment.status_file(successor).read_text())["since"]
+        assert since - killed_at < 50 * 0.1  # before the beats' timeout
+        logs = "".join(
+            deployment.log_file(s).read_text() for s in master.slaves(topology.cluster("B"))
+        )
+        assert f"lease of {master} returned" in logs
+        assert "no beat from" not in logs
+    finally:
+        deployment.down()

@@ -38,11 +38,14 @@ EVENTS = 200
 
 def _slow_detection(topology_file: Path) -> None:
     """The operator's take-over, not the slaves' election (which would win first: see
-    test_phoenix_recovery.py): detection after 60 s of silence."""
+    test_phoenix_recovery.py): detection after 60 s of silence, and no leases (which
+    would tell the slaves of the SIGKILL at once)."""
     text = topology_file.read_text()
     topology_file.write_text(
         text.replace(
-            "[[cluster]]", "heartbeat_misses = 100\nheartbeat_interval_s = 0.6\n[[cluster]]", 1
+            "[[cluster]]",
+            "heartbeat_misses = 100\nheartbeat_interval_s = 0.6\nleases = false\n[[cluster]]",
+            1,
         )
     )
 

@@ -45,3 +45,17 @@ def test_a_master_just_elected_gets_one_more_timeout_for_its_first_beat() -> Non
     assert d.suspects(0.99) == set() and d.suspects(1.01) == {MASTER}
     d.grace(RoleId.router("B"), until=5.0)  # not watched: nothing
     assert d.alive(1.01) == set()
+
+
+def test_a_peer_whose_lease_came_back_is_suspected_at_once_until_heard() -> None:
+    d: FailureDetector[RoleId] = FailureDetector(0.1, 5)
+    d.watch([MASTER], now=10.0)
+    d.lost(MASTER)
+    assert d.suspects(10.01) == {MASTER} and d.alive(10.01) == set()
+    d.heard(MASTER, 10.02)  # a new incarnation beats
+    assert d.suspects(10.03) == set()
+    d.lost(RoleId.router("B"))  # not watched: ignored
+    assert d.suspects(10.03) == set()
+    d.lost(MASTER)
+    d.grace(MASTER, until=11.0)  # a master just elected
+    assert d.suspects(10.5) == set()
