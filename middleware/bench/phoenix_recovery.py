@@ -236,9 +236,10 @@ def _one_kill(
     since = json.loads(phoenix.status_file(new_slot).read_text())["since"]
     master = not target.is_slave
     # a master's death: its lease came back (beats.py), or its beats stopped
-    needles = (
-        [f"lease of {target} ", f"no beat from {target} "] if master else [f"{target} silent for"]
-    )
+    needles = [
+        f"lease of {target} ",
+        f"no beat from {target} " if master else f"{target} silent for",
+    ]
     detection = sorted(line for n in needles for line in _log_lines_after(phoenix, killed_at, n))
     got = stream.got
     arrivals: dict[int, float] = {}

@@ -265,6 +265,10 @@ class _Role:
         # liveness rule for dispatch (match masters) and for replacements
         self.live = FailureDetector[int](topology.heartbeat_interval_s, topology.heartbeat_misses)
         self.replacing: dict[int, float] = {}  # slave -> when a replacement was asked for
+        #: the lease each slave's beats name, and this master's consumer of it (beats.py)
+        self.slave_leases: dict[int, tuple[str, str | None]] = {}
+        self.lost_leases: set[str] = set()  # leases whose token came back
+        self.side_tasks: set[asyncio.Future[None]] = set()  # not awaited by anyone
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
         self.takeover_reply: Takeover | None = None  # answered once serving
@@ -385,7 +389,11 @@ class _Role:
                     await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
                 await self.replace_silent(time.monotonic())
 
-        await self.beating([self.control_of(r) for r in slaves], lambda: beat, replacing())
+        try:
+            await self.beating([self.control_of(r) for r in slaves], lambda: beat, replacing())
+        finally:
+            for number in list(self.slave_leases):
+                await self._unwatch_slave_lease(number)
 
     async def beating(
         self, queues: list[str], beat: Callable[[], Beat], meanwhile: Awaitable[None]
@@ -688,6 +696,8 @@ class _Role:
             or slave not in self.id.slaves(self.topology.cluster(self.cluster))
         ):
             raise DeadLetter(f"beat from {message.broker!r}, not a slave of {self.id}")
+        if message.lease is not None and message.lease in self.lost_leases:
+            return  # sent before its connection closed: no sign of life
         if slave not in replicas.replicas:
             await replicas.admit(slave, message.version)
             if self.beater is not None:
@@ -699,6 +709,56 @@ class _Role:
                     await client.cancel(self._former_control)
                 self._former_control = None
         self.slave_heard(slave.slave)
+        if message.lease is not None:
+            await self._watch_slave_lease(slave, message.lease)
+
+    async def _watch_slave_lease(self, slave: RoleId, lease: str) -> None:
+        """Consume the lease queue a slave's beats name: its token arrives here the
+        moment the slave's process dies (no more dispatch to it; a replacement at once)."""
+        held = self.slave_leases.get(slave.slave)
+        if (held is not None and held[0] == lease) or lease in self.lost_leases:
+            return
+        if not is_lease(lease, self.topology.prefix):
+            raise DeadLetter(f"beat names {lease!r}, not a lease queue of {self.topology.prefix}")
+        await self._unwatch_slave_lease(slave.slave)
+        self.slave_leases[slave.slave] = (lease, None)
+
+        async def on_token(delivery: Delivery) -> None:
+            if delivery.body != LEASE_TOKEN:
+                raise DeadLetter(f"not a lease token in {lease!r}")
+            await self._slave_lease_returned(slave, lease)
+
+        client = await self.client_for(self.cluster)
+        try:
+            tag = await client.consume(lease, on_token, prefetch=1)
+        except MiddlewareError as exc:  # gone already: silence alone tells
+            log.info("%s: lease %s of %s not watched: %s", self.id, lease, slave, exc)
+            return
+        if self.slave_leases.get(slave.slave) == (lease, None):
+            self.slave_leases[slave.slave] = (lease, tag)
+        else:  # returned or replaced meanwhile
+            with contextlib.suppress(MiddlewareError):
+                await client.cancel(tag)
+
+    async def _unwatch_slave_lease(self, number: int) -> None:
+        _, tag = self.slave_leases.pop(number, ("", None))
+        if tag is not None:
+            client = await self.client_for(self.cluster)
+            with contextlib.suppress(MiddlewareError):
+                await client.cancel(tag)
+
+    async def _slave_lease_returned(self, slave: RoleId, lease: str) -> None:
+        if self.slave_leases.get(slave.slave, ("",))[0] != lease:
+            return  # an older lease of a slave that reconnected since
+        self.lost_leases.add(lease)
+        self.live.lost(slave.slave)
+        # not from inside this consumer's own handler: cancel waits for handlers to end
+        task = asyncio.ensure_future(self._unwatch_slave_lease(slave.slave))
+        self.side_tasks.add(task)
+        task.add_done_callback(self.side_tasks.discard)
+        self.count("slave_lease_returned")
+        log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
+        await self.replace(slave, time.monotonic(), why="whose lease came back")
 
     @property
     def replica_set(self) -> _ReplicaSet | None:
@@ -722,28 +782,28 @@ class _Role:
         after = max(topology.replace_after_s, self.live.timeout_s)
         for slave in self.id.slaves(topology.cluster(self.cluster)):
             silent = self.live.silent_for(slave.slave, now)
-            asked = self.replacing.get(slave.slave)
-            if silent is None or silent <= after:
-                continue
-            if asked is not None and now - asked < topology.replace_retry_s:
-                continue
-            self.replacing[slave.slave] = now
-            try:
-                started = await asyncio.to_thread(self.provisioner.start, slave)
-            except Exception as exc:  # a provisioner's failure is not the master's
-                log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
-                continue
-            if started is None:
-                log.info("%s: %s silent for %.1f s; nothing to start", self.id, slave, silent)
-                continue
-            self.count("replacements")
-            log.warning(
-                "%s: %s silent for %.1f s: replacement started (%s)",
-                self.id,
-                slave,
-                silent,
-                started,
-            )
+            if silent is not None and silent > after:
+                await self.replace(slave, now, why=f"silent for {silent:.1f} s")
+
+    async def replace(self, slave: RoleId, now: float, *, why: str) -> None:
+        """Ask the provisioner for a process serving ``slave``, once per
+        ``replace_retry_s``."""
+        asked = self.replacing.get(slave.slave)
+        if self.provisioner is None or (
+            asked is not None and now - asked < self.topology.replace_retry_s
+        ):
+            return
+        self.replacing[slave.slave] = now
+        try:
+            started = await asyncio.to_thread(self.provisioner.start, slave)
+        except Exception as exc:  # a provisioner's failure is not the master's
+            log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
+            return
+        if started is None:
+            log.info("%s: %s %s; nothing to start", self.id, slave, why)
+            return
+        self.count("replacements")
+        log.warning("%s: %s %s: replacement started (%s)", self.id, slave, why, started)
 
     async def _on_late_vote(self, message: Vote) -> None:
         """A slave still electing after this master took over: tell it who won."""
@@ -1057,7 +1117,6 @@ class _ReplicaHolder(_Role):
     master_lease: str | None = None  # the lease its master's beats name (beats.py)
     lost_lease: str | None = None  # the one whose token came back: its holder is gone
     _lease_tag: str | None = None  # this slave's consumer of master_lease
-    _unwatching: asyncio.Future[None] | None = None
 
     async def recovery(self, stop: asyncio.Event) -> None:
         try:
@@ -1101,7 +1160,9 @@ class _ReplicaHolder(_Role):
         self.lost_lease = lease
         self.detector.lost(master)
         # not from inside this consumer's own handler: cancel waits for handlers to end
-        self._unwatching = asyncio.ensure_future(self._unwatch_lease())
+        task = asyncio.ensure_future(self._unwatch_lease())
+        self.side_tasks.add(task)
+        task.add_done_callback(self.side_tasks.discard)
         if self.bully.state is not BullyState.IDLE:
             return
         silent = self.detector.silent_for(master, now) or 0.0
