@@ -758,7 +758,23 @@ class _Role:
         task.add_done_callback(self.side_tasks.discard)
         self.count("slave_lease_returned")
         log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
-        await self.replace(slave, time.monotonic(), why="whose lease came back")
+        task = asyncio.ensure_future(self._replace_dead(slave))
+        self.side_tasks.add(task)
+        task.add_done_callback(self.side_tasks.discard)
+
+    async def _replace_dead(self, slave: RoleId) -> None:
+        """Replace a slave whose lease came back.  The broker sees its connection close
+        while the process is still exiting, so a provisioner that checks the process
+        may find it alive for a few milliseconds more: asked again briefly, then left to
+        the silence rule."""
+        for pause in (0.0, 0.05, 0.1, 0.2, 0.4):
+            await asyncio.sleep(pause)
+            if slave.slave in self.live.alive(time.monotonic()):
+                return  # served again (a fenced master stepped down into it)
+            self.replacing.pop(slave.slave, None)
+            if await self.replace(slave, time.monotonic(), why="whose lease came back"):
+                return
+        self.replacing.pop(slave.slave, None)  # the silence rule asks again
 
     @property
     def replica_set(self) -> _ReplicaSet | None:
@@ -785,25 +801,26 @@ class _Role:
             if silent is not None and silent > after:
                 await self.replace(slave, now, why=f"silent for {silent:.1f} s")
 
-    async def replace(self, slave: RoleId, now: float, *, why: str) -> None:
+    async def replace(self, slave: RoleId, now: float, *, why: str) -> bool:
         """Ask the provisioner for a process serving ``slave``, once per
-        ``replace_retry_s``."""
+        ``replace_retry_s``; whether one was started."""
         asked = self.replacing.get(slave.slave)
         if self.provisioner is None or (
             asked is not None and now - asked < self.topology.replace_retry_s
         ):
-            return
+            return False
         self.replacing[slave.slave] = now
         try:
             started = await asyncio.to_thread(self.provisioner.start, slave)
         except Exception as exc:  # a provisioner's failure is not the master's
             log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
-            return
+            return False
         if started is None:
             log.info("%s: %s %s; nothing to start", self.id, slave, why)
-            return
+            return False
         self.count("replacements")
         log.warning("%s: %s %s: replacement started (%s)", self.id, slave, why, started)
+        return True
 
     async def _on_late_vote(self, message: Vote) -> None:
         """A slave still electing after this master took over: tell it who won."""
