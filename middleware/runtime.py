@@ -4,7 +4,7 @@
 macOS) and asyncio's own loop elsewhere; ``uvloop`` insists on it (a configuration
 error at start-up when it is missing); ``asyncio`` keeps the standard loop.  uvloop
 runs the loop, its callbacks and the socket transports in C (libuv); a hop's CPU is
-mostly aiormq's framing and pydantic, so the gain is a few per cent (the README's
+mostly aiormq's framing and pydantic, so the gain is a few per cent (docs/transport.md,
 "Event loop" figures).
 """
 
