@@ -21,17 +21,27 @@ one lost) takes a new lease under a new name.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
-from ..errors import MiddlewareError
+from ..errors import DeadLetter, MiddlewareError
 from ..settings import Settings
-from ..transport import Action, OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from ..transport import (
+    Action,
+    AsyncClient,
+    Delivery,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
 
-__all__ = ["LEASE_TOKEN", "Beater", "is_lease"]
+__all__ = ["LEASE_TOKEN", "Beater", "LeaseWatch", "is_lease"]
 
 LEASE_TOKEN = b"qosmq-lease"
 #: an unconsumed lease queue (its holder gone, no watcher) goes after this long; the
@@ -165,3 +175,74 @@ class Beater:
                 client.close()
             except Exception as exc:
                 log.info("beat connection not closed cleanly: %s", exc)
+
+
+class LeaseWatch:
+    """A watcher's side of one peer's lease: consume the lease queue its beats name
+    (:meth:`named`) and call ``on_lost()`` once when that lease's token comes back.
+
+    ``client_for()`` gives the asyncio client of the peer's cluster.  A beat that names
+    a lease already returned was sent before the death (:meth:`stale`); a lease named
+    anew replaces the watched one; a queue that is gone is left to the beats."""
+
+    def __init__(
+        self,
+        prefix: str,
+        client_for: Callable[[], Awaitable[AsyncClient]],
+        on_lost: Callable[[], Awaitable[None]],
+        *,
+        name: str,
+    ) -> None:
+        self.prefix, self.client_for, self.on_lost, self.name = prefix, client_for, on_lost, name
+        self.lease: str | None = None  # the lease watched now
+        self.lost: set[str] = set()  # leases whose token came back
+        self._tag: str | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def stale(self, lease: str | None) -> bool:
+        return lease is not None and lease in self.lost
+
+    async def named(self, lease: str) -> None:
+        """A beat named ``lease``: watch it (and no longer the one before)."""
+        if lease == self.lease or lease in self.lost:
+            return
+        if not is_lease(lease, self.prefix):
+            raise DeadLetter(f"beat names {lease!r}, not a lease queue of {self.prefix}")
+        await self.stop()
+        self.lease = lease
+
+        async def on_token(delivery: Delivery) -> None:
+            if delivery.body != LEASE_TOKEN:
+                raise DeadLetter(f"not a lease token in {lease!r}")
+            await self._returned(lease)
+
+        client = await self.client_for()
+        try:
+            tag = await client.consume(lease, on_token, prefetch=1)
+        except MiddlewareError as exc:  # gone already: the beats alone tell
+            log.info("lease %s of %s not watched: %s", lease, self.name, exc)
+            return
+        if self.lease == lease and self._tag is None:
+            self._tag = tag
+        else:  # returned or named anew meanwhile
+            with contextlib.suppress(MiddlewareError):
+                await client.cancel(tag)
+
+    async def stop(self) -> None:
+        """Stop consuming the watched lease queue."""
+        tag, self._tag = self._tag, None
+        if tag is not None:
+            client = await self.client_for()
+            with contextlib.suppress(MiddlewareError):
+                await client.cancel(tag)
+
+    async def _returned(self, lease: str) -> None:
+        if lease != self.lease:
+            return  # an older lease of a peer that reconnected since
+        self.lost.add(lease)
+        self.lease = None
+        # not from inside this consumer's own handler: cancel waits for handlers to end
+        task = asyncio.ensure_future(self.stop())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await self.on_lost()

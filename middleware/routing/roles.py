@@ -61,7 +61,7 @@ from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
-from .beats import LEASE_TOKEN, Beater, is_lease
+from .beats import Beater, LeaseWatch
 from .detours import LINK_ERRORS, Detours
 from .ids import RoleId, RoleKind
 from .matching import FilterError
@@ -265,9 +265,8 @@ class _Role:
         # liveness rule for dispatch (match masters) and for replacements
         self.live = FailureDetector[int](topology.heartbeat_interval_s, topology.heartbeat_misses)
         self.replacing: dict[int, float] = {}  # slave -> when a replacement was asked for
-        #: the lease each slave's beats name, and this master's consumer of it (beats.py)
-        self.slave_leases: dict[int, tuple[str, str | None]] = {}
-        self.lost_leases: set[str] = set()  # leases whose token came back
+        #: each slave's lease as this master watches it (beats.py)
+        self.slave_watches: dict[int, LeaseWatch] = {}
         self.side_tasks: set[asyncio.Future[None]] = set()  # not awaited by anyone
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
@@ -392,8 +391,8 @@ class _Role:
         try:
             await self.beating([self.control_of(r) for r in slaves], lambda: beat, replacing())
         finally:
-            for number in list(self.slave_leases):
-                await self._unwatch_slave_lease(number)
+            for watch in self.slave_watches.values():
+                await watch.stop()
 
     async def beating(
         self, queues: list[str], beat: Callable[[], Beat], meanwhile: Awaitable[None]
@@ -696,7 +695,8 @@ class _Role:
             or slave not in self.id.slaves(self.topology.cluster(self.cluster))
         ):
             raise DeadLetter(f"beat from {message.broker!r}, not a slave of {self.id}")
-        if message.lease is not None and message.lease in self.lost_leases:
+        watch = self._slave_watch(slave)
+        if watch.stale(message.lease):
             return  # sent before its connection closed: no sign of life
         if slave not in replicas.replicas:
             await replicas.admit(slave, message.version)
@@ -710,52 +710,26 @@ class _Role:
                 self._former_control = None
         self.slave_heard(slave.slave)
         if message.lease is not None:
-            await self._watch_slave_lease(slave, message.lease)
+            await watch.named(message.lease)
 
-    async def _watch_slave_lease(self, slave: RoleId, lease: str) -> None:
-        """Consume the lease queue a slave's beats name: its token arrives here the
-        moment the slave's process dies (no more dispatch to it; a replacement at once)."""
-        held = self.slave_leases.get(slave.slave)
-        if (held is not None and held[0] == lease) or lease in self.lost_leases:
-            return
-        if not is_lease(lease, self.topology.prefix):
-            raise DeadLetter(f"beat names {lease!r}, not a lease queue of {self.topology.prefix}")
-        await self._unwatch_slave_lease(slave.slave)
-        self.slave_leases[slave.slave] = (lease, None)
+    def _slave_watch(self, slave: RoleId) -> LeaseWatch:
+        watch = self.slave_watches.get(slave.slave)
+        if watch is None:
 
-        async def on_token(delivery: Delivery) -> None:
-            if delivery.body != LEASE_TOKEN:
-                raise DeadLetter(f"not a lease token in {lease!r}")
-            await self._slave_lease_returned(slave, lease)
+            async def lost() -> None:
+                await self._slave_lease_returned(slave)
 
-        client = await self.client_for(self.cluster)
-        try:
-            tag = await client.consume(lease, on_token, prefetch=1)
-        except MiddlewareError as exc:  # gone already: silence alone tells
-            log.info("%s: lease %s of %s not watched: %s", self.id, lease, slave, exc)
-            return
-        if self.slave_leases.get(slave.slave) == (lease, None):
-            self.slave_leases[slave.slave] = (lease, tag)
-        else:  # returned or replaced meanwhile
-            with contextlib.suppress(MiddlewareError):
-                await client.cancel(tag)
+            watch = self.slave_watches[slave.slave] = LeaseWatch(
+                self.topology.prefix,
+                lambda: self.client_for(self.cluster),
+                lost,
+                name=str(slave),
+            )
+        return watch
 
-    async def _unwatch_slave_lease(self, number: int) -> None:
-        _, tag = self.slave_leases.pop(number, ("", None))
-        if tag is not None:
-            client = await self.client_for(self.cluster)
-            with contextlib.suppress(MiddlewareError):
-                await client.cancel(tag)
-
-    async def _slave_lease_returned(self, slave: RoleId, lease: str) -> None:
-        if self.slave_leases.get(slave.slave, ("",))[0] != lease:
-            return  # an older lease of a slave that reconnected since
-        self.lost_leases.add(lease)
+    async def _slave_lease_returned(self, slave: RoleId) -> None:
+        """A slave's process died: no more dispatch to it, and a replacement now."""
         self.live.lost(slave.slave)
-        # not from inside this consumer's own handler: cancel waits for handlers to end
-        task = asyncio.ensure_future(self._unwatch_slave_lease(slave.slave))
-        self.side_tasks.add(task)
-        task.add_done_callback(self.side_tasks.discard)
         self.count("slave_lease_returned")
         log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
         task = asyncio.ensure_future(self._replace_dead(slave))
@@ -1131,55 +1105,28 @@ class _ReplicaHolder(_Role):
             reply_to=self.connections.process_queue,  # who it is: no reply is sent
         )
 
-    master_lease: str | None = None  # the lease its master's beats name (beats.py)
-    lost_lease: str | None = None  # the one whose token came back: its holder is gone
-    _lease_tag: str | None = None  # this slave's consumer of master_lease
+    @functools.cached_property
+    def master_watch(self) -> LeaseWatch:
+        """The master's lease as this slave watches it (beats.py)."""
+        return LeaseWatch(
+            self.topology.prefix,
+            lambda: self.client_for(self.cluster),
+            self._master_lost,
+            name=str(self.id.master),
+        )
 
     async def recovery(self, stop: asyncio.Event) -> None:
         try:
             await self.beating([self.master_control], self._beat, self._watch_master(stop))
         finally:
-            await self._unwatch_lease()
+            await self.master_watch.stop()
 
-    async def _watch_lease(self, lease: str) -> None:
-        """Consume the master's lease queue (and no longer the one before): its token
-        arrives here the moment the master's connection closes."""
-        if lease in (self.master_lease, self.lost_lease):
-            return
-        if not is_lease(lease, self.topology.prefix):
-            raise DeadLetter(f"beat names {lease!r}, not a lease queue of {self.topology.prefix}")
-        await self._unwatch_lease()
-        self.master_lease = lease
-
-        async def on_token(delivery: Delivery) -> None:
-            if delivery.body != LEASE_TOKEN:
-                raise DeadLetter(f"not a lease token in {lease!r}")
-            await self._lease_returned(lease)
-
-        client = await self.client_for(self.cluster)
-        try:
-            self._lease_tag = await client.consume(lease, on_token, prefetch=1)
-        except MiddlewareError as exc:  # gone already: the beats alone tell
-            log.info("%s: lease %s of %s not watched: %s", self.id, lease, self.id.master, exc)
-
-    async def _unwatch_lease(self) -> None:
-        tag, self._lease_tag = self._lease_tag, None
-        if tag is not None:
-            client = await self.client_for(self.cluster)
-            with contextlib.suppress(MiddlewareError):
-                await client.cancel(tag)
-
-    async def _lease_returned(self, lease: str) -> None:
+    async def _master_lost(self) -> None:
         """The master's connection closed: it is gone (a frozen master keeps it)."""
-        if lease != self.master_lease or self.detector is None or self.bully is None:
-            return  # an older lease of a master that reconnected since
+        if self.detector is None or self.bully is None:
+            return
         master, now = self.id.master, time.monotonic()
-        self.lost_lease = lease
         self.detector.lost(master)
-        # not from inside this consumer's own handler: cancel waits for handlers to end
-        task = asyncio.ensure_future(self._unwatch_lease())
-        self.side_tasks.add(task)
-        task.add_done_callback(self.side_tasks.discard)
         if self.bully.state is not BullyState.IDLE:
             return
         silent = self.detector.silent_for(master, now) or 0.0
@@ -1280,14 +1227,14 @@ class _ReplicaHolder(_Role):
                 )
                 await self.tell(message.reply_to, fence)
             return
-        if message.lease is not None and message.lease == self.lost_lease:
+        if self.master_watch.stale(message.lease):
             return  # sent before its connection closed: no sign of life
         now = time.monotonic()
         self.detector.watch([self.id.master], now)
         self.detector.heard(self.id.master, now)
         self.bully.master_heard()
         if message.lease is not None:
-            await self._watch_lease(message.lease)
+            await self.master_watch.named(message.lease)
 
     async def _on_vote(self, message: Vote) -> None:
         if self.detector is None or self.bully is None:

@@ -16,7 +16,7 @@ from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import ClientCore, PhoenixClient
 from middleware.routing.ids import RoleId
-from middleware.routing.messages import Ack, Heartbeat, Message, Subscribe, encode, parse
+from middleware.routing.messages import Ack, Beat, Heartbeat, Message, Subscribe, encode, parse
 from middleware.transport import (
     AsyncClient,
     BindingSpec,
@@ -133,6 +133,11 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
             forge(control, forged_ack)
             reasons = await _dead(client, dl, control, 4, 15)
             assert len(reasons) == 4 and all(f"not a replica of {master}" in r for r in reasons)
+            # a beat naming the master's inbox as its lease: a slave must not consume it
+            slave_control = RoleId.match_slave("B", 0, 0).control(topology.prefix)
+            forge(slave_control, Beat(broker=master.owner, lease=master_inbox))
+            reasons = await _dead(client, dl, slave_control, 1, 15)
+            assert len(reasons) == 1 and "not a lease queue" in reasons[0], reasons
             second = f"{name}.second"  # subscribed after all that: works as the first
             await at_a.subscribe(event_type, [("price", ">=", 0)], 1, second, wait_s=60)
             for i in range(30):
