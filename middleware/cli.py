@@ -1,4 +1,4 @@
-"""``qosmq``: the command line.  Parses arguments and starts things; no logic of its own."""
+"""``qosmq``: the command line (argument parsing only; each command calls its part)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,21 @@ from .observability import configure_logging
 from .settings import Settings
 
 __all__ = ["main"]
+
+DESCRIPTION = """\
+qosmq: qualities of service on top of RabbitMQ.
+
+  qosmq cluster up|status|down        a local 3-node RabbitMQ cluster on 127.0.0.1
+  qosmq phoenix up|status|down ...    Phoenix routing clusters (--topology phoenix.toml)
+  qosmq sidecar balancer|router|...   one sidecar process (weighted dispatch, a Phoenix role)
+  qosmq bench confirms|phoenix|...    benchmarks against the brokers, ratios to a raw baseline
+  qosmq spark confirms|phoenix|faults the same experiments as PySpark jobs
+  qosmq spool status|drain            the persistent queues' local spool
+  qosmq demo                          cluster up + a short Spark run + its table
+
+Brokers come from QOSMQ_AMQP_URLS (default: the local cluster); every setting is a
+QOSMQ_* variable or a key of the --config file (docs/configuration.md).
+"""
 
 log = logging.getLogger("qosmq")
 DEFAULT_STATE_DIR = Path(os.environ.get("QOSMQ_STATE_DIR", ".qosmq"))
@@ -53,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="qosmq", description=__doc__)
+    parser = Parser(
+        prog="qosmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=path, help="TOML settings file (env QOSMQ_* wins)")
     sub = parser.add_subparsers(title="commands")
     _cluster_commands(sub)
