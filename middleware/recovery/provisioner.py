@@ -24,3 +24,8 @@ class Provisioner(Protocol):
     def start(self, role: RoleId) -> str | None:
         """Start a process serving ``role``; what was started (for the log), or None."""
         ...
+
+    def warm(self) -> None:
+        """Called once a master serves: prepare so that ``start`` is quick (the local
+        one forks from a process with its imports done); may do nothing."""
+        ...

@@ -370,6 +370,11 @@ class _Role:
             # start saw one).  A promoted master beats at once: its slaves watch already.
             await self.serving.wait()
         self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
+        if self.provisioner is not None:
+            try:
+                self.provisioner.warm()
+            except Exception as exc:  # a provisioner's failure is not the master's
+                log.warning("%s: provisioner not warmed: %s", self.id, exc)
         beat = Beat(
             broker=self.id.owner,
             epoch=self.reign.epoch,

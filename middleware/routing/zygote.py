@@ -1,0 +1,154 @@
+"""A warm process that forks role processes: a replacement without an interpreter start.
+
+Starting a role process costs a Python start and its imports (0.6-0.7 s of CPU on this
+project's machine, more under load), which made a slave's replacement take 1.1-1.8 s
+after its death was known.  A master's provisioner therefore keeps one *zygote*: a
+process started in the background once the master serves, which imports what a role
+needs and then waits, single-threaded and without an event loop, for commands on its
+standard input.  Each command (one JSON line: the ``qosmq`` arguments, the environment,
+the log file) is answered with the PID of a forked child, which starts a session of its
+own, points its output at the log file and runs ``qosmq`` there: imports already done.
+
+The zygote ignores SIGCHLD (its children are reaped by the kernel) and exits when its
+standard input closes: when the master's process ends, however it ends.  Its children
+are in sessions of their own and outlive it, tracked by PID like any role process.
+Anything that fails here falls back to a plain process start (``spawn_daemon``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+__all__ = ["Zygote"]
+
+log = logging.getLogger(__name__)
+
+#: what a role process imports, loaded once in the zygote
+PRELOAD = (
+    "middleware.cli",
+    "middleware.sidecar.commands",
+    "middleware.sidecar.phoenix",
+    "middleware.routing.node",
+    "middleware.routing.roles",
+    "middleware.routing.deployment",
+)
+
+
+class Zygote:
+    """The master's side: start the zygote, ask it for processes (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        """Start the zygote (its imports run in it, not here); idempotent."""
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                return
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "middleware.routing.zygote"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+            )
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> int | None:
+        """A process running ``qosmq argv`` (without the program), forked by the zygote;
+        its PID, or None when the zygote is not there or did not answer."""
+        with self._lock:
+            process = self._process
+            if process is None or process.poll() is not None:
+                return None
+            assert process.stdin is not None and process.stdout is not None
+            command = {"argv": argv, "env": env, "log": str(log_path)}
+            try:
+                process.stdin.write(json.dumps(command) + "\n")
+                process.stdin.flush()
+                answer = process.stdout.readline()  # "ready" was read by the first spawn
+                while answer.strip() == "ready":
+                    answer = process.stdout.readline()
+                return int(answer)
+            except (OSError, ValueError) as exc:
+                log.info("zygote did not start a process (%s): a plain start instead", exc)
+                return None
+
+    def stop(self) -> None:
+        with self._lock:
+            process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(Exception):
+                process.kill()
+                process.wait(5)
+
+
+def _serve() -> None:
+    """The zygote: preload, then fork one child per command line until stdin closes."""
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped by the kernel
+    print("ready", flush=True)
+    for line in sys.stdin:
+        try:
+            command = json.loads(line)
+            pid = os.fork()
+        except (ValueError, OSError) as exc:
+            print(f"error {exc}", flush=True)
+            continue
+        if pid == 0:
+            _child(command)  # never returns
+        print(pid, flush=True)
+
+
+def _child(command: dict[str, object]) -> None:
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(str(command["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(devnull)
+        os.close(out)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the zygote's pipe is not ours
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        env = command["env"]
+        assert isinstance(env, dict)
+        os.environ.clear()
+        os.environ.update(env)
+        argv = command["argv"]
+        assert isinstance(argv, list)
+        sys.argv = ["qosmq", *argv]
+        from middleware.cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _serve()
