@@ -90,6 +90,10 @@ class Zygote:
             with contextlib.suppress(Exception):
                 process.kill()
                 process.wait(5)
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(Exception):
+                        pipe.close()
 
 
 def _serve() -> None:

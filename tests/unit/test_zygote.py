@@ -1,0 +1,48 @@
+"""``routing.zygote``: role processes forked from a warm process, real processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from middleware.localcluster.manager import pid_alive
+from middleware.routing.zygote import Zygote
+
+
+def _until(check, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_forked_command_runs_in_its_own_session_with_its_output_in_the_log(
+    tmp_path: Path,
+) -> None:
+    zygote = Zygote()
+    zygote.start()
+    try:
+        log = tmp_path / "role.log"
+        env = {**os.environ, "QOSMQ_LOG_LEVEL": "INFO"}
+        pid = zygote.spawn(["--help"], env, log)
+        assert pid is not None and pid != os.getpid()
+        assert _until(lambda: "usage: qosmq" in log.read_text() if log.exists() else False)
+        assert _until(lambda: not pid_alive(pid))  # it ended, and was reaped
+    finally:
+        zygote.stop()
+
+
+def test_the_zygote_ends_with_its_master_and_then_starts_nothing(tmp_path: Path) -> None:
+    zygote = Zygote()
+    zygote.start()
+    process = zygote._process
+    assert process is not None
+    try:
+        process.stdin.close()  # what the master's death does to its pipe
+        assert process.wait(30) == 0
+        assert zygote.spawn(["--help"], dict(os.environ), tmp_path / "x.log") is None
+    finally:
+        zygote.stop()
