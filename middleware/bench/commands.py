@@ -607,6 +607,7 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         "recovery_p50_s",
         "recovery_p99_s",
         "function_p50_s",
+        "function_p99_s",
         "lost",
         "duplicates",
         "delayed",

@@ -380,6 +380,7 @@ def summarize_recovery(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "recovery_p50_s": row_percentile(mine, "recovery_s", 50),
                 "recovery_p99_s": row_percentile(mine, "recovery_s", 99),
                 "function_p50_s": row_percentile(mine, "function_s", 50),
+                "function_p99_s": row_percentile(mine, "function_s", 99),
                 "events": sum(r["events"] for r in mine),
                 "lost": sum(r["lost"] for r in mine),
                 "duplicates": sum(r["duplicates"] for r in mine),

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 import uuid
@@ -126,6 +127,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+#: a promoted master warms its provisioner this long after it serves (beats.py, zygote.py)
+WARM_AFTER_PROMOTION_S = 1.0
 ROLE_EVENTS = PromCounter(
     "qosmq_phoenix_events_total",
     "Phoenix messages by role and outcome",
@@ -229,6 +232,11 @@ class Connections:
             await client.close()
 
 
+def _short(name: str) -> str:
+    """A queue name in 16 characters (a copy's message id must stay within 255)."""
+    return hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
+
+
 class _Role:
     GAUGE_S = 1.0  # how often a role reads its inbox length for the metric
     observes_inbox = False  # match brokers read it every window themselves
@@ -274,6 +282,7 @@ class _Role:
         self.serving = asyncio.Event()  # consumers started
         self.on_serving: Callable[[], None] | None = None  # the driver's, called then
         self._stop: asyncio.Event | None = None
+        self._began = 0.0  # when serve() began (monotonic), for the recovery log
         self.beater: Beater | None = None
         self._former_control: str | None = None  # its consumer tag (a promoted master)
         self.counters: Counter[str] = Counter()
@@ -326,6 +335,7 @@ class _Role:
         """Consume the control queue, ``prepare``, then the inbox, until ``stop``; then
         stop consuming (by tag: the process may go on serving another role)."""
         self._stop = stop
+        self._began = time.monotonic()
         client = await self.client_for(self.cluster)
         inbox = self.inbox_of(self.id)
         control = self.control_of(self.id)
@@ -371,10 +381,10 @@ class _Role:
             await self.serving.wait()
         self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
         if self.provisioner is not None:
-            try:
-                self.provisioner.warm()
-            except Exception as exc:  # a provisioner's failure is not the master's
-                log.warning("%s: provisioner not warmed: %s", self.id, exc)
+            # a promoted master warms once the switch is behind it: the zygote's imports
+            # (0.7 s of CPU) made the switch itself 0.3 s slower on 2 cores
+            delay = WARM_AFTER_PROMOTION_S if self.promoted_from is not None else 0.0
+            asyncio.get_running_loop().call_later(delay, self._warm)
         beat = Beat(
             broker=self.id.owner,
             epoch=self.reign.epoch,
@@ -398,6 +408,14 @@ class _Role:
         finally:
             for watch in self.slave_watches.values():
                 await watch.stop()
+
+    def _warm(self) -> None:
+        if self.provisioner is None:
+            return
+        try:
+            self.provisioner.warm()
+        except Exception as exc:  # a provisioner's failure is not the master's
+            log.warning("%s: provisioner not warmed: %s", self.id, exc)
 
     async def beating(
         self, queues: list[str], beat: Callable[[], Beat], meanwhile: Awaitable[None]
@@ -463,6 +481,7 @@ class _Role:
             log.warning("%s stopped before serving (it was still reading its tables)", self.id)
             return
         preparing.result()
+        prepared = time.monotonic()
         if self.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
             heap.settle(f"{self.role} of {self.cluster}")
         inboxes = [(inbox, self._on_message)]
@@ -478,9 +497,18 @@ class _Role:
             if self.on_serving is not None:
                 self.on_serving()
             if self.failed_at is not None:
-                took = time.monotonic() - self.failed_at
+                now = time.monotonic()
+                took = now - self.failed_at
                 RECOVERY_S.labels(self.cluster, self.id.kind.value, "recovery").observe(took)
-                log.warning("%s served again %.2f s after its last beat", self.id, took)
+                log.warning(
+                    "%s served again %.2f s after its last beat (this role began %.3f s, "
+                    "tables read back %.3f s, inboxes consumed %.3f s after it)",
+                    self.id,
+                    took,
+                    self._began - self.failed_at,
+                    prepared - self.failed_at,
+                    now - self.failed_at,
+                )
             log.info("%s serving %s as %s", type(self).__name__, inbox, self.id)
             if self.observes_inbox:
                 await stop.wait()
@@ -1729,7 +1757,12 @@ class _MatchBroker(_Role):
         for (home, queue), confirm in queues.items():
             if confirm == "e2e":
                 publisher = await self._e2e_publisher(home)
-                sends.append(publisher.publish(body, routing_key=queue, expect=[queue]))
+                # one id per (event, queue): a copy sent again (the event handled again
+                # after a match master's death) is suppressed by the subscriber's filter
+                copy_id = None if message.id is None else f"{message.id}:{_short(queue)}"
+                sends.append(
+                    publisher.publish(body, routing_key=queue, expect=[queue], message_id=copy_id)
+                )
             else:
                 outgoing = OutgoingMessage(body, "", queue, content_type="application/json")
                 sends.append((await self.client_for(home)).publish(outgoing))

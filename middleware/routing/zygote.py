@@ -21,15 +21,20 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 __all__ = ["Zygote"]
 
 log = logging.getLogger(__name__)
+
+#: how long a command may wait for its PID (the first also waits for the imports)
+ANSWER_S = 15.0
 
 #: what a role process imports, loaded once in the zygote
 PRELOAD = (
@@ -47,7 +52,8 @@ class Zygote:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._process: subprocess.Popen[str] | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._pending = b""  # read from the zygote, not yet a whole line
 
     def start(self) -> None:
         """Start the zygote (its imports run in it, not here); idempotent."""
@@ -59,9 +65,9 @@ class Zygote:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
-                text=True,
-                bufsize=1,
+                bufsize=0,
             )
+            self._pending = b""
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> int | None:
         """A process running ``qosmq argv`` (without the program), forked by the zygote;
@@ -72,16 +78,32 @@ class Zygote:
                 return None
             assert process.stdin is not None and process.stdout is not None
             command = {"argv": argv, "env": env, "log": str(log_path)}
+            deadline = time.monotonic() + ANSWER_S
             try:
-                process.stdin.write(json.dumps(command) + "\n")
-                process.stdin.flush()
-                answer = process.stdout.readline()  # "ready" was read by the first spawn
-                while answer.strip() == "ready":
-                    answer = process.stdout.readline()
+                process.stdin.write((json.dumps(command) + "\n").encode())
+                answer = self._line(process, deadline)
+                while answer == "ready":  # its imports are done (read by the first spawn)
+                    answer = self._line(process, deadline)
                 return int(answer)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, TimeoutError) as exc:
                 log.info("zygote did not start a process (%s): a plain start instead", exc)
-                return None
+        self.stop()  # a zygote that did not answer is not asked again
+        return None
+
+    def _line(self, process: subprocess.Popen[bytes], deadline: float) -> str:
+        """The zygote's next answer line, or ``TimeoutError`` at ``deadline``."""
+        assert process.stdout is not None
+        fd = process.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"no answer in {ANSWER_S:.0f} s")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise OSError("the zygote ended")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
 
     def stop(self) -> None:
         with self._lock:
