@@ -42,6 +42,7 @@ __all__ = [
     "Recover",
     "Recovered",
     "Replicate",
+    "Retire",
     "Routed",
     "RoutedMessage",
     "Snapshot",
@@ -232,6 +233,18 @@ class Fence(_Message):
     by: int = Field(le=0)
 
 
+class Retire(_Message):
+    """A master -> the process queue of a second process beating as one of its slaves
+    (a scheduler started a replacement while the first was frozen, not dead): another
+    process serves that slave role now; stop."""
+
+    kind: Literal[Kind.RETIRE] = Kind.RETIRE
+    broker: str  # the master's owner id
+    slave: str  # the slave role's owner id
+    epoch: int = Field(0, ge=0)  # the master's reign
+    by: int = Field(0, le=0)
+
+
 class Answer(_Message):
     """A role -> an operator: ``request`` (configure, take-over) is done by ``broker``."""
 
@@ -352,6 +365,7 @@ Message = Annotated[
     | Beat
     | Vote
     | Fence
+    | Retire
     | Answer
     | Confirmation
     | Probe

@@ -38,6 +38,7 @@ class Kind(StrEnum):
     ELECTION_ANSWER = "election_answer"  # higher slave -> lower: I am alive, I elect
     COORDINATOR = "coordinator"  # the winner -> the other slaves: I serve the master now
     FENCE = "fence"  # slave -> a stale master's process queue: a newer reign serves, step down
+    RETIRE = "retire"  # master -> a second process beating as one slave: another serves it
     CONFIRMATION = "confirmation"  # owner's match master -> client: (un)subscribe outcome
     PROBE = "probe"  # routing master -> routing masters' control queues: the bounded flood
     FOUND = "found"  # the flood's target -> back along the probe's path to its origin

@@ -18,6 +18,7 @@ Anything that fails here falls back to a plain process start (``spawn_daemon``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -124,6 +125,11 @@ def _serve() -> None:
 
     for module in PRELOAD:
         importlib.import_module(module)
+    # what the imports made is never freed: frozen here, a child's settle (heap.py) does
+    # not traverse it again (0.2-0.3 s of each replacement's start on this machine), and
+    # collections in the children do not touch (and so copy) the pages it sits on
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped by the kernel
     print("ready", flush=True)
     for line in sys.stdin:

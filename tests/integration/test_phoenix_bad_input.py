@@ -16,7 +16,16 @@ from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import ClientCore, PhoenixClient
 from middleware.routing.ids import RoleId
-from middleware.routing.messages import Ack, Beat, Heartbeat, Message, Subscribe, encode, parse
+from middleware.routing.messages import (
+    Ack,
+    Beat,
+    Heartbeat,
+    Message,
+    Retire,
+    Subscribe,
+    encode,
+    parse,
+)
 from middleware.transport import (
     AsyncClient,
     BindingSpec,
@@ -138,6 +147,12 @@ def test_forged_senders_and_unholdable_filters_touch_nothing_else(
             forge(slave_control, Beat(broker=master.owner, lease=master_inbox))
             reasons = await _dead(client, dl, slave_control, 1, 15)
             assert len(reasons) == 1 and "not a lease queue" in reasons[0], reasons
+            # a RETIRE not from the slave's master: the slave does not stop
+            slave = RoleId.match_slave("B", 0, 0)
+            forge(slave_control, Retire(broker="B/evil", slave=slave.owner))
+            forge(slave_control, Retire(broker=master.owner, slave="B/match-0/slave-9"))
+            reasons = await _dead(client, dl, slave_control, 2, 15)
+            assert len(reasons) == 2 and all("not B/match-0/slave-0's master" in r for r in reasons)
             second = f"{name}.second"  # subscribed after all that: works as the first
             await at_a.subscribe(event_type, [("price", ">=", 0)], 1, second, wait_s=60)
             for i in range(30):

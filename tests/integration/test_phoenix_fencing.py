@@ -13,6 +13,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -227,3 +229,80 @@ def test_the_winner_killed_while_it_takes_over_is_replaced_by_the_next_slave(
         )
     finally:
         deployment.down()
+
+
+def test_a_second_process_beating_as_one_slave_is_retired_and_nothing_is_lost(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    """Issue #23, item 7 (races): a scheduler that cannot see a frozen slave (another
+    host) starts a second process for its role. Here: slave-1 is SIGSTOPped, a second
+    process for B/matcher-0-slave-1 is started by hand once the master counts slave-1 as
+    silent, then the frozen one gets SIGCONT. The master tells the one it does not count
+    as serving (the thawed one) to stop; it exits, the second one serves on; nothing is
+    lost through it all."""
+    event_type, topology, deployment, queue = _b_with_two_match_slaves(
+        settings, brokers, tmp_path, name
+    )
+    master, _, slave1 = MASTER, *MASTER.slaves(topology.cluster("B"))
+    pids = deployment.up()
+    second: subprocess.Popen[bytes] | None = None
+    second_status = tmp_path / "second.json"
+    master_log = deployment.log_file(master)
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+
+        def freeze_start_a_second_and_thaw() -> None:
+            nonlocal second
+            offset = master_log.stat().st_size
+            os.kill(pids[slave1], signal.SIGSTOP)
+            _until(
+                lambda: f"{slave1} silent for" in master_log.read_text(errors="replace")[offset:],
+                20,
+                f"{master} counting {slave1} as silent",
+            )
+            argv = [sys.executable, "-m", "middleware.cli", "sidecar", "matcher"]
+            argv += ["--cluster", "B", "--index", "0", "--role", "slave", "--slave", "1"]
+            argv += ["--topology", str(deployment.topology_file)]
+            argv += ["--status-file", str(second_status)]
+            with (tmp_path / "second.log").open("ab") as out:
+                second = subprocess.Popen(argv, env=deployment.env, stdout=out, stderr=out)
+            _until(
+                lambda: (
+                    "served by another process now"
+                    in master_log.read_text(errors="replace")[offset:]
+                ),
+                30,
+                f"{master} counting the second process as {slave1}",
+            )
+            os.kill(pids[slave1], signal.SIGCONT)
+            _until(lambda: not pid_alive(pids[slave1]), 20, f"the thawed {slave1} gone")
+
+        failed: list[BaseException] = []
+
+        def steps() -> None:
+            try:
+                freeze_start_a_second_and_thaw()
+            except BaseException as exc:  # told after the stream
+                failed.append(exc)
+
+        runner = threading.Thread(target=steps, daemon=True)
+        got, published, _ = asyncio.run(
+            _stream(settings, topology, event_type, queue, runner.start, seconds=20.0)
+        )
+        runner.join(60)
+        if failed:
+            raise failed[0]
+        lost = sorted(set(range(published)) - set(got))
+        assert not lost, f"{len(lost)} events lost: {lost[:20]}"
+        assert second is not None and second.poll() is None, "the second process stopped"
+        thawed_log = deployment.log_file(slave1).read_text(errors="replace")
+        assert f"{slave1}: retired by {master}" in thawed_log
+        assert "a second process beats as" in master_log.read_text(errors="replace")
+        assert json.loads(second_status.read_text())["serves"] == slave1.key
+    finally:
+        if pid_alive(pids[slave1]):
+            os.kill(pids[slave1], signal.SIGCONT)
+        deployment.down()
+        if second is not None:
+            second.terminate()
+            second.wait(20)

@@ -33,15 +33,15 @@ SECONDS = 4.0
 
 
 async def _stream(
-    settings, topology, event_type: str, queue: str, kill, first: int = 0
+    settings, topology, event_type: str, queue: str, kill, first: int = 0, seconds: float = SECONDS
 ) -> tuple[list[int], int, float]:
-    """Publish RATE events/s at A for SECONDS, calling ``kill()`` after one second;
+    """Publish RATE events/s at A for ``seconds``, calling ``kill()`` after one second;
     return what the subscriber queue got, how many were published, and the kill time."""
     async with AsyncClient(settings=settings) as client:
         at_a = PhoenixClient(client, topology=topology, cluster="A")
         published, killed_at = first, 0.0
         start = time.monotonic()
-        while time.monotonic() - start < SECONDS:
+        while time.monotonic() - start < seconds:
             if not killed_at and time.monotonic() - start >= 1.0:
                 killed_at = time.time()
                 await asyncio.to_thread(kill)

@@ -32,6 +32,7 @@ from middleware.routing.messages import (
     Recover,
     Recovered,
     Replicate,
+    Retire,
     Snapshot,
     Subscribe,
     Takeover,
@@ -78,6 +79,7 @@ ONE_OF_EACH = [
     Leave(cluster="B", by="A"),
     Recover(cluster="B", arc=(1, 2), masters=2, request="r4", reply_to="px.process.y"),
     Recovered(request="r4", broker="C/match-0", restored=3),
+    Retire(broker="B/match-0", slave="B/match-0/slave-1", epoch=2, by=-1),
 ]
 
 
