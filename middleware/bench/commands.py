@@ -625,7 +625,8 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         f"\nelections logged: {run['elections_logged']} for {run['master_kills']} master "
         f"kills; false suspicions (elections against a master nobody killed in the 5 s "
         f"before): {run['false_suspicions']}; masters stepped down (fenced): "
-        f"{run['stepped_down']}; logs: {run['directory']}"
+        f"{run['stepped_down']}; processes retired (should be 0): {run.get('retired', 0)}; "
+        f"logs: {run['directory']}"
     )
     for line in run["false_suspicion_lines"]:
         print(f"  false suspicion: {line}")

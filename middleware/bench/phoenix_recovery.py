@@ -330,6 +330,8 @@ def run_recovery(
 
         false = [line for at, line in elections if not explained(at, line)]
         stepped_down = len(_log_lines_after(phoenix, started, "stepping down to", cluster=None))
+        # a SIGKILL leaves no second process: a retirement here is a wrong one
+        retired = len(_log_lines_after(phoenix, started, ": retired by ", cluster=None))
         runtime.run(_drop(settings, queue))
     run = {
         "topology": dict(fields or {}),
@@ -338,6 +340,7 @@ def run_recovery(
         "false_suspicions": len(false),
         "false_suspicion_lines": false[:20],
         "stepped_down": stepped_down,
+        "retired": retired,
         "directory": str(directory / prefix),
     }
     return rows, run

@@ -276,6 +276,7 @@ class _Role:
         self.replacing: dict[int, float] = {}  # slave -> when a replacement was asked for
         self.slave_processes: dict[int, str] = {}  # slave -> the process queue serving it
         self._retired: dict[str, float] = {}  # a second process's queue -> when told to stop
+        self._process_gone: set[int] = set()  # slaves whose known process is taken for gone
         #: each slave's lease as this master watches it (beats.py)
         self.slave_watches: dict[int, LeaseWatch] = {}
         self.side_tasks: set[asyncio.Future[None]] = set()  # not awaited by anyone
@@ -757,21 +758,29 @@ class _Role:
 
     def _the_process_of(self, slave: RoleId, process: str | None) -> bool:
         """Whether ``process`` (a beat's process queue) serves ``slave``: the first one
-        heard does, and the one heard while the slave counted as dead (its lease came
-        back, or it was silent past the detection timeout) takes over from it; another
-        one beating while the role is alive is a second process serving it (a
-        scheduler's replacement of a process that was frozen, not dead)."""
+        heard does, and once the one it knew is taken for gone (its lease came back, or
+        a replacement was asked for after its silence) the next one heard does; any
+        other is a second process serving the role (a scheduler's replacement of a
+        process that was frozen, not dead)."""
         if process is None:
             return True  # beats without a process queue: nothing to tell apart
         known = self.slave_processes.get(slave.slave)
         if known == process:
+            self._process_gone.discard(slave.slave)  # it was only slow
             return True
-        if known is None or slave.slave not in self.live.alive(time.monotonic()):
+        if known is None or slave.slave in self._process_gone:
             if known is not None:
                 log.warning("%s: %s served by another process now", self.id, slave)
+            self._process_gone.discard(slave.slave)
             self.slave_processes[slave.slave] = process
             return True
         return False
+
+    def _forget_process(self, slave: RoleId) -> None:
+        """The process serving ``slave`` is taken for gone: the next one beating as
+        ``slave`` serves it (a load report or a late beat does not bring it back)."""
+        if slave.slave in self.slave_processes:
+            self._process_gone.add(slave.slave)
 
     async def _retire(self, slave: RoleId, process: str | None) -> None:
         """Tell a second process beating as ``slave`` to stop (once a second at most)."""
@@ -805,6 +814,7 @@ class _Role:
     async def _slave_lease_returned(self, slave: RoleId) -> None:
         """A slave's process died: no more dispatch to it, and a replacement now."""
         self.live.lost(slave.slave)
+        self._forget_process(slave)
         self.count("slave_lease_returned")
         log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
         task = asyncio.ensure_future(self._replace_dead(slave))
@@ -848,6 +858,7 @@ class _Role:
         for slave in self.id.slaves(topology.cluster(self.cluster)):
             silent = self.live.silent_for(slave.slave, now)
             if silent is not None and silent > after:
+                self._forget_process(slave)
                 await self.replace(slave, now, why=f"silent for {silent:.1f} s")
 
     async def replace(self, slave: RoleId, now: float, *, why: str) -> bool:
@@ -2052,6 +2063,11 @@ class MatchMaster(_MatchBroker):
     async def _on_heartbeat(self, message: Heartbeat) -> None:
         """A slave's load report (finite and not negative: the message's model says so)."""
         j = self.replicas.slave(message)
+        if j in self._process_gone:
+            # sent before its process died (it was in flight): only a beat of the
+            # process serving the role now brings the role back into the live set
+            self.count("stale_load_reports")
+            return
         self.slave_heard(j)
         self.dispatch.reported(j, message.queue, message.service_rate, time.monotonic())
 

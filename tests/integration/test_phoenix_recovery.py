@@ -171,6 +171,7 @@ def test_the_recovery_benchmark_kills_each_kind_and_counts_what_it_saw(
         assert row["lost"] == 0 and row["events"] > 300
         assert 0 < row["detection_s"] < row["recovery_s"]
     assert "paper / recovery_p50" in result.stdout
+    assert report["run"]["retired"] == 0  # a kill leaves no second process to retire
     assert not any(pid_alive(int(p)) for p in re.findall(r"pid (\d+)", result.stdout))
 
 

@@ -153,3 +153,36 @@ def test_the_phoenix_examples_run_as_printed(settings, brokers, tmp_path, name, 
             assert "{'price': 5}" in capsys.readouterr().out  # a.run(5) handled it
         finally:
             asyncio.run(clean())
+
+
+def test_the_deployment_example_of_the_phoenix_roles_guide_runs_as_printed(
+    brokers, tmp_path: Path, monkeypatch, name: str
+) -> None:
+    """docs/phoenix-roles.md's deployment API example, as printed, in a folder holding a
+    phoenix.toml (A, and B with one match slave): B's match master is SIGKILLed, its
+    slave-0 serves its role, the status it took says so, and ``down`` stops everything."""
+    from middleware.localcluster.manager import pid_alive
+    from middleware.routing.ids import RoleId
+    from tests.integration.phoenix_support import write_topology
+
+    guide = README.parent / "docs" / "phoenix-roles.md"
+    (block,) = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+    write_topology(tmp_path, name, {"A": {}, "B": {"match_slaves": 1}})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    try:
+        exec(compile(block, "docs/phoenix-roles.md", "exec"), namespace)
+    finally:
+        deployment = namespace.get("deployment")
+        if deployment is not None and any(map(pid_alive, deployment.pids().values())):
+            deployment.down()  # the example failed before its own down()
+    rows, problems = namespace["rows"], namespace["problems"]
+    assert problems == []
+    by_start = {row.role: row for row in rows}
+    slave = by_start[RoleId.match_slave("B", 0, 0)]
+    assert slave.alive and slave.serves == RoleId.match("B", 0)
+    assert not by_start[RoleId.match("B", 0)].alive or (
+        by_start[RoleId.match("B", 0)].serves == RoleId.match_slave("B", 0, 0)
+    )  # dead, or already its replacement serving the slave role it left
+    assert not any(map(pid_alive, namespace["deployment"].pids().values()))
