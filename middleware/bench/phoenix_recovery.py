@@ -269,6 +269,27 @@ def _one_kill(
     }
 
 
+def _until_warm(phoenix: PhoenixDeployment, timeout_s: float = 60.0) -> None:
+    """Before the first kill: every master's provisioner is warm (its log says "zygote
+    ready"), as in a deployment that has run for a while; a fresh one replaces its first
+    dead slave with a plain process start, which is what a cold start measures, not
+    recovery.  Goes on after ``timeout_s`` (a deployment without zygotes)."""
+    masters = [slot for slot in phoenix.pids() if not slot.is_slave]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cold = []
+        for slot in masters:
+            try:
+                text = phoenix.log_file(slot).read_text(errors="replace")
+            except OSError:
+                text = ""
+            if "zygote ready" not in text:
+                cold.append(slot)
+        if not cold:
+            return
+        time.sleep(0.2)
+
+
 def run_recovery(
     settings: Settings,
     *,
@@ -297,6 +318,7 @@ def run_recovery(
     rows: list[dict[str, Any]] = []
     with deployment.running():
         runtime.run(_subscribe(settings, deployment, event_type, queue))
+        _until_warm(deployment.phoenix())
         started = time.time()
         for rate in rates:
             for kind in kinds:

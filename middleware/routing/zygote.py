@@ -55,6 +55,7 @@ class Zygote:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._pending = b""  # read from the zygote, not yet a whole line
+        self._ready = False
 
     def start(self) -> None:
         """Start the zygote (its imports run in it, not here); idempotent."""
@@ -69,6 +70,31 @@ class Zygote:
                 bufsize=0,
             )
             self._pending = b""
+            self._ready = False  # its "ready" line read
+        threading.Thread(target=self._await_ready, name="zygote-ready", daemon=True).start()
+
+    def _await_ready(self) -> None:
+        """Read the zygote's "ready" (its imports done) and log it once: until then a
+        spawn waits for it (the lock is held meanwhile); one that never comes stops it."""
+        started = time.monotonic()
+        with self._lock:
+            process = self._process
+            if process is None or process.stdout is None or self._ready:
+                return  # stopped, or a spawn read it first
+            try:
+                answer = self._line(process, started + ANSWER_S)
+            except (OSError, ValueError, TimeoutError) as exc:
+                log.warning("zygote not ready (%s): replacements start plainly", exc)
+                answer = ""
+            if answer == "ready":
+                self._ready = True
+                log.info(
+                    "zygote ready (pid %d) %.2f s after its start",
+                    process.pid,
+                    time.monotonic() - started,
+                )
+                return
+        self.stop()
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> int | None:
         """A process running ``qosmq argv`` (without the program), forked by the zygote;
@@ -84,6 +110,7 @@ class Zygote:
                 process.stdin.write((json.dumps(command) + "\n").encode())
                 answer = self._line(process, deadline)
                 while answer == "ready":  # its imports are done (read by the first spawn)
+                    self._ready = True
                     answer = self._line(process, deadline)
                 return int(answer)
             except (OSError, ValueError, TimeoutError) as exc:

@@ -46,3 +46,19 @@ def test_the_zygote_ends_with_its_master_and_then_starts_nothing(tmp_path: Path)
         assert zygote.spawn(["--help"], dict(os.environ), tmp_path / "x.log") is None
     finally:
         zygote.stop()
+
+
+def test_the_zygote_says_when_it_is_ready_and_still_forks_afterwards(
+    tmp_path: Path, caplog
+) -> None:
+    caplog.set_level("INFO", logger="middleware.routing.zygote")
+    zygote = Zygote()
+    zygote.start()
+    try:
+        assert _until(lambda: "zygote ready" in caplog.text)  # its imports are done
+        log = tmp_path / "role.log"
+        pid = zygote.spawn(["--help"], dict(os.environ), log)
+        assert pid is not None
+        assert _until(lambda: "usage: qosmq" in log.read_text() if log.exists() else False)
+    finally:
+        zygote.stop()
