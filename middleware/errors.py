@@ -9,15 +9,20 @@ pika and aiormq exceptions are translated at the transport boundary
     MiddlewareError
     ├── ConfigurationError (ValueError)        permanent: fix the named setting
     ├── InvalidArgument (ValueError)           permanent: a call's argument is out of range
-    │   └── UnknownName (LookupError)             it names nothing that exists (a node, a spool)
+    │   ├── UnknownName (LookupError)             it names nothing that exists (a node, a spool)
+    │   ├── FilterError                           Phoenix: a malformed filter or event
+    │   └── RecordError                           Phoenix: a stored document that is no record
     ├── NotConnected (RuntimeError)            permanent: call connect() first
     ├── RetryableError                         the same call may succeed later
     │   ├── BrokerUnreachable (ConnectionError)   no node of the cluster answered
     │   │   ├── ConnectionLost                    a live connection died mid-call
     │   │   └── LinkDown                          Phoenix: a link to another cluster failed
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
-    │   └── ConfirmTimeout (TimeoutError)         no broker confirm in time
+    │   ├── ConfirmTimeout (TimeoutError)         no broker confirm in time
+    │   ├── SubscriptionUnconfirmed (TimeoutError)  Phoenix: W of N did not confirm a (un)subscribe
+    │   └── ReplicaTimeout (TimeoutError)         Phoenix: a replica write given up below W
     ├── PublishError                           the broker refused a publish
+    │   ├── SpoolFull                             queues: the local spool is at its limit (internal)
     │   ├── MalformedMessage (ValueError)         permanent: the broker would refuse this message
     │   │   └── MessageRefused                    the broker closed the connection over it
     │   ├── PublishNacked (also RetryableError)   basic.nack: e.g. quorum leader election
@@ -30,6 +35,10 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── EntityNotFound (LookupError)          queue or exchange does not exist
     │   ├── PreconditionFailed                    redeclared with other arguments
     │   └── AccessRefused (PermissionError)       the user may not touch it
+    ├── ClusterError                           the local cluster (``qosmq cluster``) failed
+    │   ├── RabbitMQMissing                       rabbitmq-server is not installed
+    │   └── NodeExited                            a node exited before it accepted AMQP
+    ├── DeploymentError                        a Phoenix deployment cannot do what was asked
     └── HandlerInstruction                     raised by a consumer handler to steer the ack
         ├── Reject                                basic.reject, no requeue (queue's DLX if any)
         ├── Requeue                               basic.nack with requeue
@@ -40,8 +49,11 @@ EMQ result codes (paper 004; ``middleware.queues``) are leaves with a numeric ``
 3 ``QueueSaveFailed`` (PublishError), 4 ``MessageMalformed`` (MalformedMessage),
 5 ``WindowExceeded`` (WindowFull).
 
-Feature packages add leaves under these branches (e.g. the confirms package's
-``NegativeReceipt`` under ``PublishError``), never new roots.
+Feature packages define their leaves in their own modules (``FilterError`` in
+``middleware.routing.matching``, ``ClusterError`` in ``middleware.localcluster.manager``,
+...) and export them from their package; each is drawn above, and
+``tests/unit/test_error_tree.py`` fails on an exception class of the package that is not
+a ``MiddlewareError`` or is missing from this drawing.
 """
 
 from __future__ import annotations

@@ -333,53 +333,129 @@ def write_outputs(
     (out / "report.md").write_text(_report(grid, cells, summary, settings, interrupted, charts))
 
 
+def _ratio_std(s: dict[str, Any], base: dict[str, Any] | None) -> float:
+    """Stddev of a ratio of two means, from their relative stddevs (first order)."""
+    if not base or not s["ratio_vs_persistent"]:
+        return 0.0
+    rel = [
+        (x["confirmed_per_s_std"] or 0.0) / x["confirmed_per_s_mean"]
+        for x in (s, base)
+        if x["confirmed_per_s_mean"]
+    ]
+    return float(s["ratio_vs_persistent"] * math.sqrt(sum(r * r for r in rel)))
+
+
+def _colour(mode: str) -> str:
+    """One colour per mode in every chart."""
+    return f"C{MODES.index(mode) % 10}" if mode in MODES else "C9"
+
+
 def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
+    """Queue counts are categories (evenly spaced, one tick each), modes are bars side by
+    side in each; error bars are one stddev over the repeats."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or not summary:
         return []
-    made = []
-    modes = sorted({s["mode"] for s in summary})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in modes:
-        pts = sorted(
-            (s["queues"], s["confirmed_per_s_mean"], s["confirmed_per_s_std"])
-            for s in summary
-            if s["mode"] == mode
-        )
-        ax.errorbar(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            yerr=[p[2] for p in pts],
-            marker="o",
-            capsize=3,
+    modes = [m for m in MODES if any(s["mode"] == m for s in summary)]
+    queues = sorted({s["queues"] for s in summary})
+    at = {q: i for i, q in enumerate(queues)}
+    width = 0.8 / max(len(modes), 1)
+
+    def offset(i: int) -> float:
+        return (i - (len(modes) - 1) / 2) * width
+
+    def cells(mode: str) -> list[dict[str, Any]]:
+        return sorted((s for s in summary if s["mode"] == mode), key=lambda s: s["queues"])
+
+    def categories(ax: Any) -> None:
+        ax.set_xticks(range(len(queues)), [str(q) for q in queues])
+        ax.set_xlabel("queues")
+        ax.grid(axis="y", alpha=0.3)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, mode in enumerate(modes):
+        pts = cells(mode)
+        ax.bar(
+            [at[s["queues"]] + offset(i) for s in pts],
+            [s["confirmed_per_s_mean"] for s in pts],
+            width,
+            yerr=[s["confirmed_per_s_std"] or 0.0 for s in pts],
+            capsize=2,
+            color=_colour(mode),
             label=mode,
         )
-    ax.set(xlabel="queues", ylabel="confirmed messages / s", title="Throughput by confirm mode")
-    ax.legend()
+    categories(ax)
+    ax.set(ylabel="confirmed messages / s", title="Throughput by confirm mode (mean ± stddev)")
+    ax.legend(fontsize=8, ncol=len(modes))
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=110)
-    made.append("throughput.png")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in modes:
-        pts = sorted(
-            (s["queues"], s["confirm_p50_ms"], s["confirm_p99_ms"])
-            for s in summary
-            if s["mode"] == mode
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    base = {s["queues"]: s for s in summary if s["mode"] == "persistent"}
+    shown = [m for m in modes if m != "persistent"]
+    width = 0.8 / (len(shown) + 2)
+    for i, mode in enumerate(shown):
+        pts = [s for s in cells(mode) if s["ratio_vs_persistent"] is not None]
+        ax.bar(
+            [at[s["queues"]] + (i - len(shown) / 2) * width for s in pts],
+            [s["ratio_vs_persistent"] for s in pts],
+            width,
+            yerr=[_ratio_std(s, base.get(s["queues"])) for s in pts],
+            capsize=2,
+            color=_colour(mode),
+            label=f"{mode} (ours)",
         )
-        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} p50")
+    for j, (name, marker) in enumerate((("optimisation 1", "D"), ("optimisation 2", "^"))):
+        paper = [(q, v) for q, v in PAPER[name].items() if isinstance(q, int) and q in at]
+        ax.scatter(
+            [at[q] + (len(shown) / 2 + j - 0.5) * width for q, _ in paper],
+            [v for _, v in paper],
+            marker=marker,
+            color="black",
+            zorder=3,
+            label=f"paper e2e, {name}",
+        )
+    ax.axhline(1.0, color="grey", linewidth=1, linestyle=":")
+    categories(ax)
+    ax.set(
+        ylabel="confirmed / s over persistent",
+        title="Ratio to the persistent baseline of the same run (paper 003 beside)",
+    )
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "ratio.png", dpi=110)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(modes), 1)
+    for i, mode in enumerate(modes):
+        pts = cells(mode)
+        xs = [at[s["queues"]] + offset(i) for s in pts]
+        line = ax.plot(xs, [s["confirm_p50_ms"] for s in pts], "o", color=_colour(mode), label=mode)
         ax.plot(
-            [p[0] for p in pts],
-            [p[2] for p in pts],
-            linestyle="--",
+            xs,
+            [s["confirm_p99_ms"] for s in pts],
+            "_",
+            markersize=12,
             color=line[0].get_color(),
-            label=f"{mode} p99",
         )
-    ax.set(xlabel="queues", ylabel="confirm latency (ms)", title="Confirm latency percentiles")
-    ax.legend(fontsize=7)
+        ax.vlines(
+            xs,
+            [s["confirm_p50_ms"] for s in pts],
+            [s["confirm_p99_ms"] for s in pts],
+            color=line[0].get_color(),
+            alpha=0.5,
+        )
+    categories(ax)
+    ax.set(
+        ylabel="confirm latency (ms)",
+        title="Confirm latency: p50 (dot) to p99 (bar)",
+        yscale="log",
+    )
+    ax.legend(fontsize=7, ncol=len(modes))
     fig.tight_layout()
     fig.savefig(out / "latency.png", dpi=110)
     plt.close("all")
-    return [*made, "latency.png"]
+    return ["throughput.png", "ratio.png", "latency.png"]
 
 
 def _report(

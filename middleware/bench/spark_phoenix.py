@@ -394,20 +394,26 @@ def _charts(out: Path, grid: PhoenixGrid, summary: list[dict[str, Any]]) -> list
     for fixed in sorted({s["subscriptions" if x_key == "rate" else "rate"] for s in summary}):
         fixed_key = "subscriptions" if x_key == "rate" else "rate"
         fig, ax = plt.subplots(figsize=(7, 4))
+        xs = sorted({s[x_key] for s in summary if s[fixed_key] == fixed})
+        at = {x: i for i, x in enumerate(xs)}  # the grid's values as categories
         for mechanism in sorted({s["mechanism"] for s in summary}):
             pts = sorted(
                 (s[x_key], s["mean_ms"], s["p99_ms"])
                 for s in summary
                 if s["mechanism"] == mechanism and s[fixed_key] == fixed and s["mean_ms"]
             )
-            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mechanism)
+            line = ax.plot(
+                [at[p[0]] for p in pts], [p[1] for p in pts], marker="o", label=mechanism
+            )
             ax.plot(
-                [p[0] for p in pts],
+                [at[p[0]] for p in pts],
                 [p[2] for p in pts],
                 linestyle="--",
                 color=line[0].get_color(),
                 alpha=0.6,
             )
+        ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
+        ax.grid(axis="y", alpha=0.3)
         ax.set(
             xlabel="events / s" if x_key == "rate" else "subscriptions",
             ylabel="response time (ms): mean, p99 dashed",

@@ -6,6 +6,7 @@ queue process on the path; a receipt lost with a connection is covered by the
 publisher's resend (same id) and the consumers' duplicate filter.
 """
 
+from ..errors import DuplicateMessageId, NegativeReceipt, NoRoute, ReceiptTimeout
 from .aio import AsyncConfirmConsumer, AsyncConfirmPublisher
 from .core import ConsumerCore, PublisherCore
 from .modes import ConfirmMode, ModeProfile
@@ -19,10 +20,14 @@ __all__ = [
     "ConfirmTracker",
     "ConsumerCore",
     "DuplicateFilter",
+    "DuplicateMessageId",
     "ModeProfile",
+    "NegativeReceipt",
+    "NoRoute",
     "PublisherCore",
     "Receipt",
     "ReceiptBatcher",
+    "ReceiptTimeout",
     "SyncConfirmConsumer",
     "SyncConfirmPublisher",
 ]

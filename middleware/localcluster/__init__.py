@@ -1,12 +1,13 @@
 """The embedded default: a local RabbitMQ cluster of plain processes on 127.0.0.1."""
 
 from .layout import ClusterLayout, NodeLayout
-from .manager import ClusterError, LocalCluster, RabbitMQMissing, pid_alive
+from .manager import ClusterError, LocalCluster, NodeExited, RabbitMQMissing, pid_alive
 
 __all__ = [
     "ClusterError",
     "ClusterLayout",
     "LocalCluster",
+    "NodeExited",
     "NodeLayout",
     "RabbitMQMissing",
     "pid_alive",

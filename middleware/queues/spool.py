@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgument, UnknownName
+from ..errors import InvalidArgument, PublishError, UnknownName
 
 __all__ = ["Spool", "SpoolEntry", "SpoolFull"]
 
 
-class SpoolFull(Exception):
+class SpoolFull(PublishError):
     """The spool reached its size limit (internal; the queue API raises a typed error)."""
 
 

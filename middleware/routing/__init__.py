@@ -4,7 +4,17 @@ Pure logic here (Chord ring with fingers and hand-over arcs, typed events,
 filters and the subscription index, latency levels and predicted processing
 times, replica quorums); the roles that run it over RabbitMQ are in
 :mod:`middleware.routing.roles`, their processes in ``qosmq phoenix``.
+
+The faces a service uses (``PhoenixClient``, ``SyncPhoenixClient``), the deployment
+(``PhoenixDeployment``, ``PhoenixTopology``) and their errors are exported here too,
+imported on first use, so that a process that needs only the pure logic (a
+simulation, a test of the ring) does not load the role driver.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .ids import RoleId, RoleKind
 from .matching import Event, Filter, FilterError, Op, Predicate, SubscriptionIndex
@@ -20,21 +30,56 @@ from .timeliness import (
     round_robin,
 )
 
+if TYPE_CHECKING:
+    from .client import PhoenixClient, SubscriptionUnconfirmed, SyncPhoenixClient
+    from .deployment import DeploymentError, PhoenixDeployment, RoleStatus
+    from .protocol import PhoenixTopology
+    from .records import RecordError
+
+_LAZY = {
+    "PhoenixClient": "client",
+    "SyncPhoenixClient": "client",
+    "SubscriptionUnconfirmed": "client",
+    "PhoenixDeployment": "deployment",
+    "DeploymentError": "deployment",
+    "RoleStatus": "deployment",
+    "PhoenixTopology": "protocol",
+    "RecordError": "records",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "ChordRing",
+    "DeploymentError",
     "Event",
     "Filter",
     "FilterError",
     "Handover",
     "LatencyMap",
     "Op",
+    "PhoenixClient",
+    "PhoenixDeployment",
+    "PhoenixTopology",
     "Predicate",
     "QueuePredictor",
     "Quorum",
+    "RecordError",
     "RemoteBroker",
     "RoleId",
     "RoleKind",
+    "RoleStatus",
     "SubscriptionIndex",
+    "SubscriptionUnconfirmed",
+    "SyncPhoenixClient",
     "Versioned",
     "choose_broker",
     "mean_processing_time",

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
-from ..errors import ConfigurationError, DeadLetter, MiddlewareError
+from ..errors import ConfigurationError, DeadLetter, RetryableError
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from .batching import Batcher
@@ -37,7 +37,7 @@ from .roles import cluster_settings, inbox_spec, outgoing
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
 
 
-class SubscriptionUnconfirmed(MiddlewareError, TimeoutError):
+class SubscriptionUnconfirmed(RetryableError, TimeoutError):
     """The owner's match master did not confirm a subscribe or unsubscribe (W of N
     replicas) in time, or said why it could not; it may still take effect later."""
 

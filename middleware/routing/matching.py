@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import MiddlewareError
+from ..errors import InvalidArgument
 
 __all__ = ["Event", "Filter", "FilterError", "Op", "Predicate", "SubscriptionIndex"]
 
@@ -36,7 +36,7 @@ _MISSING = object()
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 
 
-class FilterError(MiddlewareError, ValueError):
+class FilterError(InvalidArgument):
     """A malformed filter or event; the message says which part and why."""
 
 

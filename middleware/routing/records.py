@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MiddlewareError
+from ..errors import InvalidArgument
 
 __all__ = ["LatencyEntry", "RecordError", "SubscriptionRecord"]
 
 
-class RecordError(MiddlewareError, ValueError):
+class RecordError(InvalidArgument):
     """A persisted document that is not a record of its table."""
 
 

@@ -54,7 +54,7 @@ from pydantic import ValidationError
 
 from .. import heap
 from ..confirms.aio import AsyncConfirmPublisher
-from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..errors import DeadLetter, MiddlewareError, RetryableError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.fencing import Reign, Trust, Verdict
 from ..recovery.provisioner import Provisioner
@@ -961,7 +961,7 @@ class _Role:
 SWITCHES = ("outer", "inner", "blind_dispatch", "batch_max")
 
 
-class ReplicaTimeout(MiddlewareError):
+class ReplicaTimeout(RetryableError, TimeoutError):
     """A replica write was given up before W of N replicas acknowledged it."""
 
 

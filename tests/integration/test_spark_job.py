@@ -47,6 +47,7 @@ def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, c
         "cells.json",
         "report.md",
         "throughput.png",
+        "ratio.png",
         "latency.png",
     ):
         assert (out / name).exists(), name
