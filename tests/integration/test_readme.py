@@ -121,9 +121,9 @@ def test_the_phoenix_examples_run_as_printed(settings, brokers, tmp_path, name, 
         tmp_path, prefix=name, amqp_urls=brokers.urls, routing_slaves=0, match_slaves=0
     )
     asynchronous = _snippet(
-        _block("from middleware.routing.client import PhoenixClient"), "settings, topology"
+        _block("from middleware.routing import PhoenixClient"), "settings, topology"
     )
-    sync_block = _block("from middleware.routing.client import SyncPhoenixClient")
+    sync_block = _block("from middleware.routing import SyncPhoenixClient")
 
     async def run_async() -> None:
         made = await asynchronous(settings, deployment.topology)
