@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,6 @@ from ..errors import (
     AccessRefused,
     BrokerUnreachable,
     ConnectionLost,
-    DeadLetter,
     MessageRefused,
     MiddlewareError,
     NotConnected,
@@ -42,17 +42,14 @@ from ..errors import (
     WindowFull,
 )
 from ..settings import Settings
-from . import metrics
+from . import consuming, metrics
 from .coalesce import CoalescingConnection
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_TOPOLOGY,
-    Action,
     Delivery,
     Outcome,
     dead_letter_message,
-    outcome_of,
-    unreadable,
 )
 from .message import OutgoingMessage, tls_context
 from .outbound import Limits, check_message
@@ -386,6 +383,8 @@ class AsyncClient:
                     len(late),
                     self.settings.close_grace,
                 )
+                for task in late:
+                    task.cancel()
         for channel in channels:
             with contextlib.suppress(Exception):
                 await channel.close()
@@ -847,6 +846,7 @@ class AsyncClient:
 
     async def _start_consumer(self, live: _Live, consumer: _Consumer) -> None:
         spec = consumer.spec
+        channel = None
         try:
             channel = await live.connection.channel(publisher_confirms=False)
             await channel.set_qos(prefetch_count=spec.prefetch)
@@ -854,18 +854,21 @@ class AsyncClient:
             # aiormq's consumer straight: aio-pika's Queue.consume wraps every delivery in an
             # IncomingMessage and a second task, and its ack waits for the frame to drain
             async def on_message(msg: DeliveredMessage) -> None:
-                await self._deliver(msg, spec.queue, consumer)
+                self._deliver(msg, spec.queue, consumer)
 
             underlay = await channel.get_underlay_channel()
             underlay.on_consumer_cancel_callbacks.add(
                 lambda _frame: self._on_broker_cancel(live, spec.tag)
             )
+            # known before the first delivery: a queue's backlog arrives with consume-ok
+            live.consumer_channels[spec.tag] = channel
             await underlay.basic_consume(
                 spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
             )
         except Exception as exc:
+            if channel is not None and live.consumer_channels.get(spec.tag) is channel:
+                del live.consumer_channels[spec.tag]
             raise translate_aio(exc) from exc
-        live.consumer_channels[spec.tag] = channel
 
     def _on_broker_cancel(self, live: _Live, tag: str) -> None:
         """The broker cancelled a consumer (its queue was deleted, a consumer timeout):
@@ -899,60 +902,71 @@ class AsyncClient:
             await asyncio.sleep(delay)
             delay = min(delay * self.settings.retry.multiplier, self.settings.retry.max_delay)
 
-    async def _deliver(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
-        task = asyncio.current_task()
+    def _deliver(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
+        """Handle ``msg`` in a task of the client's own: aiormq cancels its channel's
+        tasks when the channel closes, which would cut a running handler short; this one
+        runs to its end and meets the dead channel at its settle, as in the pika face."""
+        task = asyncio.ensure_future(self._handle(msg, queue, consumer))
         running = self._handling.setdefault(consumer.spec.tag, set())
-        if task is not None:
-            running.add(task)
-        try:
-            await self._handle(msg, queue, consumer)
-        finally:
-            if task is not None:
-                running.discard(task)
-            if not running and self._handling.get(consumer.spec.tag) is running:
-                del self._handling[consumer.spec.tag]
+        running.add(task)
+        task.add_done_callback(functools.partial(self._handled, consumer.spec.tag, running))
+
+    def _handled(self, tag: str, running: set[asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:
+        running.discard(task)
+        if not running and self._handling.get(tag) is running:
+            del self._handling[tag]
 
     async def _handle(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
+        """Execute what ``consuming`` decides (the pika face executes the same)."""
         delivery = _from_delivered(msg, queue)
+        outcome = consuming.before_handler(delivery)
+        if outcome is None:
+            try:
+                await consumer.handler(delivery)
+            except Exception as exc:
+                outcome = consuming.after_handler(delivery, exc)
+            else:
+                outcome = consuming.after_handler(delivery, None)
         try:
-            problem = unreadable(delivery)
-            if problem is not None:
-                raise DeadLetter(problem)  # no handler sees what it cannot read
-            await consumer.handler(delivery)
-            outcome = outcome_of(None)
+            await self._settle(msg.channel, delivery, outcome)
         except Exception as exc:
-            outcome = outcome_of(exc)
-            if outcome.action is Action.DEAD_LETTER:
-                log.warning(
-                    "dead-lettering message %s from %s: %s",
-                    delivery.message_id,
-                    queue,
-                    outcome.reason,
-                )
-        metrics.DELIVERIES_BY_ACTION[outcome.action].inc()
-        try:
-            await self._settle(msg, delivery, outcome)
-        except Exception as exc:
-            # The channel died: the broker requeues the delivery, and the hook hears so.
-            log.info("could not settle %s on %s: %s", delivery.message_id, queue, exc)
-            outcome = Outcome(Action.REQUEUE, f"channel lost before settling: {exc}")
+            outcome = consuming.settle_lost(delivery, exc)
+            self._after_lost_settle(consumer, msg.channel)
         if consumer.on_settled is not None:
             await consumer.on_settled(delivery, outcome)
 
-    async def _settle(self, msg: DeliveredMessage, delivery: Delivery, outcome: Outcome) -> None:
+    async def _settle(
+        self, channel: aiormq.abc.AbstractChannel, delivery: Delivery, outcome: Outcome
+    ) -> None:
         """Settle on the delivery's channel; the frame leaves with the loop turn's others
         (``wait=False``: not awaiting its drain; a channel already closed raises)."""
-        channel, tag = msg.channel, delivery.delivery_tag
-        match outcome.action:
-            case Action.ACK:
-                await channel.basic_ack(tag, wait=False)
-            case Action.REJECT:
-                await channel.basic_reject(tag, requeue=False, wait=False)
-            case Action.REQUEUE:
-                await channel.basic_nack(tag, requeue=True, wait=False)
-            case Action.DEAD_LETTER:
-                await self.dead_letter(delivery, outcome.reason)
-                await channel.basic_ack(tag, wait=False)
+        tag = delivery.delivery_tag
+        for step in consuming.settle_steps(outcome):
+            match step:
+                case consuming.Step.ACK:
+                    await channel.basic_ack(tag, wait=False)
+                case consuming.Step.REJECT:
+                    await channel.basic_reject(tag, requeue=False, wait=False)
+                case consuming.Step.REQUEUE:
+                    await channel.basic_nack(tag, requeue=True, wait=False)
+                case consuming.Step.COPY_TO_DEAD_LETTER:
+                    await self.dead_letter(delivery, outcome.reason)
+
+    def _after_lost_settle(self, consumer: _Consumer, channel: aiormq.abc.AbstractChannel) -> None:
+        live, tag = self._live, consumer.spec.tag
+        if not isinstance(live, _Live) or self._consumers.get(tag) is not consumer:
+            return
+        current = live.consumer_channels.get(tag)
+        if current is None:
+            return  # being subscribed again already (another delivery of the dead channel)
+        if consuming.resubscribe_after_lost_settle(
+            channel_closed=current.is_closed or channel.is_closed,
+            connection_open=not live.connection.is_closed,
+        ):
+            live.consumer_channels.pop(tag, None)  # once per dead channel
+            task = asyncio.ensure_future(self._resubscribe(live, consumer))
+            self._closers.add(task)
+            task.add_done_callback(self._closers.discard)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers

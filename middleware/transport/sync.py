@@ -25,7 +25,6 @@ from ..errors import (
     AccessRefused,
     BrokerUnreachable,
     ConnectionLost,
-    DeadLetter,
     MessageRefused,
     MiddlewareError,
     NotConnected,
@@ -34,7 +33,7 @@ from ..errors import (
     TopologyError,
 )
 from ..settings import Settings
-from . import metrics
+from . import consuming, metrics
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_TOPOLOGY,
@@ -42,8 +41,6 @@ from .delivery import (
     Delivery,
     Outcome,
     dead_letter_message,
-    outcome_of,
-    unreadable,
 )
 from .message import OutgoingMessage, tls_context
 from .outbound import Limits, check_message
@@ -557,43 +554,39 @@ class SyncClient:
     def _deliver(
         self, ch: blocking.BlockingChannel, delivery: Delivery, consumer: _SyncConsumer
     ) -> None:
-        try:
-            problem = unreadable(delivery)
-            if problem is not None:
-                raise DeadLetter(problem)  # no handler sees what it cannot read
-            consumer.handler(delivery)
-            outcome = outcome_of(None)
-        except Exception as exc:
-            outcome = outcome_of(exc)
-            if outcome.action is Action.DEAD_LETTER:
-                log.warning(
-                    "dead-lettering message %s from %s: %s",
-                    delivery.message_id,
-                    delivery.queue,
-                    outcome.reason,
-                )
-        metrics.DELIVERIES_BY_ACTION[outcome.action].inc()
+        """Execute what ``consuming`` decides (the asyncio core executes the same)."""
+        outcome = consuming.before_handler(delivery)
+        if outcome is None:
+            try:
+                consumer.handler(delivery)
+            except Exception as exc:
+                outcome = consuming.after_handler(delivery, exc)
+            else:
+                outcome = consuming.after_handler(delivery, None)
         try:
             self._settle(ch, delivery, outcome)
-        except Exception:
-            # The channel died: the broker requeues the delivery, and the hook hears so.
-            if consumer.on_settled is not None:
-                consumer.on_settled(delivery, Outcome(Action.REQUEUE, "channel lost"))
-            raise
+        except Exception as exc:
+            outcome = consuming.settle_lost(delivery, exc)
+            live = self._live
+            if live is not None and consuming.resubscribe_after_lost_settle(
+                channel_closed=ch.is_closed, connection_open=live.connection.is_open
+            ):
+                self._cancelled.setdefault(consumer.spec.tag, time.monotonic())  # by ``run``
         if consumer.on_settled is not None:
             consumer.on_settled(delivery, outcome)
 
     def _settle(self, ch: blocking.BlockingChannel, delivery: Delivery, outcome: Outcome) -> None:
-        match outcome.action:
-            case Action.ACK:
-                ch.basic_ack(delivery.delivery_tag)
-            case Action.REJECT:
-                ch.basic_reject(delivery.delivery_tag, requeue=False)
-            case Action.REQUEUE:
-                ch.basic_nack(delivery.delivery_tag, requeue=True)
-            case Action.DEAD_LETTER:
-                self.dead_letter(delivery, outcome.reason)
-                ch.basic_ack(delivery.delivery_tag)
+        tag = delivery.delivery_tag
+        for step in consuming.settle_steps(outcome):
+            match step:
+                case consuming.Step.ACK:
+                    ch.basic_ack(tag)
+                case consuming.Step.REJECT:
+                    ch.basic_reject(tag, requeue=False)
+                case consuming.Step.REQUEUE:
+                    ch.basic_nack(tag, requeue=True)
+                case consuming.Step.COPY_TO_DEAD_LETTER:
+                    self.dead_letter(delivery, outcome.reason)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy ``delivery`` to the layer's dead-letter queue with ``reason`` in its headers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from middleware.transport import (
     QueueSpec,
     SyncClient,
 )
+from middleware.transport.delivery import Action
 
 pytestmark = pytest.mark.rabbit
 
@@ -352,3 +354,59 @@ def test_short_operations_leave_nothing_behind(settings, name) -> None:
 
     before, after = asyncio.run(main())
     assert after - before < 20, f"{after - before} futures left by 200 operations"
+
+
+def test_a_settle_on_a_dead_channel_is_requeue_and_the_face_goes_on(face, name) -> None:
+    """The broker closes a consumer's channel while its handler runs (an ack with a tag it
+    never gave, 406): the settle meets a dead channel. Both faces (one logic in
+    ``transport.consuming``) report REQUEUE to the hook, raise nothing into their loop,
+    keep their connection, and subscribe the consumer again, so the requeued message is
+    handled again and every message ends acked once."""
+    face.call("declare_queue", QueueSpec(name))
+    settled: list[tuple[bytes, Action]] = []
+    handled: list[bytes] = []
+    tag = f"{name}-consumer"
+    client = face.client
+    connection = client._live.connection
+    for i in range(3):
+        face.call("publish", OutgoingMessage(f"m{i}".encode(), "", name))
+
+    if face.kind == "async":
+
+        async def handler(delivery) -> None:
+            handled.append(delivery.body)
+            if len(handled) == 1:
+                channel = await client._live.consumer_channels[tag].get_underlay_channel()
+                await channel.basic_ack(10**6)  # the broker closes the channel: 406
+                while not channel.is_closed:  # noqa: ASYNC110 (aiormq has no event)
+                    await asyncio.sleep(0.01)
+
+        async def hook(delivery, outcome) -> None:
+            settled.append((delivery.body, outcome.action))
+
+        face.loop.run(client.consume(name, handler, prefetch=1, tag=tag, on_settled=hook))
+    else:
+
+        def handler(delivery) -> None:
+            handled.append(delivery.body)
+            if len(handled) == 1:
+                channel = client._live.consumer_channels[tag]
+                channel.basic_ack(10**6)
+                deadline = time.monotonic() + 5
+                while channel.is_open and time.monotonic() < deadline:
+                    channel.connection.sleep(0.01)
+
+        client.consume(
+            name,
+            handler,
+            prefetch=1,
+            tag=tag,
+            on_settled=lambda d, o: settled.append((d.body, o.action)),
+        )
+    acked = lambda: sorted(b for b, a in settled if a is Action.ACK)  # noqa: E731
+    face.pump(15, until=lambda: len(acked()) >= 3)
+    assert settled[0] == (b"m0", Action.REQUEUE)
+    assert acked() == [b"m0", b"m1", b"m2"]  # the requeued one handled again, none twice
+    assert handled.count(b"m0") == 2
+    assert client._live.connection is connection  # the face kept its connection
+    face.call("delete_queue", name)

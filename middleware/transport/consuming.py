@@ -1,0 +1,100 @@
+"""What both faces decide about a delivery, once and without I/O.
+
+A face (the asyncio core, the pika face) only executes it::
+
+    outcome = before_handler(delivery)          # unreadable: dead-lettered, no handler
+    if outcome is None:
+        outcome = after_handler(delivery, err)  # the handler's return or exception
+    for step in settle_steps(outcome):          # the frames (and the dead-letter copy)
+        ...execute step...
+    # a step raised (the channel or connection died before the settle left):
+    outcome = settle_lost(delivery, exc)        # REQUEUE: the broker gives it back
+    resubscribe_after_lost_settle(...)          # the consumer's channel is gone, not
+                                                # the connection: subscribe it again
+
+and hands the final outcome to the consumer's ``on_settled`` hook. Both faces therefore
+say the same thing when a settle meets a dead channel: the hook hears REQUEUE with the
+reason, the face goes on (nothing is raised into the loop, no other consumer or
+publisher of the client is touched), and the consumer is subscribed again, so the
+delivery the broker requeued is handled again (the contract test
+``tests/integration/test_transport_contract.py`` checks it over both faces).
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+
+from . import metrics
+from .delivery import Action, Delivery, Outcome, outcome_of, unreadable
+
+__all__ = [
+    "Step",
+    "after_handler",
+    "before_handler",
+    "resubscribe_after_lost_settle",
+    "settle_lost",
+    "settle_steps",
+]
+
+log = logging.getLogger("middleware.transport")
+
+
+class Step(Enum):
+    """One thing a face does on the wire to settle a delivery."""
+
+    ACK = "basic.ack"
+    REJECT = "basic.reject"  # no requeue: the queue's own dead-letter exchange, if any
+    REQUEUE = "basic.nack requeue"
+    COPY_TO_DEAD_LETTER = "publish to the layer's dead-letter queue"
+
+
+_STEPS: dict[Action, tuple[Step, ...]] = {
+    Action.ACK: (Step.ACK,),
+    Action.REJECT: (Step.REJECT,),
+    Action.REQUEUE: (Step.REQUEUE,),
+    # the copy first: the original is acked only once its copy is published
+    Action.DEAD_LETTER: (Step.COPY_TO_DEAD_LETTER, Step.ACK),
+}
+
+
+def before_handler(delivery: Delivery) -> Outcome | None:
+    """A delivery the layer cannot read (another client's non-UTF-8 id, a timestamp past
+    9999, ...) is dead-lettered with its raw bytes and never reaches a handler."""
+    problem = unreadable(delivery)
+    return None if problem is None else _judged(delivery, Outcome(Action.DEAD_LETTER, problem))
+
+
+def after_handler(delivery: Delivery, error: BaseException | None) -> Outcome:
+    """The handler returned (``error`` None: ack) or raised: what its exception steers."""
+    return _judged(delivery, outcome_of(error))
+
+
+def _judged(delivery: Delivery, outcome: Outcome) -> Outcome:
+    metrics.DELIVERIES_BY_ACTION[outcome.action].inc()
+    if outcome.action is Action.DEAD_LETTER:
+        log.warning(
+            "dead-lettering message %s from %s: %s",
+            delivery.message_id,
+            delivery.queue,
+            outcome.reason,
+        )
+    return outcome
+
+
+def settle_steps(outcome: Outcome) -> tuple[Step, ...]:
+    return _STEPS[outcome.action]
+
+
+def settle_lost(delivery: Delivery, error: BaseException) -> Outcome:
+    """A settle step raised: the channel (or its connection) closed before the frame left.
+    The broker requeues what a closed channel held unacked, so the outcome is REQUEUE."""
+    log.info("could not settle %s on %s: %s", delivery.message_id, delivery.queue, error)
+    return Outcome(Action.REQUEUE, f"channel lost before settling: {error}")
+
+
+def resubscribe_after_lost_settle(*, channel_closed: bool, connection_open: bool) -> bool:
+    """After a lost settle: subscribe the consumer again when its channel closed under a
+    live connection. A dead connection is the connect loop's (it replays every consumer),
+    and a channel still open lost only that frame (nothing to do)."""
+    return channel_closed and connection_open

@@ -1,0 +1,60 @@
+"""The delivery logic both faces execute (``middleware.transport.consuming``), no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from middleware.errors import DeadLetter, Reject, Requeue
+from middleware.transport import consuming
+from middleware.transport.consuming import Step
+from middleware.transport.delivery import Action, Delivery, Outcome
+
+
+def test_each_outcome_settles_in_its_steps_and_a_dead_letter_is_copied_before_the_ack() -> None:
+    assert consuming.settle_steps(Outcome(Action.ACK)) == (Step.ACK,)
+    assert consuming.settle_steps(Outcome(Action.REJECT)) == (Step.REJECT,)
+    assert consuming.settle_steps(Outcome(Action.REQUEUE)) == (Step.REQUEUE,)
+    assert consuming.settle_steps(Outcome(Action.DEAD_LETTER, "why")) == (
+        Step.COPY_TO_DEAD_LETTER,
+        Step.ACK,
+    )
+
+
+def test_an_unreadable_delivery_never_reaches_a_handler() -> None:
+    assert consuming.before_handler(Delivery(b"x", "q", message_id="ok")) is None
+    late = consuming.before_handler(Delivery(b"x", "q", timestamp=1e12))
+    assert late is not None and late.action is Action.DEAD_LETTER and "9999" in late.reason
+
+
+@pytest.mark.parametrize(
+    ("error", "action"),
+    [
+        (None, Action.ACK),
+        (Reject("no"), Action.REJECT),
+        (Requeue(), Action.REQUEUE),
+        (DeadLetter("schema"), Action.DEAD_LETTER),
+        (KeyError("boom"), Action.DEAD_LETTER),
+    ],
+)
+def test_the_handler_steers_the_outcome(error, action) -> None:
+    assert consuming.after_handler(Delivery(b"x", "q"), error).action is action
+
+
+def test_a_lost_settle_is_requeue_with_its_reason() -> None:
+    outcome = consuming.settle_lost(Delivery(b"x", "q"), RuntimeError("channel 3 closed"))
+    assert outcome.action is Action.REQUEUE and "channel 3 closed" in outcome.reason
+
+
+@pytest.mark.parametrize(
+    ("channel_closed", "connection_open", "again"),
+    [(True, True, True), (True, False, False), (False, True, False), (False, False, False)],
+)
+def test_only_a_dead_channel_under_a_live_connection_is_subscribed_again(
+    channel_closed, connection_open, again
+) -> None:
+    assert (
+        consuming.resubscribe_after_lost_settle(
+            channel_closed=channel_closed, connection_open=connection_open
+        )
+        is again
+    )
