@@ -18,8 +18,8 @@ test: setup
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 lint: setup
-	$(BIN)/ruff check middleware tests spark
-	$(BIN)/ruff format --check middleware tests spark
+	$(BIN)/ruff check middleware qosmq_bench tests spark
+	$(BIN)/ruff format --check middleware qosmq_bench tests spark
 
 typecheck: setup
 	$(BIN)/mypy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ QOSMQ_* variable or a key of the --config file (docs/configuration.md).
 
 log = logging.getLogger("qosmq")
 DEFAULT_STATE_DIR = Path(os.environ.get("QOSMQ_STATE_DIR", ".qosmq"))
+COMMANDS_GROUP = "qosmq.commands"  # entry points: register(subparsers) -> None
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -80,11 +82,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _feature_commands() -> list[Callable[[Any], None]]:
-    """Commands contributed by feature packages (imported lazily to keep start-up fast)."""
-    from .bench import register as bench
+    """Commands of the library's parts (imported lazily to keep start-up fast), then
+    those other installed packages contribute through the ``qosmq.commands`` entry-point
+    group: the benchmarks (``qosmq bench``, ``qosmq spark``, ``qosmq demo``) come from
+    ``qosmq_bench`` that way, so the library imports nothing from them."""
+    from .queues.commands import register as spool
     from .sidecar.commands import register as sidecar
 
-    return [bench, sidecar]
+    plugins = [entry.load() for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP)]
+    return [*plugins, sidecar, spool]
 
 
 # ------------------------------------------------------------------ cluster

@@ -1,10 +1,10 @@
 """spark-submit entry point: ``spark-submit spark/confirms_job.py --help``.
 
-The job itself is ``middleware.bench.spark_confirms`` (installed with the package, so
+The job itself is ``qosmq_bench.spark_confirms`` (installed with the package, so
 executors import it by name); this file only starts it.
 """
 
-from middleware.bench.spark_confirms import main
+from qosmq_bench.spark_confirms import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

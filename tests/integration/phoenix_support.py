@@ -22,13 +22,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing
 from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.settings import Settings
 from middleware.transport import AsyncClient
+from qosmq_bench.phoenix_timeliness import phoenix_cli
 
 T = TypeVar("T")
 

@@ -336,8 +336,8 @@ def test_consumer_process_killed_holding_unacked_messages(
 
 def test_confirms_bench_cell_counts_every_message_and_its_client_cpu(settings) -> None:
     """`qosmq bench confirms` cells: nothing lost, and the client's CPU per message measured."""
-    from middleware.bench.commands import format_table
-    from middleware.bench.confirms import CellSpec, run_cell_sync
+    from qosmq_bench.commands import format_table
+    from qosmq_bench.confirms import CellSpec, run_cell_sync
 
     spec = CellSpec("e2e", 1, producers_per_queue=1, consumers_per_queue=1, duration_s=1.5)
     row = run_cell_sync(settings, spec)

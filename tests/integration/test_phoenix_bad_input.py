@@ -12,7 +12,6 @@ import time
 import pika
 import pytest
 
-from middleware.bench.phoenix_timeliness import phoenix_cli
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import ClientCore, PhoenixClient
 from middleware.routing.ids import RoleId
@@ -35,6 +34,7 @@ from middleware.transport import (
     QueueSpec,
 )
 from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
+from qosmq_bench.phoenix_timeliness import phoenix_cli
 from tests.integration.phoenix_support import write_topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import pytest
 
 from middleware import runtime
-from middleware.bench.phoenix_timeliness import Deployment, phoenix_cli
 from middleware.errors import EntityNotFound
 from middleware.routing.client import PhoenixClient
 from middleware.routing.ids import RoleId, role_queues
 from middleware.transport import AsyncClient
+from qosmq_bench.phoenix_timeliness import Deployment, phoenix_cli
 from tests.integration.phoenix_support import (
     attribute,
     event,

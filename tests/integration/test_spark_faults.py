@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from middleware.bench.spark_faults import arguments, execute
+from qosmq_bench.spark_faults import arguments, execute
 
 pytestmark = [pytest.mark.spark, pytest.mark.rabbit, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from middleware.bench.spark_confirms import arguments, execute
+from qosmq_bench.spark_confirms import arguments, execute
 
 pytestmark = [pytest.mark.spark, pytest.mark.rabbit, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, c
 
 
 def test_a_second_run_never_overwrites_the_first(tmp_path) -> None:
-    from middleware.bench.spark_confirms import _new_result_dir
+    from qosmq_bench.spark_confirms import _new_result_dir
 
     first, second = _new_result_dir(tmp_path), _new_result_dir(tmp_path)
     assert first != second and first.exists() and second.exists()

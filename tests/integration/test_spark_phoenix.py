@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from middleware.bench.spark_phoenix import arguments, claims, execute
+from qosmq_bench.spark_phoenix import arguments, claims, execute
 
 pytestmark = [pytest.mark.spark, pytest.mark.rabbit, pytest.mark.slow]
 

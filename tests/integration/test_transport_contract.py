@@ -263,7 +263,7 @@ def test_coalesced_writes_lose_nothing_and_share_socket_writes(
 
 def _bench(settings: Settings, clients: list[str], *, messages: int, repeats: int) -> list:
     """``qosmq bench transport``'s cells for ``clients``, 64-byte messages, no printing."""
-    from middleware.bench.transport import run_transport
+    from qosmq_bench.transport import run_transport
 
     return run_transport(
         settings,

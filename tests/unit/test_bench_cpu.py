@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from middleware.bench.cpu import CpuMeter, busiest_by_kind, role_kind
+from qosmq_bench.cpu import CpuMeter, busiest_by_kind, role_kind
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
 

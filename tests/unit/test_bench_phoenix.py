@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
-    from middleware.bench.phoenix_timeliness import summarize
+    from qosmq_bench.phoenix_timeliness import summarize
 
     def row(mechanism: str, rate: float, mean: float, p99: float | None) -> dict[str, object]:
         return {
@@ -38,8 +38,8 @@ def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup
 ) -> None:
     """The queues a deployment deletes are exactly its roles' inboxes and control queues;
     a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
-    from middleware.bench.phoenix_timeliness import Deployment
     from middleware.routing.ids import role_queues
+    from qosmq_bench.phoenix_timeliness import Deployment
 
     deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])
     names = role_queues(deployment.topology)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from middleware.bench.phoenix_timeliness import remeasure_while_stolen, summarize
+from qosmq_bench.phoenix_timeliness import remeasure_while_stolen, summarize
 
 
 def readings(*steals: float | None) -> Any:
@@ -84,8 +84,8 @@ def test_discarded_cells_are_left_out_of_the_summary() -> None:
 
 
 def test_the_report_lists_discarded_and_disturbed_cells() -> None:
-    from middleware.bench.spark_phoenix import PhoenixGrid, _report
     from middleware.settings import Settings
+    from qosmq_bench.spark_phoenix import PhoenixGrid, _report
 
     grid = PhoenixGrid("rate", (10,), (100.0,), ("none",), 1.0, 1, 0.0)
     cells = [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from middleware.bench.spark_confirms import _charts, _colour, _ratio_std, summarise_repeats
+from qosmq_bench.spark_confirms import _charts, _colour, _ratio_std, summarise_repeats
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")

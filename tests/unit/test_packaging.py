@@ -27,6 +27,7 @@ def test_dockerfile_installs_the_package_and_runs_the_cli() -> None:
     text = (ROOT / "docker" / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11", text, re.M)
     assert "pip install" in text and 'ENTRYPOINT ["qosmq"]' in text
+    assert "COPY qosmq_bench" in text  # the image's default command is a benchmark
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -41,3 +42,34 @@ def test_console_script_and_extras() -> None:
     assert project["scripts"]["qosmq"] == "middleware.cli:main"
     assert {"spark", "test", "dev"} <= set(project["optional-dependencies"])
     assert (ROOT / "middleware" / "py.typed").exists()
+
+
+def test_the_library_imports_nothing_from_the_benchmarks() -> None:
+    """``qosmq_bench`` uses the library; the library never imports it (#25 item 4)."""
+    import ast
+
+    offenders = []
+    for source in (ROOT / "middleware").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [f"{source}: {n}" for n in names if n.split(".")[0] == "qosmq_bench"]
+    assert offenders == []
+    assert not (ROOT / "middleware" / "bench").exists()
+
+
+def test_the_benchmark_commands_come_through_the_entry_point_group() -> None:
+    import importlib.metadata
+
+    from middleware.cli import COMMANDS_GROUP, _parser
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"][COMMANDS_GROUP]
+    assert declared == {"bench": "qosmq_bench.commands:register"}
+    installed = {e.name: e.value for e in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
+    assert installed == declared  # the editable install is up to date
+    commands = _parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert {"bench", "spark", "demo", "spool", "sidecar", "phoenix", "cluster"} <= set(commands)

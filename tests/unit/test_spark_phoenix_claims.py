@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from middleware.bench.spark_phoenix import claims
+from qosmq_bench.spark_phoenix import claims
 
 
 def test_the_claim_is_checked_per_point_in_mean_and_p99() -> None:

@@ -21,9 +21,9 @@ from typing import Any
 
 import aio_pika
 
-from ..queues import AsyncQueues, EnqueueStatus
-from ..settings import Settings
-from ..transport import AsyncClient
+from middleware.queues import AsyncQueues, EnqueueStatus
+from middleware.settings import Settings
+from middleware.transport import AsyncClient
 
 __all__ = ["run_queue_bench"]
 

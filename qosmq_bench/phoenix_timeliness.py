@@ -35,19 +35,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .. import runtime
-from ..cliargs import integer, names, number, numbers
-from ..routing import ChordRing, LatencyMap
-from ..routing.client import PhoenixClient
-from ..routing.deployment import PhoenixDeployment
-from ..routing.ids import RoleId, role_queues
-from ..routing.protocol import PhoenixTopology
-from ..routing.records import LatencyEntry, SubscriptionRecord
-from ..routing.roles import reconfigure
-from ..routing.store import open_store
-from ..runtime import EventLoopName
-from ..settings import Settings
-from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+from middleware import runtime
+from middleware.cliargs import integer, names, number, numbers
+from middleware.routing import ChordRing, LatencyMap
+from middleware.routing.client import PhoenixClient
+from middleware.routing.deployment import PhoenixDeployment
+from middleware.routing.ids import RoleId, role_queues
+from middleware.routing.protocol import PhoenixTopology
+from middleware.routing.records import LatencyEntry, SubscriptionRecord
+from middleware.routing.roles import reconfigure
+from middleware.routing.store import open_store
+from middleware.runtime import EventLoopName
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
+
 from .cpu import CpuMeter, busiest_by_kind
 from .stats import percentile
 

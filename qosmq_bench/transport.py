@@ -23,10 +23,10 @@ from typing import Any, cast
 import aio_pika
 import pika
 
-from .. import runtime
-from ..runtime import EventLoopName
-from ..settings import Settings
-from ..transport import (
+from middleware import runtime
+from middleware.runtime import EventLoopName
+from middleware.settings import Settings
+from middleware.transport import (
     AsyncClient,
     Delivery,
     OutgoingMessage,

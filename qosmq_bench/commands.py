@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, runtime
-from ..cliargs import integer, integers, names, number, numbers, path
-from ..errors import InvalidArgument
-from ..settings import Settings
+from middleware import __version__, runtime
+from middleware.cliargs import integer, integers, names, number, numbers, path
+from middleware.errors import InvalidArgument
+from middleware.settings import Settings
+
 from .confirms import MODES, CellSpec, run_cell_sync
 from .stats import whole
 
@@ -34,7 +35,7 @@ def register(sub: Any) -> None:
     demo.add_argument("--out", type=path, default=Path("results"), help="Spark job results")
     demo.set_defaults(run=_run_demo)
     balance = cmds.add_parser("balance", help="weighted dispatch vs round robin (paper 001)")
-    from ..balancer import ALGORITHMS
+    from middleware.balancer import ALGORITHMS
 
     balance.add_argument(
         "--algorithms", type=names(ALGORITHMS), default="round_robin,paper,inverse,predictive"
@@ -165,15 +166,6 @@ def register(sub: Any) -> None:
     queues.add_argument("--window", type=integer(1, 65_536), default=256)
     queues.add_argument("--json", type=path)
     queues.set_defaults(run=_run_queues)
-    spool = sub.add_parser("spool", help="the local spool of the persistent-queue API")
-    spool_cmds = spool.add_subparsers(title="spool commands", required=True)
-    for name, help_ in (
-        ("status", "messages waiting, per queue"),
-        ("drain", "send the spool to the broker now"),
-    ):
-        p = spool_cmds.add_parser(name, help=help_)
-        p.add_argument("--path", type=path, help="spool file (default: settings)")
-        p.set_defaults(run=_run_spool, action=name)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
     job = jobs.add_parser("confirms", help="confirm modes x queue counts, with a report")
@@ -325,7 +317,7 @@ def _run_confirms(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace) -> int:
     """Cluster up, then a short Spark job (or, without PySpark, the same cells directly)."""
-    from ..localcluster import LocalCluster
+    from middleware.localcluster import LocalCluster
 
     cells = _cells(args)  # refuse a bad grid before starting anything
     cluster = LocalCluster.open(args.state_dir)
@@ -831,28 +823,6 @@ def _run_transport(args: argparse.Namespace) -> int:
         records = {"cells": rows, "summary": summary, **_provenance(args.settings)}
         args.json.write_text(json.dumps(records, indent=2))
     return 0
-
-
-def _run_spool(args: argparse.Namespace) -> int:
-    from ..queues import AsyncQueues, Spool
-    from ..transport import AsyncClient
-
-    settings = args.settings
-    path = args.path or settings.queues.spool_path
-    spool = Spool.open_existing(path)  # operator commands never create one
-    if args.action == "status":
-        print(json.dumps(spool.stats(), indent=2))
-        return 0
-
-    async def drain() -> int:
-        queues = AsyncQueues(AsyncClient(settings=settings), spool=spool)
-        await queues.client.connect()
-        report = await queues.recover()
-        await queues.client.close()
-        print(json.dumps({"replayed": report.replayed, "remaining": report.remaining}))
-        return 0 if report.remaining == 0 else 1
-
-    return runtime.run(drain(), event_loop=settings.event_loop)
 
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:

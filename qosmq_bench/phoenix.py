@@ -12,7 +12,7 @@ import random
 import time
 from typing import Any
 
-from ..routing import Filter, SubscriptionIndex
+from middleware.routing import Filter, SubscriptionIndex
 
 __all__ = ["matching_throughput"]
 

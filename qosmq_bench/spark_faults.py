@@ -31,8 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cliargs import Parser, integer, names, number, path
-from ..settings import Settings
+from middleware.cliargs import Parser, integer, names, number, path
+from middleware.settings import Settings
+
 from . import spark_common
 from .spark_common import failure, new_result_dir, on_executor, provenance, session, write_csv
 

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cliargs import Parser, integers, path
-from ..settings import Settings
+from middleware.cliargs import Parser, integers, path
+from middleware.settings import Settings
+
 from . import spark_common
 from .phoenix_timeliness import MECHANISMS, run_experiment, steal_limits, timeliness_arguments
 from .spark_common import (

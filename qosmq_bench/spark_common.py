@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..errors import ConfigurationError
-from ..settings import Settings
+from middleware import __version__
+from middleware.errors import ConfigurationError
+from middleware.settings import Settings
 
 __all__ = [
     "StopAfterCell",

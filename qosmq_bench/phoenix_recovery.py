@@ -40,13 +40,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .. import runtime
-from ..localcluster.manager import pid_alive
-from ..routing.client import PhoenixClient
-from ..routing.deployment import PhoenixDeployment
-from ..routing.ids import RoleId, RoleKind
-from ..settings import Settings
-from ..transport import AsyncClient, Delivery
+from middleware import runtime
+from middleware.localcluster.manager import pid_alive
+from middleware.routing.client import PhoenixClient
+from middleware.routing.deployment import PhoenixDeployment
+from middleware.routing.ids import RoleId, RoleKind
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, Delivery
+
 from .phoenix_timeliness import Deployment
 from .stats import by_rate_and, percentile, row_percentile
 

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import runtime
-from ..localcluster.proxy import FaultProxy
-from ..routing.ids import RoleId
-from ..routing.records import SubscriptionRecord
-from ..settings import Settings
+from middleware import runtime
+from middleware.localcluster.proxy import FaultProxy
+from middleware.routing.ids import RoleId
+from middleware.routing.records import SubscriptionRecord
+from middleware.settings import Settings
+
 from .phoenix_recovery import _drop, _log_lines_after, _Stream, _subscribe
 from .phoenix_timeliness import Deployment
 from .stats import by_rate_and, percentile, row_percentile

@@ -17,9 +17,15 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..balancer import ALGORITHMS, BalancedPublisher, BalancerSidecar, declare_replicated_topic
-from ..settings import Settings
-from ..transport import AsyncClient, Delivery, QueueKind
+from middleware.balancer import (
+    ALGORITHMS,
+    BalancedPublisher,
+    BalancerSidecar,
+    declare_replicated_topic,
+)
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, Delivery, QueueKind
+
 from .stats import percentile
 
 __all__ = ["BalanceCell", "run_balance_cell"]

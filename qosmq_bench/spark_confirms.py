@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cliargs import Parser, integer, integers, names, number, path
-from ..settings import Settings
+from middleware.cliargs import Parser, integer, integers, names, number, path
+from middleware.settings import Settings
+
 from . import spark_common
 from .confirms import MODES, CellSpec, run_cell_sync
 from .spark_common import (

@@ -25,10 +25,10 @@ from typing import Any
 
 import aio_pika
 
-from .. import runtime
-from ..confirms import AsyncConfirmConsumer, AsyncConfirmPublisher, ConfirmMode
-from ..settings import Settings
-from ..transport import (
+from middleware import runtime
+from middleware.confirms import AsyncConfirmConsumer, AsyncConfirmPublisher, ConfirmMode
+from middleware.settings import Settings
+from middleware.transport import (
     AsyncClient,
     BindingSpec,
     Delivery,
@@ -37,6 +37,7 @@ from ..transport import (
     QueueKind,
     QueueSpec,
 )
+
 from .cpu import CpuMeter
 from .stats import percentile
 
