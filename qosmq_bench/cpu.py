@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from middleware.routing.ids import RoleId, RoleKind
+from middleware.routing import RoleId, RoleKind
 
 __all__ = ["CpuMeter", "busiest_by_kind", "role_kind"]
 

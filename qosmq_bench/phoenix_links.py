@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from middleware import runtime
-from middleware.localcluster.proxy import FaultProxy
-from middleware.routing.ids import RoleId
-from middleware.routing.records import SubscriptionRecord
+from middleware.localcluster import FaultProxy
+from middleware.routing import RoleId, SubscriptionRecord
 from middleware.settings import Settings
 
 from .phoenix_recovery import _drop, _log_lines_after, _Stream, _subscribe

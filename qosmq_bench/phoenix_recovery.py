@@ -41,10 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from middleware import runtime
-from middleware.localcluster.manager import pid_alive
-from middleware.routing.client import PhoenixClient
-from middleware.routing.deployment import PhoenixDeployment
-from middleware.routing.ids import RoleId, RoleKind
+from middleware.localcluster import pid_alive
+from middleware.routing import PhoenixClient, PhoenixDeployment, RoleId, RoleKind
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery
 

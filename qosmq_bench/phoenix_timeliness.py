@@ -31,20 +31,20 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from middleware import runtime
 from middleware.cliargs import integer, names, number, numbers
-from middleware.routing import ChordRing, LatencyMap
-from middleware.routing.client import PhoenixClient
-from middleware.routing.deployment import PhoenixDeployment
-from middleware.routing.ids import RoleId, role_queues
-from middleware.routing.protocol import PhoenixTopology
-from middleware.routing.records import LatencyEntry, SubscriptionRecord
-from middleware.routing.roles import reconfigure
-from middleware.routing.store import open_store
+from middleware.routing import (
+    ChordRing,
+    PhoenixClient,
+    PhoenixDeployment,
+    PhoenixTopology,
+    SubscriptionRecord,
+    role_queues,
+)
 from middleware.runtime import EventLoopName
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
@@ -205,37 +205,7 @@ class Deployment:
 
     def preload(self, subscriptions: Iterator[tuple[str, str, SubscriptionRecord]]) -> int:
         """Write subscriptions and latency tables as the roles would hold them."""
-        per_owner: dict[str, dict[str, tuple[int, dict[str, Any]]]] = defaultdict(dict)
-        tables: dict[str, LatencyMap] = defaultdict(LatencyMap)
-        n = 0
-        for sid, at, record in subscriptions:
-            event_type = record.event_type
-            path = self.ring.route(at, event_type)
-            for router in path:  # every routing master on the path saw the subscription
-                tables[router].add(event_type, record.latency_level)
-            per_owner[path[-1]][sid] = (1, replace(record, path=path).to_document())
-            n += 1
-        store = open_store(str(self.store_path))
-        try:
-            for cluster in self.clusters:
-                docs = per_owner.get(cluster, {})
-                for role in [
-                    RoleId.match(cluster, 0),
-                    *(RoleId.match_slave(cluster, 0, j) for j in range(self.match_slaves)),
-                ]:
-                    store.snapshot(role.owner, "subscription", docs)
-                entries = {
-                    et: (1, LatencyEntry(total, count).to_document())
-                    for et, (total, count) in tables[cluster].entries.items()
-                }
-                for role in [
-                    RoleId.router(cluster),
-                    *(RoleId.router_slave(cluster, j) for j in range(self.routing_slaves)),
-                ]:
-                    store.snapshot(role.owner, "routing_table", entries)
-        finally:
-            store.close()
-        return n
+        return self.phoenix().preload(subscriptions)
 
     def processes(self) -> dict[str, int]:
         """The running roles' PIDs by process key (``A/router``, ...)."""
@@ -512,12 +482,7 @@ def run_experiment(
                             "batch_max": deployment.topology.batch_max,
                             **MECHANISMS[mechanism],
                         }
-                        runtime.run(
-                            reconfigure(
-                                settings, deployment.topology, deployment.clusters, **switches
-                            ),
-                            event_loop=loop,
-                        )
+                        deployment.phoenix().reconfigure(**switches)
                         key = {
                             "subscriptions": count,
                             "loaded": loaded,

@@ -1,5 +1,8 @@
 """What the Spark jobs share: the session, the settings that travel with a task, result
-folders that never overwrite, CSV output and Ctrl-C between tasks."""
+folders that never overwrite, CSV output, Ctrl-C between tasks, and the one job shape
+(``drive``: each task on an executor, its rows and per-event records back, the records
+appended to Parquet, errors kept as data) that the confirm-mode, Phoenix and failure
+jobs run."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,9 @@ from middleware.errors import ConfigurationError
 from middleware.settings import Settings
 
 __all__ = [
+    "Driven",
     "StopAfterCell",
+    "drive",
     "execute",
     "failure",
     "hms",
@@ -172,3 +178,57 @@ def execute(
     print(f"results: {out}")
     print((out / "report.md").read_text())
     return 0
+
+
+@dataclass
+class Driven:
+    """What a job's tasks brought back: their rows (records taken out), their errors,
+    whether any record reached ``records.parquet``, whether Ctrl-C stopped it early."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    records_written: bool = False
+    interrupted: bool = False
+
+
+def drive(
+    spark: Any,
+    out: Path,
+    function: Callable[..., dict[str, Any]],
+    payload: Mapping[str, Any],
+    tasks: Sequence[dict[str, Any]],
+    *,
+    extra: Sequence[Any] = (),
+    append_records: Callable[[Any, Path, dict[str, Any], Sequence[Any]], None] | None = None,
+    label: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+    progress: Callable[[int, dict[str, Any], dict[str, Any]], None] | None = None,
+) -> Driven:
+    """The one job shape: ``function(payload, task, *extra)`` as one Spark task per task,
+    in order. It returns ``{"rows": [...]}`` (each row may carry ``records``: per-event
+    tuples, handed to ``append_records`` and not kept in the row) and, if it failed,
+    ``error`` and ``trace`` with the rows finished before. A first Ctrl-C stops after the
+    current task, a second at once; what finished is returned either way."""
+    driven = Driven()
+    try:
+        with StopAfterCell() as stop:
+            for i, task in enumerate(tasks, 1):
+                if stop.requested:
+                    driven.interrupted = True
+                    break
+                result = on_executor(spark, function, dict(payload), task, *extra)
+                for row in result.get("rows", []):
+                    records = row.pop("records", None)
+                    driven.rows.append(row)
+                    if records and append_records is not None:
+                        append_records(spark, out, row, records)
+                        driven.records_written = True
+                if "error" in result:
+                    driven.errors.append({**label(task), "error": result["error"]})
+                    print(result.get("trace", ""), file=sys.stderr)
+                if progress is not None:
+                    progress(i, task, result)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now
+        driven.interrupted = True
+    if driven.interrupted:
+        print("\ninterrupted: writing the finished cells", file=sys.stderr)
+    return driven

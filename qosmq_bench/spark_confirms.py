@@ -37,11 +37,10 @@ from middleware.settings import Settings
 from . import spark_common
 from .confirms import MODES, CellSpec, run_cell_sync
 from .spark_common import (
-    StopAfterCell,
+    drive,
     failure,
     hms,
     new_result_dir,
-    on_executor,
     provenance,
     pyplot,
     session,
@@ -148,14 +147,18 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
 
 
 # ------------------------------------------------------------------ executor side
-def _run_on_executor(settings_data: dict[str, Any], cell_data: dict[str, Any]) -> dict[str, Any]:
-    """Runs inside a Spark task: one cell against the brokers; errors come back as data."""
+def _run_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside a Spark task: one cell against the brokers; errors come back as data
+    (a failed cell is a row with its error: ``cells.json`` keeps it)."""
     settings = Settings.load(**settings_data)
-    cell = CellSpec(**cell_data)
+    cell = CellSpec(**task["cell"])
     try:
-        return run_cell_sync(settings, cell, records=True)
+        result = run_cell_sync(settings, cell, records=True)
     except Exception as exc:
-        return {"mode": cell.mode, "queues": cell.queues, **failure(exc)}
+        result = {"mode": cell.mode, "queues": cell.queues, **failure(exc)}
+    result.pop("trace", None)
+    result.update(repeat=task["repeat"], duration_s=result.get("duration_s", cell.duration_s))
+    return {"rows": [result]}
 
 
 # -------------------------------------------------------------------- driver side
@@ -172,32 +175,23 @@ def run(args: argparse.Namespace) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    cells: list[dict[str, Any]] = []
-    records_written = False
-    interrupted = False
-    payload = settings_payload(settings)
+    tasks = [{"cell": asdict(cell), "repeat": repeat} for repeat, cell in grid.cells()]
     try:
-        with _progress(grid, args.no_progress) as advance, StopAfterCell() as stop:
-            for repeat, cell in grid.cells():
-                if stop.requested:
-                    interrupted = True
-                    break
-                result = on_executor(spark, _run_on_executor, payload, asdict(cell))
-                result.update(repeat=repeat, duration_s=result.get("duration_s", cell.duration_s))
-                records = result.pop("records", None)
-                result.pop("trace", None)
-                cells.append(result)
-                if records:
-                    _append_records(spark, out, cell, repeat, records)
-                    records_written = True
-                advance(cell, result)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now
-        interrupted = True
-    if interrupted:
-        print("\ninterrupted: writing the finished cells", file=sys.stderr)
-    try:
-        summary = aggregate(spark, out, cells) if records_written else []
-        write_outputs(out, grid, cells, summary, settings, interrupted)
+        with _progress(grid, args.no_progress) as advance:
+            driven = drive(
+                spark,
+                out,
+                _run_on_executor,
+                settings_payload(settings),
+                tasks,
+                append_records=_append_records,
+                progress=lambda _i, task, result: advance(
+                    CellSpec(**task["cell"]), result["rows"][0]
+                ),
+            )
+        cells = driven.rows
+        summary = aggregate(spark, out, cells) if driven.records_written else []
+        write_outputs(out, grid, cells, summary, settings, driven.interrupted)
     finally:
         spark.stop()
     return out
@@ -206,8 +200,7 @@ def run(args: argparse.Namespace) -> Path:
 def _append_records(
     spark: Any,
     out: Path,
-    cell: CellSpec,
-    repeat: int,
+    cell: dict[str, Any],
     records: Sequence[tuple[str, float, float | None, float | None]],
 ) -> None:
     from pyspark.sql.types import DoubleType, IntegerType, StringType, StructField, StructType
@@ -223,7 +216,8 @@ def _append_records(
             StructField("handled", DoubleType(), True),
         ]
     )
-    rows = [(cell.mode, cell.queues, repeat, m, s, c, h) for m, s, c, h in records]
+    key = (cell["mode"], cell["queues"], cell["repeat"])
+    rows = [(*key, m, s, c, h) for m, s, c, h in records]
     spark.createDataFrame(rows, schema).write.mode("append").parquet(str(out / "records.parquet"))
 
 

@@ -35,7 +35,7 @@ from middleware.cliargs import Parser, integer, names, number, path
 from middleware.settings import Settings
 
 from . import spark_common
-from .spark_common import failure, new_result_dir, on_executor, provenance, session, write_csv
+from .spark_common import drive, failure, new_result_dir, provenance, session, write_csv
 
 __all__ = ["TARGETS_S", "aggregate", "arguments", "execute", "main"]
 
@@ -155,9 +155,9 @@ def _run_on_executor(
                     subscriptions=options["subscriptions"],
                     seconds=max(options["stream"], 10.0),
                 )
-        return {"task": task, "rows": rows}
     except Exception as exc:
-        return {"task": task, "rows": [], **failure(exc)}
+        return {"rows": [], **failure(exc)}
+    return {"rows": [{**row, "run": task["run"]} for row in rows]}
 
 
 # -------------------------------------------------------------------- driver side
@@ -171,32 +171,34 @@ def run(args: argparse.Namespace) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    payload = spark_common.settings_payload(settings)
     options = {
         "stream": args.stream,
         "subscriptions": args.subscriptions,
         "work_dir": str(args.work_dir) if args.work_dir else None,
     }
-    rows: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
+
+    def progress(i: int, task: dict[str, Any], result: dict[str, Any]) -> None:
+        print(
+            f"[{i}/{len(tasks)}] {task['kind']} at {task['rate']:g}/s: "
+            f"{result.get('error') or 'done'}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     try:
-        for i, task in enumerate(tasks, 1):
-            result = on_executor(spark, _run_on_executor, payload, task, options)
-            for row in result["rows"]:
-                rows.append({**row, "run": task["run"]})
-            if "error" in result:
-                errors.append({**task, "error": result["error"]})
-                print(result["trace"], file=sys.stderr)
-            print(
-                f"[{i}/{len(tasks)}] {task['kind']} at {task['rate']:g}/s: "
-                f"{result.get('error') or 'done'}",
-                file=sys.stderr,
-                flush=True,
-            )
-        summary = aggregate(spark, args.experiment, rows)
+        driven = drive(
+            spark,
+            out,
+            _run_on_executor,
+            spark_common.settings_payload(settings),
+            tasks,
+            extra=(options,),
+            progress=progress,
+        )
+        summary = aggregate(spark, args.experiment, driven.rows)
     finally:
         spark.stop()
-    _write(out, args.experiment, rows, errors, summary, settings)
+    _write(out, args.experiment, driven.rows, driven.errors, summary, settings)
     return out
 
 

@@ -36,11 +36,10 @@ from middleware.settings import Settings
 from . import spark_common
 from .phoenix_timeliness import MECHANISMS, run_experiment, steal_limits, timeliness_arguments
 from .spark_common import (
-    StopAfterCell,
+    drive,
     failure,
     hms,
     new_result_dir,
-    on_executor,
     provenance,
     pyplot,
     session,
@@ -187,9 +186,15 @@ def _run_count_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) 
                 steal_retries=grid.steal_retries,
                 inbox_mirrors=grid.inbox_mirrors,
             )
-        return {"subscriptions": count, "rows": rows}
     except Exception as exc:
-        return {"subscriptions": count, "rows": rows, **failure(exc)}
+        return {"rows": _keyed(rows), **failure(exc)}
+    return {"rows": _keyed(rows)}
+
+
+def _keyed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for row in rows:
+        row.setdefault("repeat", 0)
+    return rows
 
 
 # -------------------------------------------------------------------- driver side
@@ -206,43 +211,38 @@ def run(args: argparse.Namespace) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    payload = settings_payload(settings)
-    cells: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    records_written = interrupted = False
+    tasks = [
+        {
+            **asdict(grid),
+            "subscriptions": [count],
+            "work_dir": str(args.work_dir) if args.work_dir else None,  # + subs-N
+        }
+        for count in grid.subscriptions
+    ]
+
+    def progress(i: int, task: dict[str, Any], result: dict[str, Any]) -> None:
+        if not args.no_progress:
+            state = result.get("error") or f"{len(result['rows'])} cells"
+            print(
+                f"[{i}/{len(tasks)}] {task['subscriptions'][0]} subscriptions: {state}",
+                file=sys.stderr,
+                flush=True,
+            )
+
     try:
-        with StopAfterCell() as stop:
-            for i, count in enumerate(grid.subscriptions, 1):
-                if stop.requested:
-                    interrupted = True
-                    break
-                task = {**asdict(grid), "subscriptions": [count]}
-                task["work_dir"] = str(args.work_dir) if args.work_dir else None  # + subs-N
-                result = on_executor(spark, _run_count_on_executor, payload, task)
-                for row in result["rows"]:
-                    records = row.pop("records", None) or []
-                    row.setdefault("repeat", 0)
-                    cells.append(row)
-                    if records:  # a discarded row (measured again) comes without them
-                        _append_records(spark, out, row, records)
-                        records_written = True
-                if "error" in result:
-                    errors.append({"subscriptions": count, "error": result["error"]})
-                    print(result["trace"], file=sys.stderr)
-                if not args.no_progress:
-                    state = result.get("error") or f"{len(result['rows'])} cells"
-                    print(
-                        f"[{i}/{len(grid.subscriptions)}] {count} subscriptions: {state}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now
-        interrupted = True
-    if interrupted:
-        print("\ninterrupted: writing the finished cells", file=sys.stderr)
-    try:
-        summary = aggregate(spark, out, cells) if records_written else []
-        write_outputs(out, grid, cells, errors, summary, settings, interrupted)
+        driven = drive(
+            spark,
+            out,
+            _run_count_on_executor,
+            settings_payload(settings),
+            tasks,
+            append_records=_append_records,
+            label=lambda task: {"subscriptions": task["subscriptions"][0]},
+            progress=progress,
+        )
+        cells = driven.rows
+        summary = aggregate(spark, out, cells) if driven.records_written else []
+        write_outputs(out, grid, cells, driven.errors, summary, settings, driven.interrupted)
     finally:
         spark.stop()
     return out

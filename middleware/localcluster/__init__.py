@@ -2,10 +2,12 @@
 
 from .layout import ClusterLayout, NodeLayout
 from .manager import ClusterError, LocalCluster, NodeExited, RabbitMQMissing, pid_alive
+from .proxy import FaultProxy
 
 __all__ = [
     "ClusterError",
     "ClusterLayout",
+    "FaultProxy",
     "LocalCluster",
     "NodeExited",
     "NodeLayout",

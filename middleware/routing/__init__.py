@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .ids import RoleId, RoleKind
+from .ids import RoleId, RoleKind, role_queues
 from .matching import Event, Filter, FilterError, Op, Predicate, SubscriptionIndex
 from .replicas import Quorum, Versioned
 from .ring import ChordRing, Handover, ring_id
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .client import PhoenixClient, SubscriptionUnconfirmed, SyncPhoenixClient
     from .deployment import DeploymentError, PhoenixDeployment, RoleStatus
     from .protocol import PhoenixTopology
-    from .records import RecordError
+    from .records import RecordError, SubscriptionRecord
 
 _LAZY = {
     "PhoenixClient": "client",
@@ -45,6 +45,7 @@ _LAZY = {
     "RoleStatus": "deployment",
     "PhoenixTopology": "protocol",
     "RecordError": "records",
+    "SubscriptionRecord": "records",
 }
 
 
@@ -78,6 +79,7 @@ __all__ = [
     "RoleKind",
     "RoleStatus",
     "SubscriptionIndex",
+    "SubscriptionRecord",
     "SubscriptionUnconfirmed",
     "SyncPhoenixClient",
     "Versioned",
@@ -85,5 +87,6 @@ __all__ = [
     "mean_processing_time",
     "predicted_queue",
     "ring_id",
+    "role_queues",
     "round_robin",
 ]

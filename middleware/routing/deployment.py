@@ -18,8 +18,9 @@ import signal
 import sys
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,11 @@ from .ids import RoleId, RoleKind
 from .messages import Join, encode
 from .node import take_over
 from .protocol import MAX_PRIORITY, PhoenixTopology
+from .records import LatencyEntry, SubscriptionRecord
+from .ring import ChordRing, ring_id
 from .roles import cluster_settings, inbox_spec, reconfigure
+from .store import open_store
+from .timeliness import LatencyMap
 from .zygote import Zygote
 
 __all__ = ["DeploymentError", "LocalProvisioner", "PhoenixDeployment", "RoleStatus"]
@@ -294,6 +299,44 @@ class PhoenixDeployment:
             event_loop=self.settings.event_loop,
         )
         return RoleId.from_owner(master)
+
+    def preload(self, subscriptions: Iterable[tuple[str, str, SubscriptionRecord]]) -> int:
+        """Write ``(subscription id, cluster it was made at, record)`` into the state store
+        as the roles would hold them had each been subscribed (the owner's match master
+        and its slaves; every routing master on the ring path its latency level), before
+        ``up``: a benchmark's 200 000 subscriptions in seconds, not 200 000 round trips.
+        How many were written."""
+        ring = ChordRing(c.id for c in self.topology.clusters if c.joined)
+        per_master: dict[RoleId, dict[str, tuple[int, dict[str, Any]]]] = defaultdict(dict)
+        tables: dict[str, LatencyMap] = defaultdict(LatencyMap)
+        written = 0
+        for sid, at, record in subscriptions:
+            et = record.event_type
+            path = ring.route(at, et)
+            for router in path:  # every routing master on the path saw the subscription
+                tables[router].add(et, record.latency_level)
+            owner = self.topology.cluster(path[-1])
+            master = RoleId.match(owner.id, ring_id(et) % owner.match_masters)  # as routed
+            per_master[master][sid] = (1, replace(record, path=path).to_document())
+            written += 1
+        store = open_store(self.topology.state_store)
+        try:
+            for spec in self.topology.clusters:
+                for i in range(spec.match_masters):
+                    master = RoleId.match(spec.id, i)
+                    docs = per_master.get(master, {})
+                    for role in [master, *master.slaves(spec)]:
+                        store.snapshot(role.owner, "subscription", docs)
+                entries = {
+                    et: (1, LatencyEntry(total, count).to_document())
+                    for et, (total, count) in tables[spec.id].entries.items()
+                }
+                routing = RoleId.router(spec.id)
+                for role in [routing, *routing.slaves(spec)]:
+                    store.snapshot(role.owner, "routing_table", entries)
+        finally:
+            store.close()
+        return written
 
     def reconfigure(self, *, timeout_s: float = 30.0, **switches: object) -> list[str]:
         """Switch ``outer``/``inner``/``blind_dispatch``/``batch_max`` live on every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import tomllib
 from pathlib import Path
@@ -44,20 +45,21 @@ def test_console_script_and_extras() -> None:
     assert (ROOT / "middleware" / "py.typed").exists()
 
 
+def _imports(package: str) -> list[tuple[str, str]]:
+    """(file name, absolute module imported) for every import in a package's sources."""
+    found = []
+    for source in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(source.name, alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append((source.name, node.module))
+    return found
+
+
 def test_the_library_imports_nothing_from_the_benchmarks() -> None:
     """``qosmq_bench`` uses the library; the library never imports it (#25 item 4)."""
-    import ast
-
-    offenders = []
-    for source in (ROOT / "middleware").rglob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            offenders += [f"{source}: {n}" for n in names if n.split(".")[0] == "qosmq_bench"]
-    assert offenders == []
+    assert [i for i in _imports("middleware") if i[1].split(".")[0] == "qosmq_bench"] == []
     assert not (ROOT / "middleware" / "bench").exists()
 
 
@@ -73,3 +75,14 @@ def test_the_benchmark_commands_come_through_the_entry_point_group() -> None:
     assert installed == declared  # the editable install is up to date
     commands = _parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert {"bench", "spark", "demo", "spool", "sidecar", "phoenix", "cluster"} <= set(commands)
+
+
+def test_the_benchmarks_use_only_the_parts_public_surface() -> None:
+    """``qosmq_bench`` imports each part by its package (``from middleware.routing import
+    PhoenixDeployment``), never a module inside it (#25 item 4): what a user can do."""
+    deep = [
+        i
+        for i in _imports("qosmq_bench")
+        if i[1].startswith("middleware.") and i[1].count(".") >= 2
+    ]
+    assert deep == []
