@@ -86,3 +86,13 @@ def test_the_benchmarks_use_only_the_parts_public_surface() -> None:
         if i[1].startswith("middleware.") and i[1].count(".") >= 2
     ]
     assert deep == []
+
+
+def test_the_readme_is_read_in_five_minutes() -> None:
+    """#25: about 250 lines at most; what the layer is and the two commands in the first
+    60; no dated measurement (they live in docs/results.md)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250
+    head = "\n".join(lines[:60])
+    assert "make demo" in head and "make test" in head
+    assert "results.md" in "\n".join(lines)
