@@ -35,6 +35,7 @@ __all__ = [
     "Heartbeat",
     "Join",
     "Leave",
+    "Matched",
     "Message",
     "Probe",
     "Publish",
@@ -344,6 +345,16 @@ class Recovered(_Message):
     restored: int = Field(ge=0)
 
 
+class Matched(_Message):
+    """The owner cluster's match master or slave -> the entry router's control queue:
+    the events of these ids were matched and their copies confirmed; the entry router
+    stops keeping them (it routes what it keeps again if their owner leaves the ring)."""
+
+    kind: Literal[Kind.MATCHED] = Kind.MATCHED
+    by: _Cluster  # the owner cluster
+    ids: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(max_length=4096)
+
+
 #: the kinds routed along the ring (the :class:`Routed` ones)
 RoutedMessage = Advertise | Subscribe | Unsubscribe | Unsubscribed | Publish
 
@@ -372,7 +383,8 @@ Message = Annotated[
     | Found
     | Leave
     | Recover
-    | Recovered,
+    | Recovered
+    | Matched,
     Field(discriminator="kind"),
 ]
 _ONE: TypeAdapter[Message] = TypeAdapter(Message)

@@ -45,6 +45,7 @@ class Kind(StrEnum):
     LEAVE = "leave"  # a routing master -> every routing master, its match roles: X left
     RECOVER = "recover"  # the departed's successor's router -> its match masters: restore
     RECOVERED = "recovered"  # a match master -> that router: restored (how many)
+    MATCHED = "matched"  # the owner's match roles -> the entry router: these events are done
 
 
 class ClusterSpec(BaseModel):
@@ -124,6 +125,10 @@ class PhoenixTopology(BaseModel):
     #: from the persisted state.  Longer than a role's recovery (#23), which keeps the
     #: cluster's RabbitMQ reachable anyway
     leave_after_s: float = Field(3.0, gt=0, le=3600)
+    #: an event that entered the ring at a router and left for another cluster is kept
+    #: there until its owner says it was matched (routed again if the owner leaves);
+    #: at most this long (a lost ``Matched`` costs memory only this long)
+    keep_unmatched_s: float = Field(60.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _links_between_clusters(self) -> PhoenixTopology:

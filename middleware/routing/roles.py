@@ -79,6 +79,7 @@ from .messages import (
     Heartbeat,
     Join,
     Leave,
+    Matched,
     Message,
     Probe,
     Publish,
@@ -114,7 +115,7 @@ from .replicas import (
 )
 from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
-from .router import Forward, RouterLogic
+from .router import Forward, KeptEvents, RouterLogic
 from .store import StateStore, open_store
 from .timeliness import Dispatch, QueuePredictor
 
@@ -1453,6 +1454,9 @@ class RouterMaster(_Role):
         #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
         self._recoveries: dict[str, tuple[set[str], int, asyncio.Future[int]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: events that entered the ring here and went to another cluster, until their
+        #: owner says they were matched (routed again if it leaves first)
+        self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -1494,6 +1498,7 @@ class RouterMaster(_Role):
             Found: self.detours.on_found,
             Leave: self._on_leave,
             Recovered: self._on_recovered,
+            Matched: self._on_matched,
         }
 
     @functools.cached_property
@@ -1527,12 +1532,39 @@ class RouterMaster(_Role):
         while isinstance(step := self.logic.step(forwarded), Forward):
             self.count("forwarded")
             if await self.detours.forward(step.cluster, step.message, step.priority):
+                owner = self.ring.owner(forwarded.event_type)
+                if self.kept.keep(forwarded, owner, time.monotonic()):
+                    self.count("kept_until_matched")
                 return
             self.count("rerouted")  # the next hop left the ring meanwhile: route again
         await self._taken_over(forwarded.event_type)
         self.count("routed")
         match = self.inbox_of(RoleId.match(self.cluster, step.index))
         await self.send(self.cluster, match, step.message, step.priority)
+
+    async def _on_matched(self, message: Matched) -> None:
+        if message.by not in {c.id for c in self.topology.clusters}:
+            raise DeadLetter(f"matched: cluster {message.by!r} is not in the topology")
+        self.kept.matched(message.ids)
+
+    def _route_kept(self, cluster: str) -> None:
+        """``cluster`` left: what this router kept for it is routed again (``KeptEvents``)."""
+        again = self.kept.left(cluster)
+        if not again:
+            return
+        self.count("rerouted_after_leave", len(again))
+        log.warning("%s: %d events kept for %s routed again", self.id, len(again), cluster)
+
+        async def route_again() -> None:
+            for message in again:
+                try:
+                    await self._route(message)
+                except Exception as exc:  # one that cannot go is said, the others go on
+                    log.warning("%s: event %s not routed again: %s", self.id, message.id, exc)
+
+        task = asyncio.create_task(route_again())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _relay(self, message: RoutedMessage) -> None:
         step = self.logic.relay(message)
@@ -1617,6 +1649,7 @@ class RouterMaster(_Role):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         self.detours.left(cluster)
+        self._route_kept(cluster)
         self.count("leaves")
         log.warning("%s left the ring (found by %s); its arc goes to %s", cluster, by, successor)
         told = Leave(cluster=cluster, by=by)
@@ -1772,6 +1805,10 @@ class _MatchBroker(_Role):
         self._e2e_lock = asyncio.Lock()
         #: clusters that left the ring: deliveries to their subscribers are dead-lettered
         self.departed: set[str] = set()
+        #: ids of events matched here, by the cluster they entered the ring at, until
+        #: the next ``Matched`` to that cluster's router goes (every ``MATCHED_EVERY_S``)
+        self._matched: dict[str, list[str]] = {}
+        self._receipts: set[asyncio.Future[None]] = set()
 
     def index_type(self, event_type: str) -> None:
         """Index the restored subscriptions of one type (match masters restore them)."""
@@ -1806,6 +1843,8 @@ class _MatchBroker(_Role):
             self.count("refused")
         return refused is None
 
+    MATCHED_EVERY_S = 0.1
+
     async def _match(self, message: Publish) -> None:
         self.predictor.arrived(now=time.monotonic())
         if message.event_type in self.registry.unindexed:
@@ -1814,10 +1853,45 @@ class _MatchBroker(_Role):
             matched = self.registry.match(message.event_type, message.event.attributes)
             self.count("matched", len(matched))
             HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
-            if matched:
-                await self._deliver(message, matched)
+            try:
+                if matched:
+                    await self._deliver(message, matched)
+            except DeadLetter:  # handled: the others' copies went out
+                self._done(message)
+                raise
+            self._done(message)
         finally:
             self.predictor.completed(now=time.monotonic())
+
+    def _done(self, message: Publish) -> None:
+        """The event's copies are confirmed: tell the router it entered the ring at
+        (another cluster's; it keeps the event until then), batched."""
+        entry = message.hops[0] if message.hops else self.cluster
+        if entry == self.cluster or message.id is None:
+            return
+        waiting = self._matched.setdefault(entry, [])
+        waiting.append(message.id)
+        if len(waiting) == 1:
+            asyncio.get_running_loop().call_later(self.MATCHED_EVERY_S, self._send_matched, entry)
+
+    def _send_matched(self, entry: str) -> None:
+        ids = self._matched.pop(entry, [])
+        if not ids:
+            return
+
+        async def send() -> None:
+            router = self.control_of(RoleId.router(entry))
+            for start in range(0, len(ids), 4096):
+                matched = Matched(by=self.cluster, ids=ids[start : start + 4096])
+                try:
+                    await self.send(entry, router, matched, MAX_PRIORITY)
+                except Exception as exc:  # the entry router keeps them a while longer
+                    log.info("%s: matched receipts to %s not sent: %s", self.name, entry, exc)
+                    return
+
+        task = asyncio.ensure_future(send())
+        self._receipts.add(task)
+        task.add_done_callback(self._receipts.discard)
 
     async def _e2e_publisher(self, home: str) -> AsyncConfirmPublisher:
         client = await self.client_for(home)

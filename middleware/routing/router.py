@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeadLetter
-from .messages import RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
+from .messages import Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
 from .protocol import PhoenixTopology
 from .records import LatencyEntry, RecordError
 from .ring import ChordRing, ring_id
 from .timeliness import LatencyMap
 
-__all__ = ["Forward", "RouterLogic", "ToMatch", "WriteEntry"]
+__all__ = ["Forward", "KeptEvents", "RouterLogic", "ToMatch", "WriteEntry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,3 +159,50 @@ class RouterLogic:
                 f"{subscription.kind.value}: home cluster {home!r} is not in the topology"
             )
         return subscription.model_copy(update={"home": home})
+
+
+class KeptEvents:
+    """The events that entered the ring at this router and left for another cluster,
+    kept until their owner says they were matched (``Matched``); if the owner leaves the
+    ring first, what waited in its inboxes went with its RabbitMQ, and :meth:`left`
+    gives them back to be routed again. Kept at most ``keep_s`` (oldest first), so a
+    lost ``Matched`` costs memory only that long."""
+
+    def __init__(self, cluster: str, keep_s: float) -> None:
+        self.cluster, self.keep_s = cluster, keep_s
+        self._kept: OrderedDict[str, tuple[float, str, Publish]] = OrderedDict()
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, message: RoutedMessage, owner: str, now: float) -> bool:
+        """Keep ``message`` (stamped here, sent toward ``owner``) if it is an event that
+        entered the ring here; whether it was kept."""
+        if not isinstance(message, Publish) or message.id is None:
+            return False
+        if message.hops != [self.cluster] or owner == self.cluster:
+            return False  # passing through, or matched here: not this router's to keep
+        self._kept[message.id] = (now, owner, message)
+        self._kept.move_to_end(message.id)
+        while self._kept:
+            oldest, (since, _, _) = next(iter(self._kept.items()))
+            if since > now - self.keep_s:
+                break
+            del self._kept[oldest]
+            self.expired += 1
+        return True
+
+    def matched(self, ids: list[str]) -> int:
+        """The owner matched these: not kept any longer; how many were kept."""
+        return sum(self._kept.pop(i, None) is not None for i in ids)
+
+    def left(self, cluster: str) -> list[Publish]:
+        """``cluster`` left the ring: the events kept for it, to route again (ids kept,
+        hops cleared: the new owner matches each once, an e2e subscriber drops a copy
+        the departed owner had delivered)."""
+        again = [m for _, owner, m in self._kept.values() if owner == cluster]
+        for message in again:
+            assert message.id is not None
+            del self._kept[message.id]
+        return [m.model_copy(update={"hops": [], "via": []}) for m in again]

@@ -11,9 +11,11 @@ path to X and A's events go A -> Y -> X until the link heals, then directly agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import signal
 import time
 import urllib.parse
 from pathlib import Path
@@ -311,10 +313,73 @@ def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(l
     print(f"after {x} rejoined: {published} events, 0 lost, 0 duplicates")
 
 
+def test_events_already_inside_a_departed_cluster_are_routed_again_from_their_entry(
+    links,
+) -> None:
+    """Events that A already forwarded into X (waiting in the inbox of X's match master,
+    SIGSTOPped) when X goes entirely are not lost with X's RabbitMQ: A, where they entered
+    the ring, keeps each until X's match role says it was matched, and routes them again
+    when X leaves; X's successor matches them and the subscriber at Y gets each once."""
+    x, first, count = links.x, 10_000, 50
+    master = links.deployment.pids()[RoleId.match(x, 0)]
+    os.kill(master, signal.SIGSTOP)
+    try:
+
+        async def publish_into_x() -> int:
+            async with AsyncClient(settings=links.cluster("A")) as client:
+                at_a = PhoenixClient(client, topology=links.topology, cluster="A")
+                for n in range(first, first + count):
+                    await at_a.publish({"event_type": links.event_type, "attributes": {"n": n}})
+                    await asyncio.sleep(0.01)
+            async with AsyncClient(settings=links.cluster(x)) as client:
+                inbox = RoleId.match(x, 0).inbox(links.topology.prefix)
+                deadline = time.monotonic() + 10
+                while await client.queue_length(inbox) < 1:
+                    assert time.monotonic() < deadline, "nothing reached X's match inbox"
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.0)  # the rest of them get there too
+                return await client.queue_length(inbox)
+
+        waiting = asyncio.run(publish_into_x())
+        links.remove(x)  # SIGKILL (the stopped master too), every link of X cut
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(master, signal.SIGCONT)
+    arrivals, published, _ = asyncio.run(links.stream(5.0, []))
+
+    async def drain(got: list[int]) -> list[int]:  # the re-routed ones may come last
+        async with AsyncClient(settings=links.cluster(links.y)) as client:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                while (d := await client.get(links.queue)) is not None:
+                    got.append(json.loads(d.body)["event"]["attributes"]["n"])
+                if set(range(first, first + count)) <= set(got):
+                    await asyncio.sleep(1.5)  # late duplicates show here
+                    while (d := await client.get(links.queue)) is not None:
+                        got.append(json.loads(d.body)["event"]["attributes"]["n"])
+                    break
+                await asyncio.sleep(0.2)
+        return got
+
+    _check(arrivals, published)  # the stream's events after the removal, and no duplicate
+    got = asyncio.run(drain([n for n, _ in arrivals]))
+    inside = [n for n in got if n >= first]
+    missing = sorted(set(range(first, first + count)) - set(inside))
+    assert not missing, f"{len(missing)} of {count} events inside X lost: {missing[:10]}"
+    assert len(inside) == count, f"{len(inside) - count} events inside X delivered twice"
+    log = links.router_log("A")
+    assert f"events kept for {x} routed again" in log, log[-3000:]
+    print(
+        f"\n{waiting} AMQP messages waited in X's match inbox when X went; all {count} events"
+        f" routed again from A and delivered at {links.y}, none twice"
+    )
+
+
 def test_forged_ring_messages_are_dead_lettered_with_why_and_traffic_goes_on(links) -> None:
     """A FOUND for a flood A never started, a detour through a cluster the topology does
-    not have, and a probe whose path does not start at its origin: each dead-lettered
-    once with the reason; the events around them are all delivered."""
+    not have, a probe whose path does not start at its origin and a MATCHED from a cluster
+    the topology does not have: each dead-lettered once with the reason; the events
+    around them are all delivered."""
     from middleware.routing.messages import Found, Publish, encode
     from middleware.transport import (
         BindingSpec,
@@ -345,6 +410,7 @@ def test_forged_ring_messages_are_dead_lettered_with_why_and_traffic_goes_on(lin
             ),
         ),
         (control, b'{"kind":"probe","flood":"f","origin":"A","target":"B","path":["C"],"ttl":1}'),
+        (control, b'{"kind":"matched","by":"Z","ids":["e1"]}'),
     ]
 
     async def forge() -> tuple[list[str], list[str]]:
@@ -357,7 +423,7 @@ def test_forged_ring_messages_are_dead_lettered_with_why_and_traffic_goes_on(lin
                 await client.publish(OutgoingMessage(body, "", queue))
             reasons: dict[str, list[str]] = {control: [], inbox: []}
             deadline = time.monotonic() + 20
-            while sum(map(len, reasons.values())) < 3 and time.monotonic() < deadline:
+            while sum(map(len, reasons.values())) < len(forged) and time.monotonic() < deadline:
                 d = await client.get(dl)
                 if d is None:
                     await asyncio.sleep(0.1)
@@ -367,7 +433,8 @@ def test_forged_ring_messages_are_dead_lettered_with_why_and_traffic_goes_on(lin
             return reasons[control], reasons[inbox]
 
     at_control, at_inbox = asyncio.run(forge())
-    assert len(at_control) == 2 and len(at_inbox) == 1, (at_control, at_inbox)
+    assert len(at_control) == 3 and len(at_inbox) == 1, (at_control, at_inbox)
+    assert any("cluster 'Z' is not in the topology" in why for why in at_control), at_control
     assert any("is C's, not A's" in why for why in at_control), at_control
     assert any("starts at its origin" in why for why in at_control), at_control
     assert "detour hop 'Z' is not in the topology" in at_inbox[0], at_inbox

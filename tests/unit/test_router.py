@@ -14,7 +14,7 @@ from middleware.routing.messages import Publish, Subscribe, Unsubscribe, Unsubsc
 from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.records import LatencyEntry
 from middleware.routing.ring import ChordRing, ring_id
-from middleware.routing.router import Forward, RouterLogic, ToMatch, WriteEntry
+from middleware.routing.router import Forward, KeptEvents, RouterLogic, ToMatch, WriteEntry
 
 CLUSTERS = ["A", "B", "C", "D", "E"]
 
@@ -161,3 +161,53 @@ def test_a_routing_table_read_back_leaves_out_what_no_version_wrote() -> None:
     )
     assert router.latency.entries == {"a": (3, 2)}
     assert [r.split(":")[0] for r in refused] == ["b", "c"]
+
+
+def _event(event_id: str, hops: list[str], event_type: str = "quotes") -> Publish:
+    return Publish(
+        event_type=event_type,
+        event=Event(event_type=event_type, attributes={"p": 1}),
+        id=event_id,
+        hops=hops,
+    )
+
+
+def test_an_entry_router_keeps_what_it_sent_away_until_the_owner_matched_it() -> None:
+    kept = KeptEvents("A", keep_s=60)
+    assert kept.keep(_event("e1", ["A"]), "B", now=0)
+    assert kept.keep(_event("e2", ["A"]), "C", now=1)
+    assert not kept.keep(_event("e3", ["C", "A"]), "B", now=1)  # passing through A
+    assert not kept.keep(_event("e4", ["A"]), "A", now=1)  # matched at A itself
+    assert not kept.keep(Subscribe(event_type="q", subscription_id="s", queue="q"), "B", 1)
+    assert len(kept) == 2
+    assert kept.matched(["e1", "unknown"]) == 1
+    assert kept.left("B") == []  # e1 was matched: nothing to route again
+    (again,) = kept.left("C")
+    assert again.id == "e2" and again.hops == [] and again.via == []
+    assert len(kept) == 0
+
+
+def test_kept_events_expire_oldest_first() -> None:
+    kept = KeptEvents("A", keep_s=10)
+    for i in range(5):
+        kept.keep(_event(f"e{i}", ["A"]), "B", now=float(i))
+    kept.keep(_event("late", ["A"]), "B", now=12.5)  # e0..e2 are older than 10 s now
+    assert kept.expired == 3 and len(kept) == 3
+    assert [m.id for m in kept.left("B")] == ["e3", "e4", "late"]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("BCD"), st.booleans()), min_size=1, max_size=40),
+    st.sampled_from("BCD"),
+)
+def test_what_a_departed_owner_had_not_matched_comes_back_exactly_once(sends, gone) -> None:
+    """Every event sent toward the departed owner and not matched is routed again once;
+    nothing matched, and nothing of another owner, is."""
+    kept = KeptEvents("A", keep_s=3600)
+    for i, (owner, _) in enumerate(sends):
+        kept.keep(_event(f"e{i}", ["A"]), owner, now=float(i))
+    kept.matched([f"e{i}" for i, (_, done) in enumerate(sends) if done])
+    again = [m.id for m in kept.left(gone)]
+    expected = [f"e{i}" for i, (owner, done) in enumerate(sends) if owner == gone and not done]
+    assert again == expected
+    assert kept.left(gone) == []

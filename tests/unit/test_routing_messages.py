@@ -26,6 +26,7 @@ from middleware.routing.messages import (
     Heartbeat,
     Join,
     Leave,
+    Matched,
     Probe,
     Publish,
     Read,
@@ -80,6 +81,7 @@ ONE_OF_EACH = [
     Recover(cluster="B", arc=(1, 2), masters=2, request="r4", reply_to="px.process.y"),
     Recovered(request="r4", broker="C/match-0", restored=3),
     Retire(broker="B/match-0", slave="B/match-0/slave-1", epoch=2, by=-1),
+    Matched(by="C", ids=["e1", "e2"]),
 ]
 
 
@@ -112,6 +114,8 @@ def test_every_kind_has_a_model_and_round_trips() -> None:
         ({"kind": "takeover"}, "master"),
         ({"kind": "join", "cluster": "D", "event_type": "-"}, "event_type"),  # not its field
         ({"kind": "nope"}, "kind"),
+        ({"kind": "matched", "by": "C", "ids": [""]}, "ids"),
+        ({"kind": "matched", "by": "a b", "ids": ["e1"]}, "by"),
         (
             {
                 "kind": "confirmation",
