@@ -375,6 +375,72 @@ def test_events_already_inside_a_departed_cluster_are_routed_again_from_their_en
     )
 
 
+def test_events_matched_by_a_departed_cluster_and_routed_again_reach_e2e_once(links) -> None:
+    """X matches and delivers events to Y, but its MATCHED answers never reach A (the
+    link X -> A cut): A keeps them all, and routes them again when X leaves. The
+    successor delivers them again: the e2e subscriber at Y is given each exactly once
+    (its filter drops the second copy by the id ``<event id>:<queue>``), nothing is lost;
+    the broker-confirm subscriber may see them twice (counted, not asserted)."""
+    x, y, first, count = links.x, links.y, 20_000, 50
+    e2e_queue = f"{links.queue}.e2e"
+    handled: list[int] = []
+
+    async def scenario() -> tuple[list[int], int, list[int], int]:
+        async with AsyncClient(settings=links.cluster(y)) as client:
+            at_y = PhoenixClient(client, topology=links.topology, cluster=y)
+            await at_y.subscribe(
+                links.event_type, [("n", ">=", 0)], 1, e2e_queue, confirm="e2e", wait_s=60
+            )
+
+            async def handler(event, _message) -> None:
+                handled.append(event.attributes["n"])
+
+            await at_y.consume(e2e_queue, handler, e2e=True)
+            links.proxies[x, "A"].cut()  # X's MATCHED to A's router goes nowhere
+            async with AsyncClient(settings=links.cluster("A")) as publisher:
+                at_a = PhoenixClient(publisher, topology=links.topology, cluster="A")
+                for n in range(first, first + count):
+                    await at_a.publish({"event_type": links.event_type, "attributes": {"n": n}})
+                    await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 20
+            while len(set(handled)) < count and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+            assert sorted(handled) == list(range(first, first + count)), "not matched at X"
+            broker_before = [n for n in await _take_all(client, links.queue) if n >= first]
+            await asyncio.to_thread(links.remove, x)
+            arrivals, published, _ = await links.stream(5.0, [])
+            await asyncio.sleep(2.0)  # the routed-again copies, and their duplicates
+            broker_after = [n for n, _ in arrivals if n >= first]
+            broker_after += [n for n in await _take_all(client, links.queue) if n >= first]
+            stream = [n for n, _ in arrivals if 0 <= n < first]
+            assert sorted(set(stream)) == list(range(published)), "stream events lost"
+            return broker_before + broker_after, published, stream, len(handled)
+
+    broker, published, _, _ = asyncio.run(scenario())
+    inside = [n for n in handled if n >= first]
+    assert sorted(inside) == list(range(first, first + count)), (
+        f"the e2e handler was given {len(inside)} of {count} (twice: "
+        f"{sorted(n for n in set(inside) if inside.count(n) > 1)[:10]})"
+    )
+    stream_e2e = [n for n in handled if n < first]
+    assert len(stream_e2e) == len(set(stream_e2e)), "a stream event was given twice (e2e)"
+    assert set(range(first, first + count)) <= set(broker), "lost at the broker subscriber"
+    log = links.router_log("A")
+    assert f"events kept for {x} routed again" in log, log[-3000:]
+    print(
+        f"\n{count} events matched at {x} without MATCHED reaching A, routed again after the "
+        f"leave: e2e handler given each once; broker subscriber got {len(broker)} copies of "
+        f"them ({len(broker) - count} duplicates); {published} stream events, none lost"
+    )
+
+
+async def _take_all(client, queue: str) -> list[int]:
+    got = []
+    while (d := await client.get(queue)) is not None:
+        got.append(json.loads(d.body)["event"]["attributes"]["n"])
+    return got
+
+
 def test_forged_ring_messages_are_dead_lettered_with_why_and_traffic_goes_on(links) -> None:
     """A FOUND for a flood A never started, a detour through a cluster the topology does
     not have, a probe whose path does not start at its origin and a MATCHED from a cluster
