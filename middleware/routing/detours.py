@@ -97,16 +97,18 @@ class Detours:
         self._flooded = 0  # flood messages already counted in the metric
 
     # ------------------------------------------------------------------ forwarding
-    async def forward(self, dest: str, message: RoutedMessage, priority: int) -> bool:
+    async def forward(
+        self, dest: str, message: RoutedMessage, priority: int
+    ) -> tuple[str, ...] | None:
         """Send ``message`` to ``dest``'s routing master: directly, over a detour, or
-        (no way known yet) once one is.  False: ``dest`` left the ring meanwhile (the
-        caller routes the message again)."""
+        (no way known yet) once one is; the path it took (``dest`` last).  None: ``dest``
+        left the ring meanwhile (the caller routes the message again)."""
         if self.shared(dest):
             await self._send(dest, RoleId.router(dest).inbox(self.prefix), message, priority)
-            return True
+            return (dest,)
         while True:
             if dest not in self.table.ring.clusters:
-                return False
+                return None
             path = self.table.path(dest)
             if path is None:
                 changed = self._changed
@@ -131,7 +133,7 @@ class Detours:
                 continue
             if len(path) > 1:
                 self._count("detoured", 1)
-            return True
+            return tuple(path)
 
     async def publish(self, client: AsyncClient, send: Callable[[], Awaitable[None]]) -> None:
         """One AMQP publish to another cluster: fail fast when its connection is down

@@ -1531,9 +1531,12 @@ class RouterMaster(_Role):
             return
         while isinstance(step := self.logic.step(forwarded), Forward):
             self.count("forwarded")
-            if await self.detours.forward(step.cluster, step.message, step.priority):
+            path = await self.detours.forward(step.cluster, step.message, step.priority)
+            if path:
+                # the clusters it passes: if one leaves, so may the event (in its inbox)
+                through = {*path, *self.ring.route(step.cluster, forwarded.event_type)}
                 owner = self.ring.owner(forwarded.event_type)
-                if self.kept.keep(forwarded, owner, time.monotonic()):
+                if self.kept.keep(forwarded, owner, time.monotonic(), through=through):
                     self.count("kept_until_matched")
                 return
             self.count("rerouted")  # the next hop left the ring meanwhile: route again

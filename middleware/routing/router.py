@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,23 +170,28 @@ class KeptEvents:
 
     def __init__(self, cluster: str, keep_s: float) -> None:
         self.cluster, self.keep_s = cluster, keep_s
-        self._kept: OrderedDict[str, tuple[float, str, Publish]] = OrderedDict()
+        #: id -> (when kept, owner, the clusters it passes on the way, the event)
+        self._kept: OrderedDict[str, tuple[float, str, frozenset[str], Publish]] = OrderedDict()
         self.expired = 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, message: RoutedMessage, owner: str, now: float) -> bool:
-        """Keep ``message`` (stamped here, sent toward ``owner``) if it is an event that
-        entered the ring here; whether it was kept."""
+    def keep(
+        self, message: RoutedMessage, owner: str, now: float, through: Iterable[str] = ()
+    ) -> bool:
+        """Keep ``message`` (stamped here, sent toward ``owner`` over the clusters
+        ``through``: a detour's hops, the ring's) if it is an event that entered the ring
+        here; whether it was kept."""
         if not isinstance(message, Publish) or message.id is None:
             return False
         if message.hops != [self.cluster] or owner == self.cluster:
             return False  # passing through, or matched here: not this router's to keep
-        self._kept[message.id] = (now, owner, message)
+        passes = frozenset(through) - {self.cluster, owner}
+        self._kept[message.id] = (now, owner, passes, message)
         self._kept.move_to_end(message.id)
         while self._kept:
-            oldest, (since, _, _) = next(iter(self._kept.items()))
+            oldest, (since, _, _, _) = next(iter(self._kept.items()))
             if since > now - self.keep_s:
                 break
             del self._kept[oldest]
@@ -198,10 +203,15 @@ class KeptEvents:
         return sum(self._kept.pop(i, None) is not None for i in ids)
 
     def left(self, cluster: str) -> list[Publish]:
-        """``cluster`` left the ring: the events kept for it, to route again (ids kept,
-        hops cleared: the new owner matches each once, an e2e subscriber drops a copy
-        the departed owner had delivered)."""
-        again = [m for _, owner, m in self._kept.values() if owner == cluster]
+        """``cluster`` left the ring: the events kept for it, or that passed it on their
+        way (a detour's hop, a ring hop: they may have been in its inbox), to route again
+        (ids kept, hops cleared: the new owner matches each once, an e2e subscriber drops
+        a copy delivered before)."""
+        again = [
+            m
+            for _, owner, passes, m in self._kept.values()
+            if cluster in passes or owner == cluster
+        ]
         for message in again:
             assert message.id is not None
             del self._kept[message.id]

@@ -211,3 +211,12 @@ def test_what_a_departed_owner_had_not_matched_comes_back_exactly_once(sends, go
     expected = [f"e{i}" for i, (owner, done) in enumerate(sends) if owner == gone and not done]
     assert again == expected
     assert kept.left(gone) == []
+
+
+def test_what_passed_a_departed_cluster_on_its_way_is_routed_again_too() -> None:
+    """A detour's hop (or a ring hop) that leaves may have held the event in its inbox."""
+    kept = KeptEvents("A", keep_s=60)
+    kept.keep(_event("e1", ["A"]), "X", now=0, through=["Y", "X"])  # detour A -> Y -> X
+    kept.keep(_event("e2", ["A"]), "X", now=0, through=["X"])  # direct
+    assert [m.id for m in kept.left("Y")] == ["e1"]
+    assert [m.id for m in kept.left("X")] == ["e2"]
