@@ -98,6 +98,25 @@ class ConfirmSettings(_Frozen):
         le=1e9,
         description="receipts/s a process sends above which batches wait longer",
     )
+    receipt_linger_age_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="while busy, a batch may also wait this fraction of how long its first "
+        "message had waited since it was published (0: off)",
+    )
+    receipt_linger_max_ms: float = Field(
+        250.0,
+        ge=0,
+        le=10000,
+        description="longest wait to fill a batch under that rule "
+        "(at least receipt_linger_busy_ms)",
+    )
+    receipt_scope: Literal["process", "consumer"] = Field(
+        "process",
+        description="process: the asyncio consumers of one event loop batch receipts for "
+        "a publisher together; consumer: each batches its own",
+    )
     dedup_window: int = Field(100_000, ge=1, description="(queue, id) pairs remembered")
 
     @field_validator("receipt_linger_busy_ms")

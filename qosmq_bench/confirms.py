@@ -9,19 +9,28 @@ cost is a ratio measured on the same noisy machine.
 
 A cell returns a summary record and, optionally, per-message records
 (publish, confirm and first-handle times) for the Spark pipeline.
+
+A cell may be one :class:`Part` of several processes (the Spark job's
+``--tasks-per-cell``): part *i* of *n* runs the producers and consumers whose number
+is *i* modulo *n*, part 0 declares and deletes the cell's queues, and the parts meet at
+barriers (before the producers start, while draining, before the queues go) through a
+:class:`Coordinator` (Spark's ``BarrierTaskContext``).  Each part then returns its raw
+records on the wall clock (:func:`merge_parts` makes one cell of them): a latency from a
+publish in one process to a handle in another needs the executors' clocks to agree.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aio_pika
 
@@ -41,7 +50,7 @@ from middleware.transport import (
 from .cpu import CpuMeter
 from .stats import percentile
 
-__all__ = ["MODES", "CellSpec", "run_cell", "run_cell_sync"]
+__all__ = ["MODES", "CellSpec", "Coordinator", "Part", "merge_parts", "run_cell", "run_cell_sync"]
 
 log = logging.getLogger(__name__)
 MODES = ("raw", *[m.value for m in ConfirmMode])
@@ -67,8 +76,50 @@ class CellSpec:
             raise ValueError("size, duration and window must be positive")
 
 
+class Coordinator(Protocol):
+    """What the parts of one cell share (Spark's ``BarrierTaskContext`` has both)."""
+
+    def barrier(self) -> None: ...
+
+    def allGather(self, message: str = "") -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """Part ``index`` of ``count`` processes running one cell named ``run_id``."""
+
+    index: int
+    count: int
+    run_id: str
+    coordinator: Coordinator
+
+    def mine(self, k: int) -> bool:
+        return k % self.count == self.index
+
+    async def barrier(self) -> None:
+        await asyncio.to_thread(self.coordinator.barrier)
+
+    async def start_together(self) -> float:
+        """Meet the other parts; return the spread of their wall clocks read as each left
+        the barrier (seconds): the clocks' skew plus the barrier's release jitter, so an
+        upper bound on the skew that cross-process latencies carry."""
+
+        def meet() -> float:
+            self.coordinator.barrier()
+            return time.time()
+
+        left = await asyncio.to_thread(meet)
+        stamps = await self.gather(left)
+        return float(max(stamps) - min(stamps))
+
+    async def gather(self, value: Any) -> list[Any]:
+        answers = await asyncio.to_thread(self.coordinator.allGather, json.dumps(value))
+        return [json.loads(a) for a in answers]
+
+
 @dataclass
 class _Tally:
+    clock: Callable[[], float] = time.perf_counter
     sent: dict[str, float] = field(default_factory=dict)
     confirmed: dict[str, float] = field(default_factory=dict)
     failed: int = 0
@@ -81,51 +132,160 @@ class _Tally:
         if key in self.handled:
             self.duplicates += 1
         else:
-            self.handled[key] = time.perf_counter()
+            self.handled[key] = self.clock()
 
 
-def run_cell_sync(settings: Settings, spec: CellSpec, *, records: bool = False) -> dict[str, Any]:
-    """Run one cell in a fresh event loop (for Spark executors and the CLI)."""
-    return runtime.run(run_cell(settings, spec, records=records), event_loop=settings.event_loop)
+def run_cell_sync(
+    settings: Settings, spec: CellSpec, *, records: bool = False, part: Part | None = None
+) -> dict[str, Any]:
+    """Run one cell (or one part of it) in a fresh event loop (for Spark executors and
+    the CLI)."""
+    return runtime.run(
+        run_cell(settings, spec, records=records, part=part), event_loop=settings.event_loop
+    )
 
 
-async def run_cell(settings: Settings, spec: CellSpec, *, records: bool = False) -> dict[str, Any]:
-    """Run one cell against the cluster in ``settings``; return its summary (and records)."""
-    run_id = uuid.uuid4().hex[:8]
+async def run_cell(
+    settings: Settings, spec: CellSpec, *, records: bool = False, part: Part | None = None
+) -> dict[str, Any]:
+    """Run one cell against the cluster in ``settings``; return its summary (and records).
+    As one ``part`` of several processes: this part's share, and its raw records."""
+    run_id = part.run_id if part else uuid.uuid4().hex[:8]
     exchanges = [f"qosmq.bench.{run_id}.x{i}" for i in range(1 if spec.queues <= 15 else 2)]
     queues = [f"qosmq.bench.{run_id}.q{i}" for i in range(spec.queues)]
     route = {q: exchanges[i % len(exchanges)] for i, q in enumerate(queues)}
     kind = QueueKind.CLASSIC if spec.mode == "raw" else ConfirmMode(spec.mode).profile.queue_kind
-    tally = _Tally()
+    # across processes every time is on the wall clock (the executors' clocks must agree)
+    tally = _Tally(clock=time.time if part else time.perf_counter)
+    owner = part is None or part.index == 0
     admin = await AsyncClient(settings=settings).connect()
     closers: list[Callable[[], Awaitable[None]]] = []
     try:
-        for x in exchanges:
-            await admin.declare_exchange(ExchangeSpec(x, ExchangeType.DIRECT))
-        for q in queues:
-            await admin.declare_queue(QueueSpec(q, kind=kind))
-            await admin.bind(BindingSpec(q, route[q], q))
-        closers += await _start_consumers(settings, spec, queues, tally)
-        producers, closers_p = await _start_producers(settings, spec, queues, route, exchanges)
+        if owner:
+            for x in exchanges:
+                await admin.declare_exchange(ExchangeSpec(x, ExchangeType.DIRECT))
+            for q in queues:
+                await admin.declare_queue(QueueSpec(q, kind=kind))
+                await admin.bind(BindingSpec(q, route[q], q))
+        if part:
+            await part.barrier()  # the queues exist
+        closers += await _start_consumers(settings, spec, queues, tally, part)
+        producers, closers_p = await _start_producers(
+            settings, spec, queues, route, exchanges, part
+        )
         closers += closers_p
+        spread = await part.start_together() if part else None  # every consumer is up
         started = time.perf_counter()
         deadline = started + spec.duration_s
-        with CpuMeter({"client": os.getpid()}) as cpu:
+        with CpuMeter({"client": os.getpid(), **_brokers()}) as cpu:
             await asyncio.gather(*(p(deadline, tally) for p in producers))
         elapsed = time.perf_counter() - started
-        await _drain(tally, spec)
+        await (_drain_parts(tally, spec, part) if part else _drain(tally, spec))
     finally:
         for close in reversed(closers):
             with contextlib.suppress(Exception):
                 await close()
-        for q in queues:
+        if part:
             with contextlib.suppress(Exception):
-                await admin.delete_queue(q)
-        for x in exchanges:
-            with contextlib.suppress(Exception):
-                await admin.delete_exchange(x)
+                await part.barrier()  # every part is done with the queues
+        if owner:
+            for q in queues:
+                with contextlib.suppress(Exception):
+                    await admin.delete_queue(q)
+            for x in exchanges:
+                with contextlib.suppress(Exception):
+                    await admin.delete_exchange(x)
         await admin.close()
-    return _summarise(spec, tally, elapsed, records) | _cpu_fields(cpu.result, elapsed, tally)
+    fields = _cpu_fields(cpu.result, elapsed, tally)
+    if part:
+        return _part_result(spec, tally, elapsed, part) | fields | {"clock_spread_s": spread}
+    return _summarise(spec, tally, elapsed, records) | fields
+
+
+def _brokers() -> dict[str, int]:
+    """RabbitMQ nodes running on this machine (``beam.smp``), by PID: their CPU beside
+    the client's tells a broker-bound cell from a client-bound one.  None on a client
+    machine apart from the brokers (the report then says so)."""
+    found: dict[str, int] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm", encoding="ascii", errors="replace") as fh:
+                if fh.read().strip() != "beam.smp":
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"rabbit" in b" ".join(argv):
+            found[f"broker-{pid}"] = pid
+    return found
+
+
+def _part_result(spec: CellSpec, tally: _Tally, elapsed: float, part: Part) -> dict[str, Any]:
+    """One part's share, for :func:`merge_parts`: what it published (sent, confirmed) and
+    handled (first time; later copies in ``duplicates``), on the wall clock."""
+    return {
+        "part": part.index,
+        "parts": part.count,
+        "duration_s": round(elapsed, 3),
+        "failed": tally.failed,
+        "errors": tally.errors,
+        "sent": [(m, t, tally.confirmed.get(m)) for m, t in tally.sent.items()],
+        "handled": [(q, m, t) for (q, m), t in tally.handled.items()],
+        "duplicates": tally.duplicates,
+    }
+
+
+def merge_parts(
+    spec: CellSpec, parts: Sequence[dict[str, Any]], *, records: bool
+) -> dict[str, Any]:
+    """One cell from its parts: the union of their records (a message handled in two
+    parts counts as a duplicate), throughput over the longest part, and each part's CPU
+    (the busiest client is what a client-bound cell is bound by)."""
+    tally = _Tally()
+    for p in parts:
+        for m, sent, confirmed in p["sent"]:
+            tally.sent[m] = sent
+            if confirmed is not None:
+                tally.confirmed[m] = confirmed
+        for q, m, t in p["handled"]:
+            key = (q, m)
+            if key in tally.handled:
+                tally.duplicates += 1
+                tally.handled[key] = min(tally.handled[key], t)
+            else:
+                tally.handled[key] = t
+        tally.duplicates += p["duplicates"]
+        tally.failed += p["failed"]
+        for name, n in p["errors"].items():
+            tally.errors[name] = tally.errors.get(name, 0) + n
+    elapsed = max(p["duration_s"] for p in parts)
+    summary = _summarise(spec, tally, elapsed, records)
+    cpu = [p.get("client_cpu_pct") for p in parts]
+    known = [c for c in cpu if c is not None]
+    spreads = [p["clock_spread_s"] for p in parts if p.get("clock_spread_s") is not None]
+    summary.update(
+        parts=len(parts),
+        clock_spread_ms=round(max(spreads) * 1000, 3) if spreads else None,
+        client_cpu_pct=max(known) if known else None,
+        client_cpu_pct_parts=cpu,
+        client_wait_pct=max((p.get("client_wait_pct") or 0.0) for p in parts),
+        machine_pct=max((p.get("machine_pct") or 0.0) for p in parts),
+        steal_pct=max((p.get("steal_pct") or 0.0) for p in parts),
+        broker_cpu_pct=max((p.get("broker_cpu_pct") or 0.0) for p in parts) or None,
+        run_queue=max((p.get("run_queue") or 0.0) for p in parts),
+        cores=parts[0].get("cores"),
+        client_cpu_us_per_msg=(
+            round(sum(known) / 100 * elapsed / len(tally.confirmed) * 1e6, 1)
+            if known and tally.confirmed
+            else None
+        ),
+    )
+    return summary
 
 
 def _cpu_fields(cpu: dict[str, Any], elapsed: float, tally: _Tally) -> dict[str, Any]:
@@ -133,9 +293,12 @@ def _cpu_fields(cpu: dict[str, Any], elapsed: float, tally: _Tally) -> dict[str,
     cell runs in it) in % of one core, its wait for a core, the machine's busy %, and the
     client's CPU per confirmed message (steadier than messages/s on a shared machine)."""
     client = cpu["processes"]["client"]
+    brokers = [v for k, v in cpu["processes"].items() if k != "client" and v is not None]
     confirmed = len(tally.confirmed)
     return {
         "client_cpu_pct": client,
+        "broker_cpu_pct": round(sum(brokers), 1) if brokers else None,
+        "run_queue": cpu.get("run_queue"),
         "client_wait_pct": cpu["waiting"]["client"],
         "machine_pct": cpu["machine_pct"],
         "steal_pct": cpu["steal_pct"],
@@ -149,7 +312,7 @@ def _cpu_fields(cpu: dict[str, Any], elapsed: float, tally: _Tally) -> dict[str,
 
 
 async def _start_consumers(
-    settings: Settings, spec: CellSpec, queues: list[str], tally: _Tally
+    settings: Settings, spec: CellSpec, queues: list[str], tally: _Tally, part: Part | None
 ) -> list[Callable[[], Awaitable[None]]]:
     closers: list[Callable[[], Awaitable[None]]] = []
     n = 0
@@ -157,6 +320,8 @@ async def _start_consumers(
         for _ in range(spec.consumers_per_queue):
             node_settings = settings.starting_at(n)
             n += 1
+            if part and not part.mine(n - 1):
+                continue
             if spec.mode == "raw":
                 closers.append(await _raw_consumer(node_settings, q, tally))
                 continue
@@ -181,6 +346,7 @@ async def _start_producers(
     queues: list[str],
     route: dict[str, str],
     exchanges: list[str],
+    part: Part | None,
 ) -> tuple[list[Callable[[float, _Tally], Awaitable[None]]], list[Callable[[], Awaitable[None]]]]:
     body = b"x" * spec.size
     producers: list[Callable[[float, _Tally], Awaitable[None]]] = []
@@ -190,6 +356,8 @@ async def _start_producers(
         for _ in range(spec.producers_per_queue):
             node_settings = settings.starting_at(n)
             n += 1
+            if part and not part.mine(n - 1001):
+                continue
             if spec.mode == "raw":
                 send, close = await _raw_producer(node_settings, route[q], q, body)
                 closers.append(close)
@@ -226,7 +394,7 @@ def _producer_loop(
         async def one(message_id: str) -> None:
             try:
                 await send(message_id)
-                tally.confirmed[message_id] = time.perf_counter()
+                tally.confirmed[message_id] = tally.clock()
             except Exception as exc:
                 tally.failed += 1
                 tally.errors[type(exc).__name__] = tally.errors.get(type(exc).__name__, 0) + 1
@@ -236,7 +404,7 @@ def _producer_loop(
         while time.perf_counter() < deadline:
             await slots.acquire()
             message_id = uuid.uuid4().hex
-            tally.sent[message_id] = time.perf_counter()
+            tally.sent[message_id] = tally.clock()
             task = asyncio.create_task(one(message_id))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -253,6 +421,23 @@ async def _drain(tally: _Tally, spec: CellSpec) -> None:
     while time.monotonic() < deadline:
         done = len(tally.handled)
         if done >= len(tally.sent):
+            return
+        still = still + 1 if done == last else 0
+        if still >= 20 and spec.mode in ("none", "raw", "broker", "persistent"):
+            return
+        last = done
+        await asyncio.sleep(0.1)
+
+
+async def _drain_parts(tally: _Tally, spec: CellSpec, part: Part) -> None:
+    """``_drain`` over every part of a cell: each round they share what they sent and
+    handled, and all stop in the same round (each decides from the same numbers)."""
+    rounds = int(DRAIN_S / 0.1)
+    last, still = -1, 0
+    for _ in range(rounds):
+        shares = await part.gather([len(tally.sent), len(tally.handled)])
+        sent, done = sum(s for s, _ in shares), sum(h for _, h in shares)
+        if done >= sent:
             return
         still = still + 1 if done == last else 0
         if still >= 20 and spec.mode in ("none", "raw", "broker", "persistent"):

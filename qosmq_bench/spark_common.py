@@ -34,8 +34,10 @@ __all__ = [
     "hms",
     "new_result_dir",
     "on_executor",
+    "on_executors",
     "session",
     "settings_payload",
+    "slots",
     "write_csv",
 ]
 
@@ -58,6 +60,8 @@ def session(app: str, master: str | None) -> Any:
     spark = (
         builder.config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
+        # a part of a cell that failed stops meeting the others: they give up after this
+        .config("spark.barrier.sync.timeout", "120s")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
@@ -75,6 +79,30 @@ def settings_payload(settings: Settings) -> dict[str, Any]:
 def on_executor(spark: Any, function: Callable[..., dict[str, Any]], *args: Any) -> Any:
     """``function(*args)`` as one Spark task (on an executor, not the driver); its result."""
     return spark.sparkContext.parallelize([args], 1).map(lambda a: function(*a)).collect()[0]
+
+
+def on_executors(
+    spark: Any, function: Callable[..., dict[str, Any]], count: int, *args: Any
+) -> list[Any]:
+    """``function(*args, context)`` as ``count`` Spark tasks started together (a barrier
+    stage: Spark starts all or none, on as many slots), ``context`` being each task's
+    ``BarrierTaskContext`` (``partitionId()``, ``barrier()``, ``allGather()``); their
+    results in task order.  ``function`` must not raise (an error is data): Spark would
+    run the whole stage again."""
+
+    def task(rows: Any) -> list[Any]:
+        from pyspark import BarrierTaskContext
+
+        (args_,) = list(rows)
+        return [function(*args_, BarrierTaskContext.get())]
+
+    rdd = spark.sparkContext.parallelize([args] * count, count)
+    return list(rdd.barrier().mapPartitions(task).collect())
+
+
+def slots(spark: Any) -> int:
+    """Task slots the Spark application has now (what a barrier stage may take)."""
+    return int(spark.sparkContext.defaultParallelism)
 
 
 def failure(exc: BaseException) -> dict[str, str]:
@@ -174,7 +202,11 @@ def execute(
         print(f"{job}: error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    out = run(args)
+    try:
+        out = run(args)
+    except ConfigurationError as exc:  # found once Spark answered (e.g. too few slots)
+        print(f"{job}: error: {exc}", file=sys.stderr)
+        return 2
     print(f"results: {out}")
     print((out / "report.md").read_text())
     return 0
@@ -202,12 +234,17 @@ def drive(
     append_records: Callable[[Any, Path, dict[str, Any], Sequence[Any]], None] | None = None,
     label: Callable[[dict[str, Any]], dict[str, Any]] = dict,
     progress: Callable[[int, dict[str, Any], dict[str, Any]], None] | None = None,
+    merge: Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, Any]] | None = None,
 ) -> Driven:
     """The one job shape: ``function(payload, task, *extra)`` as one Spark task per task,
     in order. It returns ``{"rows": [...]}`` (each row may carry ``records``: per-event
     tuples, handed to ``append_records`` and not kept in the row) and, if it failed,
     ``error`` and ``trace`` with the rows finished before. A first Ctrl-C stops after the
-    current task, a second at once; what finished is returned either way."""
+    current task, a second at once; what finished is returned either way.
+
+    A task with ``"parts": n`` > 1 runs as ``n`` Spark tasks started together
+    (:func:`on_executors`, each given its ``BarrierTaskContext`` last), and ``merge(task,
+    results)`` makes the one result of them."""
     driven = Driven()
     try:
         with StopAfterCell() as stop:
@@ -215,7 +252,12 @@ def drive(
                 if stop.requested:
                     driven.interrupted = True
                     break
-                result = on_executor(spark, function, dict(payload), task, *extra)
+                parts = int(task.get("parts", 1))
+                if parts > 1 and merge is not None:
+                    results = on_executors(spark, function, parts, dict(payload), task, *extra)
+                    result = merge(task, results)
+                else:
+                    result = on_executor(spark, function, dict(payload), task, *extra)
                 for row in result.get("rows", []):
                     records = row.pop("records", None)
                     driven.rows.append(row)

@@ -12,11 +12,17 @@ Brokers come from the settings (``QOSMQ_AMQP_URLS`` …) read once on the driver
 shipped to the executors with the task, so a Spark cluster reaches a remote RabbitMQ
 cluster by settings alone.
 
-How a cell runs: cells run one after another (they must not compete for the CPU).  A
-cell is one Spark task: one executor Python process drives all its producers and
-consumers on one event loop, so every timestamp in its records comes from one clock.
-Spreading one cell's clients over several tasks would need clock agreement between
-processes and, on a 2-core machine, would take CPU from the brokers being measured.
+How a cell runs: cells run one after another (they must not compete for the CPU).  With
+``--tasks-per-cell 1`` a cell is one Spark task: one executor Python process drives all
+its producers and consumers on one event loop, every timestamp from one clock.  With
+``N`` > 1 the cell's producers and consumers are spread over N tasks of a barrier stage
+(Spark starts all or none; they meet before the producers start, while draining and
+before the queues go), so that one Python process is not what is measured; its
+throughput is the sum, its records the union, its latencies from the wall clocks of
+the processes involved (their spread at a barrier is reported: on a cluster the
+executors' clocks must agree, e.g. chrony, to well under the latencies read).  N is at
+most the application's task slots.  Each cell names what limited it (``limit``): the
+busiest client process, the machine's cores, the brokers, or none of them.
 Records are per message, not sampled: (message id, sent, confirmed, first handled).
 """
 
@@ -26,16 +32,18 @@ import argparse
 import json
 import math
 import sys
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from middleware.cliargs import Parser, integer, integers, names, number, path
+from middleware.errors import ConfigurationError
 from middleware.settings import Settings
 
 from . import spark_common
-from .confirms import MODES, CellSpec, run_cell_sync
+from .confirms import MODES, CellSpec, Part, merge_parts, run_cell_sync
 from .spark_common import (
     drive,
     failure,
@@ -45,6 +53,7 @@ from .spark_common import (
     pyplot,
     session,
     settings_payload,
+    slots,
     write_csv,
 )
 from .stats import whole
@@ -55,7 +64,18 @@ PAPER = {  # paper 003 §4: e2e over the persistent baseline
     "optimisation 2": {1: 3.48, 2: 2.16, 15: 1.526, 30: 1.534, "mean >3 queues": 1.565},
 }
 #: Measured by the executor around each cell (``run_cell``); averaged over repeats.
-CPU_KEYS = ("client_cpu_pct", "client_wait_pct", "machine_pct", "client_cpu_us_per_msg")
+CPU_KEYS = (
+    "client_cpu_pct",
+    "client_wait_pct",
+    "machine_pct",
+    "client_cpu_us_per_msg",
+    "broker_cpu_pct",
+    "run_queue",
+    "clock_spread_ms",
+)
+#: A cell is bound by its busiest client process at this % of one core, by the machine
+#: at this % of all its cores, by the brokers at this % of the cores they may use.
+CLIENT_BOUND_PCT, MACHINE_BOUND_PCT, BROKER_BOUND_PCT = 85.0, 90.0, 85.0
 SETUP_S = 4.0  # measured per-cell set-up and drain overhead, for the estimate
 
 
@@ -68,26 +88,29 @@ class Grid:
     size: int
     duration_s: float
     repeats: int
+    tasks: tuple[int, ...] = (1,)
 
-    def cells(self) -> Iterator[tuple[int, CellSpec]]:
+    def cells(self) -> Iterator[tuple[int, int, CellSpec]]:
         for repeat in range(self.repeats):
             for q in self.queues:
-                for mode in self.modes:
-                    yield (
-                        repeat,
-                        CellSpec(
-                            mode=mode,
-                            queues=q,
-                            producers_per_queue=self.producers_per_queue,
-                            consumers_per_queue=self.consumers_per_queue,
-                            size=self.size,
-                            duration_s=self.duration_s,
-                        ),
-                    )
+                for tasks in self.tasks:
+                    for mode in self.modes:
+                        yield (
+                            repeat,
+                            tasks,
+                            CellSpec(
+                                mode=mode,
+                                queues=q,
+                                producers_per_queue=self.producers_per_queue,
+                                consumers_per_queue=self.consumers_per_queue,
+                                size=self.size,
+                                duration_s=self.duration_s,
+                            ),
+                        )
 
     @property
     def count(self) -> int:
-        return self.repeats * len(self.queues) * len(self.modes)
+        return self.repeats * len(self.queues) * len(self.modes) * len(self.tasks)
 
     def estimate_s(self) -> float:
         return self.count * (self.duration_s + SETUP_S)
@@ -109,6 +132,19 @@ def parse_grid(args: argparse.Namespace) -> Grid:
         raise ValueError("--duration, --repeats and --size must be positive")
     if args.producers_per_queue < 1 or args.consumers_per_queue < 1:
         raise ValueError("--producers-per-queue and --consumers-per-queue must be >= 1")
+    got = str(getattr(args, "tasks_per_cell", "1"))
+    try:
+        tasks = tuple(int(t) for t in got.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--tasks-per-cell must be integers, got {got!r}") from None
+    if not tasks or min(tasks) < 1:
+        raise ValueError(f"--tasks-per-cell must be >= 1, got {got!r}")
+    most = args.producers_per_queue + args.consumers_per_queue
+    if max(tasks) > most * min(queues):
+        raise ValueError(
+            f"--tasks-per-cell {max(tasks)} leaves a task with no producer or consumer at "
+            f"{min(queues)} queue(s) ({most * min(queues)} clients)"
+        )
     grid = Grid(
         modes,
         queues,
@@ -117,6 +153,7 @@ def parse_grid(args: argparse.Namespace) -> Grid:
         args.size,
         args.duration,
         args.repeats,
+        tasks,
     )
     list(grid.cells())  # CellSpec checks each cell
     return grid
@@ -135,6 +172,12 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     )
     p.add_argument("--repeats", type=integer(1, 100), default=3)
     p.add_argument(
+        "--tasks-per-cell",
+        default="1",
+        help="Spark tasks a cell's producers and consumers are spread over, or a list "
+        "(1,2: each cell both ways); at most the application's task slots",
+    )
+    p.add_argument(
         "--out",
         type=path,
         default=Path("results"),
@@ -147,18 +190,42 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
 
 
 # ------------------------------------------------------------------ executor side
-def _run_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) -> dict[str, Any]:
-    """Runs inside a Spark task: one cell against the brokers; errors come back as data
-    (a failed cell is a row with its error: ``cells.json`` keeps it)."""
+def _run_on_executor(
+    settings_data: dict[str, Any], task: dict[str, Any], context: Any = None
+) -> dict[str, Any]:
+    """Runs inside a Spark task: one cell against the brokers, or one part of it (with
+    the barrier ``context``); errors come back as data (a failed cell is a row with its
+    error: ``cells.json`` keeps it)."""
     settings = Settings.load(**settings_data)
     cell = CellSpec(**task["cell"])
+    part = None
+    if context is not None:
+        part = Part(context.partitionId(), task["parts"], task["run_id"], context)
     try:
-        result = run_cell_sync(settings, cell, records=True)
+        result = run_cell_sync(settings, cell, records=True, part=part)
     except Exception as exc:
         result = {"mode": cell.mode, "queues": cell.queues, **failure(exc)}
     result.pop("trace", None)
-    result.update(repeat=task["repeat"], duration_s=result.get("duration_s", cell.duration_s))
+    result.update(
+        repeat=task["repeat"],
+        tasks=task["parts"],
+        duration_s=result.get("duration_s", cell.duration_s),
+    )
     return {"rows": [result]}
+
+
+def _merge(task: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's row from its parts' rows (the first error, if a part failed)."""
+    rows = [r["rows"][0] for r in results]
+    cell = CellSpec(**task["cell"])
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        row = {"mode": cell.mode, "queues": cell.queues, "error": failed[0]["error"]}
+    else:
+        row = merge_parts(cell, rows, records=True)
+    row.update(repeat=task["repeat"], tasks=task["parts"])
+    row.setdefault("duration_s", cell.duration_s)
+    return {"rows": [row]}
 
 
 # -------------------------------------------------------------------- driver side
@@ -167,15 +234,30 @@ def run(args: argparse.Namespace) -> Path:
     grid = parse_grid(args)
     settings = Settings.load(args.config)
     spark = session("qosmq-confirms", args.master)
+    have = slots(spark)
+    if max(grid.tasks) > have:
+        spark.stop()
+        raise ConfigurationError(
+            f"--tasks-per-cell {max(grid.tasks)} needs as many task slots; this Spark "
+            f"application has {have} (local[N], or more executors)"
+        )
     out = _new_result_dir(args.out)
     print(
         f"qosmq confirms job: {grid.count} cells ({len(grid.modes)} modes x {len(grid.queues)}"
-        f" queue counts x {grid.repeats} repeats), about {hms(grid.estimate_s())}; "
-        f"results in {out}",
+        f" queue counts x {len(grid.tasks)} task counts x {grid.repeats} repeats), about "
+        f"{hms(grid.estimate_s())}; results in {out}",
         file=sys.stderr,
         flush=True,
     )
-    tasks = [{"cell": asdict(cell), "repeat": repeat} for repeat, cell in grid.cells()]
+    tasks = [
+        {
+            "cell": asdict(cell),
+            "repeat": repeat,
+            "parts": parts,
+            "run_id": uuid.uuid4().hex[:8],
+        }
+        for repeat, parts, cell in grid.cells()
+    ]
     try:
         with _progress(grid, args.no_progress) as advance:
             driven = drive(
@@ -185,6 +267,7 @@ def run(args: argparse.Namespace) -> Path:
                 settings_payload(settings),
                 tasks,
                 append_records=_append_records,
+                merge=_merge,
                 progress=lambda _i, task, result: advance(
                     CellSpec(**task["cell"]), result["rows"][0]
                 ),
@@ -209,6 +292,7 @@ def _append_records(
         [
             StructField("mode", StringType(), False),
             StructField("queues", IntegerType(), False),
+            StructField("tasks", IntegerType(), False),
             StructField("repeat", IntegerType(), False),
             StructField("message_id", StringType(), False),
             StructField("sent", DoubleType(), False),
@@ -216,7 +300,7 @@ def _append_records(
             StructField("handled", DoubleType(), True),
         ]
     )
-    key = (cell["mode"], cell["queues"], cell["repeat"])
+    key = (cell["mode"], cell["queues"], cell.get("tasks", 1), cell["repeat"])
     rows = [(*key, m, s, c, h) for m, s, c, h in records]
     spark.createDataFrame(rows, schema).write.mode("append").parquet(str(out / "records.parquet"))
 
@@ -226,14 +310,12 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
     from pyspark.sql import functions as F
 
     records = spark.read.parquet(str(out / "records.parquet"))
-    durations = {
-        (c["mode"], c["queues"], c["repeat"]): c["duration_s"] for c in cells if "error" not in c
-    }
+    durations = {_key(c): c["duration_s"] for c in cells if "error" not in c}
     confirm_ms = (F.col("confirmed") - F.col("sent")) * 1000
     e2e_ms = (F.col("handled") - F.col("sent")) * 1000
     pcts = [0.5, 0.95, 0.99, 0.999]
     per_repeat = (
-        records.groupBy("mode", "queues", "repeat")
+        records.groupBy("mode", "queues", "tasks", "repeat")
         .agg(
             F.count("*").alias("published"),
             F.count("confirmed").alias("confirmed"),
@@ -249,7 +331,7 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
     rows = []
     for r in per_repeat:
         d = r.asDict()
-        duration = durations.get((d["mode"], d["queues"], d["repeat"]))
+        duration = durations.get(_key(d))
         if not duration:
             continue
         d["confirmed_per_s"] = d["confirmed"] / duration
@@ -257,14 +339,7 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
             values = d.pop(name) or [math.nan] * 4
             for p, v in zip(("p50", "p95", "p99", "p999"), values, strict=True):
                 d[f"{name.split('_')[0]}_{p}_ms"] = v
-        cell = next(
-            (
-                c
-                for c in cells
-                if (c["mode"], c["queues"], c["repeat"]) == (d["mode"], d["queues"], d["repeat"])
-            ),
-            {},
-        )
+        cell = next((c for c in cells if _key(c) == _key(d)), {})
         d["duplicates"] = cell.get("duplicates", 0)
         for key in CPU_KEYS:  # measured by the executor around the cell (None off Linux)
             d[key] = cell.get(key)
@@ -272,42 +347,78 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
     return summarise_repeats(rows)
 
 
+def _key(row: dict[str, Any]) -> tuple[str, int, int, int]:
+    return (row["mode"], row["queues"], row.get("tasks", 1), row["repeat"])
+
+
 def summarise_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and sample stddev over repeats per (mode, queues), and ratio to persistent."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    """Mean and sample stddev over repeats per (mode, queues, tasks per cell), the ratio
+    to persistent at the same queues and tasks, and what limited the cell."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["mode"], r["queues"]), []).append(r)
+        groups.setdefault((r["mode"], r["queues"], r.get("tasks", 1)), []).append(r)
     summary = []
-    for (mode, queues), reps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    order = sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))
+    for (mode, queues, tasks), reps in order:
         tput = [r["confirmed_per_s"] for r in reps]
         s: dict[str, Any] = {
             "mode": mode,
             "queues": queues,
+            "tasks": tasks,
             "repeats": len(reps),
             "confirmed_per_s_mean": _mean(tput),
             "confirmed_per_s_std": _std(tput),
         }
         for key in ("published", "confirmed", "handled", "lost", "duplicates"):
             s[key] = sum(r[key] for r in reps)
-        for key in [k for k in reps[0] if k.endswith("_ms")]:
+        for key in [k for k in reps[0] if k.startswith(("confirm_", "e2e_")) and k.endswith("_ms")]:
             s[key] = _mean([r[key] for r in reps])
         for key in CPU_KEYS:
             known = [r[key] for r in reps if r.get(key) is not None]
             s[key] = _mean(known) if known else None
+        s["limit"] = limit(s)
         summary.append(s)
-    base = {s["queues"]: s["confirmed_per_s_mean"] for s in summary if s["mode"] == "persistent"}
+    base = {
+        (s["queues"], s["tasks"]): s["confirmed_per_s_mean"]
+        for s in summary
+        if s["mode"] == "persistent"
+    }
     for s in summary:
-        b = base.get(s["queues"])
+        b = base.get((s["queues"], s["tasks"]))
         s["ratio_vs_persistent"] = s["confirmed_per_s_mean"] / b if b else None
     return summary
 
 
-def paper_summary(summary: list[dict[str, Any]], mode: str = "e2e") -> dict[str, Any]:
-    """Our ratios at the paper's queue counts, and the mean over queue counts above 3."""
+def limit(cell: dict[str, Any]) -> str:
+    """What limited a cell, from the CPU read around it: ``client`` (its busiest client
+    process near a whole core: Python runs a process's event loop on one), ``cores``
+    (the machine's cores all busy: clients and brokers share them), ``brokers`` (the
+    RabbitMQ nodes on this machine near the cores), else ``none`` (nothing saturated:
+    the publish windows and round trips set the pace); ``unknown`` without readings."""
+    client, machine = cell.get("client_cpu_pct"), cell.get("machine_pct")
+    broker, cores = cell.get("broker_cpu_pct"), cell.get("cores") or 1
+    if client is None and machine is None:
+        return "unknown"
+    if client is not None and client >= CLIENT_BOUND_PCT:
+        return "client"
+    if machine is not None and machine >= MACHINE_BOUND_PCT:
+        return "cores"
+    if broker is not None and broker >= BROKER_BOUND_PCT * cores:
+        return "brokers"
+    return "none"
+
+
+def paper_summary(
+    summary: list[dict[str, Any]], mode: str = "e2e", tasks: int | None = None
+) -> dict[str, Any]:
+    """Our ratios at the paper's queue counts (at ``tasks`` per cell: the most in the
+    run by default), and the mean over queue counts above 3."""
+    if tasks is None:
+        tasks = max((s.get("tasks", 1) for s in summary), default=1)
     ratios = {
         s["queues"]: s["ratio_vs_persistent"]
         for s in summary
-        if s["mode"] == mode and s["ratio_vs_persistent"] is not None
+        if s["mode"] == mode and s.get("tasks", 1) == tasks and s["ratio_vs_persistent"] is not None
     }
     above = [r for q, r in ratios.items() if q > 3]
     return {"by_queues": ratios, "mean >3 queues": _mean(above) if above else None}
@@ -345,6 +456,11 @@ def _colour(mode: str) -> str:
     return f"C{MODES.index(mode) % 10}" if mode in MODES else "C9"
 
 
+def _cat(s: dict[str, Any]) -> tuple[int, int]:
+    """A chart's category: queues, and tasks per cell when the run has several."""
+    return (s["queues"], s.get("tasks", 1))
+
+
 def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
     """Queue counts are categories (evenly spaced, one tick each), modes are bars side by
     side in each; error bars are one stddev over the repeats."""
@@ -352,18 +468,21 @@ def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
     if plt is None or not summary:
         return []
     modes = [m for m in MODES if any(s["mode"] == m for s in summary)]
-    queues = sorted({s["queues"] for s in summary})
-    at = {q: i for i, q in enumerate(queues)}
+    cats = sorted({_cat(s) for s in summary})
+    at = {k: i for i, k in enumerate(cats)}
+    several = len({t for _, t in cats}) > 1
     width = 0.8 / max(len(modes), 1)
 
     def offset(i: int) -> float:
         return (i - (len(modes) - 1) / 2) * width
 
     def cells(mode: str) -> list[dict[str, Any]]:
-        return sorted((s for s in summary if s["mode"] == mode), key=lambda s: s["queues"])
+        return sorted((s for s in summary if s["mode"] == mode), key=_cat)
 
     def categories(ax: Any) -> None:
-        ax.set_xticks(range(len(queues)), [str(q) for q in queues])
+        ax.set_xticks(
+            range(len(cats)), [f"{q}\n{t} task(s)" if several else str(q) for q, t in cats]
+        )
         ax.set_xlabel("queues")
         ax.grid(axis="y", alpha=0.3)
 
@@ -371,7 +490,7 @@ def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
     for i, mode in enumerate(modes):
         pts = cells(mode)
         ax.bar(
-            [at[s["queues"]] + offset(i) for s in pts],
+            [at[_cat(s)] + offset(i) for s in pts],
             [s["confirmed_per_s_mean"] for s in pts],
             width,
             yerr=[s["confirmed_per_s_std"] or 0.0 for s in pts],
@@ -386,24 +505,25 @@ def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
     fig.savefig(out / "throughput.png", dpi=110)
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    base = {s["queues"]: s for s in summary if s["mode"] == "persistent"}
+    base = {_cat(s): s for s in summary if s["mode"] == "persistent"}
     shown = [m for m in modes if m != "persistent"]
     width = 0.8 / (len(shown) + 2)
     for i, mode in enumerate(shown):
         pts = [s for s in cells(mode) if s["ratio_vs_persistent"] is not None]
         ax.bar(
-            [at[s["queues"]] + (i - len(shown) / 2) * width for s in pts],
+            [at[_cat(s)] + (i - len(shown) / 2) * width for s in pts],
             [s["ratio_vs_persistent"] for s in pts],
             width,
-            yerr=[_ratio_std(s, base.get(s["queues"])) for s in pts],
+            yerr=[_ratio_std(s, base.get(_cat(s))) for s in pts],
             capsize=2,
             color=_colour(mode),
             label=f"{mode} (ours)",
         )
     for j, (name, marker) in enumerate((("optimisation 1", "D"), ("optimisation 2", "^"))):
-        paper = [(q, v) for q, v in PAPER[name].items() if isinstance(q, int) and q in at]
+        values = {q: v for q, v in PAPER[name].items() if isinstance(q, int)}
+        paper = [(k, values[k[0]]) for k in cats if k[0] in values]
         ax.scatter(
-            [at[q] + (len(shown) / 2 + j - 0.5) * width for q, _ in paper],
+            [at[k] + (len(shown) / 2 + j - 0.5) * width for k, _ in paper],
             [v for _, v in paper],
             marker=marker,
             color="black",
@@ -424,7 +544,7 @@ def _charts(out: Path, summary: list[dict[str, Any]]) -> list[str]:
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
         pts = cells(mode)
-        xs = [at[s["queues"]] + offset(i) for s in pts]
+        xs = [at[_cat(s)] + offset(i) for s in pts]
         line = ax.plot(xs, [s["confirm_p50_ms"] for s in pts], "o", color=_colour(mode), label=mode)
         ax.plot(
             xs,
@@ -462,6 +582,7 @@ def _report(
     charts: list[str],
 ) -> str:
     ours = paper_summary(summary)
+    most = max(grid.tasks)
     lines = [
         "# qosmq confirm modes: results",
         "",
@@ -469,8 +590,15 @@ def _report(
         f"- grid: modes {', '.join(grid.modes)}; queues {', '.join(map(str, grid.queues))}; "
         f"{grid.producers_per_queue} producers and {grid.consumers_per_queue} consumers per "
         f"queue; {grid.size}-byte messages; {grid.duration_s:g} s per cell; "
-        f"{grid.repeats} repeat(s)",
+        f"{grid.repeats} repeat(s); tasks per cell {', '.join(map(str, grid.tasks))}",
     ]
+    spreads = [s["clock_spread_ms"] for s in summary if s.get("clock_spread_ms") is not None]
+    if spreads:
+        lines.append(
+            f"- clocks: the tasks of a cell read their wall clocks within "
+            f"{max(spreads):.2f} ms of each other leaving a barrier (skew plus release "
+            "jitter: an upper bound on what cross-task latencies carry)"
+        )
     if interrupted:
         lines.append("- **interrupted**: only the finished cells are reported")
     failed = [c for c in cells if "error" in c]
@@ -478,7 +606,7 @@ def _report(
         lines.append(f"- failed cells: {len(failed)} (errors in cells.json)")
     lines += [
         "",
-        "## e2e over the persistent baseline, beside the paper",
+        f"## e2e over the persistent baseline, beside the paper ({most} task(s) per cell)",
         "",
         "| queues | ours | paper opt. 1 | paper opt. 2 |",
         "|---|---|---|---|",
@@ -498,17 +626,27 @@ def _report(
         "",
         "## Summary (mean ± stddev over repeats)",
         "",
-        "| mode | queues | confirmed/s | confirm p50 / p99 ms | e2e p50 ms | lost | dups |"
-        " x persistent | client CPU % | CPU µs/msg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Limit: `client` = the busiest client process used ≥ "
+        f"{CLIENT_BOUND_PCT:.0f} % of a core; `cores` = the machine ≥ "
+        f"{MACHINE_BOUND_PCT:.0f} % busy (clients and brokers share its cores); `brokers` = "
+        "the local RabbitMQ nodes near the cores; `none` = nothing saturated (windows and "
+        "round trips). Client CPU is the busiest task's, in % of one core; brokers' is "
+        "their sum; run queue = runnable threads, mean.",
+        "",
+        "| mode | queues | tasks | confirmed/s | confirm p50 / p99 ms | e2e p50 ms | lost |"
+        " dups | x persistent | limit | client CPU % | brokers CPU % | machine % |"
+        " run queue | CPU µs/msg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
-            f"| {s['mode']} | {s['queues']} | {s['confirmed_per_s_mean']:.0f} ± "
-            f"{s['confirmed_per_s_std']:.0f} | {s['confirm_p50_ms']:.1f} / "
-            f"{s['confirm_p99_ms']:.1f} | {s['e2e_p50_ms']:.1f} | {s['lost']} | "
-            f"{s['duplicates']} | {_x(s['ratio_vs_persistent'])} | "
-            f"{whole(s.get('client_cpu_pct'))} | {whole(s.get('client_cpu_us_per_msg'))} |"
+            f"| {s['mode']} | {s['queues']} | {s.get('tasks', 1)} | "
+            f"{s['confirmed_per_s_mean']:.0f} ± {s['confirmed_per_s_std']:.0f} | "
+            f"{s['confirm_p50_ms']:.1f} / {s['confirm_p99_ms']:.1f} | {s['e2e_p50_ms']:.1f} | "
+            f"{s['lost']} | {s['duplicates']} | {_x(s['ratio_vs_persistent'])} | "
+            f"{s.get('limit', 'unknown')} | {whole(s.get('client_cpu_pct'))} | "
+            f"{whole(s.get('broker_cpu_pct'))} | {whole(s.get('machine_pct'))} | "
+            f"{_num(s.get('run_queue'))} | {whole(s.get('client_cpu_us_per_msg'))} |"
         )
     lines += ["", *[f"![{c}]({c})" for c in charts], ""]
     return "\n".join(lines)
@@ -568,6 +706,10 @@ def _std(values: Sequence[float]) -> float:
         return 0.0
     m = _mean(values)
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.1f}"
 
 
 def _x(value: float | None) -> str:

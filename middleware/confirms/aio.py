@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
@@ -13,8 +14,9 @@ from ..settings import ConfirmSettings
 from ..transport.aio import AsyncClient, AsyncHandler
 from ..transport.delivery import Delivery, Outcome
 from ..transport.message import OutgoingMessage
-from .core import ConsumerCore, PublisherCore, Settled
+from .core import ConsumerCore, PublisherCore, Settled, new_batcher
 from .modes import ConfirmMode
+from .tracking import Receipt
 
 __all__ = ["AsyncConfirmConsumer", "AsyncConfirmPublisher"]
 
@@ -175,12 +177,80 @@ class AsyncConfirmPublisher:
                     )
 
 
+class _SharedReceipts:
+    """One receipt batcher for every :class:`AsyncConfirmConsumer` of an event loop with
+    the same confirm settings (``confirms.receipt_scope = "process"``): receipts owed to
+    one publisher by all of them leave in one message, sent through whichever member's
+    client is up.  One flush loop serves them all; the last member to leave stops it."""
+
+    def __init__(self, confirms: ConfirmSettings) -> None:
+        self.batcher = new_batcher(confirms)
+        self.members: list[AsyncConfirmConsumer] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    def join(self, member: AsyncConfirmConsumer) -> None:
+        if member not in self.members:
+            self.members.append(member)
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def leave(self, member: AsyncConfirmConsumer) -> None:
+        """Send every receipt still waiting (the leaver's among them) while its client is
+        still open; stop the flush loop with the last member."""
+        if member not in self.members:
+            return
+        await self.send(self.batcher.drain(), via=member)
+        self.members.remove(member)
+        if not self.members and self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+
+    async def send(
+        self, batches: list[tuple[str, list[Receipt]]], via: AsyncConfirmConsumer
+    ) -> None:
+        for reply_to, receipts in batches:
+            ready = [m for m in self.members if m is not via and m.client.ready]
+            for member in (via, *ready):
+                if await member._send(reply_to, receipts):
+                    break
+
+    async def _flush_loop(self) -> None:
+        period = max(self.batcher.linger_s, 0.001)
+        while True:
+            await asyncio.sleep(period)
+            due = self.batcher.due()
+            if due and self.members:
+                ready = [m for m in self.members if m.client.ready] or self.members
+                await self.send(due, via=ready[0])
+
+
+#: event loop -> confirm settings -> the receipts its consumers share
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _SharedReceipts]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shared(confirms: ConfirmSettings) -> _SharedReceipts:
+    pools = _SHARED.setdefault(asyncio.get_running_loop(), {})
+    key = confirms.model_dump_json()
+    if key not in pools:
+        pools[key] = _SharedReceipts(confirms)
+    return pools[key]
+
+
 class AsyncConfirmConsumer:
-    """Wraps handlers so layer publishers get receipts; suppresses resent duplicates."""
+    """Wraps handlers so layer publishers get receipts; suppresses resent duplicates.
+
+    With ``confirms.receipt_scope = "process"`` (the default) the consumers of one event
+    loop batch their receipts together per publisher; ``"consumer"``: each its own."""
 
     def __init__(self, client: AsyncClient, *, confirms: ConfirmSettings | None = None) -> None:
         self.client = client
-        self.core = ConsumerCore(confirms or client.settings.confirms)
+        self.confirms = confirms or client.settings.confirms
+        self.core = ConsumerCore(self.confirms)
+        self._pool: _SharedReceipts | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._tags: list[str] = []
         # closing the client alone still lets running handlers settle and sends their receipts
@@ -189,8 +259,7 @@ class AsyncConfirmConsumer:
     async def consume(
         self, queue: str, handler: AsyncHandler, *, prefetch: int | None = None
     ) -> str:
-        if self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush_loop())
+        self._start()
 
         async def wrapped(delivery: Delivery) -> None:
             if self.core.should_handle(delivery):
@@ -202,6 +271,15 @@ class AsyncConfirmConsumer:
         self._tags.append(tag)
         return tag
 
+    def _start(self) -> None:
+        if self.confirms.receipt_scope == "process":
+            if self._pool is None:
+                self._pool = _shared(self.confirms)
+                self.core.batcher = self._pool.batcher
+            self._pool.join(self)
+        elif self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
     async def close(self) -> None:
         """Stop consuming; the handlers running finish and settle (``close_grace``), and
         every receipt they owe goes out before this returns."""
@@ -211,6 +289,9 @@ class AsyncConfirmConsumer:
         await self._drain()
 
     async def _drain(self) -> None:
+        if self._pool is not None:
+            await self._pool.leave(self)
+            return
         if self._flusher is not None:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -220,7 +301,11 @@ class AsyncConfirmConsumer:
             await self._send(reply_to, receipts)
 
     async def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
-        for reply_to, receipts in self.core.settled(delivery, outcome):
+        full = self.core.settled(delivery, outcome)
+        if self._pool is not None:
+            await self._pool.send(full, via=self)
+            return
+        for reply_to, receipts in full:
             await self._send(reply_to, receipts)
 
     async def _flush_loop(self) -> None:
@@ -230,9 +315,11 @@ class AsyncConfirmConsumer:
             for reply_to, receipts in self.core.batcher.due():
                 await self._send(reply_to, receipts)
 
-    async def _send(self, reply_to: str, receipts: list[Any]) -> None:
+    async def _send(self, reply_to: str, receipts: list[Receipt]) -> bool:
         try:
             await self.client.publish(self.core.message(reply_to, receipts), confirm=False)
         except Exception as exc:
             # the publisher resends after its timeout and we answer the duplicate again
             log.info("could not send %d receipts: %s", len(receipts), exc)
+            return False
+        return True

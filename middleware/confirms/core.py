@@ -10,6 +10,7 @@ it earns once settled, and when receipts leave in a batch.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,10 +34,11 @@ from .tracking import (
     body_digest,
     decode_receipts,
     encode_receipts,
+    published_age,
     wants_receipt,
 )
 
-__all__ = ["REPLY_TO", "ConsumerCore", "PublisherCore", "Settled"]
+__all__ = ["REPLY_TO", "ConsumerCore", "PublisherCore", "Settled", "new_batcher"]
 
 log = logging.getLogger(__name__)
 REPLY_TO = "amq.rabbitmq.reply-to"
@@ -120,7 +122,7 @@ class PublisherCore:
                 "the layer knows: declare the bindings through the client, or pass "
                 "expect=[queue, ...]"
             )
-        headers[RECEIPT_HEADER] = 1
+        headers[RECEIPT_HEADER] = int(time.time() * 1000)  # wanted; its value: sent at
         message = OutgoingMessage(
             body,
             exchange,
@@ -201,6 +203,19 @@ class PublisherCore:
         return message_id, error
 
 
+def new_batcher(confirms: ConfirmSettings) -> ReceiptBatcher:
+    """A receipt batcher as the settings describe it (one per consumer, or one shared)."""
+    return ReceiptBatcher(
+        max_batch=confirms.receipt_batch,
+        linger_s=confirms.receipt_linger_ms / 1000,
+        busy_linger_s=confirms.receipt_linger_busy_ms / 1000,
+        busy_rate=confirms.receipt_busy_rate,
+        load=PROCESS_RECEIPT_LOAD,
+        age_fraction=confirms.receipt_linger_age_fraction,
+        max_linger_s=confirms.receipt_linger_max_ms / 1000,
+    )
+
+
 class ConsumerCore:
     """Duplicate suppression and receipt batching for layer consumers.
 
@@ -210,15 +225,9 @@ class ConsumerCore:
     first copy's receipt answers both.
     """
 
-    def __init__(self, confirms: ConfirmSettings) -> None:
+    def __init__(self, confirms: ConfirmSettings, *, batcher: ReceiptBatcher | None = None) -> None:
         self.dedup = DuplicateFilter(confirms.dedup_window)
-        self.batcher = ReceiptBatcher(
-            max_batch=confirms.receipt_batch,
-            linger_s=confirms.receipt_linger_ms / 1000,
-            busy_linger_s=confirms.receipt_linger_busy_ms / 1000,
-            busy_rate=confirms.receipt_busy_rate,
-            load=PROCESS_RECEIPT_LOAD,
-        )
+        self.batcher = batcher if batcher is not None else new_batcher(confirms)
         self._in_progress: dict[tuple[str, str], bytes] = {}  # key -> body digest
         # per delivery object (handler and settle hook see the same one): the answer to repeat
         self._skipped: dict[int, Receipt | None] = {}
@@ -256,7 +265,9 @@ class ConsumerCore:
             return []
         if id(delivery) in self._skipped:
             earlier = self._skipped.pop(id(delivery))
-            return [] if earlier is None else self.batcher.add(str(delivery.reply_to), earlier)
+            if earlier is None:
+                return []
+            return self.batcher.add(str(delivery.reply_to), earlier, self._age(delivery))
         key = (delivery.queue, str(delivery.message_id))
         digest = self._in_progress.pop(key, b"")
         if outcome.action is Action.REQUEUE:
@@ -264,7 +275,11 @@ class ConsumerCore:
         ok = outcome.action is Action.ACK
         receipt = Receipt(key[1], key[0], ok, outcome.reason, digest)
         self.dedup.remember(receipt)
-        return self.batcher.add(str(delivery.reply_to), receipt)
+        return self.batcher.add(str(delivery.reply_to), receipt, self._age(delivery))
+
+    @staticmethod
+    def _age(delivery: Delivery) -> float | None:
+        return published_age(delivery.headers, time.time())
 
     def message(self, reply_to: str, receipts: list[Receipt]) -> OutgoingMessage:
         self.receipts_sent += len(receipts)

@@ -34,10 +34,12 @@ __all__ = [
     "Resolution",
     "decode_receipts",
     "encode_receipts",
+    "published_age",
     "wants_receipt",
 ]
 
-#: Header on a data message: "send receipts to my reply_to".
+#: Header on a data message: "send receipts to my reply_to"; its value is the publish
+#: time in milliseconds since the epoch (``1`` from earlier publishers: age unknown).
 RECEIPT_HEADER = "x-qosmq-receipt"
 #: AMQP ``type`` property of a receipt batch.
 RECEIPT_TYPE = "qosmq.receipts.v1"
@@ -62,6 +64,17 @@ def body_digest(body: bytes) -> bytes:
 def wants_receipt(headers: Mapping[str, Any], reply_to: str | None, message_id: str | None) -> bool:
     """True for a message published by an e2e publisher (plain messages get none)."""
     return bool(reply_to) and bool(message_id) and bool(headers.get(RECEIPT_HEADER))
+
+
+def published_age(headers: Mapping[str, Any], now: float) -> float | None:
+    """Seconds since an e2e message was published (its receipt header), ``now`` being
+    ``time.time()``; None when unknown (an old publisher's ``1``, a forged or
+    foreign value: only ever used to bound a batch's linger)."""
+    value = headers.get(RECEIPT_HEADER)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 1e12:
+        return None
+    age = now - value / 1000
+    return age if 0 <= age < 86_400 else None
 
 
 def encode_receipts(receipts: Iterable[Receipt]) -> bytes:
@@ -225,6 +238,15 @@ class ReceiptBatcher:
     a short confirm); above it, ``busy_linger_s``, so a consumer process under load
     sends one receipt message per many receipts instead of one per one or two, which
     is most of what e2e costs a client beyond the ``broker`` mode.
+
+    Busy, a batch may also wait a fraction (``age_fraction``) of how long its first
+    message had already waited since it was published (``age_s``), up to
+    ``max_linger_s``: with many publishers each gets few receipts per linger, but each
+    confirm then already waits long in the publishers' windows and queues, so a batch
+    that waits a tenth of that longer costs a tenth more latency and collects several
+    receipts instead of one.  One batcher may serve every consumer of a process (the
+    asyncio face shares it per event loop): receipts for one publisher from all of
+    them then leave together.
     """
 
     def __init__(
@@ -235,11 +257,17 @@ class ReceiptBatcher:
         busy_linger_s: float | None = None,
         busy_rate: float = math.inf,
         load: ReceiptLoad | None = None,
+        age_fraction: float = 0.0,
+        max_linger_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_batch, self.linger_s, self._clock = max_batch, linger_s, clock
         self.busy_linger_s = linger_s if busy_linger_s is None else max(busy_linger_s, linger_s)
         self.busy_rate = busy_rate
+        self.age_fraction = age_fraction
+        self.max_linger_s = (
+            self.busy_linger_s if max_linger_s is None else max(max_linger_s, self.busy_linger_s)
+        )
         self.load = load if load is not None else ReceiptLoad(clock=clock)
         self._batches: dict[str, tuple[float, list[Receipt]]] = {}  # address -> (deadline, batch)
 
@@ -250,13 +278,23 @@ class ReceiptBatcher:
     def busy(self) -> bool:
         return self.load.rate >= self.busy_rate
 
-    def add(self, reply_to: str, receipt: Receipt) -> list[tuple[str, list[Receipt]]]:
+    def linger(self, age_s: float | None = None) -> float:
+        """How long a batch started now may wait (``age_s``: how long its first message
+        had waited since it was published, when known)."""
+        if not self.busy:
+            return self.linger_s
+        if age_s is None or not age_s > 0 or not self.age_fraction:  # NaN, negative: unknown
+            return self.busy_linger_s
+        return min(max(self.busy_linger_s, self.age_fraction * age_s), self.max_linger_s)
+
+    def add(
+        self, reply_to: str, receipt: Receipt, age_s: float | None = None
+    ) -> list[tuple[str, list[Receipt]]]:
         """Queue a receipt; return the batches that are full."""
         now = self.load.note()
         pending = self._batches.get(reply_to)
         if pending is None:
-            linger = self.busy_linger_s if self.busy else self.linger_s
-            pending = self._batches[reply_to] = (now + linger, [])
+            pending = self._batches[reply_to] = (now + self.linger(age_s), [])
         batch = pending[1]
         batch.append(receipt)
         if len(batch) >= self.max_batch:

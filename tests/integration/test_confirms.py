@@ -506,3 +506,63 @@ def test_closing_lets_running_handlers_finish_and_sends_their_receipts(
         assert sorted(started) == sorted(finished)  # none handled twice
     finally:
         e2e.close()
+
+
+# ------------------------------------------- receipts per publisher process (issue #26)
+def _receipt_messages(settings: Settings, name: str, scope: str) -> tuple[int, int, list]:
+    """Three consumers (each its own client) of one queue in one event loop answer 300
+    e2e publishes; (receipts, receipt messages, the publish times read from headers)."""
+    tuned = _fast(
+        settings,
+        receipt_timeout=30,
+        receipt_linger_ms=200,
+        receipt_linger_busy_ms=200,
+        receipt_batch=1000,
+        receipt_scope=scope,
+    )
+    loop = LoopThread()
+    clients: list[AsyncClient] = []
+    consumers: list[AsyncConfirmConsumer] = []
+    stamps: list[Any] = []
+
+    async def handler(d: Delivery) -> None:
+        stamps.append(d.headers.get("x-qosmq-receipt"))
+
+    async def run() -> None:
+        admin = await AsyncClient(settings=tuned).connect()
+        clients.append(admin)
+        for spec in _fanout(name, [name]):
+            await _declare_async(admin, spec)
+        for _ in range(3):
+            client = await AsyncClient(settings=tuned).connect()
+            clients.append(client)
+            consumer = AsyncConfirmConsumer(client)
+            await consumer.consume(name, handler, prefetch=20)
+            consumers.append(consumer)
+        publisher = await AsyncConfirmPublisher(admin, mode="e2e").start()
+        await asyncio.gather(*(publisher.publish(b"x", exchange=name) for _ in range(300)))
+        await publisher.close()
+        for consumer in consumers:
+            await consumer.close()
+        await admin.delete_queue(name)
+        for client in clients:
+            await client.close()
+
+    try:
+        loop.run(run(), timeout=120)
+    finally:
+        loop.stop()
+    receipts = sum(c.core.receipts_sent for c in consumers)
+    return receipts, sum(c.core.batches_sent for c in consumers), stamps
+
+
+def test_consumers_of_a_process_batch_receipts_for_a_publisher_together(settings, name) -> None:
+    """receipt_scope "process": the receipts three consumers owe one publisher leave in
+    one message (sent by whichever consumer's client), not one per consumer; every
+    publish is confirmed either way, and the data messages carry their publish time."""
+    together = _receipt_messages(settings, name + ".p", "process")
+    apart = _receipt_messages(settings, name + ".c", "consumer")
+    assert together[0] == apart[0] == 300
+    assert together[1] * 2 <= apart[1], (together[1], apart[1])
+    now_ms = time.time() * 1000
+    assert all(isinstance(s, int) and now_ms - 120_000 < s <= now_ms for s in together[2])

@@ -82,6 +82,79 @@ def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, c
     assert os.environ["QOSMQ_AMQP_URLS"].split(",")[0] in report
 
 
+def test_a_cell_spread_over_two_tasks_of_a_barrier_stage(brokers, tmp_path, monkeypatch) -> None:
+    """--tasks-per-cell 1,2: each cell once in one task, once over two tasks started
+    together; the two-task cells count every message across both processes (records in
+    Parquet = published, nothing lost, no duplicate) and the report names each cell's
+    limit and the tasks' clock spread."""
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    args = arguments().parse_args(
+        [
+            "--modes",
+            "persistent,e2e",
+            "--queues",
+            "1",
+            "--tasks-per-cell",
+            "1,2",
+            "--duration",
+            "2",
+            "--repeats",
+            "1",
+            "--producers-per-queue",
+            "2",
+            "--consumers-per-queue",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--master",
+            "local[2]",
+            "--no-progress",
+        ]
+    )
+    assert execute(args) == 0
+    (out,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = {(s["mode"], s["tasks"]): s for s in json.loads((out / "summary.json").read_text())}
+    cells = json.loads((out / "cells.json").read_text())
+    assert set(summary) == {(m, t) for m in ("persistent", "e2e") for t in (1, 2)}
+    assert not [c for c in cells if "error" in c]
+    two = [c for c in cells if c["tasks"] == 2]
+    assert len(two) == 2 and all(
+        c["parts"] == 2 and len(c["client_cpu_pct_parts"]) == 2 for c in two
+    )
+
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.master("local[1]").getOrCreate()
+    try:
+        counts = {
+            (r["mode"], r["tasks"]): r["count"]
+            for r in spark.read.parquet(str(out / "records.parquet"))
+            .groupBy("mode", "tasks")
+            .count()
+            .collect()
+        }
+    finally:
+        spark.stop()
+    for key, s in summary.items():
+        assert counts[key] == s["published"] > 0 and s["confirmed"] > 0, key
+        assert s["lost"] == 0 and s["duplicates"] == 0, key
+        assert s["limit"] in ("client", "cores", "brokers", "none"), s
+    report = (out / "report.md").read_text()
+    assert "| tasks |" in report and "clocks: the tasks of a cell" in report
+
+
+def test_more_tasks_per_cell_than_slots_is_refused(brokers, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    args = arguments().parse_args(
+        ["--queues", "1", "--tasks-per-cell", "2", "--out", str(tmp_path), "--master", "local[1]"]
+    )
+    assert execute(args) == 2
+    assert "task slots" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing started, no result folder
+
+
 def test_a_second_run_never_overwrites_the_first(tmp_path) -> None:
     from qosmq_bench.spark_confirms import _new_result_dir
 
@@ -97,6 +170,8 @@ def test_a_second_run_never_overwrites_the_first(tmp_path) -> None:
         ["--duration", "-1"],
         ["--queues", "a,b"],
         ["--repeats", "0"],
+        ["--tasks-per-cell", "0"],
+        ["--tasks-per-cell", "x"],
     ],
 )
 def test_invalid_grids_are_refused_before_anything_starts(bad, tmp_path, capsys) -> None:

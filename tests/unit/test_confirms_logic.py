@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,6 +19,7 @@ from middleware.confirms.tracking import (
     Resolution,
     decode_receipts,
     encode_receipts,
+    published_age,
 )
 from middleware.errors import NegativeReceipt, NoRoute, ReceiptTimeout
 from middleware.settings import ConfirmSettings, RetrySettings
@@ -163,10 +167,59 @@ def _core(mode: ConfirmMode = ConfirmMode.E2E) -> PublisherCore:
     )
 
 
+def test_a_busy_batch_waits_a_fraction_of_its_messages_age_up_to_a_bound() -> None:
+    clock = Clock()
+    load = ReceiptLoad(window_s=0.25, clock=clock)
+    b = ReceiptBatcher(
+        max_batch=1000,
+        linger_s=0.005,
+        busy_linger_s=0.025,
+        busy_rate=500,
+        load=load,
+        age_fraction=0.1,
+        max_linger_s=0.25,
+        clock=clock,
+    )
+    assert b.linger(3.0) == 0.005  # quiet: the short linger whatever the age
+    load.rate = 1000.0  # busy
+    assert b.linger(None) == 0.025 and b.linger(0.1) == 0.025  # young: the busy linger
+    assert b.linger(1.5) == pytest.approx(0.15)  # a tenth of the age
+    assert b.linger(60.0) == 0.25  # bounded
+    assert b.linger(-1.0) == b.linger(math.nan) == 0.025  # unknown: the busy linger
+    b.add("p1", Receipt("1", "q"), age_s=2.0)
+    clock.now = 0.19
+    assert b.due() == []
+    clock.now = 0.2
+    assert [k for k, _ in b.due()] == ["p1"]
+
+
+@pytest.mark.parametrize(
+    ("value", "age"),
+    [
+        (1, None),  # an earlier publisher: receipts wanted, age unknown
+        (True, None),
+        ("1700000000000", None),
+        (1_000_000_000_000, None),  # 2001: older than a day
+        (2_000_000_000_000_000, None),  # far future: a clock or a forger
+        ("ms", None),
+        (None, None),
+    ],
+)
+def test_published_age_ignores_what_is_not_a_recent_time(value: object, age: object) -> None:
+    assert published_age({RECEIPT_HEADER: value}, time.time()) is age
+
+
+def test_published_age_reads_the_publish_time() -> None:
+    now = time.time()
+    assert published_age({RECEIPT_HEADER: int((now - 2) * 1000)}, now) == pytest.approx(2, 0.01)
+
+
 def test_publisher_core_expects_queues_from_topology_or_override() -> None:
     core = _core()
     message = core.prepare(b"x", exchange="fan", message_id="m1")
-    assert message.reply_to == REPLY_TO and message.headers[RECEIPT_HEADER] == 1
+    assert message.reply_to == REPLY_TO
+    sent_ms = message.headers[RECEIPT_HEADER]  # receipts wanted; the value: when it was sent
+    assert abs(sent_ms / 1000 - time.time()) < 5
     assert not message.persistent and not message.mandatory
     assert core.tracker._pending["m1"].expected == {"a", "b", "c"}
     core.prepare(b"x", exchange="elsewhere", message_id="m2", expect=["z"])
