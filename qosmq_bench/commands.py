@@ -17,7 +17,7 @@ from middleware.cliargs import integer, integers, names, number, numbers, path
 from middleware.errors import InvalidArgument
 from middleware.settings import Settings
 
-from .confirms import MODES, CellSpec, run_cell_sync
+from .confirms import MODES, CellSpec, receipt_share, run_cell_sync
 from .stats import whole
 
 __all__ = ["format_table", "register", "run_confirms_grid"]
@@ -284,7 +284,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'mode':15} {'queues':>6} {'confirmed/s':>11} {'p50 ms':>8} {'p95 ms':>8} "
         f"{'p99 ms':>8} {'lost':>5} {'dups':>5} {'x persistent':>12} {'x raw':>6} "
-        f"{'client cpu %':>12} {'cpu µs/msg':>10}"
+        f"{'client cpu %':>12} {'cpu µs/msg':>10} {'receipt msgs %':>14}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -296,7 +296,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['confirm_p50_ms']:>8.1f} {r['confirm_p95_ms']:>8.1f} {r['confirm_p99_ms']:>8.1f} "
             f"{r['lost']:>5} {r['duplicates']:>5} {_ratio(r['ratio_vs_persistent']):>12} "
             f"{_ratio(r['ratio_vs_raw']):>6} {whole(r.get('client_cpu_pct')):>12} "
-            f"{whole(r.get('client_cpu_us_per_msg')):>10}"
+            f"{whole(r.get('client_cpu_us_per_msg')):>10} {receipt_share(r):>14}"
         )
     return "\n".join(lines)
 

@@ -50,7 +50,16 @@ from middleware.transport import (
 from .cpu import CpuMeter
 from .stats import percentile
 
-__all__ = ["MODES", "CellSpec", "Coordinator", "Part", "merge_parts", "run_cell", "run_cell_sync"]
+__all__ = [
+    "MODES",
+    "CellSpec",
+    "Coordinator",
+    "Part",
+    "merge_parts",
+    "receipt_share",
+    "run_cell",
+    "run_cell_sync",
+]
 
 log = logging.getLogger(__name__)
 MODES = ("raw", *[m.value for m in ConfirmMode])
@@ -126,6 +135,16 @@ class _Tally:
     handled: dict[tuple[str, str], float] = field(default_factory=dict)
     duplicates: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    consumers: list[AsyncConfirmConsumer] = field(default_factory=list)
+    merged_receipts: tuple[int, int] = (0, 0)  # from the parts of a cell
+
+    def receipts(self) -> tuple[int, int]:
+        """(receipts, receipt messages) the cell's e2e consumers sent."""
+        cores = [c.core for c in self.consumers]
+        return (
+            self.merged_receipts[0] + sum(c.receipts_sent for c in cores),
+            self.merged_receipts[1] + sum(c.batches_sent for c in cores),
+        )
 
     def on_handled(self, queue: str, message_id: str) -> None:
         key = (queue, message_id)
@@ -237,6 +256,7 @@ def _part_result(spec: CellSpec, tally: _Tally, elapsed: float, part: Part) -> d
         "sent": [(m, t, tally.confirmed.get(m)) for m, t in tally.sent.items()],
         "handled": [(q, m, t) for (q, m), t in tally.handled.items()],
         "duplicates": tally.duplicates,
+        "receipts": tally.receipts(),
     }
 
 
@@ -261,6 +281,11 @@ def merge_parts(
                 tally.handled[key] = t
         tally.duplicates += p["duplicates"]
         tally.failed += p["failed"]
+        receipts = p.get("receipts", (0, 0))
+        tally.merged_receipts = (
+            tally.merged_receipts[0] + receipts[0],
+            tally.merged_receipts[1] + receipts[1],
+        )
         for name, n in p["errors"].items():
             tally.errors[name] = tally.errors.get(name, 0) + n
     elapsed = max(p["duration_s"] for p in parts)
@@ -332,6 +357,7 @@ async def _start_consumers(
 
             if ConfirmMode(spec.mode).profile.receipts:
                 consumer = AsyncConfirmConsumer(client)
+                tally.consumers.append(consumer)
                 await consumer.consume(q, handler)
                 closers.append(consumer.close)
             else:
@@ -502,6 +528,10 @@ def _summarise(spec: CellSpec, tally: _Tally, elapsed: float, records: bool) -> 
         "duplicates": tally.duplicates,
         "confirmed_per_s": round(len(tally.confirmed) / elapsed, 1),
         "handled_per_s": round(len(tally.handled) / elapsed, 1),
+        # e2e: receipts and the messages that carried them (a receipt message costs
+        # about what a data message does: their share is what batching saves)
+        "receipts": tally.receipts()[0],
+        "receipt_messages": tally.receipts()[1],
     }
     for p in (50, 95, 99, 99.9):
         label = str(p).replace(".", "")
@@ -513,3 +543,10 @@ def _summarise(spec: CellSpec, tally: _Tally, elapsed: float, records: bool) -> 
             (m, sent, tally.confirmed.get(m), first.get(m)) for m, sent in tally.sent.items()
         ]
     return summary
+
+
+def receipt_share(row: dict[str, Any]) -> str:
+    """Receipt messages per 100 data messages handled (e2e modes), else -."""
+    if not row.get("receipt_messages") or not row.get("handled"):
+        return "-"
+    return f"{100 * row['receipt_messages'] / row['handled']:.1f}"

@@ -43,7 +43,7 @@ from middleware.errors import ConfigurationError
 from middleware.settings import Settings
 
 from . import spark_common
-from .confirms import MODES, CellSpec, Part, merge_parts, run_cell_sync
+from .confirms import MODES, CellSpec, Part, merge_parts, receipt_share, run_cell_sync
 from .spark_common import (
     drive,
     failure,
@@ -341,6 +341,8 @@ def aggregate(spark: Any, out: Path, cells: list[dict[str, Any]]) -> list[dict[s
                 d[f"{name.split('_')[0]}_{p}_ms"] = v
         cell = next((c for c in cells if _key(c) == _key(d)), {})
         d["duplicates"] = cell.get("duplicates", 0)
+        d["receipts"] = cell.get("receipts", 0)
+        d["receipt_messages"] = cell.get("receipt_messages", 0)
         for key in CPU_KEYS:  # measured by the executor around the cell (None off Linux)
             d[key] = cell.get(key)
         rows.append(d)
@@ -371,6 +373,8 @@ def summarise_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for key in ("published", "confirmed", "handled", "lost", "duplicates"):
             s[key] = sum(r[key] for r in reps)
+        for key in ("receipts", "receipt_messages"):
+            s[key] = sum(r.get(key, 0) for r in reps)
         for key in [k for k in reps[0] if k.startswith(("confirm_", "e2e_")) and k.endswith("_ms")]:
             s[key] = _mean([r[key] for r in reps])
         for key in CPU_KEYS:
@@ -635,8 +639,8 @@ def _report(
         "",
         "| mode | queues | tasks | confirmed/s | confirm p50 / p99 ms | e2e p50 ms | lost |"
         " dups | x persistent | limit | client CPU % | brokers CPU % | machine % |"
-        " run queue | CPU µs/msg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " run queue | CPU µs/msg | receipt msgs % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
@@ -646,7 +650,8 @@ def _report(
             f"{s['lost']} | {s['duplicates']} | {_x(s['ratio_vs_persistent'])} | "
             f"{s.get('limit', 'unknown')} | {whole(s.get('client_cpu_pct'))} | "
             f"{whole(s.get('broker_cpu_pct'))} | {whole(s.get('machine_pct'))} | "
-            f"{_num(s.get('run_queue'))} | {whole(s.get('client_cpu_us_per_msg'))} |"
+            f"{_num(s.get('run_queue'))} | {whole(s.get('client_cpu_us_per_msg'))} | "
+            f"{receipt_share(s)} |"
         )
     lines += ["", *[f"![{c}]({c})" for c in charts], ""]
     return "\n".join(lines)
