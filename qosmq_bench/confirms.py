@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aio_pika
 
@@ -48,13 +47,12 @@ from middleware.transport import (
 )
 
 from .cpu import CpuMeter
+from .parts import Part, measure_clock_offset, serve_clock
 from .stats import percentile
 
 __all__ = [
     "MODES",
     "CellSpec",
-    "Coordinator",
-    "Part",
     "merge_parts",
     "receipt_share",
     "run_cell",
@@ -83,47 +81,6 @@ class CellSpec:
             raise ValueError("queues, producers and consumers per queue must be >= 1")
         if self.size < 1 or self.duration_s <= 0 or self.window < 1:
             raise ValueError("size, duration and window must be positive")
-
-
-class Coordinator(Protocol):
-    """What the parts of one cell share (Spark's ``BarrierTaskContext`` has both)."""
-
-    def barrier(self) -> None: ...
-
-    def allGather(self, message: str = "") -> list[str]: ...
-
-
-@dataclass(frozen=True)
-class Part:
-    """Part ``index`` of ``count`` processes running one cell named ``run_id``."""
-
-    index: int
-    count: int
-    run_id: str
-    coordinator: Coordinator
-
-    def mine(self, k: int) -> bool:
-        return k % self.count == self.index
-
-    async def barrier(self) -> None:
-        await asyncio.to_thread(self.coordinator.barrier)
-
-    async def start_together(self) -> float:
-        """Meet the other parts; return the spread of their wall clocks read as each left
-        the barrier (seconds): the clocks' skew plus the barrier's release jitter, so an
-        upper bound on the skew that cross-process latencies carry."""
-
-        def meet() -> float:
-            self.coordinator.barrier()
-            return time.time()
-
-        left = await asyncio.to_thread(meet)
-        stamps = await self.gather(left)
-        return float(max(stamps) - min(stamps))
-
-    async def gather(self, value: Any) -> list[Any]:
-        answers = await asyncio.to_thread(self.coordinator.allGather, json.dumps(value))
-        return [json.loads(a) for a in answers]
 
 
 @dataclass
@@ -177,6 +134,8 @@ async def run_cell(
     # across processes every time is on the wall clock (the executors' clocks must agree)
     tally = _Tally(clock=time.time if part else time.perf_counter)
     owner = part is None or part.index == 0
+    clock_queue = f"qosmq.bench.{run_id}.clock"
+    clock: tuple[float, float] | None = (0.0, 0.0)  # (offset from part 0, error) s
     admin = await AsyncClient(settings=settings).connect()
     closers: list[Callable[[], Awaitable[None]]] = []
     try:
@@ -186,14 +145,20 @@ async def run_cell(
             for q in queues:
                 await admin.declare_queue(QueueSpec(q, kind=kind))
                 await admin.bind(BindingSpec(q, route[q], q))
+            if part:  # part 0's clock is the cell's: the others measure theirs against it
+                await admin.declare_queue(QueueSpec(clock_queue, kind=QueueKind.CLASSIC))
+                closers.append(await serve_clock(admin, clock_queue))
         if part:
             await part.barrier()  # the queues exist
+            if not owner:
+                clock = await measure_clock_offset(admin, clock_queue)
         closers += await _start_consumers(settings, spec, queues, tally, part)
         producers, closers_p = await _start_producers(
             settings, spec, queues, route, exchanges, part
         )
         closers += closers_p
-        spread = await part.start_together() if part else None  # every consumer is up
+        if part:
+            await part.barrier()  # every consumer is up: the producers start together
         started = time.perf_counter()
         deadline = started + spec.duration_s
         with CpuMeter({"client": os.getpid(), **_brokers()}) as cpu:
@@ -208,7 +173,7 @@ async def run_cell(
             with contextlib.suppress(Exception):
                 await part.barrier()  # every part is done with the queues
         if owner:
-            for q in queues:
+            for q in [*queues, *([clock_queue] if part else [])]:
                 with contextlib.suppress(Exception):
                     await admin.delete_queue(q)
             for x in exchanges:
@@ -217,7 +182,7 @@ async def run_cell(
         await admin.close()
     fields = _cpu_fields(cpu.result, elapsed, tally)
     if part:
-        return _part_result(spec, tally, elapsed, part) | fields | {"clock_spread_s": spread}
+        return _part_result(spec, tally, elapsed, part) | fields | {"clock": clock}
     return _summarise(spec, tally, elapsed, records) | fields
 
 
@@ -292,13 +257,17 @@ def merge_parts(
     summary = _summarise(spec, tally, elapsed, records)
     cpu = [p.get("client_cpu_pct") for p in parts]
     known = [c for c in cpu if c is not None]
-    spreads = [p["clock_spread_s"] for p in parts if p.get("clock_spread_s") is not None]
+    clocks = [p["clock"] for p in parts[1:] if p.get("clock")]
     summary.update(
         parts=len(parts),
-        clock_spread_ms=round(max(spreads) * 1000, 3) if spreads else None,
+        # how far the other tasks' clocks were from task 0's, and within what
+        clock_offset_ms=round(max(abs(o) for o, _ in clocks) * 1000, 3) if clocks else None,
+        clock_error_ms=round(max(e for _, e in clocks) * 1000, 3) if clocks else None,
         client_cpu_pct=max(known) if known else None,
         client_cpu_pct_parts=cpu,
-        client_wait_pct=max((p.get("client_wait_pct") or 0.0) for p in parts),
+        client_wait_pct=max(parts, key=lambda p: p.get("client_cpu_pct") or 0.0).get(
+            "client_wait_pct"
+        ),  # the busiest client's
         machine_pct=max((p.get("machine_pct") or 0.0) for p in parts),
         steal_pct=max((p.get("steal_pct") or 0.0) for p in parts),
         broker_cpu_pct=max((p.get("broker_cpu_pct") or 0.0) for p in parts) or None,

@@ -22,7 +22,21 @@ from typing import Any
 
 from middleware.routing import RoleId, RoleKind
 
-__all__ = ["CpuMeter", "busiest_by_kind", "role_kind"]
+__all__ = [
+    "CLIENT_BOUND_PCT",
+    "MACHINE_BOUND_PCT",
+    "RUNNABLE_PCT",
+    "CpuMeter",
+    "busiest_by_kind",
+    "limit",
+    "role_kind",
+]
+
+#: A benchmark cell is bound by a process at this % of one core (Python runs a
+#: process's event loop on one), by the machine at this % of all its cores.
+CLIENT_BOUND_PCT, MACHINE_BOUND_PCT = 85.0, 90.0
+#: ... or by a client process runnable (running or waiting for a core) this % of the time
+RUNNABLE_PCT = 95.0
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -150,3 +164,30 @@ def busiest_by_kind(processes: Mapping[str, float | None]) -> dict[str, float]:
             kind = role_kind(name)
             out[kind] = max(out.get(kind, 0.0), pct)
     return out
+
+
+def limit(
+    client_pct: float | None,
+    machine_pct: float | None,
+    others: Mapping[str, float | None] | None = None,
+    client_wait_pct: float | None = None,
+) -> str:
+    """What limited a benchmark cell, from the CPU read around it: ``client`` (the
+    busiest client process near a whole core, or always runnable, running or waiting
+    for a core, while the machine still had room), the name of another process (or
+    group) near a whole core (``others``: a role kind, the brokers as % of one core each),
+    ``cores`` (the machine's cores all busy: what runs on them shares them), else
+    ``none`` (nothing saturated: windows, rates and round trips set the pace);
+    ``unknown`` without readings."""
+    if client_pct is None and machine_pct is None:
+        return "unknown"
+    if client_pct is not None and client_pct >= CLIENT_BOUND_PCT:
+        return "client"
+    busy = [(pct, name) for name, pct in (others or {}).items() if pct is not None]
+    if busy and max(busy)[0] >= CLIENT_BOUND_PCT:
+        return max(busy)[1]
+    if machine_pct is not None and machine_pct >= MACHINE_BOUND_PCT:
+        return "cores"
+    if client_pct is not None and client_pct + (client_wait_pct or 0.0) >= RUNNABLE_PCT:
+        return "client"
+    return "none"

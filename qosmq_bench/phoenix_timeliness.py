@@ -31,7 +31,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 
 from .cpu import CpuMeter, busiest_by_kind
+from .parts import Part
 from .stats import percentile
 
 __all__ = [
@@ -287,18 +288,25 @@ def phoenix_cli(
 
 @contextlib.asynccontextmanager
 async def _clients(
-    settings: Settings, deployment: Deployment, batch_max: int | None = None
+    settings: Settings,
+    deployment: Deployment | tuple[PhoenixTopology, str],
+    batch_max: int | None = None,
 ) -> AsyncIterator[tuple[AsyncClient, dict[str, PhoenixClient]]]:
-    topology = deployment.topology
+    """One connection, a Phoenix client at each of CLIENTS on it, the subscriber queues
+    declared; ``deployment``: the running one, or (its topology, its prefix)."""
+    if isinstance(deployment, Deployment):
+        topology, prefix = deployment.topology, deployment.prefix
+    else:
+        topology, prefix = deployment
     if batch_max is not None:  # the clients batch their publishes as the roles do
         topology = topology.model_copy(update={"batch_max": batch_max})
     client = await AsyncClient(settings=settings).connect()
     try:
         for at in CLIENTS:
             await client.declare_queue(
-                QueueSpec(subscriber_queue(deployment.prefix, at), kind=QueueKind.CLASSIC)
+                QueueSpec(subscriber_queue(prefix, at), kind=QueueKind.CLASSIC)
             )
-        await client.declare_queue(QueueSpec(f"{deployment.prefix}.probe", kind=QueueKind.CLASSIC))
+        await client.declare_queue(QueueSpec(f"{prefix}.probe", kind=QueueKind.CLASSIC))
         yield (
             client,
             {at: PhoenixClient(client, topology=topology, cluster=at) for at in CLIENTS},
@@ -341,13 +349,17 @@ async def measure(
     drain_s: float = 3.0,
     batch_max: int | None = None,
     records: bool = False,
+    part: Part | None = None,
 ) -> dict[str, Any]:
     """Publish at ``rate`` events/s for ``duration_s`` (Poisson), half from each client;
     return response-time statistics of the delivered events (with ``records``, also
-    ``records``: one ``(seq, latency level, response s or None)`` per published event)."""
-    rng = random.Random(seed)
+    ``records``: one ``(seq, latency level, response s or None)`` per published event).
+
+    As part 0 of several (``part``, the Spark job's ``--tasks-per-cell``): the other
+    parts publish their shares of the rate too (:func:`serve_share`; every event's
+    sequence number says whose it is), this part receives every event and counts them
+    all; response times are then across processes, on the wall clock."""
     first: dict[int, float] = {}
-    level_of: dict[int, int] = {}
     last_arrival = [time.monotonic()]
 
     async def on_delivery(delivery: Delivery) -> None:
@@ -359,32 +371,28 @@ async def measure(
             first[seq] = now - attributes["t0"]
         last_arrival[0] = time.monotonic()
 
+    share = _Share(rate=rate, duration_s=duration_s, seed=seed, raw=raw, batch_max=batch_max)
+    others_cpu: list[float | None] = []
     async with _clients(settings, deployment, batch_max) as (client, at):
         for c in CLIENTS:
             await client.consume(subscriber_queue(deployment.prefix, c), on_delivery, prefetch=512)
-        pending: set[asyncio.Task[None]] = set()
-        started = time.monotonic()
-        next_at, seq = started, 0
-        while next_at < started + duration_s:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            event = workload.event(rng, seq)
-            level_of[seq] = workload.levels[event["event_type"]]
-            if raw:
-                body = json.dumps({"event": event}).encode()
-                queue = subscriber_queue(deployment.prefix, CLIENTS[seq % 2])
-                coro = client.publish(OutgoingMessage(body, "", queue))
-            else:
-                coro = at[CLIENTS[seq % 2]].publish(event)
-            task = asyncio.create_task(coro)
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-            seq += 1
-            next_at += rng.expovariate(rate)
-        sent_s = time.monotonic() - started
-        if pending:
-            await asyncio.gather(*pending)
+        if part is not None:  # the others start their shares with ours
+            command = {
+                "share": asdict(share),
+                "subscriptions": workload.subscriptions,
+                "prefix": deployment.prefix,
+                "topology": deployment.topology.model_dump(mode="json"),
+            }
+            await part.gather(command)
+        level_of, sent_s = await _publish(client, at, workload, deployment.prefix, share, part)
+        if part is not None:
+            for answer in (await part.gather(None))[1:]:
+                level_of.update({int(k): v for k, v in answer["levels"].items()})
+                sent_s = max(sent_s, answer["sent_s"])
+                others_cpu.append(answer["client_cpu_pct"])
         while (quiet := time.monotonic() - last_arrival[0]) < drain_s:  # noqa: ASYNC110
             await asyncio.sleep(drain_s - quiet)  # until nothing arrived for drain_s
+    seq = len(level_of)
     times = sorted(first.values())
     by_class: dict[str, list[float]] = defaultdict(list)
     for s, t in first.items():
@@ -400,9 +408,92 @@ async def measure(
         "urgent_mean_ms": _mean_ms(by_class["urgent"]),
         "bulk_mean_ms": _mean_ms(by_class["bulk"]),
     }
+    if part is not None:
+        row["parts"] = part.count
+        row["other_clients_cpu_pct"] = others_cpu
     if records:
-        row["records"] = [(s, level_of[s], first.get(s)) for s in range(seq)]
+        row["records"] = [(s, level, first.get(s)) for s, level in sorted(level_of.items())]
     return row
+
+
+@dataclass(frozen=True)
+class _Share:
+    """What every part of a Phoenix cell publishes: its share of ``rate``."""
+
+    rate: float
+    duration_s: float
+    seed: int
+    raw: bool
+    batch_max: int | None
+
+
+async def _publish(
+    client: AsyncClient,
+    at: dict[str, PhoenixClient],
+    workload: Workload,
+    prefix: str,
+    share: _Share,
+    part: Part | None,
+) -> tuple[dict[int, int], float]:
+    """This part's events: ``rate / parts`` per second (Poisson), sequence numbers
+    ``index, index + parts, ...``, every other one from each client; (each sequence
+    number's latency level, seconds spent publishing)."""
+    index, count = (part.index, part.count) if part is not None else (0, 1)
+    rng = random.Random(share.seed if index == 0 else f"{share.seed}/{index}")
+    rate = share.rate / count
+    level_of: dict[int, int] = {}
+    pending: set[asyncio.Task[None]] = set()
+    started = time.monotonic()
+    next_at, k = started, 0
+    while next_at < started + share.duration_s:
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        seq = k * count + index
+        event = workload.event(rng, seq)
+        level_of[seq] = workload.levels[event["event_type"]]
+        if share.raw:
+            body = json.dumps({"event": event}).encode()
+            queue = subscriber_queue(prefix, CLIENTS[k % 2])
+            coro = client.publish(OutgoingMessage(body, "", queue))
+        else:
+            coro = at[CLIENTS[k % 2]].publish(event)
+        task = asyncio.create_task(coro)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        k += 1
+        next_at += rng.expovariate(rate)
+    sent_s = time.monotonic() - started
+    if pending:
+        await asyncio.gather(*pending)
+    return level_of, sent_s
+
+
+async def serve_share(settings: Settings, part: Part) -> int:
+    """A part other than 0 of a Phoenix cell: publish this part's share of each cell
+    part 0 announces, report it, until part 0 says stop; return the cells served."""
+    served = 0
+    while True:
+        command = (await part.gather(None))[0]
+        if not command or command.get("stop"):
+            return served
+        share = _Share(**command["share"])
+        topology = PhoenixTopology.model_validate(command["topology"])
+        workload = Workload(command["subscriptions"])
+        with CpuMeter({"client": os.getpid()}) as meter:
+            async with _clients(settings, (topology, command["prefix"]), share.batch_max) as (
+                client,
+                at,
+            ):
+                level_of, sent_s = await _publish(
+                    client, at, workload, command["prefix"], share, part
+                )
+        answer = {
+            "levels": level_of,
+            "sent_s": sent_s,
+            "client_cpu_pct": meter.result["processes"]["client"],
+        }
+        if (await part.gather(answer))[0]:  # part 0 stopped (it failed) instead of counting
+            return served
+        served += 1
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -428,6 +519,7 @@ def run_experiment(
     max_steal_pct: float | None = None,
     steal_retries: int = 2,
     inbox_mirrors: int = 0,
+    part: Part | None = None,
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
@@ -437,7 +529,48 @@ def run_experiment(
     ``warmup_s`` of unmeasured load at its rate.  ``records``: every measured row keeps
     its events' records (``measure``).  ``max_steal_pct``: a cell during which the
     hypervisor took more of the machine's CPU (steal) is kept as ``discarded`` and
-    measured again, at most ``steal_retries`` times (:func:`remeasure_while_stolen`)."""
+    measured again, at most ``steal_retries`` times (:func:`remeasure_while_stolen`).
+    ``part``: part 0 of several processes publishing each cell's events (the others run
+    :func:`serve_share`; they are told to stop when this returns or fails)."""
+    try:
+        return _run_experiment(
+            settings,
+            directory=directory,
+            subscription_counts=subscription_counts,
+            rates=rates,
+            mechanisms=mechanisms,
+            duration_s=duration_s,
+            repeats=repeats,
+            warmup_s=warmup_s,
+            report=report,
+            records=records,
+            max_steal_pct=max_steal_pct,
+            steal_retries=steal_retries,
+            inbox_mirrors=inbox_mirrors,
+            part=part,
+        )
+    finally:
+        if part is not None:
+            runtime.run(part.gather({"stop": True}), event_loop=settings.event_loop)
+
+
+def _run_experiment(
+    settings: Settings,
+    *,
+    directory: Path,
+    subscription_counts: Sequence[int],
+    rates: Sequence[float],
+    mechanisms: Sequence[str],
+    duration_s: float,
+    repeats: int,
+    warmup_s: float,
+    report: Any,
+    records: bool,
+    max_steal_pct: float | None,
+    steal_retries: int,
+    inbox_mirrors: int,
+    part: Part | None,
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     loop = settings.event_loop
 
@@ -466,6 +599,7 @@ def run_experiment(
                 warmup_s=0.0,
                 raw=True,
                 records=records,
+                part=part,
             )
             keep(
                 remeasure_while_stolen(
@@ -501,6 +635,7 @@ def run_experiment(
                             warmup_s=warmup_s,
                             batch_max=switches["batch_max"],
                             records=records,
+                            part=part,
                         )
                         keep(
                             remeasure_while_stolen(
@@ -525,6 +660,7 @@ def _cell(
     raw: bool = False,
     batch_max: int | None = None,
     records: bool = False,
+    part: Part | None = None,
 ) -> dict[str, Any]:
     """One cell: ``warmup_s`` of unmeasured load at ``rate``, then the measured run."""
     loop = settings.event_loop
@@ -539,6 +675,7 @@ def _cell(
                 seed=99,
                 drain_s=1.0,
                 batch_max=batch_max,
+                part=part,
             ),
             event_loop=loop,
         )
@@ -553,6 +690,7 @@ def _cell(
             raw=raw,
             batch_max=batch_max,
             records=records,
+            part=part,
         ),
         loop,
     )
@@ -654,10 +792,13 @@ def _metered(
         row = runtime.run(cell, event_loop=loop)
     row["event_loop"] = runtime.loop_name(loop)  # the client's; the roles' settings decide theirs
     cpu = meter.result
+    clients = [cpu["processes"].get("client"), *row.pop("other_clients_cpu_pct", [])]
+    known = [c for c in clients if c is not None]
     row["cpu"] = {
         "machine": cpu["machine_pct"],
         "steal": cpu["steal_pct"],
         **busiest_by_kind(cpu["processes"]),
+        "client": max(known) if known else None,  # the busiest client process
         **{f"{kind}_wait": pct for kind, pct in busiest_by_kind(cpu["waiting"]).items()},
     }
     return row

@@ -43,7 +43,10 @@ from middleware.errors import ConfigurationError
 from middleware.settings import Settings
 
 from . import spark_common
-from .confirms import MODES, CellSpec, Part, merge_parts, receipt_share, run_cell_sync
+from .confirms import MODES, CellSpec, merge_parts, receipt_share, run_cell_sync
+from .cpu import CLIENT_BOUND_PCT, MACHINE_BOUND_PCT, RUNNABLE_PCT
+from .cpu import limit as cpu_limit
+from .parts import Part
 from .spark_common import (
     drive,
     failure,
@@ -71,11 +74,9 @@ CPU_KEYS = (
     "client_cpu_us_per_msg",
     "broker_cpu_pct",
     "run_queue",
-    "clock_spread_ms",
+    "clock_offset_ms",
+    "clock_error_ms",
 )
-#: A cell is bound by its busiest client process at this % of one core, by the machine
-#: at this % of all its cores, by the brokers at this % of the cores they may use.
-CLIENT_BOUND_PCT, MACHINE_BOUND_PCT, BROKER_BOUND_PCT = 85.0, 90.0, 85.0
 SETUP_S = 4.0  # measured per-cell set-up and drain overhead, for the estimate
 
 
@@ -394,22 +395,17 @@ def summarise_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def limit(cell: dict[str, Any]) -> str:
-    """What limited a cell, from the CPU read around it: ``client`` (its busiest client
-    process near a whole core: Python runs a process's event loop on one), ``cores``
-    (the machine's cores all busy: clients and brokers share them), ``brokers`` (the
-    RabbitMQ nodes on this machine near the cores), else ``none`` (nothing saturated:
-    the publish windows and round trips set the pace); ``unknown`` without readings."""
-    client, machine = cell.get("client_cpu_pct"), cell.get("machine_pct")
+    """What limited a cell (:func:`qosmq_bench.cpu.limit`): ``client``, ``cores``,
+    ``brokers`` (the RabbitMQ nodes on this machine near the cores they may use: their
+    summed % over the core count), ``none`` or ``unknown``."""
     broker, cores = cell.get("broker_cpu_pct"), cell.get("cores") or 1
-    if client is None and machine is None:
-        return "unknown"
-    if client is not None and client >= CLIENT_BOUND_PCT:
-        return "client"
-    if machine is not None and machine >= MACHINE_BOUND_PCT:
-        return "cores"
-    if broker is not None and broker >= BROKER_BOUND_PCT * cores:
-        return "brokers"
-    return "none"
+    per_core = None if broker is None else broker / cores
+    return cpu_limit(
+        cell.get("client_cpu_pct"),
+        cell.get("machine_pct"),
+        {"brokers": per_core},
+        cell.get("client_wait_pct"),
+    )
 
 
 def paper_summary(
@@ -596,12 +592,14 @@ def _report(
         f"queue; {grid.size}-byte messages; {grid.duration_s:g} s per cell; "
         f"{grid.repeats} repeat(s); tasks per cell {', '.join(map(str, grid.tasks))}",
     ]
-    spreads = [s["clock_spread_ms"] for s in summary if s.get("clock_spread_ms") is not None]
-    if spreads:
+    offsets = [s for s in summary if s.get("clock_offset_ms") is not None]
+    if offsets:
+        worst = max(offsets, key=lambda s: s["clock_offset_ms"])
         lines.append(
-            f"- clocks: the tasks of a cell read their wall clocks within "
-            f"{max(spreads):.2f} ms of each other leaving a barrier (skew plus release "
-            "jitter: an upper bound on what cross-task latencies carry)"
+            f"- clocks: the other tasks' wall clocks were at most "
+            f"{worst['clock_offset_ms']:.2f} ms from task 0's (± {worst['clock_error_ms']:.2f} "
+            "ms: half the shortest of 12 round trips over the brokers); cross-task "
+            "latencies carry that much"
         )
     if interrupted:
         lines.append("- **interrupted**: only the finished cells are reported")
@@ -631,7 +629,9 @@ def _report(
         "## Summary (mean ± stddev over repeats)",
         "",
         "Limit: `client` = the busiest client process used ≥ "
-        f"{CLIENT_BOUND_PCT:.0f} % of a core; `cores` = the machine ≥ "
+        f"{CLIENT_BOUND_PCT:.0f} % of a core, or was runnable (running or waiting for a "
+        f"core) ≥ {RUNNABLE_PCT:.0f} % of the time while the machine had room; `cores` = "
+        f"the machine ≥ "
         f"{MACHINE_BOUND_PCT:.0f} % busy (clients and brokers share its cores); `brokers` = "
         "the local RabbitMQ nodes near the cores; `none` = nothing saturated (windows and "
         "round trips). Client CPU is the busiest task's, in % of one core; brokers' is "

@@ -11,7 +11,11 @@ does for that count: it preloads the subscriptions, starts the paper's deploymen
 beside it (3 clusters, 18 role processes, ``qosmq phoenix up``), measures a ``raw`` row
 per rate, then every rate x mechanism x repeat with the mechanisms switched live and
 rotated, stops the roles and deletes their queues.  Both clients run in the executor's
-process, so every response time comes from one clock.  The task returns one record per
+process, so every response time comes from one clock.  With ``--tasks-per-cell N`` > 1
+a count runs as N tasks of a barrier stage: task 0 as said, receiving every event; the
+others publish their shares of every cell's events (``serve_share``), so that one
+client process does not limit the offered rate; response times then cross processes
+(wall clocks).  The task returns one record per
 published event, ``(seq, latency level, response time or none)``, and each cell's CPU
 readings; Spark aggregates the records (mean, p50 and p99 with ``percentile_approx``,
 per cell and repeat, then over repeats, and p99 over all repeats' events together) and
@@ -30,11 +34,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from middleware.cliargs import Parser, integers, path
+from middleware import runtime
+from middleware.cliargs import Parser, integer, integers, path
+from middleware.errors import ConfigurationError
 from middleware.settings import Settings
 
 from . import spark_common
-from .phoenix_timeliness import MECHANISMS, run_experiment, steal_limits, timeliness_arguments
+from .cpu import limit
+from .parts import Part
+from .phoenix_timeliness import (
+    MECHANISMS,
+    run_experiment,
+    serve_share,
+    steal_limits,
+    timeliness_arguments,
+)
 from .spark_common import (
     drive,
     failure,
@@ -44,6 +58,7 @@ from .spark_common import (
     pyplot,
     session,
     settings_payload,
+    slots,
     write_csv,
 )
 
@@ -66,6 +81,7 @@ class PhoenixGrid:
     max_steal_pct: float | None = 5.0
     steal_retries: int = 2
     inbox_mirrors: int = 0  # RabbitMQ nodes per role queue (0: no mirroring)
+    tasks: int = 1  # Spark tasks publishing each cell's events (part 0 also receives)
 
     @property
     def cells(self) -> int:
@@ -114,6 +130,9 @@ def parse_grid(args: argparse.Namespace) -> PhoenixGrid:
     if args.duration <= 0 or args.repeats < 1 or args.warmup < 0:
         raise ValueError("--duration and --repeats must be positive, --warmup not negative")
     max_steal, retries = steal_limits(args)
+    tasks = getattr(args, "tasks_per_cell", 1)
+    if tasks < 1:
+        raise ValueError(f"--tasks-per-cell must be >= 1, got {tasks}")
     return PhoenixGrid(
         args.experiment,
         counts,
@@ -125,6 +144,7 @@ def parse_grid(args: argparse.Namespace) -> PhoenixGrid:
         max_steal,
         retries,
         getattr(args, "inbox_mirrors", 0),
+        tasks,
     )
 
 
@@ -152,6 +172,13 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     p.add_argument(
         "--work-dir", type=path, help="executors' deployment state and logs (default: a temp dir)"
     )
+    p.add_argument(
+        "--tasks-per-cell",
+        type=integer(1, 256),
+        default=1,
+        help="Spark tasks publishing each cell's events (one of them also runs the "
+        "deployment and receives every event); at most the application's task slots",
+    )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
     p.add_argument("--config", type=path, help="qosmq TOML settings")
     p.add_argument("--no-progress", action="store_true")
@@ -159,15 +186,29 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
 
 
 # ------------------------------------------------------------------ executor side
-def _run_count_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) -> dict[str, Any]:
+def _run_count_on_executor(
+    settings_data: dict[str, Any], task: dict[str, Any], context: Any = None
+) -> dict[str, Any]:
     """Runs inside a Spark task: one subscription count's cells against the brokers.  The
-    cells finished before an error come back with it."""
+    cells finished before an error come back with it.  With a barrier ``context`` (more
+    than one task per cell): task 0 does that, the others publish their shares of each
+    cell's events (``serve_share``) until task 0 is done."""
     settings = Settings.load(**settings_data)
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in task.items()}
     work_dir = fields.pop("work_dir", None)
+    fields.pop("parts", None)
     work = Path(work_dir) if work_dir else None
     grid = PhoenixGrid(**fields)
     (count,) = grid.subscriptions
+    part = None
+    if context is not None:
+        part = Part(context.partitionId(), grid.tasks, f"phoenix-{count}", context)
+        if part.index != 0:
+            try:
+                served = runtime.run(serve_share(settings, part), event_loop=settings.event_loop)
+            except Exception as exc:
+                return {"rows": [], "part": part.index, **failure(exc)}
+            return {"rows": [], "part": part.index, "served": served}
     rows: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="qosmq-phoenix-") as temporary:
@@ -185,10 +226,20 @@ def _run_count_on_executor(settings_data: dict[str, Any], task: dict[str, Any]) 
                 max_steal_pct=grid.max_steal_pct,
                 steal_retries=grid.steal_retries,
                 inbox_mirrors=grid.inbox_mirrors,
+                part=part,
             )
     except Exception as exc:
         return {"rows": _keyed(rows), **failure(exc)}
     return {"rows": _keyed(rows)}
+
+
+def _merge(task: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Task 0's rows (it counted every event), with the first error of any task."""
+    merged = dict(results[0])
+    failed = [r for r in results if "error" in r]
+    if failed and "error" not in merged:
+        merged["error"] = f"task {failed[0].get('part')}: {failed[0]['error']}"
+    return merged
 
 
 def _keyed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -203,6 +254,13 @@ def run(args: argparse.Namespace) -> Path:
     grid = parse_grid(args)
     settings = Settings.load(args.config)
     spark = session("qosmq-phoenix", args.master)
+    have = slots(spark)
+    if grid.tasks > have:
+        spark.stop()
+        raise ConfigurationError(
+            f"--tasks-per-cell {grid.tasks} needs as many task slots; this Spark "
+            f"application has {have} (local[N], or more executors)"
+        )
     out = new_result_dir(args.out, "phoenix")
     print(
         f"qosmq phoenix job: {grid.cells} cells ({len(grid.subscriptions)} subscription "
@@ -216,6 +274,7 @@ def run(args: argparse.Namespace) -> Path:
             **asdict(grid),
             "subscriptions": [count],
             "work_dir": str(args.work_dir) if args.work_dir else None,  # + subs-N
+            "parts": grid.tasks,
         }
         for count in grid.subscriptions
     ]
@@ -239,6 +298,7 @@ def run(args: argparse.Namespace) -> Path:
             append_records=_append_records,
             label=lambda task: {"subscriptions": task["subscriptions"][0]},
             progress=progress,
+            merge=_merge,
         )
         cells = driven.rows
         summary = aggregate(spark, out, cells) if driven.records_written else []
@@ -382,6 +442,14 @@ def write_outputs(
     )
 
 
+def phoenix_limit(cpu: dict[str, Any]) -> str:
+    """What limited a Phoenix cell: the client process (it publishes and receives every
+    event), a role kind, the machine's cores, or nothing (:func:`qosmq_bench.cpu.limit`)."""
+    roles = {k: v for k, v in cpu.items() if k not in ("machine", "steal", "client")}
+    roles = {k: v for k, v in roles.items() if not k.endswith("_wait")}
+    return limit(cpu.get("client"), cpu.get("machine"), roles, cpu.get("client_wait"))
+
+
 def _cpu_columns(s: dict[str, Any]) -> dict[str, Any]:
     return {f"cpu_{kind}": pct for kind, pct in (s.get("cpu") or {}).items()}
 
@@ -447,7 +515,8 @@ def _report(
         f"; rates {', '.join(f'{r:g}' for r in grid.rates)} events/s; mechanisms "
         f"{', '.join(grid.mechanisms)}; {grid.duration_s:g} s per cell after {grid.warmup_s:g} s"
         f" of warm-up; {grid.repeats} repeat(s); 3 clusters x (routing master + 2 slaves + "
-        "match master + 2 slaves), 2 clients",
+        f"match master + 2 slaves), 2 clients; each cell's events published from "
+        f"{grid.tasks} Spark task(s)",
         (
             f"- a cell is measured again when the hypervisor took more than "
             f"{grid.max_steal_pct:g} % of the CPU (steal), at most {grid.steal_retries} times"
@@ -482,11 +551,14 @@ def _report(
         "",
         "Mean over repeats, the lowest and highest single repeat in brackets; pooled p99: "
         "over every repeat's events together; cpu: the machine's busy and steal % of all "
-        "cores, the busiest router's and match master's % of one core.",
+        "cores, the busiest router's and match master's and the client's % of one core; "
+        "limit: the process near a whole core (the `client` publishing and receiving every "
+        "event, or a role kind), `cores` when the machine was all busy, else `none`.",
         "",
         "| subscriptions | rate | mechanism | delivered | mean | p50 | p99 | pooled p99 |"
-        " urgent / bulk mean | x none | cpu: machine / steal / router / match master |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " urgent / bulk mean | x none | cpu: machine / steal / router / match master /"
+        " client | limit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         cpu = s.get("cpu") or {}
@@ -497,7 +569,8 @@ def _report(
             f"{_ms(s['pooled_p99_ms'])} | {_ms(s['urgent_mean_ms'])} / {_ms(s['bulk_mean_ms'])}"
             f" | {'-' if s['x_none'] is None else s['x_none']} | "
             f"{_ms(cpu.get('machine'))} / {_ms(cpu.get('steal'))} / "
-            f"{_ms(cpu.get('router'))} / {_ms(cpu.get('match_master'))} |"
+            f"{_ms(cpu.get('router'))} / {_ms(cpu.get('match_master'))} / "
+            f"{_ms(cpu.get('client'))} | {phoenix_limit(cpu)} |"
         )
     lines += _stolen_section(cells)
     lines += ["", *[f"![{c}]({c})" for c in charts], ""]

@@ -5,7 +5,7 @@ from . import codec
 codec.install()  # one field codec for both faces: before either library encodes anything
 
 # ruff: noqa: E402
-from .aio import AsyncClient, AsyncHandler
+from .aio import REPLY_TO, AsyncClient, AsyncHandler
 from .delivery import DEAD_LETTER_QUEUE, Action, Delivery, Outcome
 from .message import OutgoingMessage
 from .sync import SyncClient, SyncHandler
@@ -21,6 +21,7 @@ from .topology import (
 
 __all__ = [
     "DEAD_LETTER_QUEUE",
+    "REPLY_TO",
     "Action",
     "AsyncClient",
     "AsyncHandler",

@@ -141,7 +141,7 @@ def test_a_cell_spread_over_two_tasks_of_a_barrier_stage(brokers, tmp_path, monk
         assert s["lost"] == 0 and s["duplicates"] == 0, key
         assert s["limit"] in ("client", "cores", "brokers", "none"), s
     report = (out / "report.md").read_text()
-    assert "| tasks |" in report and "clocks: the tasks of a cell" in report
+    assert "| tasks |" in report and "tasks' wall clocks were at most" in report
 
 
 def test_more_tasks_per_cell_than_slots_is_refused(brokers, tmp_path, monkeypatch, capsys) -> None:

@@ -9,12 +9,17 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from qosmq_bench.spark_phoenix import arguments, claims, execute
+from qosmq_bench.spark_phoenix import arguments, claims, execute, phoenix_limit
 
 pytestmark = [pytest.mark.spark, pytest.mark.rabbit, pytest.mark.slow]
 
 
-def test_a_small_grid_runs_on_real_roles_and_spark_agrees(brokers, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_a_small_grid_runs_on_real_roles_and_spark_agrees(
+    brokers, tmp_path, monkeypatch, tasks
+) -> None:
+    """tasks 2: a barrier stage per count; task 0 runs the deployment and receives, both
+    publish: every event of both is recorded and counted once, the same as with one."""
     monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
     monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
     args = arguments().parse_args(
@@ -23,6 +28,7 @@ def test_a_small_grid_runs_on_real_roles_and_spark_agrees(brokers, tmp_path, mon
             *("--mechanisms", "none,inner", "--duration", "2", "--repeats", "1"),
             *("--warmup", "0", "--out", str(tmp_path / "out"), "--master", "local[2]"),
             *("--work-dir", str(tmp_path / "work"), "--no-progress"),
+            *("--tasks-per-cell", str(tasks)),
         ]
     )
     assert execute(args) == 0
@@ -65,8 +71,9 @@ def test_a_small_grid_runs_on_real_roles_and_spark_agrees(brokers, tmp_path, mon
         # Spark's mean over the Parquet records is the mean the executor measured
         assert s["mean_ms"] == pytest.approx(cell["mean_ms"], abs=0.11)
         assert 0 < s["p50_ms"] <= s["p99_ms"]
-        if key[0] != "raw":  # the roles ran: the CPU readings name them
-            assert {"machine", "router", "match_master"} <= set(s["cpu"])
+        if key[0] != "raw":  # the roles ran: the CPU readings name them, and the limit
+            assert {"machine", "router", "match_master", "client"} <= set(s["cpu"])
+            assert phoenix_limit(s["cpu"]) != "unknown"
     for rate in (30.0, 60.0):
         # raw: every event straight into a subscriber queue; through Phoenix: the same
         # events (one seed) and exactly the ones some subscription matches, whichever
@@ -79,6 +86,12 @@ def test_a_small_grid_runs_on_real_roles_and_spark_agrees(brokers, tmp_path, mon
     assert {(v["mechanism"], v["rate"]) for v in verdicts} == {("inner", 30.0), ("inner", 60.0)}
     report = (out / "report.md").read_text()
     assert "The paper's claim" in report and "Met at every point" in report
+    assert "| limit |" in report
+    assert f"published from {tasks} Spark task(s)" in report
+    if tasks == 2:  # both tasks published into every cell: sequence numbers of both parities
+        for key, seqs in delivered.items():
+            assert {s % 2 for s in seqs} == {0, 1}, key
+        assert all(c.get("parts") == 2 for c in cells.values())
     assert brokers.urls[0] in report
 
 

@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from qosmq_bench.confirms import CellSpec, Part, merge_parts
+from qosmq_bench.confirms import CellSpec, merge_parts
+from qosmq_bench.parts import Part
 from qosmq_bench.spark_confirms import arguments, limit, parse_grid, summarise_repeats
 
 
@@ -26,7 +27,7 @@ def test_every_client_runs_in_exactly_one_part(count: int) -> None:
         assert sum(p.mine(k) for p in parts) == 1
 
 
-def _part(sent, handled, *, duplicates=0, cpu=50.0, duration=2.0, spread=0.0004) -> dict:
+def _part(sent, handled, *, duplicates=0, cpu=50.0, duration=2.0, clock=(0.0, 0.0)) -> dict:
     return {
         "sent": sent,
         "handled": handled,
@@ -41,7 +42,7 @@ def _part(sent, handled, *, duplicates=0, cpu=50.0, duration=2.0, spread=0.0004)
         "broker_cpu_pct": 80.0,
         "run_queue": 1.5,
         "cores": 2,
-        "clock_spread_s": spread,
+        "clock": clock,
     }
 
 
@@ -50,14 +51,21 @@ def test_parts_merge_into_one_cell_with_cross_part_duplicates_and_losses() -> No
     # part 0 published a, b (both confirmed) and handled a; part 1 published c (not
     # confirmed) and handled a again (a duplicate across parts) and c; b is lost
     a = _part([("a", 10.0, 10.01), ("b", 10.1, 10.12)], [("q", "a", 10.02)], cpu=60.0)
-    b = _part([("c", 10.2, None)], [("q", "a", 10.015), ("q", "c", 10.3)], cpu=90.0, duration=2.5)
+    b = _part(
+        [("c", 10.2, None)],
+        [("q", "a", 10.015), ("q", "c", 10.3)],
+        cpu=90.0,
+        duration=2.5,
+        clock=(-0.0004, 0.0002),
+    )
     cell = merge_parts(spec, [a, b], records=True)
     assert cell["published"] == 3 and cell["confirmed"] == 2 and cell["handled"] == 2
     assert cell["lost"] == 1 and cell["duplicates"] == 1
     assert cell["duration_s"] == 2.5 and cell["confirmed_per_s"] == pytest.approx(2 / 2.5, 0.01)
     assert cell["parts"] == 2 and cell["client_cpu_pct"] == 90.0
     assert cell["client_cpu_pct_parts"] == [60.0, 90.0]
-    assert cell["clock_spread_ms"] == pytest.approx(0.4)
+    assert cell["clock_offset_ms"] == pytest.approx(0.4)
+    assert cell["clock_error_ms"] == pytest.approx(0.2)
     records = {m: (s, c, h) for m, s, c, h in cell["records"]}
     assert records["a"] == (10.0, 10.01, 10.015)  # the first handle, wherever it was
     assert records["b"][2] is None and records["c"][1] is None
@@ -70,6 +78,9 @@ def test_parts_merge_into_one_cell_with_cross_part_duplicates_and_losses() -> No
         ({"client_cpu_pct": 60.0, "machine_pct": 97.0}, "cores"),
         ({"client_cpu_pct": 40.0, "machine_pct": 60.0, "broker_cpu_pct": 180.0}, "brokers"),
         ({"client_cpu_pct": 40.0, "machine_pct": 60.0, "broker_cpu_pct": 50.0}, "none"),
+        # always runnable (running or waiting for a core) while the machine had room
+        ({"client_cpu_pct": 75.0, "client_wait_pct": 24.0, "machine_pct": 70.0}, "client"),
+        ({"client_cpu_pct": 50.0, "client_wait_pct": 50.0, "machine_pct": 99.0}, "cores"),
         ({"client_cpu_pct": None, "machine_pct": None}, "unknown"),
     ],
 )
@@ -118,3 +129,18 @@ def test_tasks_per_cell_is_a_grid_dimension_checked_before_anything_starts() -> 
     old = arguments().parse_args([])
     delattr(old, "tasks_per_cell")
     assert parse_grid(argparse.Namespace(**vars(old))).tasks == (1,)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "named"),
+    [
+        ({"machine": 95.0, "client": 30.0, "router": 96.0, "router_wait": 99.0}, "router"),
+        ({"machine": 95.0, "client": 90.0, "router": 40.0}, "client"),
+        ({"machine": 95.0, "client": 30.0, "router": 40.0, "match_slave_wait": 99.0}, "cores"),
+        ({"machine": 50.0, "client": 30.0, "match_master": 40.0}, "none"),
+    ],
+)
+def test_a_phoenix_cells_limit_is_the_process_near_a_core_or_the_machine(cpu, named) -> None:
+    from qosmq_bench.spark_phoenix import phoenix_limit
+
+    assert phoenix_limit(cpu) == named
