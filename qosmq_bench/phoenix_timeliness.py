@@ -532,45 +532,6 @@ def run_experiment(
     measured again, at most ``steal_retries`` times (:func:`remeasure_while_stolen`).
     ``part``: part 0 of several processes publishing each cell's events (the others run
     :func:`serve_share`; they are told to stop when this returns or fails)."""
-    try:
-        return _run_experiment(
-            settings,
-            directory=directory,
-            subscription_counts=subscription_counts,
-            rates=rates,
-            mechanisms=mechanisms,
-            duration_s=duration_s,
-            repeats=repeats,
-            warmup_s=warmup_s,
-            report=report,
-            records=records,
-            max_steal_pct=max_steal_pct,
-            steal_retries=steal_retries,
-            inbox_mirrors=inbox_mirrors,
-            part=part,
-        )
-    finally:
-        if part is not None:
-            runtime.run(part.gather({"stop": True}), event_loop=settings.event_loop)
-
-
-def _run_experiment(
-    settings: Settings,
-    *,
-    directory: Path,
-    subscription_counts: Sequence[int],
-    rates: Sequence[float],
-    mechanisms: Sequence[str],
-    duration_s: float,
-    repeats: int,
-    warmup_s: float,
-    report: Any,
-    records: bool,
-    max_steal_pct: float | None,
-    steal_retries: int,
-    inbox_mirrors: int,
-    part: Part | None,
-) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     loop = settings.event_loop
 
@@ -578,74 +539,86 @@ def _run_experiment(
         rows.append(row)
         report(row)
 
-    for count in subscription_counts:
-        workload = Workload(count)
-        deployment = Deployment(
-            directory / f"subs-{count}",
-            prefix=f"bench-phx-{os.getpid()}-{count}",
-            amqp_urls=settings.amqp_urls,
-            inbox_mirrors=inbox_mirrors,
-        )
-        loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
-        for rate in rates:
-            raw_cell = functools.partial(
-                _cell,
-                settings,
-                deployment,
-                workload,
-                {"subscriptions": count, "mechanism": "raw", "repeat": 0},
-                rate=rate,
-                duration_s=duration_s,
-                warmup_s=0.0,
-                raw=True,
-                records=records,
-                part=part,
+    with _others_stopped(part, loop):
+        for count in subscription_counts:
+            workload = Workload(count)
+            deployment = Deployment(
+                directory / f"subs-{count}",
+                prefix=f"bench-phx-{os.getpid()}-{count}",
+                amqp_urls=settings.amqp_urls,
+                inbox_mirrors=inbox_mirrors,
             )
-            keep(
-                remeasure_while_stolen(
-                    raw_cell, max_steal_pct=max_steal_pct, retries=steal_retries, discard=keep
+            loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
+            for rate in rates:
+                raw_cell = functools.partial(
+                    _cell,
+                    settings,
+                    deployment,
+                    workload,
+                    {"subscriptions": count, "mechanism": "raw", "repeat": 0},
+                    rate=rate,
+                    duration_s=duration_s,
+                    warmup_s=0.0,
+                    raw=True,
+                    records=records,
+                    part=part,
                 )
-            )
-        with deployment.running():
-            ready_s = runtime.run(wait_ready(settings, deployment, workload), event_loop=loop)
-            for repeat in range(repeats):
-                for r, rate in enumerate(rates):
-                    shift = (repeat + r + subscription_counts.index(count)) % len(mechanisms)
-                    for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
-                        switches = {
-                            "batch_max": deployment.topology.batch_max,
-                            **MECHANISMS[mechanism],
-                        }
-                        deployment.phoenix().reconfigure(**switches)
-                        key = {
-                            "subscriptions": count,
-                            "loaded": loaded,
-                            "mechanism": mechanism,
-                            "repeat": repeat,
-                            "ready_s": round(ready_s, 1),
-                        }
-                        cell = functools.partial(
-                            _cell,
-                            settings,
-                            deployment,
-                            workload,
-                            key,
-                            rate=rate,
-                            duration_s=duration_s,
-                            warmup_s=warmup_s,
-                            batch_max=switches["batch_max"],
-                            records=records,
-                            part=part,
-                        )
-                        keep(
-                            remeasure_while_stolen(
-                                cell,
-                                max_steal_pct=max_steal_pct,
-                                retries=steal_retries,
-                                discard=keep,
+                keep(
+                    remeasure_while_stolen(
+                        raw_cell, max_steal_pct=max_steal_pct, retries=steal_retries, discard=keep
+                    )
+                )
+            with deployment.running():
+                ready_s = runtime.run(wait_ready(settings, deployment, workload), event_loop=loop)
+                for repeat in range(repeats):
+                    for r, rate in enumerate(rates):
+                        shift = (repeat + r + subscription_counts.index(count)) % len(mechanisms)
+                        for mechanism in [*mechanisms[shift:], *mechanisms[:shift]]:
+                            switches = {
+                                "batch_max": deployment.topology.batch_max,
+                                **MECHANISMS[mechanism],
+                            }
+                            deployment.phoenix().reconfigure(**switches)
+                            key = {
+                                "subscriptions": count,
+                                "loaded": loaded,
+                                "mechanism": mechanism,
+                                "repeat": repeat,
+                                "ready_s": round(ready_s, 1),
+                            }
+                            cell = functools.partial(
+                                _cell,
+                                settings,
+                                deployment,
+                                workload,
+                                key,
+                                rate=rate,
+                                duration_s=duration_s,
+                                warmup_s=warmup_s,
+                                batch_max=switches["batch_max"],
+                                records=records,
+                                part=part,
                             )
-                        )
+                            keep(
+                                remeasure_while_stolen(
+                                    cell,
+                                    max_steal_pct=max_steal_pct,
+                                    retries=steal_retries,
+                                    discard=keep,
+                                )
+                            )
     return rows
+
+
+@contextlib.contextmanager
+def _others_stopped(part: Part | None, loop: EventLoopName) -> Iterator[None]:
+    """As part 0 of several: tell the other parts to stop when the experiment ends,
+    whether it finished or failed (they wait for part 0's next command)."""
+    try:
+        yield
+    finally:
+        if part is not None:
+            runtime.run(part.gather({"stop": True}), event_loop=loop)
 
 
 def _cell(

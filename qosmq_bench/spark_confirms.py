@@ -76,6 +76,7 @@ CPU_KEYS = (
     "run_queue",
     "clock_offset_ms",
     "clock_error_ms",
+    "cores",  # the executor machine's: the brokers' CPU is judged against them
 )
 SETUP_S = 4.0  # measured per-cell set-up and drain overhead, for the estimate
 

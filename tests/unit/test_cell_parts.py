@@ -117,6 +117,31 @@ def test_ratios_compare_cells_with_the_same_tasks_per_cell() -> None:
     assert ratio[("e2e", 1)] == pytest.approx(2.0) and ratio[("e2e", 2)] == pytest.approx(3.0)
 
 
+def test_the_summary_judges_the_brokers_cpu_against_the_machines_cores() -> None:
+    """Three brokers using 100 % of one core between them on 2 cores are not the limit
+    (the summary once lost ``cores`` and judged them against one core)."""
+    row = {
+        "mode": "raw",
+        "queues": 1,
+        "tasks": 1,
+        "repeat": 0,
+        "confirmed_per_s": 1.0,
+        "published": 1,
+        "confirmed": 1,
+        "handled": 1,
+        "lost": 0,
+        "duplicates": 0,
+        "client_cpu_pct": 60.0,
+        "machine_pct": 80.0,
+        "broker_cpu_pct": 100.0,
+        "cores": 2,
+    }
+    (summary,) = summarise_repeats([row])
+    assert summary["cores"] == 2 and summary["limit"] == "none"
+    (summary,) = summarise_repeats([row | {"broker_cpu_pct": 180.0}])
+    assert summary["limit"] == "brokers"
+
+
 def test_tasks_per_cell_is_a_grid_dimension_checked_before_anything_starts() -> None:
     grid = parse_grid(arguments().parse_args(["--queues", "1,2", "--tasks-per-cell", "1,2"]))
     assert grid.tasks == (1, 2) and grid.count == 2 * 2 * 4 * 3
