@@ -240,7 +240,19 @@ class Detours:
     # ------------------------------------------------------------------ the way back
     async def watch(self, stop: asyncio.Event) -> None:
         """Every ``link_retry_s``: try each failed direct link; flood again for the
-        clusters no flood reached."""
+        clusters no flood reached.  Beside it, every ``neighbour_check_s``: the ring
+        neighbours (:meth:`check_neighbours`)."""
+        checks = asyncio.ensure_future(self._neighbour_checks(stop))
+        try:
+            await self._retry_links(stop)
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _retry_links(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.topology.link_retry_s)
@@ -264,8 +276,41 @@ class Detours:
                     )
                     await self.on_left(dest)
             self._gauges()
-        for task in list(self._tasks):
-            task.cancel()
+
+    async def _neighbour_checks(self, stop: asyncio.Event) -> None:
+        interval = self.topology.neighbour_check_s
+        if interval <= 0:
+            return
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if not stop.is_set():
+                await self.check_neighbours()
+
+    async def check_neighbours(self) -> list[str]:
+        """The paper's neighbour heartbeats: a round trip to the ring successor's and
+        predecessor's inboxes over their direct links.  One that does not answer is a
+        failed link, as a failed forward is (flood; no way for ``leave_after_s``: it
+        left), so a cluster that goes while nobody sends to it is found gone before its
+        arc's next event has to wait for that.  Returns the neighbours found down."""
+        ring = self.table.ring
+        if self.cluster not in ring.clusters or len(ring.clusters) < 2:
+            return []
+        neighbours = {ring.successors(self.cluster, 1)[0], ring.predecessor(self.cluster)}
+        down: list[str] = []
+        for dest in sorted(neighbours - {self.cluster}):
+            if self.shared(dest) or dest in self.table.down or self.table.flooding(dest):
+                continue  # one RabbitMQ for both, or already handled as failed
+            if await self._answers(dest):
+                continue
+            down.append(dest)
+            self._count("neighbour_checks_failed", 1)
+            if dest in self.table.down:  # a failed forward got there first meanwhile
+                continue
+            log.warning("%s -> %s: ring neighbour does not answer; flooding", self.cluster, dest)
+            self._start(self.table.failed(dest, dest, time.monotonic()))
+            self._wake()
+        return down
 
     async def _answers(self, dest: str) -> bool:
         """A round trip to ``dest``'s routing master's inbox over the direct link."""

@@ -120,6 +120,11 @@ class PhoenixTopology(BaseModel):
     link_timeout_s: float = Field(1.0, gt=0, le=60)
     flood_timeout_s: float = Field(1.0, gt=0, le=60)
     link_retry_s: float = Field(0.5, gt=0, le=60)
+    #: every routing master checks its ring neighbours (successor and predecessor) this
+    #: often over their direct links, as the paper's neighbours heartbeat each other, so
+    #: a cluster that goes while nobody sends to it is found gone all the same (0: off,
+    #: only failed forwards detect)
+    neighbour_check_s: float = Field(1.0, ge=0, le=60)
     #: a cluster no flood has reached for this long (its RabbitMQ unreachable from every
     #: routing master that tried) has left the ring: its successor takes over its arc
     #: from the persisted state.  Longer than a role's recovery (#23), which keeps the

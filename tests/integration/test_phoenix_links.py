@@ -29,7 +29,7 @@ from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
-from tests.integration.phoenix_support import management, write_topology
+from tests.integration.phoenix_support import eventually, management, write_topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100  # events per second
@@ -266,6 +266,31 @@ def test_a_flapping_link_loses_and_duplicates_nothing(links) -> None:
     log = links.router_log("A")
     assert log.count("detour over") >= 1, log[-3000:]
     print(f"\n{published} events through 3 cuts, 0 lost, 0 duplicates")
+
+
+@pytest.mark.parametrize(
+    "links", [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}}], indirect=True
+)
+def test_a_cluster_that_goes_while_nobody_sends_to_it_is_found_gone_by_its_neighbours(
+    links,
+) -> None:
+    """The paper's neighbour heartbeats: X goes entirely while no event travels toward
+    it. Its ring neighbours' checks fail, their floods find no way, and every router drops
+    X from the ring before any event of X's arc is published (with neighbour_check_s = 0
+    nothing would notice until the next forward). The events published after that are
+    matched at X's successor from the restored subscriptions: 0 lost, 0 duplicates."""
+    x = links.x
+    others = [c for c in links.names if c != x]
+    links.remove(x)
+    eventually(
+        lambda: all(f"{x} left the ring" in links.router_log(c) for c in others),
+        f"every other router drops {x} from the ring with no traffic toward it",
+        timeout=30,
+    )
+    logs = "".join(links.router_log(c) for c in others)
+    assert f"-> {x}: ring neighbour does not answer" in logs, logs[-3000:]
+    arrivals, published, _ = asyncio.run(links.stream(3.0, []))
+    _check(arrivals, published)
 
 
 @pytest.mark.parametrize(
