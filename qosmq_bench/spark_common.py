@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import os
 import platform
 import signal
@@ -65,6 +66,9 @@ def session(app: str, master: str | None) -> Any:
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
+    # py4j says INFO "Closing down clientserver connection" from a finaliser, at
+    # interpreter exit too, when the stream it logs to may be closed (a traceback then)
+    logging.getLogger("py4j").setLevel(logging.WARNING)
     return spark
 
 

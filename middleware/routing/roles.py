@@ -148,8 +148,9 @@ PREDICTED_T = Gauge(
 )
 RECOVERY_S = Histogram(
     "qosmq_phoenix_recovery_seconds",
-    "A failed master's recovery, from the last beat its slaves heard: detection (the "
-    "election starts) and recovery (the winner serves the master's role)",
+    "A failed master's recovery: detection (from the last beat its slaves heard to the "
+    "election's start), election (its start to the winner's win, observed by the winner) "
+    "and recovery (from the last beat heard to the winner serving the master's role)",
     ["cluster", "kind", "phase"],
     buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0),
 )
@@ -271,6 +272,8 @@ class _Role:
         self.provisioner = provisioner
         #: an elected master: when (monotonic) its slave last heard the failed one
         self.failed_at = failed_at
+        #: when this slave began the election it may win (the election phase's start)
+        self.electing_since: float | None = None
         # a master's slaves, by number, as their beats and load reports say: the one
         # liveness rule for dispatch (match masters) and for replacements
         self.live = FailureDetector[int](topology.heartbeat_interval_s, topology.heartbeat_misses)
@@ -1246,7 +1249,7 @@ class _ReplicaHolder(_Role):
         silent = self.detector.silent_for(master, now) or 0.0
         log.warning("%s: lease of %s returned (its connection closed): electing", self.id, master)
         self.count("master_lease_returned")
-        self.failed_at = now - silent
+        self.failed_at, self.electing_since = now - silent, now
         RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(silent)
         await self._enact(self.bully.master_suspected(now))
 
@@ -1281,6 +1284,7 @@ class _ReplicaHolder(_Role):
                 log.warning("%s: no beat from %s for %.2f s: electing", self.id, master, silent)
                 self.count("master_suspected")
                 self.failed_at = now - silent  # handed to the master it may become
+                self.electing_since = now
                 RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(silent)
                 effects += self.bully.master_suspected(now)
             effects += self.bully.tick(now)
@@ -1312,6 +1316,11 @@ class _ReplicaHolder(_Role):
         kinds = {"election": Kind.ELECTION, "answer": Kind.ELECTION_ANSWER}
         for effect in effects:
             if isinstance(effect, Become):
+                if self.electing_since is not None:  # the election: its start to this win
+                    took = time.monotonic() - self.electing_since
+                    RECOVERY_S.labels(self.cluster, self.id.master.kind.value, "election").observe(
+                        took
+                    )
                 self._promote("elected: its master went silent")
                 continue
             await self.signal(effect.to, self._vote(kinds.get(effect.what, Kind.COORDINATOR)))

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,30 @@ async def _subscribe(settings, topology, event_type: str, queue: str) -> None:
         await take(client, queue)
 
 
+def _scrape(deployment: PhoenixDeployment, process: RoleId) -> str:
+    """The Prometheus page of the process started as ``process`` (its log names the port)."""
+    found = re.findall(r"metrics: (http://\S+/metrics)", deployment.log_file(process).read_text())
+    assert found, f"{process.key} logged no metrics address"
+    with urllib.request.urlopen(found[-1], timeout=10) as page:
+        return page.read().decode()
+
+
+def _observed(page: str, metric: str, **labels: str) -> float:
+    """The value of ``metric`` with these labels on a Prometheus page (0 if absent)."""
+    total = 0.0
+    for line in page.splitlines():
+        if line.startswith(metric + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_killed_masters_are_replaced_by_an_elected_slave_and_nothing_is_lost(
-    settings, brokers, tmp_path: Path, name: str
+    settings, brokers, tmp_path: Path, name: str, monkeypatch
 ) -> None:
+    """... and the winner's process says so in its metrics (every role serves them on a
+    port of its own here): its detection, election and recovery observed for the kind
+    it took over, one take-over counted."""
+    monkeypatch.setenv("QOSMQ_METRICS_PORT", "0")  # the role processes' environment
     event_type, topology, deployment = _deployment(
         settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 2, "routing_slaves": 2}}
     )
@@ -114,6 +136,15 @@ def test_killed_masters_are_replaced_by_an_elected_slave_and_nothing_is_lost(
             assert not missing, f"{master}: {len(missing)} events lost: {missing[:20]}"
             assert deployment.serves(successor) == master  # the election's winner serves it
             assert pid_alive(pids[successor]) and not pid_alive(pids[master])
+            page = _scrape(deployment, successor)
+            kind = master.kind.value
+            for phase in ("detection", "election", "recovery"):
+                count = _observed(
+                    page, "qosmq_phoenix_recovery_seconds_count", kind=kind, phase=phase
+                )
+                assert count >= 1, f"{successor.key}: no {phase} of a {kind} observed"
+            takeovers = _observed(page, "qosmq_phoenix_events_total", outcome="takeovers")
+            assert takeovers == 1, page
             since = json.loads(deployment.status_file(successor).read_text())["since"]
             report.append(
                 f"{master}: {published - first} events, 0 lost, "
