@@ -355,6 +355,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             str(args.out),
             "--master",
             "local[*]",
+            "--tasks-per-cell",  # the short run: one task per cell, one clock per cell
+            "1",
         ]
     )
     os.environ["QOSMQ_AMQP_URLS"] = ",".join(status["amqp_urls"])

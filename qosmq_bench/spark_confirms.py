@@ -19,10 +19,12 @@ its producers and consumers on one event loop, every timestamp from one clock.  
 (Spark starts all or none; they meet before the producers start, while draining and
 before the queues go), so that one Python process is not what is measured; its
 throughput is the sum, its records the union, its latencies from the wall clocks of
-the processes involved (their spread at a barrier is reported: on a cluster the
-executors' clocks must agree, e.g. chrony, to well under the latencies read).  N is at
-most the application's task slots.  Each cell names what limited it (``limit``): the
-busiest client process, the machine's cores, the brokers, or none of them.
+the processes involved (the other tasks' offsets from task 0's clock are measured and
+reported: on a cluster the executors' clocks must agree, e.g. chrony, to well under the
+latencies read).  N is at most the application's task slots; ``auto`` (the default)
+takes them all, at most one task per client of the smallest cell.  Each cell names
+what limited it (``limit``): the busiest client process, the machine's cores, the
+brokers, or none of them.
 Records are per message, not sampled: (message id, sent, confirmed, first handled).
 """
 
@@ -34,7 +36,7 @@ import math
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,8 @@ class Grid:
     duration_s: float
     repeats: int
     tasks: tuple[int, ...] = (1,)
+    #: ``--tasks-per-cell auto``: ``tasks`` is set from the task slots once Spark runs
+    auto_tasks: bool = False
 
     def cells(self) -> Iterator[tuple[int, int, CellSpec]]:
         for repeat in range(self.repeats):
@@ -117,6 +121,15 @@ class Grid:
     def estimate_s(self) -> float:
         return self.count * (self.duration_s + SETUP_S)
 
+    def with_slots(self, slots: int) -> Grid:
+        """``auto`` resolved: every task slot the application has, at most one task per
+        client of the smallest cell (a task with no producer or consumer would idle), so
+        that no one client process limits a cell while there are executors to share it."""
+        if not self.auto_tasks:
+            return self
+        clients = (self.producers_per_queue + self.consumers_per_queue) * min(self.queues)
+        return replace(self, tasks=(max(1, min(slots, clients)),), auto_tasks=False)
+
 
 def parse_grid(args: argparse.Namespace) -> Grid:
     """Validate the whole grid before anything starts; raise ValueError naming the problem."""
@@ -134,7 +147,10 @@ def parse_grid(args: argparse.Namespace) -> Grid:
         raise ValueError("--duration, --repeats and --size must be positive")
     if args.producers_per_queue < 1 or args.consumers_per_queue < 1:
         raise ValueError("--producers-per-queue and --consumers-per-queue must be >= 1")
-    got = str(getattr(args, "tasks_per_cell", "1"))
+    got = str(getattr(args, "tasks_per_cell", "1")).strip()
+    auto = got == "auto"
+    if auto:
+        got = "1"  # checked as one task here; the slots decide once Spark runs
     try:
         tasks = tuple(int(t) for t in got.split(",") if t.strip())
     except ValueError:
@@ -156,6 +172,7 @@ def parse_grid(args: argparse.Namespace) -> Grid:
         args.duration,
         args.repeats,
         tasks,
+        auto,
     )
     list(grid.cells())  # CellSpec checks each cell
     return grid
@@ -175,9 +192,10 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     p.add_argument("--repeats", type=integer(1, 100), default=3)
     p.add_argument(
         "--tasks-per-cell",
-        default="1",
+        default="auto",
         help="Spark tasks a cell's producers and consumers are spread over, or a list "
-        "(1,2: each cell both ways); at most the application's task slots",
+        "(1,2: each cell both ways); at most the application's task slots; auto (the "
+        "default): every slot, at most one task per client of the smallest cell",
     )
     p.add_argument(
         "--out",
@@ -237,6 +255,7 @@ def run(args: argparse.Namespace) -> Path:
     settings = Settings.load(args.config)
     spark = session("qosmq-confirms", args.master)
     have = slots(spark)
+    grid = grid.with_slots(have)
     if max(grid.tasks) > have:
         spark.stop()
         raise ConfigurationError(

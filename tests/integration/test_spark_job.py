@@ -35,6 +35,8 @@ def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, c
             str(tmp_path),
             "--master",
             "local[2]",
+            "--tasks-per-cell",
+            "1",  # one process per cell: its CPU per message is the cell's
             "--no-progress",
         ]
     )

@@ -150,6 +150,12 @@ def test_tasks_per_cell_is_a_grid_dimension_checked_before_anything_starts() -> 
         args = arguments().parse_args(["--queues", "1", "--tasks-per-cell", bad])
         with pytest.raises(ValueError, match="tasks-per-cell"):
             parse_grid(args)
+    # auto (the default): every task slot, at most one task per client of the smallest cell
+    auto = parse_grid(arguments().parse_args(["--queues", "1,15"]))
+    assert auto.auto_tasks and auto.with_slots(2).tasks == (2,)
+    assert auto.with_slots(64).tasks == (5,)  # 2 producers + 3 consumers at 1 queue
+    assert auto.with_slots(1).tasks == (1,) and not auto.with_slots(8).auto_tasks
+    assert grid.with_slots(64) is grid  # a number given stays
     # a namespace from before the option (the demo's) means one task per cell
     old = arguments().parse_args([])
     delattr(old, "tasks_per_cell")
