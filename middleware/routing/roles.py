@@ -1372,6 +1372,11 @@ class _ReplicaHolder(_Role):
             )
         now = time.monotonic()
         if message.kind is Kind.ELECTION:
+            if self.electing_since is None:  # an election another slave began: its phases
+                self.electing_since = now  # are timed here too, should this one win
+                silent = self.detector.silent_for(self.id.master, now)
+                if self.failed_at is None and silent is not None:
+                    self.failed_at = now - silent
             await self._enact(self.bully.on_election(sender, now))
         elif message.kind is Kind.ELECTION_ANSWER:
             await self._enact(self.bully.on_answer(sender, now))
@@ -1385,6 +1390,7 @@ class _ReplicaHolder(_Role):
                     f"coordinator from {sender} of {reign}, older than {self.trust.reign}"
                 )
             self.bully.on_coordinator(sender, now)
+            self.electing_since = None  # the election is over: another slave won it
             # the new master beats once it switched role: one more timeout for its first
             self.detector.grace(self.id.master, now + 2 * self.detector.timeout_s)
             log.warning("%s: %s serves %s now", self.id, sender, self.id.master)
@@ -1497,6 +1503,43 @@ class RouterMaster(_Role):
         table = await self.replicas.read(self.topology.read_timeout_s)
         for refused in self.logic.load(table):
             log.warning("%s: routing-table entry left out: %s", self.id, refused)
+        await self._apply_ring_changes()
+
+    @property
+    def _ring_owner(self) -> str:
+        return f"{self.topology.prefix}.ring"
+
+    async def _apply_ring_changes(self) -> None:
+        """The leaves and joins the routers recorded since the topology was written (a
+        router that starts after a leave, e.g. a promoted slave, must not route to the
+        departed cluster again and take its arc over a second time)."""
+        records = await asyncio.to_thread(self.store.load, self._ring_owner, "ring")
+        for cluster, (_, record) in sorted(live(records).items()):
+            if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
+                continue
+            if record.get("state") == "left" and cluster in self.ring.clusters:
+                self.ring.leave(cluster)
+                self.detours.left(cluster)
+                log.info(
+                    "%s: %s left the ring before this router started (recorded)", self.id, cluster
+                )
+            elif record.get("state") == "joined" and cluster not in self.ring.clusters:
+                self.ring.join(cluster)
+                self.detours.joined(cluster)
+                log.info(
+                    "%s: %s joined the ring before this router started (recorded)", self.id, cluster
+                )
+
+    def _record_ring_change(self, cluster: str, state: str) -> None:
+        """Persist that ``cluster`` left or joined (in the state store every cluster's
+        router reads; each router records what it handled, the newest record wins)."""
+        document = {"state": state, "at": time.time()}
+        write = asyncio.to_thread(
+            self.store.save, self._ring_owner, "ring", cluster, document, time.time_ns()
+        )
+        task = asyncio.ensure_future(write)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -1654,6 +1697,7 @@ class RouterMaster(_Role):
             return
         arc, _ = self._departure(cluster)
         successor = self.ring.leave(cluster)
+        self._record_ring_change(cluster, "left")
         if successor == self.cluster:  # before anything awaits: the arc's events wait
             restored = asyncio.Event()
             self._recovering[cluster] = (arc, restored)
@@ -1753,6 +1797,7 @@ class RouterMaster(_Role):
         self.topology.cluster(cluster)
         handover = self.ring.join(cluster)
         self.detours.joined(cluster)
+        self._record_ring_change(cluster, "joined")
         self._recovering.pop(cluster, None)
         self.count("joins")
         back = Join(cluster=cluster)  # a cluster that left and came back: deliver to it again

@@ -24,7 +24,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 __all__ = ["KINDS", "MongoStateStore", "SQLiteStateStore", "StateStore", "open_store"]
 
-KINDS = ("routing_table", "advertisement", "subscription")
+KINDS = ("routing_table", "advertisement", "subscription", "ring")
 Document = dict[str, Any]
 
 

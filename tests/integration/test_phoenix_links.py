@@ -294,6 +294,33 @@ def test_a_cluster_that_goes_while_nobody_sends_to_it_is_found_gone_by_its_neigh
 
 
 @pytest.mark.parametrize(
+    "links",
+    [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1, "routing_slaves": 1}}],
+    indirect=True,
+)
+def test_a_router_that_starts_after_a_leave_keeps_the_departed_cluster_out(links) -> None:
+    """The ring change is persisted: X leaves, then the routing master of X's successor S
+    is SIGKILLed and its slave takes over. The promoted router starts with X already out
+    of its ring (the leave recorded in the state store), so the arc's events are matched
+    at S at once, S does not take X's arc over a second time, and nothing is lost
+    (before, it started from the topology, routed to X again and found it gone anew)."""
+    x = links.x
+    successor = ChordRing(c for c in links.names if c != x).owner(links.event_type)
+    links.remove(x)
+    eventually(
+        lambda: f"{successor} took over the arc of {x}" in links.router_log(successor),
+        f"{successor} takes over {x}'s arc",
+        timeout=30,
+    )
+    links.deployment.kill(RoleId.router(successor))
+    arrivals, published, _ = asyncio.run(links.stream(4.0, []))
+    _check(arrivals, published)
+    logs = links.logs()
+    assert f"{x} left the ring before this router started (recorded)" in logs, logs[-3000:]
+    assert logs.count(f"took over the arc of {x}") == 1, logs[-3000:]
+
+
+@pytest.mark.parametrize(
     "links", [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}}], indirect=True
 )
 def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(links) -> None:
