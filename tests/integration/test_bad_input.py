@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pika
 import pytest
+from prometheus_client import REGISTRY
 
 from middleware.errors import AccessRefused, MalformedMessage, MessageMalformed, RetryableError
 from middleware.queues import EnqueueStatus, SyncQueues
@@ -270,10 +271,22 @@ def test_a_consumer_the_broker_cancels_comes_back_with_its_queue(face, name, que
     face.pump(10, until=lambda: got == [b"before"])
     arguments = {"x-queue-type": "quorum"} if queue_kind is QueueKind.QUORUM else None
     plain = _plain_pika(face.settings)
+
+    def cancels() -> float:  # the layer's own count of the broker's basic.cancel
+        return REGISTRY.get_sample_value("qosmq_consumers_cancelled_by_broker_total") or 0.0
+
+    cancelled = cancels()
     try:
         ch = plain.channel()
         ch.queue_delete(name)
         face.pump(1.0)  # the broker's cancel arrives; the queue is gone for a while
+        face.pump(10, until=lambda: cancels() > cancelled)
+        if cancels() == cancelled:
+            # RabbitMQ 3.10.8 sometimes sends no basic.cancel when a quorum queue is
+            # deleted on a loaded machine (seen with plain pika too): nothing tells any
+            # client, and the path under test never starts (docs/bad-input.md)
+            assert queue_kind is QueueKind.QUORUM, "the broker sent no basic.cancel"
+            pytest.skip("the broker sent no basic.cancel for the deleted quorum queue")
         ch.queue_declare(name, durable=True, arguments=arguments)
         ch.basic_publish("", name, b"after")
         face.pump(20, until=lambda: got == [b"before", b"after"])
