@@ -38,7 +38,7 @@ from .protocol import MAX_PRIORITY, PhoenixTopology
 from .records import LatencyEntry, SubscriptionRecord
 from .ring import ChordRing, ring_id
 from .roles import cluster_settings, inbox_spec, reconfigure
-from .store import open_store
+from .store import open_store, ring_owner
 from .timeliness import LatencyMap
 from .zygote import Zygote
 
@@ -157,6 +157,7 @@ class PhoenixDeployment:
         clusters = [c.id for c in self.topology.clusters if c.joined]
         self.check_reachable(clusters)
         self.mirror_inboxes(clusters)
+        self.forget_ring_changes()
         self._stopping.unlink(missing_ok=True)
         pids: dict[RoleId, int] = {}
         with self._locked():
@@ -195,6 +196,19 @@ class PhoenixDeployment:
 
         runtime.run(announce(), event_loop=self.settings.event_loop)
         return started
+
+    def forget_ring_changes(self) -> int:
+        """Drop the leaves and joins the routers recorded (``up`` starts the topology's
+        ring afresh, whatever an earlier run of this prefix saw); how many there were."""
+        store = open_store(self.topology.state_store)
+        try:
+            owner = ring_owner(self.topology.prefix)
+            recorded = store.load(owner, "ring")
+            for cluster in recorded:
+                store.delete(owner, "ring", cluster)
+            return len(recorded)
+        finally:
+            store.close()
 
     def down(self, *, timeout: float = 15.0) -> int:
         """SIGTERM every role (they stop consuming and close), SIGKILL what is left after

@@ -116,7 +116,7 @@ from .replicas import (
 from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
 from .router import Forward, KeptEvents, RouterLogic
-from .store import StateStore, open_store
+from .store import StateStore, open_store, ring_owner
 from .timeliness import Dispatch, QueuePredictor
 
 __all__ = [
@@ -1505,15 +1505,11 @@ class RouterMaster(_Role):
             log.warning("%s: routing-table entry left out: %s", self.id, refused)
         await self._apply_ring_changes()
 
-    @property
-    def _ring_owner(self) -> str:
-        return f"{self.topology.prefix}.ring"
-
     async def _apply_ring_changes(self) -> None:
         """The leaves and joins the routers recorded since the topology was written (a
         router that starts after a leave, e.g. a promoted slave, must not route to the
         departed cluster again and take its arc over a second time)."""
-        records = await asyncio.to_thread(self.store.load, self._ring_owner, "ring")
+        records = await asyncio.to_thread(self.store.load, ring_owner(self.topology.prefix), "ring")
         for cluster, (_, record) in sorted(live(records).items()):
             if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
                 continue
@@ -1535,7 +1531,12 @@ class RouterMaster(_Role):
         router reads; each router records what it handled, the newest record wins)."""
         document = {"state": state, "at": time.time()}
         write = asyncio.to_thread(
-            self.store.save, self._ring_owner, "ring", cluster, document, time.time_ns()
+            self.store.save,
+            ring_owner(self.topology.prefix),
+            "ring",
+            cluster,
+            document,
+            time.time_ns(),
         )
         task = asyncio.ensure_future(write)
         self._tasks.add(task)

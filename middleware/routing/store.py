@@ -22,10 +22,22 @@ from typing import Any, Protocol
 
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
-__all__ = ["KINDS", "MongoStateStore", "SQLiteStateStore", "StateStore", "open_store"]
+__all__ = [
+    "KINDS",
+    "MongoStateStore",
+    "SQLiteStateStore",
+    "StateStore",
+    "open_store",
+    "ring_owner",
+]
 
 KINDS = ("routing_table", "advertisement", "subscription", "ring")
 Document = dict[str, Any]
+
+
+def ring_owner(prefix: str) -> str:
+    """Whose ``ring`` documents hold a deployment's leaves and joins (one per cluster)."""
+    return f"{prefix}.ring"
 
 
 class StateStore(Protocol):

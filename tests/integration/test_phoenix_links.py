@@ -28,6 +28,7 @@ from middleware.routing.client import PhoenixClient
 from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
+from middleware.routing.store import open_store, ring_owner
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import eventually, management, write_topology
 
@@ -318,6 +319,19 @@ def test_a_router_that_starts_after_a_leave_keeps_the_departed_cluster_out(links
     logs = links.logs()
     assert f"{x} left the ring before this router started (recorded)" in logs, logs[-3000:]
     assert logs.count(f"took over the arc of {x}") == 1, logs[-3000:]
+    # a new `up` starts the topology's ring afresh: the recorded leave is forgotten, X
+    # serves its arc again
+    store, owner = open_store(links.topology.state_store), ring_owner(links.topology.prefix)
+    try:
+        assert store.load(owner, "ring")[x][1]["state"] == "left"
+        links.deployment.down()
+        links.restore_links(x)
+        links.deployment.up()
+        assert store.load(owner, "ring") == {}
+    finally:
+        store.close()
+    arrivals, published, _ = asyncio.run(links.stream(3.0, []))
+    _check(arrivals, published)
 
 
 @pytest.mark.parametrize(
