@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -206,6 +206,8 @@ class PhoenixDeployment:
             recorded = store.load(owner, "ring")
             for cluster in recorded:
                 store.delete(owner, "ring", cluster)
+            for cluster in store.load(owner, "adopted"):  # the take-overs' plans with them
+                store.delete(owner, "adopted", cluster)
             return len(recorded)
         finally:
             store.close()
@@ -263,6 +265,56 @@ class PhoenixDeployment:
             self._save(pids)
         self._await_serving({role: pids[role]}, timeout)
         return pids[role]
+
+    def add(self, roles: Iterable[RoleId], *, timeout: float = 60.0) -> dict[RoleId, int]:
+        """Start each of ``roles`` (match roles a take-over adds beyond the topology's
+        own, ``RoleId.is_added``) in a slot of its own unless a live process serves it;
+        return the new PIDs once every one serves.  ``status`` and ``down`` see them."""
+        roles = list(roles)
+        for role in roles:
+            if not role.in_topology(self.topology):
+                raise DeploymentError(f"{role} cannot run in this topology")
+        with self._locked():
+            if self._stopping.exists():
+                raise DeploymentError("the deployment is going down: nothing added")
+            pids = self.pids()
+            alive = {self.serves(slot) for slot, pid in pids.items() if pid_alive(pid)}
+            started = {role: self._spawn(role) for role in roles if role not in alive}
+            for role in started:
+                self._held(role).unlink(missing_ok=True)
+            pids.update(started)
+            self._save(pids)
+        for pid in started.values():  # children of the process that asked: reaped there
+            threading.Thread(
+                target=_reap, args=(pid,), name=f"reaper of {pid}", daemon=True
+            ).start()
+        self._await_serving(started, timeout)
+        return started
+
+    def retire(self, roles: Iterable[RoleId], *, timeout: float = 15.0) -> list[int]:
+        """Stop the processes started as ``roles`` (``add``'s) and forget their slots:
+        SIGTERM, SIGKILL after ``timeout``; their PIDs."""
+        roles = set(roles)
+        with self._locked():
+            pids = self.pids()
+            gone = {role: pid for role, pid in pids.items() if role in roles}
+            for role in gone:
+                self._held(role).touch()  # not replaced meanwhile by a master that hears
+        for pid in gone.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        if not _wait_dead(gone.values(), timeout):
+            for pid in gone.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _wait_dead(gone.values(), 5.0)
+        with self._locked():
+            pids = {r: p for r, p in self.pids().items() if r not in gone}
+            self._save(pids)
+            for role in gone:
+                self._held(role).unlink(missing_ok=True)
+                self.status_file(role).unlink(missing_ok=True)
+        return sorted(gone.values())
 
     def replace(self, role: RoleId) -> tuple[RoleId, int] | None:
         """Start a process serving ``role`` (a slave whose master hears nothing from it)
@@ -542,6 +594,16 @@ class LocalProvisioner:
         # the new process is this one's child: reaped when it ends, never a zombie
         threading.Thread(target=_reap, args=(pid,), name=f"reaper of {pid}", daemon=True).start()
         return f"pid {pid} in the slot of {slot.key}"
+
+    def add(self, roles: Sequence[RoleId]) -> str:
+        """Start the roles a take-over adds, each in a slot of its own; once they serve."""
+        started = self.deployment.add(roles)
+        return ", ".join(f"{r.key} (pid {p})" for r, p in sorted(started.items())) or "none"
+
+    def retire(self, roles: Sequence[RoleId]) -> str:
+        """Stop the roles a take-over added (their cluster rejoined) and forget their slots."""
+        stopped = self.deployment.retire(roles)
+        return ", ".join(f"pid {p}" for p in stopped) or "none"
 
 
 def _reap(pid: int) -> None:

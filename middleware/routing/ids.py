@@ -206,18 +206,38 @@ class RoleId:
             yield from master.slaves(spec)
 
     def in_topology(self, topology: PhoenixTopology) -> bool:
-        """True when the topology has this role (a forged or stale id does not)."""
+        """True when the topology has this role, or may add it: a match master (and its
+        slaves) beyond the cluster's own, up to the most any cluster runs, which a
+        successor adds when it takes over a larger cluster's arc (``is_added``).  A
+        forged or stale id is not."""
         try:
             spec = topology.cluster(self.cluster)
         except Exception:
             return False
-        return self in set(RoleId.of_cluster(spec))
+        if self in set(RoleId.of_cluster(spec)):
+            return True
+        if self.index >= topology.most_match_masters:
+            return False
+        return self.kind is RoleKind.MATCH or (
+            self.kind is RoleKind.MATCH_SLAVE and self.slave < spec.match_slaves
+        )
+
+    def is_added(self, topology: PhoenixTopology) -> bool:
+        """A match role beyond its cluster's own masters (added by a take-over's plan)."""
+        return (
+            self.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE)
+            and self.index >= topology.cluster(self.cluster).match_masters
+        )
 
 
 def role_queues(topology: PhoenixTopology) -> list[str]:
     """Every inbox and control queue the topology's roles use (to remove a deployment)."""
     names = []
     for spec in topology.clusters:
-        for role in RoleId.of_cluster(spec):
+        roles = list(RoleId.of_cluster(spec))
+        for i in range(spec.match_masters, topology.most_match_masters):  # may be added
+            master = RoleId.match(spec.id, i)
+            roles += [master, *master.slaves(spec)]
+        for role in roles:
             names += [role.inbox(topology.prefix), role.control(topology.prefix)]
     return names

@@ -138,6 +138,10 @@ class Handover(_Message):
     kind: Literal[Kind.HANDOVER] = Kind.HANDOVER
     cluster: str
     arc: tuple[int, int]  # ring interval (start, end]
+    #: when set, answer :class:`Recovered` (``request``, how many moved) to ``reply_to``
+    #: once handed over: the router then retires the masters a take-over had added
+    request: str | None = Field(None, min_length=1, max_length=200)
+    reply_to: str | None = Field(None, min_length=1)
 
 
 class Replicate(_Message):
@@ -331,13 +335,21 @@ class Recover(_Message):
     masters: int = Field(ge=1, le=16)  # its match masters (whose stores to read)
     request: str = Field(min_length=1, max_length=200)
     reply_to: str = Field(min_length=1)  # the router's process queue
+    #: the capacity plan's (recovery/capacity.py): the departed match masters' store
+    #: owners this master reads (empty: all ``masters``), and over how many of the
+    #: successor's masters the arc's types are routed (SHA-1 % it; 0: the topology's)
+    owners: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=16
+    )
+    routed_over: int = Field(0, ge=0, le=16)
     #: the departed cluster is only suspected (a flood found no way): read its state
     #: now and keep it ready, answer nothing (the leave's RECOVER then finds it read)
     prepare: bool = False
 
 
 class Recovered(_Message):
-    """A match master -> the recovering router: ``request`` done, ``restored`` held now."""
+    """A match master -> the recovering router: ``request`` done, ``restored`` held now
+    (or, answering a :class:`Handover` that asked, how many subscriptions moved)."""
 
     kind: Literal[Kind.RECOVERED] = Kind.RECOVERED
     request: str = Field(min_length=1, max_length=200)

@@ -150,6 +150,13 @@ class PhoenixTopology(BaseModel):
             return None
         return next((k for k in self.links if (k.source, k.target) == (source, target)), None)
 
+    @property
+    def most_match_masters(self) -> int:
+        """The most match masters a cluster may run: a successor that takes over a
+        departed cluster's arc adds masters up to the number that cluster had
+        (``recovery/capacity.py``), so no cluster ever runs more than this."""
+        return max(c.match_masters for c in self.clusters)
+
     def cluster(self, cluster_id: str) -> ClusterSpec:
         for c in self.clusters:
             if c.id == cluster_id:

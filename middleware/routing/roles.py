@@ -56,6 +56,7 @@ from .. import heap
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, RetryableError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
+from ..recovery.capacity import CapacityPlan, plan_takeover, running_masters
 from ..recovery.fencing import Reign, Trust, Verdict
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
@@ -1525,6 +1526,22 @@ class RouterMaster(_Role):
                 log.info(
                     "%s: %s joined the ring before this router started (recorded)", self.id, cluster
                 )
+        for cluster, doc in (await asyncio.to_thread(self._adoptions)).items():
+            if doc.get("by") != self.cluster or cluster in self.ring.clusters:
+                continue
+            try:
+                start, end = (int(x) for x in doc["arc"])
+                masters = int(doc["masters"])
+            except (KeyError, TypeError, ValueError):
+                log.warning("%s: take-over record of %s left out: %r", self.id, cluster, doc)
+                continue
+            self.logic.adopted[cluster] = (Arc(cluster, self.cluster, start, end), masters)
+            log.info(
+                "%s: routes %s's arc over %d match masters (recorded take-over)",
+                self.id,
+                cluster,
+                masters,
+            )
 
     def _record_ring_change(self, cluster: str, state: str) -> None:
         """Persist that ``cluster`` left or joined (in the state store every cluster's
@@ -1582,18 +1599,21 @@ class RouterMaster(_Role):
             if not writes:
                 self.count("duplicates_dropped")
             return
-        while isinstance(step := self.logic.step(forwarded), Forward):
-            self.count("forwarded")
-            path = await self.detours.forward(step.cluster, step.message, step.priority)
-            if path:
-                # the clusters it passes: if one leaves, so may the event (in its inbox)
-                through = {*path, *self.ring.route(step.cluster, forwarded.event_type)}
-                owner = self.ring.owner(forwarded.event_type)
-                if self.kept.keep(forwarded, owner, time.monotonic(), through=through):
-                    self.count("kept_until_matched")
-                return
-            self.count("rerouted")  # the next hop left the ring meanwhile: route again
-        await self._taken_over(forwarded.event_type)
+        while True:
+            step = self.logic.step(forwarded)
+            if isinstance(step, Forward):
+                self.count("forwarded")
+                path = await self.detours.forward(step.cluster, step.message, step.priority)
+                if path:
+                    # the clusters it passes: if one leaves, so may the event (in its inbox)
+                    through = {*path, *self.ring.route(step.cluster, forwarded.event_type)}
+                    owner = self.ring.owner(forwarded.event_type)
+                    if self.kept.keep(forwarded, owner, time.monotonic(), through=through):
+                        self.count("kept_until_matched")
+                    return
+                self.count("rerouted")  # the next hop left the ring meanwhile: route again
+            elif not await self._taken_over(forwarded.event_type):
+                break  # (after waiting for an arc's restore: its plan routes it, ask again)
         self.count("routed")
         match = self.inbox_of(RoleId.match(self.cluster, step.index))
         await self.send(self.cluster, match, step.message, step.priority)
@@ -1632,14 +1652,123 @@ class RouterMaster(_Role):
             self.count("rerouted")  # the hop left the ring: the ring goes on from here
             await self._route(message.model_copy(update={"via": []}))
 
-    async def _taken_over(self, event_type: str) -> None:
+    async def _taken_over(self, event_type: str) -> bool:
         """An event type of an arc this router took over from a departed cluster waits
         until its match masters restored that arc's subscriptions (the paper's buffer:
-        the waiting handlers and the inbox behind them)."""
+        the waiting handlers and the inbox behind them); whether it waited."""
         for arc, restored in list(self._recovering.values()):
             if not restored.is_set() and arc.covers(event_type):
                 self.count("held_for_recovery")
                 await restored.wait()
+                return True
+        return False
+
+    # ------------------------------------------------------------ capacity plan
+    def _running_masters(self) -> int:
+        """This cluster's match masters now: the topology's and the ones take-overs added."""
+        return running_masters(
+            self.topology, self.cluster, (p for _, p in self.logic.adopted.values())
+        )
+
+    def _match_roles(self) -> list[RoleId]:
+        """This cluster's match masters and slaves, the added ones included."""
+        roles = [
+            r
+            for r in RoleId.of_cluster(self._spec)
+            if r.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE)
+        ]
+        for i in range(self._spec.match_masters, self._running_masters()):
+            master = RoleId.match(self.cluster, i)
+            roles += [master, *master.slaves(self._spec)]
+        return roles
+
+    def _adoptions(self) -> dict[str, dict[str, Any]]:
+        """(In a thread) every router's take-over plans still in force: departed -> doc."""
+        recorded = self.store.load(ring_owner(self.topology.prefix), "adopted")
+        return {cluster: doc for cluster, (_, doc) in live(recorded).items()}
+
+    async def _plan(self, cluster: str, successor: str) -> CapacityPlan:
+        """The capacity plan for ``successor`` taking over ``cluster``'s arc: N is what
+        ``cluster`` ran (its topology's masters, or more while it held adopted arcs)."""
+        adoptions = await asyncio.to_thread(self._adoptions)
+        held = [
+            int(doc.get("masters", 0))
+            for doc in adoptions.values()
+            if doc.get("by") == cluster and isinstance(doc.get("masters"), int)
+        ]
+        return plan_takeover(
+            self.topology,
+            cluster,
+            successor,
+            departed_masters=running_masters(self.topology, cluster, held),
+            departed_plain=not held,
+            can_add=self.provisioner is not None,
+        )
+
+    async def _provision(self, plan: CapacityPlan) -> CapacityPlan:
+        """Start the match roles ``plan`` adds that do not run yet (their stored state
+        wiped first: nothing of an earlier take-over is read back); the plan without
+        additions when they could not be started (S's own masters share the arc)."""
+        running = self._running_masters()
+        fresh = [r for r in plan.added if r.index >= running]
+        if not fresh:
+            return plan
+        assert self.provisioner is not None
+
+        def wipe() -> None:
+            for role in fresh:
+                for kind in ("subscription", "advertisement"):
+                    self.store.snapshot(role.owner, kind, {})
+
+        try:
+            await asyncio.to_thread(wipe)
+            started = await asyncio.wait_for(
+                asyncio.to_thread(self.provisioner.add, fresh), self.topology.read_timeout_s
+            )
+        except Exception as exc:  # no capacity added: S's own masters share the arc
+            log.warning(
+                "%s: %d match roles for %s's arc not started (%s); its %d masters share it",
+                self.id,
+                len(fresh),
+                plan.departed,
+                exc,
+                self._spec.match_masters,
+            )
+            self.count("provision_failed")
+            return plan_takeover(
+                self.topology,
+                plan.departed,
+                plan.successor,
+                departed_masters=plan.departed_masters,
+                departed_plain=plan.departed_plain,
+                can_add=False,
+            )
+        self.count("match_roles_added", len(fresh))
+        log.warning(
+            "%s: added %d match roles for %s's arc (%d masters, as it had): %s",
+            self.id,
+            len(fresh),
+            plan.departed,
+            plan.masters,
+            started,
+        )
+        return plan
+
+    def _record_adoption(self, cluster: str, arc: Arc, plan: CapacityPlan | None) -> None:
+        """Persist (or, ``plan`` None, drop) the plan in force for ``cluster``'s arc, so a
+        routing master that starts later routes it the same and a later take-over of
+        this cluster knows how many masters it ran."""
+        owner = ring_owner(self.topology.prefix)
+        if plan is None:
+            write = asyncio.to_thread(self.store.delete, owner, "adopted", cluster)
+        else:
+            document = plan.to_document((arc.start, arc.end))
+            write = asyncio.to_thread(
+                self.store.save, owner, "adopted", cluster, document, time.time_ns()
+            )
+        task = asyncio.ensure_future(write)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _announce_leave(self, cluster: str) -> None:
         """No flood reached ``cluster`` for ``leave_after_s``: tell every other routing
@@ -1672,16 +1801,21 @@ class RouterMaster(_Role):
         if cluster not in self.ring.clusters or len(self.ring) < 3:
             return
         arc, successor = self._departure(cluster)
-        ask = Recover(
-            cluster=cluster,
-            arc=(arc.start, arc.end),
-            masters=self.topology.cluster(cluster).match_masters,
-            request=f"prepare-{uuid.uuid4().hex}",
-            reply_to=self.connections.process_queue,
-            prepare=True,
-        )
-        for i in range(self.topology.cluster(successor).match_masters):
-            queue = self.control_of(RoleId.match(successor, i))
+        plan = await self._plan(cluster, successor)
+        for restore in plan.restores:
+            if restore.master.is_added(self.topology):
+                continue  # not started yet: it reads when the leave's RECOVER comes
+            ask = Recover(
+                cluster=cluster,
+                arc=(arc.start, arc.end),
+                masters=plan.departed_masters,
+                request=f"prepare-{uuid.uuid4().hex}",
+                reply_to=self.connections.process_queue,
+                prepare=True,
+                owners=list(restore.owners),
+                routed_over=plan.masters,
+            )
+            queue = self.control_of(restore.master)
             try:
                 await asyncio.wait_for(
                     self.send(successor, queue, ask, MAX_PRIORITY), 2 * self.topology.link_timeout_s
@@ -1710,9 +1844,8 @@ class RouterMaster(_Role):
         self.count("leaves")
         log.warning("%s left the ring (found by %s); its arc goes to %s", cluster, by, successor)
         told = Leave(cluster=cluster, by=by)
-        for role in RoleId.of_cluster(self.topology.cluster(self.cluster)):
-            if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
-                await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+        for role in self._match_roles():
+            await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
 
     async def _restore_routing_table(self, cluster: str, arc: Arc) -> dict[str, dict[str, Any]]:
         """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
@@ -1738,24 +1871,42 @@ class RouterMaster(_Role):
             await self.replicas.write(event_type, document)
 
     async def _recover(self, cluster: str, arc: Arc, restored: asyncio.Event) -> None:
-        """RECOVERY to each of this cluster's match masters; the arc's events wait until
-        every one answered (or ``read_timeout_s``)."""
+        """The capacity plan (``recovery/capacity.py``: match masters added when the
+        departed cluster had more), then RECOVERY to each master it names; the arc's
+        events wait until every one answered (or ``read_timeout_s``)."""
         started = time.monotonic()
         routing_table = asyncio.create_task(self._restore_routing_table(cluster, arc))
         request = uuid.uuid4().hex
-        masters = [RoleId.match(self.cluster, i) for i in range(self._spec.match_masters)]
         answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._recoveries[request] = ({m.owner for m in masters}, 0, answered)
-        ask = Recover(
-            cluster=cluster,
-            arc=(arc.start, arc.end),
-            masters=self.topology.cluster(cluster).match_masters,
-            request=request,
-            reply_to=self.connections.process_queue,
-        )
         try:
-            for master in masters:
-                await self.send(self.cluster, self.control_of(master), ask, MAX_PRIORITY)
+            plan = await self._provision(await self._plan(cluster, self.cluster))
+        except Exception as exc:  # the store unreadable: the topology's masters share it
+            log.warning("%s: no capacity plan for %s's arc: %s", self.id, cluster, exc)
+            plan = plan_takeover(
+                self.topology,
+                cluster,
+                self.cluster,
+                departed_masters=self.topology.cluster(cluster).match_masters,
+                departed_plain=False,
+                can_add=False,
+            )
+        self.logic.adopted[cluster] = (arc, plan.masters)
+        self._record_adoption(cluster, arc, plan)
+        if plan.match_broker_map:
+            log.info("%s: matchBrokerMap for %s: %s", self.id, cluster, plan.match_broker_map)
+        self._recoveries[request] = ({r.master.owner for r in plan.restores}, 0, answered)
+        try:
+            for restore in plan.restores:
+                ask = Recover(
+                    cluster=cluster,
+                    arc=(arc.start, arc.end),
+                    masters=plan.departed_masters,
+                    request=request,
+                    reply_to=self.connections.process_queue,
+                    owners=list(restore.owners),
+                    routed_over=plan.masters,
+                )
+                await self.send(self.cluster, self.control_of(restore.master), ask, MAX_PRIORITY)
             count = await asyncio.wait_for(answered, self.topology.read_timeout_s)
         except TimeoutError:
             count = self._recoveries[request][1]
@@ -1794,27 +1945,77 @@ class RouterMaster(_Role):
             answered.set_result(count + message.restored)
 
     async def _join(self, cluster: str) -> None:
-        """A cluster joined: if it took our arc, our match masters hand its subscriptions over."""
+        """A cluster joined: if it took our arc, our match masters hand its subscriptions
+        over; the ones a take-over of its arc had added are retired after theirs."""
         self.topology.cluster(cluster)
+        roles = self._match_roles()  # before the arc it rejoins with stops being ours
+        masters = self._running_masters()
         handover = self.ring.join(cluster)
         self.detours.joined(cluster)
         self._record_ring_change(cluster, "joined")
         self._recovering.pop(cluster, None)
+        if self.logic.adopted.pop(cluster, None) is not None:
+            self._record_adoption(cluster, Arc(cluster, self.cluster, 0, 0), None)
+        keep = self._running_masters()
         self.count("joins")
         back = Join(cluster=cluster)  # a cluster that left and came back: deliver to it again
-        for role in RoleId.of_cluster(self._spec):
-            if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
-                await self.send(self.cluster, self.control_of(role), back, MAX_PRIORITY)
+        for role in roles:
+            await self.send(self.cluster, self.control_of(role), back, MAX_PRIORITY)
         if handover is None or handover.previous_owner != self.cluster:
             return
         log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
-        for i in range(self.topology.cluster(self.cluster).match_masters):
-            await self.send(
-                self.cluster,
-                self.inbox_of(RoleId.match(self.cluster, i)),
-                Handover(cluster=cluster, arc=(handover.start, handover.end)),
-                MAX_PRIORITY,
+        retiring = [RoleId.match(self.cluster, i) for i in range(keep, masters)]
+        request = uuid.uuid4().hex
+        for i in range(masters):
+            master = RoleId.match(self.cluster, i)
+            if master in retiring:  # behind what was routed to it before (priority 0)
+                give = Handover(
+                    cluster=cluster,
+                    arc=(handover.start, handover.end),
+                    request=request,
+                    reply_to=self.connections.process_queue,
+                )
+                await self.send(self.cluster, self.inbox_of(master), give, 0)
+            else:
+                give = Handover(cluster=cluster, arc=(handover.start, handover.end))
+                await self.send(self.cluster, self.inbox_of(master), give, MAX_PRIORITY)
+        if retiring:
+            task = asyncio.create_task(self._retire_added(cluster, retiring, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _retire_added(self, cluster: str, masters: list[RoleId], request: str) -> None:
+        """Once the masters a take-over added handed ``cluster``'s arc back, stop them
+        and their slaves (the provisioner's ``retire``)."""
+        answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._recoveries[request] = ({m.owner for m in masters}, 0, answered)
+        try:
+            moved = await asyncio.wait_for(answered, self.topology.read_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "%s: the added masters did not hand %s's arc back in time", self.id, cluster
             )
+            return  # left running: nothing of theirs is lost
+        finally:
+            self._recoveries.pop(request, None)
+        roles = [r for m in masters for r in (m, *m.slaves(self._spec))]
+        if self.provisioner is None:  # a router started by hand: they stay
+            log.warning("%s: no provisioner: %s go on running", self.id, roles)
+            return
+        try:
+            stopped = await asyncio.to_thread(self.provisioner.retire, roles)
+        except Exception as exc:
+            log.warning("%s: added match roles not retired: %s", self.id, exc)
+            return
+        self.count("match_roles_retired", len(roles))
+        log.warning(
+            "%s: %d match roles added for %s's arc retired (%d subscriptions handed back): %s",
+            self.id,
+            len(roles),
+            cluster,
+            moved,
+            stopped,
+        )
 
 
 class RouterSlave(_ReplicaHolder):
@@ -2089,8 +2290,9 @@ class MatchMaster(_MatchBroker):
         #: event types restored from a departed cluster: matched here, never dispatched
         #: (the restored subscriptions are not replicated to the slaves, see ``adopt``)
         self.local_types: set[str] = set()
-        #: departed clusters' subscriptions read ahead (a router suspected the departure)
-        self.standby: dict[str, asyncio.Future[Restorable]] = {}
+        #: departed clusters' subscriptions read ahead (a router suspected the departure),
+        #: with the plan they were read for (``_restore_plan``)
+        self.standby: dict[str, tuple[tuple[Any, ...], asyncio.Future[Restorable]]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.replicas.persisting(self._serve_observed(stop), stop)
@@ -2116,11 +2318,13 @@ class MatchMaster(_MatchBroker):
         once: an event type is indexed when its first event comes (or by the background
         indexer, type after type, whichever is first); then they are written as this
         master's own."""
-        reading = self.standby.pop(message.cluster, None)
-        if reading is None:
+        plan = self._restore_plan(message)
+        ready = self.standby.pop(message.cluster, None)
+        reading = ready[1] if ready is not None and ready[0] == plan else None
+        if reading is None:  # not read ahead, or for another plan (the ring changed)
             reading = self._read_departed(message)
         if message.prepare:  # keep it ready for the leave; forget it if none comes
-            self.standby[message.cluster] = reading
+            self.standby[message.cluster] = (plan, reading)
             loop = asyncio.get_running_loop()
             loop.call_later(self.STANDBY_S, self._forget_standby, message.cluster, reading)
             self.count("prepared")
@@ -2149,13 +2353,30 @@ class MatchMaster(_MatchBroker):
         self._confirming.add(task)
         task.add_done_callback(self._confirming.discard)
 
+    def _restore_plan(self, message: Recover) -> tuple[tuple[str, ...], int, tuple[int, int]]:
+        """What to read (the departed masters' store owners), over how many masters the
+        arc is routed here, the arc; ``DeadLetter`` for owners not of the departed cluster."""
+        owners = tuple(message.owners) or tuple(
+            RoleId.match(message.cluster, i).owner for i in range(message.masters)
+        )
+        for owner in owners:
+            try:
+                role = RoleId.from_owner(owner)
+            except ValueError:
+                role = None
+            if role is None or role.kind is not RoleKind.MATCH or role.cluster != message.cluster:
+                raise DeadLetter(f"recover: {owner!r} is no match master of {message.cluster}")
+        masters = message.routed_over or self.topology.cluster(self.cluster).match_masters
+        if self.index >= masters:
+            raise DeadLetter(f"recover: arc routed over {masters} masters, this is {self.index}")
+        return owners, masters, message.arc
+
     def _take_advertisements(self, message: Recover, types: set[str]) -> None:
         """(In a thread) the departed match masters' advertisements of the arc's types
         this master now holds, kept as its own."""
         arc = Arc(message.cluster, message.cluster, *message.arc)
-        masters = self.topology.cluster(self.cluster).match_masters
-        for i in range(message.masters):
-            owner = RoleId.match(message.cluster, i).owner
+        owners, masters, _ = self._restore_plan(message)
+        for owner in owners:
             for event_type, (version, doc) in live(self.store.load(owner, "advertisement")).items():
                 if event_type in types or (
                     arc.covers(event_type) and ring_id(event_type) % masters == self.index
@@ -2164,21 +2385,20 @@ class MatchMaster(_MatchBroker):
 
     def _read_departed(self, message: Recover) -> asyncio.Future[Restorable]:
         arc = Arc(message.cluster, message.cluster, *message.arc)
-        masters = self.topology.cluster(self.cluster).match_masters
-        owners = [RoleId.match(message.cluster, i).owner for i in range(message.masters)]
+        owners, masters, _ = self._restore_plan(message)
 
         async def read() -> Restorable:
             # 200 000 documents, no cycles: without the pause, full collections of the
             # growing heap (0.3-1.2 s each, eight of them) doubled the read (heap.py)
             with heap.paused():
                 return await asyncio.to_thread(
-                    _restorable, self.store, owners, arc, masters, self.index
+                    _restorable, self.store, list(owners), arc, masters, self.index
                 )
 
         return asyncio.ensure_future(read())
 
     def _forget_standby(self, cluster: str, reading: asyncio.Future[Restorable]) -> None:
-        if self.standby.get(cluster) is reading:
+        if self.standby.get(cluster, (None, None))[1] is reading:
             del self.standby[cluster]
             self.count("prepared_unused")
 
@@ -2220,7 +2440,7 @@ class MatchMaster(_MatchBroker):
         self.slave_heard(j)
         self.dispatch.reported(j, message.queue, message.service_rate, time.monotonic())
 
-    async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> None:
+    async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> int:
         """Send the subscriptions of the arc's event types to the joining cluster."""
         moving = self.registry.in_arc(Arc(joiner, self.cluster, *arc).covers)
         for sid, record in moving:
@@ -2243,9 +2463,13 @@ class MatchMaster(_MatchBroker):
             self.registry.remove(sid)
             await self.replicas.write(sid, None)
         self.count("handed_over", len(moving))
+        return len(moving)
 
     async def _on_handover(self, message: Handover) -> None:
-        await self._hand_over(message.cluster, message.arc)
+        moved = await self._hand_over(message.cluster, message.arc)
+        if message.reply_to and message.request:  # a router waits to retire this master
+            done = Recovered(request=message.request, broker=self.owner, restored=moved)
+            await self.send(self.cluster, message.reply_to, done, MAX_PRIORITY)
 
     async def _on_subscribe(self, message: Subscribe) -> None:
         record = _subscription_record(message)

@@ -26,7 +26,7 @@ from ..errors import DeadLetter
 from .messages import Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
 from .protocol import PhoenixTopology
 from .records import LatencyEntry, RecordError
-from .ring import ChordRing, ring_id
+from .ring import ChordRing, Handover, ring_id
 from .timeliness import LatencyMap
 
 __all__ = ["Forward", "KeptEvents", "RouterLogic", "ToMatch", "WriteEntry"]
@@ -76,6 +76,17 @@ class RouterLogic:
         self.latency = LatencyMap()
         self.new_id, self.keep_ids = new_id, keep_ids
         self._routed: OrderedDict[str, None] = OrderedDict()
+        #: arcs this router took over from departed clusters: departed -> (arc, P), the
+        #: arc's types routed to match master SHA-1 % P (the capacity plan's)
+        self.adopted: dict[str, tuple[Handover, int]] = {}
+
+    def masters_for(self, event_type: str) -> int:
+        """Over how many of this cluster's match masters ``event_type`` is routed: the
+        topology's, or a take-over's P for the types of an adopted arc."""
+        for arc, masters in self.adopted.values():
+            if arc.covers(event_type):
+                return masters
+        return self.topology.cluster(self.cluster).match_masters
 
     def load(self, table: Mapping[str, tuple[int, Mapping[str, Any]]]) -> list[str]:
         """The routing table read back (event type -> (version, document)); why any
@@ -125,9 +136,9 @@ class RouterLogic:
         et = message.event_type
         if self.ring.owner(et) != self.cluster:
             return Forward(self.ring.route(self.cluster, et)[1], message, message.priority)
-        masters = self.topology.cluster(self.cluster).match_masters
         # the routing table: SHA-1 of the event type over the cluster's match masters
-        return ToMatch(ring_id(et) % masters, message, message.priority)
+        # (over a take-over's P for an adopted arc's types)
+        return ToMatch(ring_id(et) % self.masters_for(et), message, message.priority)
 
     def relay(self, message: RoutedMessage) -> Forward | RoutedMessage:
         """A message on a detour: ``Forward`` to the next hop of its path, or the message

@@ -31,7 +31,7 @@ __all__ = [
     "ring_owner",
 ]
 
-KINDS = ("routing_table", "advertisement", "subscription", "ring")
+KINDS = ("routing_table", "advertisement", "subscription", "ring", "adopted")
 Document = dict[str, Any]
 
 

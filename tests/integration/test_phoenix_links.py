@@ -11,6 +11,7 @@ path to X and A's events go A -> Y -> X until the link heals, then directly agai
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.proxy import FaultProxy
-from middleware.routing import ChordRing
+from middleware.routing import ChordRing, ring_id
 from middleware.routing.client import PhoenixClient
 from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
@@ -49,9 +50,11 @@ class Links:
         cluster_fields: dict | None = None,
         names: str = "ABC",
         subscriber_at: str | None = None,
+        owner_masters: int = 1,
     ) -> None:
         """``names``: the clusters (A publishes); ``subscriber_at``: the subscriber's
-        home (default: the cluster that is neither A nor the owner X, the detour)."""
+        home (default: the cluster that is neither A nor the owner X, the detour);
+        ``owner_masters``: X's match masters (the type is routed to X's last one)."""
         try:
             management(settings, "GET", "/api/overview")
         except OSError:
@@ -70,7 +73,9 @@ class Links:
         ring = ChordRing(names)
         # a type A sends straight to its owner X; Y is the third cluster (the detour)
         self.event_type = next(
-            t for t in (f"links{i}" for i in range(1000)) if len(ring.route("A", t)) == 2
+            t
+            for t in (f"links{i}" for i in range(1000))
+            if len(ring.route("A", t)) == 2 and ring_id(t) % owner_masters == owner_masters - 1
         )
         self.x = ring.owner(self.event_type)
         if subscriber_at == "owner":
@@ -82,7 +87,14 @@ class Links:
         _, self.topology = write_topology(
             tmp_path,
             name,
-            {c: {"vhost": self.vhosts[c], **(cluster_fields or {})} for c in names},
+            {
+                c: {
+                    "vhost": self.vhosts[c],
+                    **(cluster_fields or {}),
+                    **({"match_masters": owner_masters} if c == self.x else {}),
+                }
+                for c in names
+            },
             fields,
         )
         path = tmp_path / "phoenix.toml"
@@ -97,6 +109,8 @@ class Links:
         env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
         self.deployment = PhoenixDeployment(path, tmp_path / "state", settings=settings, env=env)
         self.queue = f"{name}.sub"
+        #: the match broker that matched each event the subscriber got (its ``broker``)
+        self.matched_by: collections.Counter[str] = collections.Counter()
 
     def cluster(self, c: str):
         return self.settings.model_copy(update={"vhost": self.vhosts[c]})
@@ -176,7 +190,9 @@ class Links:
                             return
                         await asyncio.sleep(0.005)
                         continue
-                    arrivals.append((json.loads(d.body)["event"]["attributes"]["n"], time.time()))
+                    body = json.loads(d.body)
+                    arrivals.append((body["event"]["attributes"]["n"], time.time()))
+                    self.matched_by[str(body.get("broker"))] += 1
 
         counter = asyncio.create_task(count())
         applied: list[tuple[str, float, int]] = []
@@ -217,6 +233,7 @@ def links(settings, brokers, tmp_path: Path, name: str, request):
         param.get("clusters"),
         param.get("names", "ABC"),
         param.get("subscriber_at"),
+        param.get("owner_masters", 1),
     )
     try:
         world.deployment.up()
@@ -394,6 +411,57 @@ def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(l
     arrivals, published, _ = asyncio.run(links.stream(3.0, []))
     _check(arrivals, published)
     print(f"after {x} rejoined: {published} events, 0 lost, 0 duplicates")
+
+
+@pytest.mark.parametrize(
+    "links",
+    [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}, "owner_masters": 2}],
+    indirect=True,
+)
+def test_a_larger_departed_cluster_s_masters_are_added_at_its_successor_and_retired_after(
+    links,
+) -> None:
+    """The paper's capacity plan: X runs two match masters, its successor S one. When X
+    leaves, S's router adds a second match master and its slave ((1 + k)·(N - M) = 2
+    role processes, by the deployment's provisioner), maps X's master 1 to S's master 1
+    (matchBrokerMap), which restores exactly that master's subscriptions; the arc's
+    events go to it (SHA-1 % 2, as at X) and are delivered, none lost.  When X rejoins,
+    the added master hands its subscriptions back and the two processes are stopped:
+    the events after it are matched at X again, each once."""
+    x = links.x
+    successor = ChordRing(c for c in links.names if c != x).owner(links.event_type)
+    added = [RoleId.match(successor, 1), RoleId.match_slave(successor, 1, 0)]
+    links.remove(x)
+    arrivals, published, _ = asyncio.run(links.stream(6.0, []))
+    _check(arrivals, published)
+    # the subscriber's own counter: which broker matched what it got
+    assert set(links.matched_by) == {f"{successor}/match-1"}, links.matched_by
+    rows = {row.role: row for row in links.deployment.status()[0]}
+    assert all(rows[role].alive for role in added), rows.keys()
+    logs = links.logs()
+    assert f"added 2 match roles for {x}'s arc (2 masters, as it had)" in logs, logs[-3000:]
+    assert f"'{x}/match-1': '{successor}/match-1'" in logs, logs[-3000:]  # matchBrokerMap
+    restored = re.search(rf"{successor}/match-1: (\d+) subscriptions of {x} restored", logs)
+    assert restored and int(restored.group(1)) >= 1, logs[-3000:]
+    restored_0 = re.search(rf"{successor}/match-0: (\d+) subscriptions of {x} restored", logs)
+    assert restored_0 and int(restored_0.group(1)) == 0, logs[-3000:]  # not its share
+    print(
+        f"\nleave of {x} (2 match masters) to {successor} (1): 2 roles added, "
+        f"{published} events matched at {successor}/match-1, 0 lost, 0 duplicates"
+    )
+    links.restore_links(x)
+    links.deployment.join(x)
+    eventually(
+        lambda: f"match roles added for {x}'s arc retired" in links.router_log(successor),
+        f"{successor} retires the roles it added",
+        timeout=30,
+    )
+    assert not set(added) & set(links.deployment.pids())
+    links.matched_by.clear()
+    arrivals, published, _ = asyncio.run(links.stream(3.0, []))
+    _check(arrivals, published)
+    assert {b.split("/slave")[0] for b in links.matched_by} == {f"{x}/match-1"}, links.matched_by
+    print(f"after {x} rejoined: roles retired, {published} events matched at {x}, 0 lost")
 
 
 def test_events_already_inside_a_departed_cluster_are_routed_again_from_their_entry(
