@@ -75,6 +75,13 @@ def register(sub: Any) -> None:
         help="link: faults per kind and rate; leave: removals (a fresh deployment each)",
     )
     phoenix.add_argument(
+        "--departed-masters",
+        type=integer(1, 16),
+        default=1,
+        help="leave: the departed cluster's match masters (the others have 1; above 1 its "
+        "successor adds the difference: the paper's capacity plan)",
+    )
+    phoenix.add_argument(
         "--leave-after",
         type=number(0.1, 3600),
         help="leave: the topology's leave_after_s (default: the topology's, 3.0)",
@@ -511,6 +518,8 @@ def _run_phoenix_leave(args: argparse.Namespace) -> int:
         "rate",
         "departed",
         "successor",
+        "added_roles",
+        "provision_s",
         "detect_s",
         "restore_s",
         "restored",
@@ -536,6 +545,7 @@ def _run_phoenix_leave(args: argparse.Namespace) -> int:
         seconds=max(args.stream, 10.0),
         report=report,
         fields=fields,
+        departed_masters=args.departed_masters,
     )
     summary = summarize_leave(rows)
     print(

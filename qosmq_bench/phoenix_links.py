@@ -37,7 +37,7 @@ from typing import Any
 
 from middleware import runtime
 from middleware.localcluster import FaultProxy
-from middleware.routing import RoleId, SubscriptionRecord
+from middleware.routing import ChordRing, RoleId, SubscriptionRecord
 from middleware.settings import Settings
 
 from .phoenix_recovery import _drop, _log_lines_after, _Stream, _subscribe
@@ -71,11 +71,22 @@ class _World:
 
 @contextlib.contextmanager
 def _world(
-    settings: Settings, directory: Path, prefix: str, fields: Mapping[str, float] | None
+    settings: Settings,
+    directory: Path,
+    prefix: str,
+    fields: Mapping[str, float] | None,
+    owner_masters: int = 1,
 ) -> Iterator[_World]:
+    """``owner_masters``: the match masters of X (the others have one each)."""
     port = _proxied_port(settings.amqp_urls[0])
     proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
     try:
+        ring = ChordRing(CLUSTERS)
+        event_type = next(
+            t for t in (f"{prefix}-{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
+        )
+        x = ring.owner(event_type)
+        y = next(c for c in CLUSTERS if c not in ("A", x))
         deployment = Deployment(
             directory / prefix,
             prefix=prefix,
@@ -84,13 +95,8 @@ def _world(
             match_slaves=0,
             links={pair: proxy.url for pair, proxy in proxies.items()},
             fields=fields,
+            match_masters={x: owner_masters},
         )
-        ring = deployment.ring
-        event_type = next(
-            t for t in (f"{prefix}-{i}" for i in range(10_000)) if len(ring.route("A", t)) == 2
-        )
-        x = ring.owner(event_type)
-        y = next(c for c in CLUSTERS if c not in ("A", x))
         yield _World(deployment, proxies, event_type, x, y, f"{prefix}.sub")
     finally:
         for proxy in proxies.values():
@@ -267,6 +273,9 @@ def summarize_links(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------- cluster leave
 _TOOK_OVER = re.compile(r"took over the arc of (\S+): (\d+) subscriptions restored in ([\d.]+) s")
+_ADDED = re.compile(
+    r"added (\d+) match roles for \S+ arc \((\d+) masters, as it had\) in ([\d.]+) s"
+)
 
 
 def _leave_docs(
@@ -298,9 +307,10 @@ def _one_leave(
     subscriptions: int,
     seconds: float,
     fields: Mapping[str, float] | None,
+    departed_masters: int = 1,
 ) -> dict[str, Any]:
     prefix = f"bench-leave-{int(time.time())}-{run_index}"
-    with _world(settings, directory, prefix, fields) as world:
+    with _world(settings, directory, prefix, fields, departed_masters) as world:
         deployment, x, y, queue = world.deployment, world.x, world.y, world.queue
         ring = deployment.ring
         preloaded = deployment.preload(_leave_docs(ring, x, y, subscriptions, prefix))
@@ -322,6 +332,7 @@ def _one_leave(
             )
             left = _log_lines_after(phoenix, removed_at, f"{x} left the ring", None)
             took = _log_lines_after(phoenix, removed_at, f"took over the arc of {x}", None)
+            added = _log_lines_after(phoenix, removed_at, f"match roles for {x}'s arc", None)
             runtime.run(_drop(settings, queue))
     arrivals: dict[int, float] = {}
     for n, t in stream.got:
@@ -334,11 +345,16 @@ def _one_leave(
         if found:
             restored, restore_s = int(found.group(2)), float(found.group(3))
     first_after = min((arrivals[n] for n in after if n in arrivals), default=None)
+    grown = _ADDED.search(added[0][1]) if added else None
     return {
         "subscriptions": preloaded,
         "rate": rate,
         "departed": x,
         "successor": ring.successors(x, 1)[0],
+        "departed_masters": departed_masters,
+        # the capacity plan: match roles the successor added, and how long it took
+        "added_roles": int(grown.group(1)) if grown else 0,
+        "provision_s": float(grown.group(3)) if grown else None,
         "detect_s": round(left[0][0] - removed_at, 3) if left else None,
         "restore_s": restore_s,
         "restored": restored,
@@ -361,9 +377,12 @@ def run_leave(
     seconds: float = 10.0,
     report: Callable[[dict[str, Any]], None] | None = None,
     fields: Mapping[str, float] | None = None,
+    departed_masters: int = 1,
 ) -> list[dict[str, Any]]:
     """``runs`` removals of the cluster that owns the stream's type, each on a fresh
-    deployment holding ``subscriptions`` subscriptions in the departed cluster's arc."""
+    deployment holding ``subscriptions`` subscriptions in the departed cluster's arc;
+    ``departed_masters``: its match masters (the successor has one: above one, the
+    successor adds the difference, the paper's capacity plan)."""
     rows = []
     for i in range(runs):
         row = _one_leave(
@@ -374,6 +393,7 @@ def run_leave(
             subscriptions=subscriptions,
             seconds=seconds,
             fields=fields,
+            departed_masters=departed_masters,
         )
         rows.append(row)
         if report is not None:
@@ -385,6 +405,8 @@ def summarize_leave(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "runs": len(rows),
         "subscriptions": rows[0]["subscriptions"] if rows else 0,
+        "departed_masters": rows[0].get("departed_masters", 1) if rows else 1,
+        "provision_p50_s": row_percentile(rows, "provision_s", 50),
         "detect_p50_s": row_percentile(rows, "detect_s", 50),
         "restore_p50_s": row_percentile(rows, "restore_s", 50),
         "function_p50_s": row_percentile(rows, "function_s", 50),

@@ -170,8 +170,10 @@ class Deployment:
         inbox_mirrors: int = 0,
         fields: Mapping[str, float] | None = None,
         links: Mapping[tuple[str, str], str] | None = None,
+        match_masters: Mapping[str, int] | None = None,
     ) -> None:
         self.directory, self.prefix = directory, prefix
+        self.match_masters = dict(match_masters or {})  # cluster -> masters (default 1)
         self.links = dict(links or {})  # (from, to) -> the URL that link takes
         self.inbox_mirrors = inbox_mirrors  # nodes per role queue (topology field)
         self.fields = dict(fields or {})  # more top-level topology fields (heartbeats)
@@ -194,6 +196,7 @@ class Deployment:
             + "".join(
                 f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
                 f"match_slaves = {self.match_slaves}\n"
+                f"match_masters = {self.match_masters.get(c, 1)}\n"
                 for c in self.clusters
             )
             + "".join(

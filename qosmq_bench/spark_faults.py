@@ -74,6 +74,13 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
         default=200_000,
         help="leave: subscriptions in the departed cluster's arc",
     )
+    p.add_argument(
+        "--departed-masters",
+        type=integer(1, 16),
+        default=1,
+        help="leave: the departed cluster's match masters (its successor has 1 and adds "
+        "the difference)",
+    )
     p.add_argument("--stream", type=number(3, 3600), default=6.0, help="seconds per run")
     p.add_argument(
         "--out", type=path, default=Path("results"), help="parent folder of the run's folder"
@@ -154,6 +161,7 @@ def _run_on_executor(
                     rate=rate,
                     subscriptions=options["subscriptions"],
                     seconds=max(options["stream"], 10.0),
+                    departed_masters=options.get("departed_masters", 1),
                 )
     except Exception as exc:
         return {"rows": [], **failure(exc)}
@@ -174,6 +182,7 @@ def run(args: argparse.Namespace) -> Path:
     options = {
         "stream": args.stream,
         "subscriptions": args.subscriptions,
+        "departed_masters": args.departed_masters,
         "work_dir": str(args.work_dir) if args.work_dir else None,
     }
 

@@ -1505,6 +1505,10 @@ class RouterMaster(_Role):
         for refused in self.logic.load(table):
             log.warning("%s: routing-table entry left out: %s", self.id, refused)
         await self._apply_ring_changes()
+        if self.topology.most_match_masters > self._spec.match_masters:
+            # a take-over of a larger cluster's arc adds match roles: warm now, so that
+            # starting them is a fork (zygote.py), not an interpreter start, in the leave
+            asyncio.get_running_loop().call_later(WARM_AFTER_PROMOTION_S, self._warm)
 
     async def _apply_ring_changes(self) -> None:
         """The leaves and joins the routers recorded since the topology was written (a
@@ -1720,6 +1724,7 @@ class RouterMaster(_Role):
                 for kind in ("subscription", "advertisement"):
                     self.store.snapshot(role.owner, kind, {})
 
+        began = time.monotonic()
         try:
             await asyncio.to_thread(wipe)
             started = await asyncio.wait_for(
@@ -1745,11 +1750,12 @@ class RouterMaster(_Role):
             )
         self.count("match_roles_added", len(fresh))
         log.warning(
-            "%s: added %d match roles for %s's arc (%d masters, as it had): %s",
+            "%s: added %d match roles for %s's arc (%d masters, as it had) in %.3f s: %s",
             self.id,
             len(fresh),
             plan.departed,
             plan.masters,
+            time.monotonic() - began,
             started,
         )
         return plan

@@ -228,8 +228,8 @@ def management(settings: Settings, method: str, path: str, body: dict | None = N
         headers={"content-type": "application/json"},
     )
     request.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+    try:  # creating a vhost waits for it to start on every node: 10 s was seen to pass
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code

@@ -415,7 +415,13 @@ def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(l
 
 @pytest.mark.parametrize(
     "links",
-    [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}, "owner_masters": 2}],
+    [
+        {
+            "fields": {"leave_after_s": 1.5},
+            "clusters": {"match_slaves": 1, "routing_slaves": 1},
+            "owner_masters": 2,
+        }
+    ],
     indirect=True,
 )
 def test_a_larger_departed_cluster_s_masters_are_added_at_its_successor_and_retired_after(
@@ -425,7 +431,9 @@ def test_a_larger_departed_cluster_s_masters_are_added_at_its_successor_and_reti
     leaves, S's router adds a second match master and its slave ((1 + k)·(N - M) = 2
     role processes, by the deployment's provisioner), maps X's master 1 to S's master 1
     (matchBrokerMap), which restores exactly that master's subscriptions; the arc's
-    events go to it (SHA-1 % 2, as at X) and are delivered, none lost.  When X rejoins,
+    events go to it (SHA-1 % 2, as at X) and are delivered, none lost.  S's routing
+    master is then SIGKILLed: its promoted slave reads the plan back (persisted) and
+    routes the arc the same.  When X rejoins,
     the added master hands its subscriptions back and the two processes are stopped:
     the events after it are matched at X again, each once."""
     x = links.x
@@ -449,10 +457,18 @@ def test_a_larger_departed_cluster_s_masters_are_added_at_its_successor_and_reti
         f"\nleave of {x} (2 match masters) to {successor} (1): 2 roles added, "
         f"{published} events matched at {successor}/match-1, 0 lost, 0 duplicates"
     )
+    links.deployment.kill(RoleId.router(successor))
+    links.matched_by.clear()
+    arrivals, published, _ = asyncio.run(links.stream(4.0, []))
+    _check(arrivals, published)
+    assert set(links.matched_by) == {f"{successor}/match-1"}, links.matched_by
+    logs = links.logs()
+    assert f"routes {x}'s arc over 2 match masters (recorded take-over)" in logs, logs[-3000:]
+    print(f"{successor}'s router killed: its slave routes the arc the same, {published} events")
     links.restore_links(x)
     links.deployment.join(x)
     eventually(
-        lambda: f"match roles added for {x}'s arc retired" in links.router_log(successor),
+        lambda: f"match roles added for {x}'s arc retired" in links.logs(),
         f"{successor} retires the roles it added",
         timeout=30,
     )
