@@ -1974,17 +1974,15 @@ class RouterMaster(_Role):
         request = uuid.uuid4().hex
         for i in range(masters):
             master = RoleId.match(self.cluster, i)
-            if master in retiring:  # behind what was routed to it before (priority 0)
-                give = Handover(
-                    cluster=cluster,
-                    arc=(handover.start, handover.end),
-                    request=request,
-                    reply_to=self.connections.process_queue,
+            give = Handover(cluster=cluster, arc=(handover.start, handover.end))
+            if master in retiring:  # it answers once handed over: then it is stopped
+                give = give.model_copy(
+                    update={"request": request, "reply_to": self.connections.process_queue}
                 )
-                await self.send(self.cluster, self.inbox_of(master), give, 0)
-            else:
-                give = Handover(cluster=cluster, arc=(handover.start, handover.end))
-                await self.send(self.cluster, self.inbox_of(master), give, MAX_PRIORITY)
+            # priority 0: behind the arc's events routed here before the join (matched
+            # here with the subscriptions still held); none come after it (this router
+            # forwards the arc to the joiner from now on)
+            await self.send(self.cluster, self.inbox_of(master), give, 0)
         if retiring:
             task = asyncio.create_task(self._retire_added(cluster, retiring, request))
             self._tasks.add(task)
