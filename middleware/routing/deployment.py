@@ -218,14 +218,7 @@ class PhoenixDeployment:
         with self._locked():  # from now on no role process starts a replacement
             self._stopping.touch()
             pids = self.pids()
-        for pid in pids.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        if not _wait_dead(pids.values(), timeout):
-            for pid in pids.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            _wait_dead(pids.values(), 5.0)
+        _terminate(pids.values(), timeout)
         self.state_file.unlink(missing_ok=True)
         for slot in pids:
             self._held(slot).unlink(missing_ok=True)
@@ -300,14 +293,7 @@ class PhoenixDeployment:
             gone = {role: pid for role, pid in pids.items() if role in roles}
             for role in gone:
                 self._held(role).touch()  # not replaced meanwhile by a master that hears
-        for pid in gone.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        if not _wait_dead(gone.values(), timeout):
-            for pid in gone.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            _wait_dead(gone.values(), 5.0)
+        _terminate(gone.values(), timeout)
         with self._locked():
             pids = {r: p for r, p in self.pids().items() if r not in gone}
             self._save(pids)
@@ -620,6 +606,20 @@ def _role_argv(role: RoleId) -> list[str]:
     if role.is_slave:
         argv += ["--role", "slave", "--slave", str(role.slave)]
     return argv
+
+
+def _terminate(pids: Iterable[int], timeout: float) -> None:
+    """SIGTERM each process (a role stops consuming and closes), SIGKILL what is left
+    after ``timeout``."""
+    pids = list(pids)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    if not _wait_dead(pids, timeout):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_dead(pids, 5.0)
 
 
 def _wait_dead(pids: Iterable[int], timeout: float) -> bool:
