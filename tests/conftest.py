@@ -78,7 +78,9 @@ def brokers() -> Iterator[Brokers]:
     env_urls = os.environ.get("QOSMQ_AMQP_URLS")
     if env_urls:
         urls = tuple(Settings.load(amqp_urls=env_urls).amqp_urls)
-        yield Brokers(urls, None, "QOSMQ_AMQP_URLS")
+        given = Brokers(urls, None, "QOSMQ_AMQP_URLS")
+        yield given
+        _delete_leftover_queues(given)
         return
     if _docker_answers():
         from testcontainers.rabbitmq import RabbitMqContainer
@@ -153,13 +155,12 @@ def _new_name() -> str:
     return _NAMES[-1]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _leftover_queues(brokers: Brokers) -> Iterator[None]:
+def _delete_leftover_queues(brokers: Brokers) -> None:
     """On brokers the tests did not start (``QOSMQ_AMQP_URLS``), delete at the end the
     queues named after this session's test names: thousands of idle queues left behind
     by earlier runs slow the brokers (and every benchmark run on them).  Needs the
-    management API to list them; without it they stay."""
-    yield
+    management API to list them; without it they stay.  (Called by ``brokers`` when it
+    ends, so a session of tests that need no broker starts none.)"""
     if brokers.cluster is not None or not _NAMES:
         return
     settings = broker_settings(brokers)

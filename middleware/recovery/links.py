@@ -22,7 +22,8 @@ Rules:
   driver floods again after a while;
 - a healed direct link drops the detour: traffic goes back to it;
 - a destination no flood reached for ``leave_after_s`` has left (:meth:`gone`); once
-  the ring dropped it, :meth:`forget` clears every trace of it.
+  the ring dropped it, :meth:`forget` clears every trace of it, and a send to it that
+  fails afterwards (it was under way) leaves none.
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ class LinkTable:
 
     # ------------------------------------------------------------------ events
     def failed(self, hop: str, dest: str, now: float) -> list[Started]:
-        """A send to ``hop`` (on the way to ``dest``) was not confirmed."""
+        """A send to ``hop`` (on the way to ``dest``) was not confirmed.  A send that
+        was under way when ``hop`` left the ring fails after :meth:`forget`: nothing to
+        do then (marking it down again would find it gone anew, even after it rejoins)."""
+        if hop not in self.ring.clusters:
+            return []
         started: list[Started] = []
         if hop not in self.down:
             self.down[hop] = now
@@ -93,7 +98,7 @@ class LinkTable:
 
     def again(self, dest: str) -> list[Started]:
         """Flood for ``dest`` again (no way was found, or the last flood timed out)."""
-        if dest not in self.down or dest in self.detours:
+        if dest not in self.down or dest in self.detours or dest not in self.ring.clusters:
             return []
         return self._flood(dest)
 

@@ -165,15 +165,20 @@ class AsyncClient:
         self._closing = False
         self._watch_loop_end()
         errors: dict[str, str] = {}
-        for _ in self._rotation.nodes:
-            node = self._rotation.take()
-            try:
-                await self._open(node)
-                return self
-            except AccessRefused:
-                raise
-            except MiddlewareError as exc:
-                errors[str(node)] = str(exc)
+        try:
+            for _ in self._rotation.nodes:
+                node = self._rotation.take()
+                try:
+                    await self._open(node)
+                    return self
+                except AccessRefused:
+                    raise
+                except MiddlewareError as exc:
+                    errors[str(node)] = str(exc)
+        except BaseException:  # refused, or cancelled (a caller's timeout)
+            self._stop_loop_watch()
+            raise
+        self._stop_loop_watch()
         raise BrokerUnreachable(
             "no node of the cluster accepted a connection: "
             + "; ".join(f"{n}: {e}" for n, e in errors.items())
@@ -645,6 +650,16 @@ class AsyncClient:
         self._ready.set()
         log.debug("connected to %s", node)
 
+    def _stop_loop_watch(self) -> None:
+        """After a failed or cancelled ``connect``: the caller may drop the client, and a
+        watch left pending would be collected with it ("Task was destroyed but it is
+        pending!", seen when a link's connect outlived its caller's timeout)."""
+        if self._reconnect_task is not None and not self._reconnect_task.done():
+            return  # reconnecting in the background: it watches on
+        watch, self._loop_watch = self._loop_watch, None
+        if watch is not None:
+            watch.cancel()
+
     def _watch_loop_end(self) -> None:
         """Start a task that only waits, so that the end of the event loop shows.
 
@@ -660,6 +675,8 @@ class AsyncClient:
         try:
             await asyncio.get_running_loop().create_future()
         except asyncio.CancelledError:
+            if asyncio.current_task() is not self._loop_watch:
+                raise  # stopped by _stop_loop_watch: a connect that failed, nothing to close
             if not self._closing:
                 log.debug("event loop ending with the client open: closing it, not failing over")
                 self._closing = True

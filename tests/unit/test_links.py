@@ -165,3 +165,23 @@ def test_a_cluster_no_flood_reaches_is_gone_after_leave_after_s_and_then_forgott
     assert gone not in table.down and gone not in table.unreachable
     assert other not in table.detours and gone not in table.node.reachable
     assert table.gone(now=99.0, after_s=3.0) == []
+
+
+def test_a_send_under_way_when_its_cluster_left_leaves_no_trace_after_it_rejoins() -> None:
+    """A forward to X was under way when X left the ring (its failure comes after
+    ``forget``): it must not mark X down again, or X would be found gone anew the moment
+    it rejoins (seen for real: a router took a rejoined cluster for departed 0.1 s
+    after the join)."""
+    world = World(5, 3)
+    origin = "c0"
+    x = world.ring.successors(origin, 1)[0]
+    table = world.tables[origin]
+    world.ring.leave(x)
+    table.forget(x)
+    assert table.failed(x, x, now=20.0) == []  # the late failure of the send under way
+    assert table.again(x) == []
+    assert x not in table.down and not table.flooding(x)
+    world.ring.join(x)
+    table.joined(x)
+    assert table.path(x) == (x,)  # back on the direct link
+    assert table.gone(now=99.0, after_s=1.5) == []
