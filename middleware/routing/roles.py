@@ -2073,9 +2073,10 @@ class _MatchBroker(_Role):
         self._matched: dict[str, list[str]] = {}
         self._receipts: set[asyncio.Future[None]] = set()
 
-    def index_type(self, event_type: str) -> None:
-        """Index the restored subscriptions of one type (match masters restore them)."""
-        for refused in self.registry.index_type(event_type):
+    def index_type(self, event_type: str, limit: int | None = None) -> None:
+        """Index the restored subscriptions of one type (match masters restore them),
+        at most ``limit`` of them (None: all)."""
+        for refused in self.registry.index_some(event_type, limit):
             log.warning("%s: restored subscription left out: %s", self.name, refused)
             self.count("refused")
 
@@ -2284,6 +2285,7 @@ class MatchMaster(_MatchBroker):
     itself included."""
 
     STANDBY_S = 60.0  # how long subscriptions read ahead for a suspected leave are kept
+    INDEX_STEP = 256  # restored subscriptions indexed per event-loop turn in the background
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -2413,8 +2415,8 @@ class MatchMaster(_MatchBroker):
         between the leave and the arc served again (heap.py)."""
         started = time.monotonic()
         with heap.paused():
-            while self.registry.unindexed:
-                self.index_type(next(iter(self.registry.unindexed)))
+            while self.registry.unindexed:  # small steps: the arc's events go between
+                self.index_type(next(iter(self.registry.unindexed)), self.INDEX_STEP)
                 await asyncio.sleep(0)
             if self.settings.gc_freeze:
                 heap.freeze(f"{self.name} after restoring")

@@ -97,11 +97,22 @@ def test_restored_records_are_indexed_when_their_first_event_comes() -> None:
     assert sorted(registry.unindexed) == []
 
 
+def test_a_background_indexer_s_small_steps_leave_the_rest_to_match() -> None:
+    registry = Registry("B")
+    docs = {f"r{i}": _record(queue=f"q{i}").to_document() for i in range(5)}
+    registry.restore({"quotes": docs})
+    assert registry.index_some("quotes", 2) == []
+    assert len(registry.unindexed["quotes"]) == 3  # the rest wait
+    assert registry.match("quotes", {"price": 1}) == set(docs)  # match indexes them
+    assert registry.unindexed == {}
+    assert registry.index_some("quotes", 2) == []  # nothing left: nothing done
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["add", "remove", "restore", "index"]),
+            st.sampled_from(["add", "remove", "restore", "index", "index_some"]),
             st.integers(0, 5),
             st.sampled_from(["a", "b"]),
         ),
@@ -109,8 +120,9 @@ def test_restored_records_are_indexed_when_their_first_event_comes() -> None:
     )
 )
 def test_whatever_the_order_matches_are_exactly_the_held_records(ops: list) -> None:
-    """Adds, removes, restores and lazy indexing in any order: an event matches exactly
-    the records held for its type, each once."""
+    """Adds, removes, restores and lazy indexing (whole types or a few records at a
+    time) in any order: an event matches exactly the records held for its type, each
+    once."""
     registry = Registry("B")
     held: dict[str, str] = {}  # sid -> event type, the reference
     for op, n, event_type in ops:
@@ -125,6 +137,8 @@ def test_whatever_the_order_matches_are_exactly_the_held_records(ops: list) -> N
             found, _ = registry.restore({event_type: {sid: _record(event_type).to_document()}})
             if found:
                 held[sid] = event_type
+        elif op == "index_some":  # a background indexer's small step: n of them
+            registry.index_some(event_type, n)
         else:
             registry.index_type(event_type)
     for event_type in ("a", "b"):
