@@ -295,11 +295,12 @@ class PhoenixDeployment:
                 self._held(role).touch()  # not replaced meanwhile by a master that hears
         _terminate(gone.values(), timeout)
         with self._locked():
-            pids = {r: p for r, p in self.pids().items() if r not in gone}
+            pids = _after_retire(self.pids(), gone)
             self._save(pids)
             for role in gone:
-                self._held(role).unlink(missing_ok=True)
-                self.status_file(role).unlink(missing_ok=True)
+                if role not in pids:
+                    self._held(role).unlink(missing_ok=True)
+                    self.status_file(role).unlink(missing_ok=True)
         return sorted(gone.values())
 
     def replace(self, role: RoleId) -> tuple[RoleId, int] | None:
@@ -606,6 +607,14 @@ def _role_argv(role: RoleId) -> list[str]:
     if role.is_slave:
         argv += ["--role", "slave", "--slave", str(role.slave)]
     return argv
+
+
+def _after_retire(now: Mapping[RoleId, int], stopped: Mapping[RoleId, int]) -> dict[RoleId, int]:
+    """The slots left once ``stopped`` (role -> the PID ``retire`` stopped) are gone: a
+    slot whose process was replaced meanwhile (an ``add`` for the same role: its cluster
+    left again right after it rejoined) keeps its new process, which ``status`` and
+    ``down`` must go on seeing."""
+    return {role: pid for role, pid in now.items() if stopped.get(role) != pid}
 
 
 def _terminate(pids: Iterable[int], timeout: float) -> None:

@@ -2002,6 +2002,11 @@ class RouterMaster(_Role):
             return  # left running: nothing of theirs is lost
         finally:
             self._recoveries.pop(request, None)
+        if cluster in self._recovering or cluster in self.logic.adopted:
+            log.warning("%s: %s left again before its added roles were retired", self.id, cluster)
+            return  # taken over anew: the take-over serves from them again
+        needed = self._running_masters()  # other adoptions may need some of them
+        masters = [m for m in masters if m.index >= needed]
         roles = [r for m in masters for r in (m, *m.slaves(self._spec))]
         if self.provisioner is None:  # a router started by hand: they stay
             log.warning("%s: no provisioner: %s go on running", self.id, roles)

@@ -138,3 +138,19 @@ def test_a_plan_for_nothing_is_refused() -> None:
         plan_takeover(
             topology(1, 1), "X", "S", departed_masters=0, departed_plain=True, can_add=True
         )
+
+
+def test_retiring_added_roles_keeps_a_slot_an_add_refilled_meanwhile() -> None:
+    """Retire stops the processes it saw; if its cluster left again right after it
+    rejoined, an ``add`` may have started a new process for the same role meanwhile:
+    that slot stays in the state file, so ``status`` and ``down`` still see it (the
+    first fresh-clone run of this session left such a process running unseen)."""
+    from middleware.routing.deployment import _after_retire
+
+    master, slave, other = (
+        RoleId.match("S", 1),
+        RoleId.match_slave("S", 1, 0),
+        RoleId.router("S"),
+    )
+    now = {master: 200, slave: 101, other: 50}  # the master's slot was refilled
+    assert _after_retire(now, {master: 100, slave: 101}) == {master: 200, other: 50}
