@@ -18,6 +18,7 @@ from middleware.errors import InvalidArgument
 from middleware.settings import Settings
 
 from .confirms import MODES, CellSpec, receipt_share, run_cell_sync
+from .options import add_departed_masters
 from .stats import whole
 
 __all__ = ["format_table", "register", "run_confirms_grid"]
@@ -74,13 +75,7 @@ def register(sub: Any) -> None:
         default=5,
         help="link: faults per kind and rate; leave: removals (a fresh deployment each)",
     )
-    phoenix.add_argument(
-        "--departed-masters",
-        type=integer(1, 16),
-        default=1,
-        help="leave: the departed cluster's match masters (the others have 1; above 1 its "
-        "successor adds the difference: the paper's capacity plan)",
-    )
+    add_departed_masters(phoenix)
     phoenix.add_argument(
         "--leave-after",
         type=number(0.1, 3600),

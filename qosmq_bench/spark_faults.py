@@ -35,6 +35,7 @@ from middleware.cliargs import Parser, integer, names, number, path
 from middleware.settings import Settings
 
 from . import spark_common
+from .options import add_departed_masters
 from .spark_common import drive, failure, new_result_dir, provenance, session, write_csv
 
 __all__ = ["TARGETS_S", "aggregate", "arguments", "execute", "main"]
@@ -74,13 +75,7 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
         default=200_000,
         help="leave: subscriptions in the departed cluster's arc",
     )
-    p.add_argument(
-        "--departed-masters",
-        type=integer(1, 16),
-        default=1,
-        help="leave: the departed cluster's match masters (its successor has 1 and adds "
-        "the difference)",
-    )
+    add_departed_masters(p)
     p.add_argument("--stream", type=number(3, 3600), default=6.0, help="seconds per run")
     p.add_argument(
         "--out", type=path, default=Path("results"), help="parent folder of the run's folder"

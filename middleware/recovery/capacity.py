@@ -27,13 +27,14 @@ persists the plan (state kind ``adopted``) and sends the RECOVER messages it nam
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..routing.ids import RoleId
 from ..routing.protocol import PhoenixTopology
 
-__all__ = ["CapacityPlan", "Restore", "plan_takeover", "running_masters"]
+__all__ = ["Adoption", "CapacityPlan", "Restore", "plan_takeover", "running_masters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,39 @@ class Restore:
 
     master: RoleId
     owners: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Adoption:
+    """A take-over in force, as the router persists it (state kind ``adopted``, key: the
+    departed cluster): who took the arc, over how many masters it routes it, the arc."""
+
+    by: str
+    masters: int
+    departed_masters: int
+    arc: tuple[int, int]
+
+    def to_document(self) -> dict[str, object]:
+        return {
+            "by": self.by,
+            "masters": self.masters,
+            "departed_masters": self.departed_masters,
+            "arc": [str(self.arc[0]), str(self.arc[1])],  # 160-bit: as text, for every store
+        }
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Adoption:
+        """The record read back; ``ValueError`` naming what is wrong with it."""
+        try:
+            start, end = (int(x) for x in doc["arc"])
+            adoption = cls(
+                str(doc["by"]), int(doc["masters"]), int(doc["departed_masters"]), (start, end)
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"take-over record {dict(doc)!r}: {exc!r}") from None
+        if adoption.masters < 1:
+            raise ValueError(f"take-over record {dict(doc)!r}: no masters")
+        return adoption
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +99,8 @@ class CapacityPlan:
         return tuple(r for r in self.added if not r.is_slave)
 
     def to_document(self, arc: tuple[int, int]) -> dict[str, object]:
-        """What the router persists (state kind ``adopted``, key: the departed cluster)."""
-        return {
-            "by": self.successor,
-            "masters": self.masters,
-            "departed_masters": self.departed_masters,
-            "arc": [str(arc[0]), str(arc[1])],  # 160-bit: as text, for every store
-        }
+        """What the router persists (an :class:`Adoption` of ``arc``)."""
+        return Adoption(self.successor, self.masters, self.departed_masters, arc).to_document()
 
 
 def running_masters(topology: PhoenixTopology, cluster: str, adopted: Iterable[int]) -> int:

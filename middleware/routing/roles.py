@@ -56,7 +56,7 @@ from .. import heap
 from ..confirms.aio import AsyncConfirmPublisher
 from ..errors import DeadLetter, MiddlewareError, RetryableError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
-from ..recovery.capacity import CapacityPlan, plan_takeover, running_masters
+from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
 from ..recovery.fencing import Reign, Trust, Verdict
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
@@ -1530,21 +1530,16 @@ class RouterMaster(_Role):
                 log.info(
                     "%s: %s joined the ring before this router started (recorded)", self.id, cluster
                 )
-        for cluster, doc in (await asyncio.to_thread(self._adoptions)).items():
-            if doc.get("by") != self.cluster or cluster in self.ring.clusters:
+        for cluster, adoption in (await asyncio.to_thread(self._adoptions)).items():
+            if adoption.by != self.cluster or cluster in self.ring.clusters:
                 continue
-            try:
-                start, end = (int(x) for x in doc["arc"])
-                masters = int(doc["masters"])
-            except (KeyError, TypeError, ValueError):
-                log.warning("%s: take-over record of %s left out: %r", self.id, cluster, doc)
-                continue
-            self.logic.adopted[cluster] = (Arc(cluster, self.cluster, start, end), masters)
+            arc = Arc(cluster, self.cluster, *adoption.arc)
+            self.logic.adopted[cluster] = (arc, adoption.masters)
             log.info(
                 "%s: routes %s's arc over %d match masters (recorded take-over)",
                 self.id,
                 cluster,
-                masters,
+                adoption.masters,
             )
 
     def _record_ring_change(self, cluster: str, state: str) -> None:
@@ -1559,7 +1554,11 @@ class RouterMaster(_Role):
             document,
             time.time_ns(),
         )
-        task = asyncio.ensure_future(write)
+        self._background(write)
+
+    def _background(self, work: Awaitable[Any]) -> None:
+        """Run ``work`` beside serving, held until it ends (stores, recoveries, retires)."""
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -1642,9 +1641,7 @@ class RouterMaster(_Role):
                 except Exception as exc:  # one that cannot go is said, the others go on
                     log.warning("%s: event %s not routed again: %s", self.id, message.id, exc)
 
-        task = asyncio.create_task(route_again())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background(route_again())
 
     async def _relay(self, message: RoutedMessage) -> None:
         step = self.logic.relay(message)
@@ -1686,20 +1683,23 @@ class RouterMaster(_Role):
             roles += [master, *master.slaves(self._spec)]
         return roles
 
-    def _adoptions(self) -> dict[str, dict[str, Any]]:
-        """(In a thread) every router's take-over plans still in force: departed -> doc."""
+    def _adoptions(self) -> dict[str, Adoption]:
+        """(In a thread) every router's take-overs still in force, by departed cluster
+        (a record no version wrote is logged and left out)."""
         recorded = self.store.load(ring_owner(self.topology.prefix), "adopted")
-        return {cluster: doc for cluster, (_, doc) in live(recorded).items()}
+        adoptions = {}
+        for cluster, (_, doc) in live(recorded).items():
+            try:
+                adoptions[cluster] = Adoption.from_document(doc)
+            except ValueError as exc:
+                log.warning("%s: %s left out", self.id, exc)
+        return adoptions
 
     async def _plan(self, cluster: str, successor: str) -> CapacityPlan:
         """The capacity plan for ``successor`` taking over ``cluster``'s arc: N is what
         ``cluster`` ran (its topology's masters, or more while it held adopted arcs)."""
         adoptions = await asyncio.to_thread(self._adoptions)
-        held = [
-            int(doc.get("masters", 0))
-            for doc in adoptions.values()
-            if doc.get("by") == cluster and isinstance(doc.get("masters"), int)
-        ]
+        held = [a.masters for a in adoptions.values() if a.by == cluster]
         return plan_takeover(
             self.topology,
             cluster,
@@ -1772,9 +1772,7 @@ class RouterMaster(_Role):
             write = asyncio.to_thread(
                 self.store.save, owner, "adopted", cluster, document, time.time_ns()
             )
-        task = asyncio.ensure_future(write)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background(write)
 
     async def _announce_leave(self, cluster: str) -> None:
         """No flood reached ``cluster`` for ``leave_after_s``: tell every other routing
@@ -1842,9 +1840,7 @@ class RouterMaster(_Role):
         if successor == self.cluster:  # before anything awaits: the arc's events wait
             restored = asyncio.Event()
             self._recovering[cluster] = (arc, restored)
-            task = asyncio.create_task(self._recover(cluster, arc, restored))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._recover(cluster, arc, restored))
         self.detours.left(cluster)
         self._route_kept(cluster)
         self.count("leaves")
@@ -1926,9 +1922,7 @@ class RouterMaster(_Role):
                 entries = {}
             restored.set()
             if entries:  # persisted and replicated as this router's own, after
-                task = asyncio.create_task(self._write_entries(entries))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._background(self._write_entries(entries))
         took = time.monotonic() - started
         LEAVE_S.labels(self.cluster).observe(took)
         self.count("leaves_recovered")
@@ -1984,9 +1978,7 @@ class RouterMaster(_Role):
             # forwards the arc to the joiner from now on)
             await self.send(self.cluster, self.inbox_of(master), give, 0)
         if retiring:
-            task = asyncio.create_task(self._retire_added(cluster, retiring, request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._retire_added(cluster, retiring, request))
 
     async def _retire_added(self, cluster: str, masters: list[RoleId], request: str) -> None:
         """Once the masters a take-over added handed ``cluster``'s arc back, stop them

@@ -154,3 +154,16 @@ def test_retiring_added_roles_keeps_a_slot_an_add_refilled_meanwhile() -> None:
     )
     now = {master: 200, slave: 101, other: 50}  # the master's slot was refilled
     assert _after_retire(now, {master: 100, slave: 101}) == {master: 200, other: 50}
+
+
+def test_a_take_over_record_reads_back_and_a_broken_one_is_named() -> None:
+    from middleware.recovery.capacity import Adoption
+
+    plan = plan_takeover(
+        topology(2, 1), "X", "S", departed_masters=2, departed_plain=True, can_add=True
+    )
+    big = 2**159 + 1
+    assert Adoption.from_document(plan.to_document((big, 5))) == Adoption("S", 2, 2, (big, 5))
+    for broken in ({"by": "S"}, {**plan.to_document((1, 2)), "arc": ["x", "2"]}):
+        with pytest.raises(ValueError, match="take-over record"):
+            Adoption.from_document(broken)
