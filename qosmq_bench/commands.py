@@ -168,6 +168,32 @@ def register(sub: Any) -> None:
     queues.add_argument("--window", type=integer(1, 65_536), default=256)
     queues.add_argument("--json", type=path)
     queues.set_defaults(run=_run_queues)
+    loss = cmds.add_parser(
+        "node-loss",
+        help="confirm modes through a SIGKILLed RabbitMQ node (needs the local cluster)",
+    )
+    from .node_loss import SCENARIOS
+
+    loss.add_argument(
+        "--scenarios",
+        type=names(SCENARIOS),
+        default=",".join(SCENARIOS),
+        help="publisher-node: clients and queue leaders on the killed node; leader-node: "
+        "the leaders' node killed, clients elsewhere; two-nodes: the publisher node, then "
+        "the node the clients failed over to (default: all)",
+    )
+    loss.add_argument(
+        "--rate", type=number(0, 1e5, above=True), default=30.0, help="publishes/s per workload"
+    )
+    loss.add_argument(
+        "--down",
+        type=number(0, 3600, above=True),
+        default=30.0,
+        help="seconds each node stays down",
+    )
+    loss.add_argument("--state-dir", type=path, default=Path(".qosmq"), help="the local cluster")
+    loss.add_argument("--json", type=path)
+    loss.set_defaults(run=_run_node_loss)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
     job = jobs.add_parser("confirms", help="confirm modes x queue counts, with a report")
@@ -756,6 +782,51 @@ def _run_queues(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _run_node_loss(args: argparse.Namespace) -> int:
+    from middleware.localcluster import LocalCluster
+
+    from .node_loss import run_node_loss
+
+    cluster = LocalCluster.open(args.state_dir)
+    settings = args.settings.model_copy(update={"amqp_urls": tuple(cluster.status()["amqp_urls"])})
+    rows: list[dict[str, Any]] = []
+    for scenario in args.scenarios.split(","):
+        rows += runtime.run(
+            run_node_loss(
+                cluster,
+                settings,
+                scenario=scenario,
+                rate=args.rate,
+                down_s=args.down,
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+            ),
+            event_loop=args.settings.event_loop,
+        )
+    print(format_node_loss(rows))
+    if args.json:
+        for r in rows:
+            r.update(_provenance(args.settings))
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def format_node_loss(rows: list[dict[str, Any]]) -> str:
+    """The node-loss rows as a Markdown table."""
+    head = (
+        "| scenario | workload | phase | published | confirmed | first confirm s | "
+        "longest gap s | p50 s | p99 s | max s | errors | lost | dups |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
+        cells = [r["scenario"], r["workload"], r["phase"], r["published"], r["confirmed"]]
+        cells += [r.get("first_confirm_s", "-"), r.get("longest_gap_s", "-")]
+        cells += [r["p50_s"], r["p99_s"], r["max_s"], errors]
+        cells += [r.get("lost", ""), r.get("duplicates", "")]
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def _run_transport(args: argparse.Namespace) -> int:

@@ -14,13 +14,11 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tenacity import RetryCallState
-
 from ..errors import DuplicateMessageId, NegativeReceipt, NoRoute, ReceiptTimeout
 from ..settings import ConfirmSettings, RetrySettings
 from ..transport.delivery import Action, Delivery, Outcome
 from ..transport.message import OutgoingMessage, new_message_id
-from ..transport.policy import backoff
+from ..transport.policy import backoff_delay
 from ..transport.topology import TopologyRecord
 from .modes import ConfirmMode
 from .tracking import (
@@ -47,18 +45,6 @@ RECEIPT_CONTENT_TYPE = "application/x-qosmq-receipts"
 Settled = tuple[str, BaseException | None]
 
 
-def _attempt_backoff(policy: RetrySettings) -> Any:
-    """Backoff before resend number ``n``, from the one tenacity wait policy."""
-    wait = backoff(policy)
-
-    def delay(attempt: int) -> float:
-        state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-        state.attempt_number = attempt
-        return float(wait(state))
-
-    return delay
-
-
 class PublisherCore:
     """What a publisher of one confirm mode sends, waits for, resends and reports."""
 
@@ -75,7 +61,7 @@ class PublisherCore:
         self.tracker = ConfirmTracker(
             timeout=confirms.receipt_timeout,
             max_attempts=confirms.max_attempts,
-            backoff=_attempt_backoff(retry),
+            backoff=backoff_delay(retry),
         )
         self.in_flight: dict[str, OutgoingMessage] = {}
         self.malformed_receipts = 0

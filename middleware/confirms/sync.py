@@ -38,6 +38,7 @@ class SyncConfirmPublisher:
         )
         self._results: dict[str, BaseException | None] = {}
         self._refused_seen = client.refused_closes
+        self._reconnects_seen = client.reconnects
         if self.core.profile.receipts:
             client.listen_replies(self._on_reply)
 
@@ -94,7 +95,7 @@ class SyncConfirmPublisher:
                 self.client.publish(message, confirm=False)
             except MessageRefused as exc:
                 self._record([self.core.refused(message.message_id, exc)])
-            self._resend_suspects()
+            self._resend_after_failover()
             if len(self.core.in_flight) >= self.client.settings.publish_window:
                 self._wait(lambda: len(self.core.in_flight) < self.client.settings.publish_window)
         self._wait(lambda: not self.core.in_flight)
@@ -107,24 +108,34 @@ class SyncConfirmPublisher:
         """Pump deliveries, resends and timeouts until ``done()``; results go to _results."""
         while not done():
             self.client.run(_PUMP_S)
-            self._resend_suspects()
+            self._resend_after_failover()
             resend, failed = self.core.due()
             self._record(failed)
             for message in resend:
                 self.client.publish(message, confirm=False)
-            self._resend_suspects()
+            self._resend_after_failover()
 
-    def _resend_suspects(self) -> None:
-        """As the asyncio face: the broker closed the connection in answer to a frame,
-        so each message then in flight goes again alone, known taken before the next;
-        the one it closes the connection at again fails with ``MessageRefused``."""
-        while self.client.refused_closes != self._refused_seen:
+    def _resend_after_failover(self) -> None:
+        """As the asyncio face: after a failover the reply address changed, so everything
+        still waiting goes again at once (not after ``receipt_timeout``).  When the broker
+        closed the lost connection in answer to a frame, each goes alone, known taken
+        before the next; the one it closes the connection at again fails with
+        ``MessageRefused``."""
+        while (
+            self.client.refused_closes != self._refused_seen
+            or self.client.reconnects != self._reconnects_seen
+        ):
+            suspect = self.client.refused_closes != self._refused_seen
             self._refused_seen = self.client.refused_closes
+            self._reconnects_seen = self.client.reconnects
             for message in list(self.core.in_flight.values()):
                 if message.message_id not in self.core.in_flight:
                     continue
                 try:
-                    self.client.resend_alone(message, confirm=False)
+                    if suspect:
+                        self.client.resend_alone(message, confirm=False)
+                    else:
+                        self.client.publish(message, confirm=False)
                 except MessageRefused as exc:
                     self._record([self.core.refused(message.message_id, exc)])
 

@@ -43,6 +43,8 @@ from ..errors import (
 )
 from ..settings import Settings
 from . import consuming, metrics
+from .aio_publish import basic_publish
+from .aio_watch import WatchedReplies
 from .coalesce import CoalescingConnection
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
@@ -52,7 +54,7 @@ from .delivery import (
     dead_letter_message,
 )
 from .message import OutgoingMessage, tls_context
-from .outbound import Limits, check_message
+from .outbound import Limits, check_message, is_reply, replies_settings
 from .policy import Node, NodeRotation, async_retrying, backoff
 from .topology import (
     BindingSpec,
@@ -78,30 +80,9 @@ class _Live:
     node: Node
     connection: AbstractConnection
     confirm_channel: AbstractChannel
-    plain_channel: AbstractChannel
+    replies: WatchedReplies  # unconfirmed publishes and direct reply-to, watched
     limits: Limits
     consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
-
-
-async def _basic_publish(
-    underlay: aiormq.Channel,
-    message: OutgoingMessage,
-    *,
-    mandatory: bool,
-    confirm_within: float | None,
-    wait: bool,
-) -> None:
-    """aiormq's publish of a layer message (``bytes(body)``: a bytearray is sent too);
-    ``confirm_within``: aiormq's own timeout for the broker's answer."""
-    await underlay.basic_publish(
-        bytes(message.body),
-        exchange=message.exchange,
-        routing_key=message.routing_key,
-        properties=_properties(message),
-        mandatory=mandatory,
-        timeout=confirm_within,
-        wait=wait,
-    )
 
 
 class _Refused(Exception):
@@ -158,6 +139,11 @@ class AsyncClient:
         self._tag_seq = 0
         self._dead_letter_lock = asyncio.Lock()
         self._dead_letter_declared = False
+        #: publishes to direct reply-to addresses go over a connection of their own
+        #: (``is_reply``); opened at the first one
+        self._replies: AsyncClient | None = None
+        self._sends_own_replies = False  # True for the replies client itself
+        self._replies_lock = asyncio.Lock()
 
     # ------------------------------------------------------------ lifecycle
     async def connect(self) -> Self:
@@ -207,6 +193,8 @@ class AsyncClient:
                 await hook()
             except Exception as exc:
                 log.info("close hook failed: %s", exc)
+        if self._replies is not None:
+            await self._replies.close()
         self._closing = True
         if self._loop_watch is not None:
             self._loop_watch.cancel()
@@ -221,6 +209,7 @@ class AsyncClient:
         live, self._live = self._live, _Down()
         self._ready.clear()
         if isinstance(live, _Live):
+            live.replies.close()
             await _written(live.connection, self.settings.close_grace)
             with contextlib.suppress(Exception):
                 await live.connection.close()
@@ -290,8 +279,7 @@ class AsyncClient:
                 handler(delivery)
 
         try:
-            channel = await live.plain_channel.get_underlay_channel()
-            await channel.basic_consume(REPLY_TO, on_reply, no_ack=True)
+            await live.replies.listen(on_reply)
         except Exception as exc:
             raise translate_aio(exc) from exc
 
@@ -425,6 +413,9 @@ class AsyncClient:
         ``block`` is false and the window is full.
         """
         check_message(message, self.limits)
+        if is_reply(message) and not self._sends_own_replies:
+            replies = await self._reply_sender()
+            return await replies.publish(message, confirm=confirm, block=block, retry=retry)
         try:
             await self._publish_once(message, confirm=confirm, block=block)
             return
@@ -444,6 +435,17 @@ class AsyncClient:
                     if not refusal_code(exc):
                         raise
                     return await self._publish_suspect(message, exc, confirm=confirm, block=block)
+
+    async def _reply_sender(self) -> AsyncClient:
+        """The client of this one's replies (``is_reply`` says why), connected at first use."""
+        if self._replies is None:
+            async with self._replies_lock:
+                if self._replies is None:
+                    client = AsyncClient(settings=replies_settings(self.settings))
+                    client._sends_own_replies = True
+                    await client.connect()
+                    self._replies = client
+        return self._replies
 
     async def resend_alone(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
         """Send again a message that was in flight when the broker closed the connection
@@ -487,20 +489,13 @@ class AsyncClient:
                 ) from again
 
     async def _publish_checked(self, message: OutgoingMessage) -> None:
-        """An unconfirmed publish, then a round trip on its channel: the broker handles a
-        channel's frames in order, so the answer means it took the message."""
+        """An unconfirmed publish whose broker answer is awaited: an ack means it took
+        the message (the channel of unconfirmed publishes runs in confirm mode)."""
         async with self._window:
             live = await self._await_live()
             try:
-                underlay = await self._publish_channel(live, False)
-                await _basic_publish(
-                    underlay,
-                    message,
-                    mandatory=False,
-                    confirm_within=self.settings.publish_timeout,
-                    wait=True,
-                )
-                await underlay.basic_qos(prefetch_count=0, timeout=self.settings.publish_timeout)
+                answer = await live.replies.send(message)
+                await asyncio.wait_for(asyncio.shield(answer), self.settings.publish_timeout)
             except Exception as exc:
                 raise translate_aio(exc) from exc
         metrics.PUBLISHED_UNCONFIRMED.inc()
@@ -518,17 +513,21 @@ class AsyncClient:
             live = await self._await_live()
             channel = live.confirm_channel
             try:
+                if not confirm:  # the broker's answer is the watched channel's
+                    await live.replies.send(message)
+                    metrics.PUBLISHED_UNCONFIRMED.inc()
+                    return
                 # aiormq's own publish, as aio-pika's Exchange.publish calls it, but without
                 # waiting for the frame to reach the socket (wait=False) while the channel's
                 # lock is held: publishes of one turn then queue together (and leave in one
                 # write), where waiting let one publish per channel out every two loop turns.
                 # The frame queue is bounded (backpressure), and the confirm is still awaited.
-                underlay = await self._publish_channel(live, confirm)
-                await _basic_publish(
+                underlay = await self._publish_channel(live)
+                await basic_publish(
                     underlay,
                     message,
-                    mandatory=message.mandatory and confirm,
-                    confirm_within=self.settings.publish_timeout if confirm else None,
+                    mandatory=message.mandatory,
+                    confirm_within=self.settings.publish_timeout,
                     wait=False,
                 )
             except Exception as exc:
@@ -540,15 +539,18 @@ class AsyncClient:
                     elif isinstance(error, PublishNacked):
                         await self._replace_confirm_channel(live, channel)
                 raise error from exc
-        (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
+        metrics.PUBLISHED_CONFIRMED.inc()
 
-    async def _publish_channel(self, live: _Live, confirm: bool) -> aiormq.Channel:
-        """aiormq's channel under the confirm (or plain) publish channel, reopened if closed."""
-        channel = live.confirm_channel if confirm else live.plain_channel
-        if channel.is_closed:
+    async def _resend_watched(self, message: OutgoingMessage, attempt: int) -> None:
+        """An unconfirmed publish the broker refused, sent again (``WatchedReplies``)."""
+        live = await self._await_live()
+        await live.replies.send(message, attempt)
+
+    async def _publish_channel(self, live: _Live) -> aiormq.Channel:
+        """aiormq's channel under the confirm publish channel, reopened if closed."""
+        if live.confirm_channel.is_closed:
             await self._reopen_publish_channels(live)
-            channel = live.confirm_channel if confirm else live.plain_channel
-        return cast(aiormq.Channel, await channel.get_underlay_channel())  # its publish: wait=
+        return cast(aiormq.Channel, await live.confirm_channel.get_underlay_channel())
 
     async def _replace_confirm_channel(self, live: _Live, stale: AbstractChannel) -> None:
         """Publish on a fresh channel after a nack; close the stale one once it has drained.
@@ -585,9 +587,6 @@ class AsyncClient:
             live.confirm_channel = await live.connection.channel(
                 publisher_confirms=True, on_return_raises=True
             )
-        if live.plain_channel.is_closed:
-            live.plain_channel = await live.connection.channel(publisher_confirms=False)
-            await self._start_replies(live)
 
     # ------------------------------------------------------------- internal
     async def _open(self, node: Node) -> None:
@@ -628,13 +627,19 @@ class AsyncClient:
                 confirm_channel=await connection.channel(
                     publisher_confirms=True, on_return_raises=True
                 ),
-                plain_channel=await connection.channel(publisher_confirms=False),
+                replies=WatchedReplies(
+                    connection,
+                    policy=self.settings.retry,
+                    linger_s=self.settings.publish_timeout,
+                    resend=self._resend_watched,
+                ),
                 limits=Limits(
                     frame_max=_frame_max(connection),
                     max_message_size=self.settings.max_message_size,
                 ),
             )
             self._live = live
+            await live.replies.open()
             await self._start_replies(live)
             for spec in list(self.topology.replay_plan()):
                 await self._apply(live, spec)
@@ -687,6 +692,7 @@ class AsyncClient:
                 # the loop closes under them ("Task was destroyed", "Event loop is closed").
                 live, self._live = self._live, _Down()
                 if isinstance(live, _Live):
+                    live.replies.close()
                     with contextlib.suppress(Exception, asyncio.CancelledError):
                         await asyncio.wait_for(live.connection.close(), 2.0)
             raise
@@ -699,6 +705,7 @@ class AsyncClient:
         live = self._live
         if self._closing or not isinstance(live, _Live) or live.connection is not connection:
             return
+        live.replies.close()
         if self._loop_ending():  # cancelled with every other task; aiormq closes it
             self._closing = True
             self._live = _Down()
@@ -1001,22 +1008,6 @@ class AsyncClient:
         )
 
 
-def _properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:
-    """The AMQP properties as aio-pika's ``Message.properties`` builds them, without the
-    ``Message`` object (its locked attribute checks cost more than the publish's framing)."""
-    return aiormq.spec.Basic.Properties(
-        content_type=message.content_type,
-        correlation_id=message.correlation_id,
-        delivery_mode=message.delivery_mode,
-        expiration=None if message.expiration_ms is None else str(int(message.expiration_ms)),
-        headers=dict(message.headers),
-        message_id=message.message_id,
-        priority=message.priority or 0,
-        reply_to=message.reply_to,
-        timestamp=_amqp_timestamp(message.timestamp),
-    )
-
-
 async def _written(connection: AbstractConnection, within: float) -> None:
     """Wait (up to ``within`` seconds) until aiormq's writer took every frame queued:
     closing cancels that writer, and what it still queued (an unconfirmed publish, the
@@ -1033,13 +1024,6 @@ def _frame_max(connection: AbstractConnection) -> int:
     """The frame_max the broker and aiormq agreed on (the AMQP default if unknown)."""
     tune = getattr(getattr(connection.transport, "connection", None), "connection_tune", None)
     return int(getattr(tune, "frame_max", 0) or Limits().frame_max)
-
-
-def _amqp_timestamp(seconds: float | None) -> datetime.datetime | None:
-    """AMQP carries whole seconds since the epoch; aiormq takes them as an aware datetime."""
-    if seconds is None:
-        return None
-    return datetime.datetime.fromtimestamp(int(seconds), tz=datetime.UTC)
 
 
 def _seconds(stamp: datetime.datetime | int | None) -> float | None:

@@ -29,6 +29,16 @@ PUBLISH_REFUSED = Counter(
     "publishes failed with MessageRefused (the broker closed the connection at them twice)",
 )
 
+UNCONFIRMED_RESENT = Counter(
+    "qosmq_unconfirmed_resent_total",
+    "unconfirmed publishes sent again on a fresh channel after the broker refused them "
+    "(a nack, or their channel closed)",
+)
+UNCONFIRMED_GIVEN_UP = Counter(
+    "qosmq_unconfirmed_given_up_total",
+    "unconfirmed publishes refused by the broker on every attempt (or to a missing exchange)",
+)
+
 
 def consumer_cancelled_by_broker(log: logging.Logger, tag: str, queue: str) -> None:
     """Say and count that the broker cancelled a consumer (both faces re-subscribe it)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MalformedMessage
+from ..settings import Settings
 from .message import OutgoingMessage
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "Limits",
     "check_headers",
     "check_message",
+    "is_reply",
+    "replies_settings",
 ]
 
 #: RabbitMQ's default frame_max (the negotiated value is used once connected).
@@ -209,3 +212,25 @@ def _decimal(value: decimal.Decimal, where: str) -> int:
     if places > 10 or scale > 255 or not -(2**31) <= mantissa < 2**31:
         raise _refuse(f"{where}: decimal {value:.12} needs more than a 32-bit mantissa")
     return 6
+
+
+#: the prefix RabbitMQ gives a direct reply-to address (``amq.rabbitmq.reply-to.<key>``)
+REPLY_ADDRESS = "amq.rabbitmq.reply-to."
+
+
+def is_reply(message: OutgoingMessage) -> bool:
+    """True for a publish to a direct reply-to address (a receipt, a confirmation).
+
+    RabbitMQ 3.10 crashes the channel that publishes to the reply address of a channel
+    whose node is down, and closes its whole connection with 541 INTERNAL_ERROR.  A
+    consumer answering a publisher whose node just died met that for every receipt batch
+    it still owed it, and failed over with every delivery it held.  So both faces send
+    replies over a connection of their own: such a crash costs the replies then in
+    flight (their publishers resend after failover or ``receipt_timeout``), never the
+    consumer's deliveries, acks or other publishes."""
+    return not message.exchange and message.routing_key.startswith(REPLY_ADDRESS)
+
+
+def replies_settings(settings: Settings) -> Settings:
+    """The settings of a client's replies connection (named so in the management UI)."""
+    return settings.model_copy(update={"client_name": f"{settings.client_name} replies"})

@@ -8,10 +8,12 @@ from the same :class:`~middleware.settings.RetrySettings`.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     Retrying,
     retry_if_exception_type,
     stop_after_attempt,
@@ -23,7 +25,14 @@ from tenacity.wait import wait_base
 from ..errors import RetryableError
 from ..settings import RetrySettings, Settings
 
-__all__ = ["Node", "NodeRotation", "async_retrying", "backoff", "sync_retrying"]
+__all__ = [
+    "Node",
+    "NodeRotation",
+    "async_retrying",
+    "backoff",
+    "backoff_delay",
+    "sync_retrying",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,19 @@ def backoff(policy: RetrySettings) -> wait_base:
     return wait_exponential(
         multiplier=policy.initial_delay, max=policy.max_delay, exp_base=policy.multiplier
     ) + wait_random(0, policy.jitter)
+
+
+def backoff_delay(policy: RetrySettings) -> Callable[[int], float]:
+    """The backoff before try number ``n + 1`` after ``n`` tries, from the one policy (for
+    loops that are not tenacity's: resends after a receipt timeout or a broker nack)."""
+    wait = backoff(policy)
+
+    def delay(attempt: int) -> float:
+        state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        state.attempt_number = attempt
+        return float(wait(state))
+
+    return delay
 
 
 def async_retrying(policy: RetrySettings, *, attempts: int | None = None) -> AsyncRetrying:

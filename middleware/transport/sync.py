@@ -43,8 +43,8 @@ from .delivery import (
     dead_letter_message,
 )
 from .message import OutgoingMessage, tls_context
-from .outbound import Limits, check_message
-from .policy import Node, NodeRotation, sync_retrying
+from .outbound import Limits, check_message, is_reply, replies_settings
+from .policy import Node, NodeRotation, backoff_delay, sync_retrying
 from .topology import (
     BindingSpec,
     ConsumerSpec,
@@ -53,6 +53,7 @@ from .topology import (
     TopologyRecord,
 )
 from .translate import refusal_code, translate_sync
+from .watch import Answer, WatchedChannel, missing_exchange
 
 __all__ = ["SyncClient", "SyncHandler", "SyncSettleHook"]
 REPLY_TO = "amq.rabbitmq.reply-to"
@@ -63,13 +64,25 @@ SyncSettleHook = Callable[[Delivery, Outcome], None]
 T = TypeVar("T")
 
 
+@dataclass(eq=False)
+class _Watched:
+    """The channel of unconfirmed publishes and replies, in confirm mode (``watch.py``):
+    pika calls ``answers.append`` with each ack or nack while it reads."""
+
+    channel: blocking.BlockingChannel
+    ledger: WatchedChannel
+    answers: list[Any] = field(default_factory=list)
+    close_at: float = 0.0  # once retired: when its lingering replies no longer matter
+
+
 @dataclass
 class _SyncLive:
     node: Node
     connection: pika.BlockingConnection
     confirm_channel: blocking.BlockingChannel
-    plain_channel: blocking.BlockingChannel
+    replies: _Watched
     consumer_channels: dict[str, blocking.BlockingChannel] = field(default_factory=dict)
+    retired: list[_Watched] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,13 @@ class SyncClient:
         self._tag_seq = 0
         self._reply_handlers: list[Callable[[Delivery], None]] = []
         self._cancelled: dict[str, float] = {}  # consumer tag -> next re-subscribe try
+        #: unconfirmed publishes the broker refused: (when, message, attempt), sent by
+        #: the next look at the connection (``run``, a publish) once due
+        self._resends: list[tuple[float, OutgoingMessage, int]] = []
+        #: publishes to direct reply-to addresses go over a connection of their own
+        #: (``outbound.is_reply``); opened at the first one
+        self._replies: SyncClient | None = None
+        self._sends_own_replies = False  # True for the replies client itself
 
     # ------------------------------------------------------------ lifecycle
     def connect(self) -> Self:
@@ -124,6 +144,8 @@ class SyncClient:
         self._opened = True
 
     def close(self) -> None:
+        if self._replies is not None:
+            self._replies.close()
         self._opened = False
         live, self._live = self._live, None
         if live is not None:
@@ -170,7 +192,7 @@ class SyncClient:
             for handler in handlers:
                 handler(delivery)
 
-        live.plain_channel.basic_consume(REPLY_TO, on_reply, auto_ack=True)
+        live.replies.channel.basic_consume(REPLY_TO, on_reply, auto_ack=True)
 
     # ------------------------------------------------------------- topology
     def declare_exchange(self, spec: ExchangeSpec) -> None:
@@ -234,6 +256,9 @@ class SyncClient:
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
             step = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             self._call(functools.partial(_process_events, time_limit=step))
+            self._call(self._watch)
+            if self._replies is not None:
+                self._replies.poll()
             if self._cancelled and self._live is not None:
                 self._resubscribe_cancelled(self._live)
 
@@ -284,9 +309,16 @@ class SyncClient:
         the broker would refuse raises ``MalformedMessage`` at once.
         """
         check_message(message, self.limits)
+        if is_reply(message) and not self._sends_own_replies:
+            self._reply_sender().publish(message, confirm=confirm, retry=retry)
+            return
+        if not confirm:
+            self._call(functools.partial(self._watch, then=message))
+            metrics.PUBLISHED_UNCONFIRMED.inc()
+            return
 
         def send(live: _SyncLive) -> None:
-            channel = self._publish_channel(live, confirm)
+            channel = self._publish_channel(live)
             try:
                 _basic_publish(channel, message, confirm=confirm)
             except Exception as exc:
@@ -295,12 +327,12 @@ class SyncClient:
                     self._drop(live, error, exc)
                     raise _Refused(error, code) from exc
                 if isinstance(error, TopologyError) and channel.is_closed:
-                    self._reopen_channel(live, confirm)
+                    self._reopen_channel(live)
                 elif isinstance(error, PublishNacked):
                     # same reason as the async core: a fresh channel finds the new leader
                     with contextlib.suppress(Exception):
                         channel.close()
-                    self._reopen_channel(live, confirm)
+                    self._reopen_channel(live)
                 raise
 
         try:
@@ -308,11 +340,108 @@ class SyncClient:
         except _Refused as first:
             self._publish_suspect(message, first.error, confirm=confirm)
             return
-        (metrics.PUBLISHED_CONFIRMED if confirm else metrics.PUBLISHED_UNCONFIRMED).inc()
+        metrics.PUBLISHED_CONFIRMED.inc()
 
-    def _publish_channel(self, live: _SyncLive, confirm: bool) -> blocking.BlockingChannel:
-        channel = live.confirm_channel if confirm else live.plain_channel
-        return self._reopen_channel(live, confirm) if channel.is_closed else channel
+    def _reply_sender(self) -> SyncClient:
+        """The client of this one's replies (``outbound.is_reply``), connected at first use."""
+        if self._replies is None:
+            client = SyncClient(settings=replies_settings(self.settings))
+            client._sends_own_replies = True
+            self._replies = client.connect()
+        return self._replies
+
+    def poll(self) -> None:
+        """Read what the broker sent without waiting (acks of unconfirmed publishes,
+        heartbeats) and act on it; a lost connection is left to the next call."""
+        live = self._live
+        if live is None:
+            return
+        try:
+            _process_events(live, time_limit=0)
+            self._watch(live)
+        except Exception as exc:
+            self._drop(live, translate_sync(exc), exc)
+
+    def _publish_channel(self, live: _SyncLive) -> blocking.BlockingChannel:
+        channel = live.confirm_channel
+        return self._reopen_channel(live) if channel.is_closed else channel
+
+    # ------------------------------------------------------ watched channel
+    def _send_watched(
+        self, live: _SyncLive, *, message: OutgoingMessage, attempt: int = 1
+    ) -> _Watched:
+        """An unconfirmed publish on the watched channel (``watch.py``): the caller goes
+        on; the broker's answer is read with the connection's other frames."""
+        holder = self._watched(live)
+        tag = holder.ledger.next_tag()
+        _basic_publish(holder.channel, message, confirm=False)
+        holder.ledger.sent(tag, message, attempt)
+        return holder
+
+    def _watched(self, live: _SyncLive) -> _Watched:
+        """The watched channel in use; a fresh one when it closed or refused a publish."""
+        holder = live.replies
+        if holder.ledger.current and holder.channel.is_open:
+            return holder
+        if holder.channel.is_closed:
+            reason = getattr(holder.channel._impl, "_closing_reason", None)
+            self._act(live, holder.ledger.closed(missing_exchange(reason)))
+        live.replies = self._open_watched(live.connection)
+        self._start_replies(live)
+        return live.replies
+
+    def _open_watched(self, connection: pika.BlockingConnection) -> _Watched:
+        channel = connection.channel()
+        policy = self.settings.retry
+        holder = _Watched(
+            channel, WatchedChannel(attempts=policy.attempts, delay=backoff_delay(policy))
+        )
+        selected: list[bool] = []
+        channel._impl.confirm_delivery(
+            ack_nack_callback=lambda frame: holder.answers.append(frame.method),
+            callback=lambda _frame: selected.append(True),
+        )
+        channel._flush_output(lambda: bool(selected))
+        return holder
+
+    def _watch(self, live: _SyncLive, then: OutgoingMessage | None = None) -> None:
+        """Act on the answers the broker sent since the last look, send what is due,
+        then the unconfirmed publish ``then``."""
+        now = time.monotonic()
+        for holder in (live.replies, *live.retired):
+            answers, holder.answers = holder.answers, []
+            for method in answers:
+                ok = isinstance(method, pika.spec.Basic.Ack)
+                answer = holder.ledger.answered(
+                    method.delivery_tag, multiple=bool(method.multiple), ok=ok
+                )
+                if answer.retire_channel:
+                    holder.close_at = now + self.settings.publish_timeout
+                    live.retired.append(holder)
+                    log.info("unconfirmed publish refused: continuing on a fresh channel")
+                self._act(live, answer)
+        for holder in [h for h in live.retired if h.close_at <= now]:
+            live.retired.remove(holder)
+            with contextlib.suppress(Exception):
+                holder.channel.close()
+        due = [r for r in self._resends if r[0] <= now]
+        if due:
+            self._resends = [r for r in self._resends if r[0] > now]
+            for _, message, attempt in due:
+                self._send_watched(live, message=message, attempt=attempt)
+        if then is not None:
+            self._send_watched(live, message=then)
+
+    def _act(self, live: _SyncLive, answer: Answer) -> None:
+        now = time.monotonic()
+        for message in answer.given_up:
+            metrics.UNCONFIRMED_GIVEN_UP.inc()
+            log.warning(
+                "unconfirmed publish %s refused by the broker; not sent again", message.message_id
+            )
+        for resend in answer.resend:
+            metrics.UNCONFIRMED_RESENT.inc()
+            self._resends.append((now + resend.delay, resend.message, resend.attempt))
 
     def resend_alone(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
         """As ``AsyncClient.resend_alone``: a message in flight when the broker closed
@@ -331,10 +460,11 @@ class SyncClient:
 
         def send(live: _SyncLive) -> None:
             try:
-                channel = self._publish_channel(live, confirm)
-                _basic_publish(channel, message, confirm=confirm)
-                if not confirm:  # a channel's frames are handled in order: the answer
-                    channel.basic_qos(prefetch_count=0)  # means the broker took it
+                if confirm:
+                    _basic_publish(self._publish_channel(live), message, confirm=True)
+                else:  # a channel's frames are handled in order: the answer to a
+                    holder = self._send_watched(live, message=message)  # round trip
+                    holder.channel.basic_qos(prefetch_count=0)  # means the broker took it
             except Exception as exc:
                 if code := refusal_code(exc):
                     error = translate_sync(exc)
@@ -409,6 +539,7 @@ class SyncClient:
                 self._last_refusal = translate_sync(error)  # a MiddlewareError is kept as is
             log.warning("connection to %s lost (%s); failing over", live.node, error)
             self._live = None
+            self._resends = []  # what the lost connection owed is the caller's to resend
             with contextlib.suppress(Exception):
                 live.connection.close()
 
@@ -437,7 +568,7 @@ class SyncClient:
         try:
             confirm = connection.channel()
             confirm.confirm_delivery()
-            live = _SyncLive(node, connection, confirm, connection.channel())
+            live = _SyncLive(node, connection, confirm, self._open_watched(connection))
             self._start_replies(live)
             for spec in list(self.topology.replay_plan()):
                 self._apply(live, spec)
@@ -448,14 +579,10 @@ class SyncClient:
         self._live = live
         log.debug("connected to %s", node)
 
-    def _reopen_channel(self, live: _SyncLive, confirm: bool) -> blocking.BlockingChannel:
+    def _reopen_channel(self, live: _SyncLive) -> blocking.BlockingChannel:
         channel = live.connection.channel()
-        if confirm:
-            channel.confirm_delivery()
-            live.confirm_channel = channel
-        else:
-            live.plain_channel = channel
-            self._start_replies(live)
+        channel.confirm_delivery()
+        live.confirm_channel = channel
         return channel
 
     def _apply(self, live: _SyncLive, spec: Any) -> Any:

@@ -6,7 +6,7 @@ import aio_pika
 import pytest
 
 from middleware.transport import OutgoingMessage
-from middleware.transport.aio import _properties
+from middleware.transport.aio_publish import properties as _properties
 
 
 def _aio_pika(message: OutgoingMessage) -> aio_pika.Message:
