@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -153,6 +152,9 @@ class SyncConfirmConsumer:
     def __init__(self, client: SyncClient, *, confirms: ConfirmSettings | None = None) -> None:
         self.client = client
         self.core = ConsumerCore(confirms or client.settings.confirms)
+        # receipt batches leave on time whoever pumps the client (a Phoenix client's run,
+        # a publisher waiting on the same client), not only inside this consumer's run
+        client.every_step(self._flush_due, within=self.core.batcher.linger_s or _PUMP_S)
 
     def consume(self, queue: str, handler: SyncHandler, *, prefetch: int | None = None) -> str:
         def wrapped(delivery: Delivery) -> None:
@@ -163,11 +165,11 @@ class SyncConfirmConsumer:
 
     def run(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None) -> None:
         """Handle deliveries and flush receipt batches on time."""
-        deadline = None if seconds is None else time.monotonic() + seconds
-        while (deadline is None or time.monotonic() < deadline) and not (until and until()):
-            self.client.run(min(_PUMP_S, self.core.batcher.linger_s or _PUMP_S))
-            self._send(self.core.batcher.due())
+        self.client.run(seconds, until=until)
         self._send(self.core.batcher.drain())
+
+    def _flush_due(self) -> None:
+        self._send(self.core.batcher.due())
 
     def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
         self._send(self.core.settled(delivery, outcome))

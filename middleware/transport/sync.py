@@ -117,6 +117,8 @@ class SyncClient:
         #: (``outbound.is_reply``); opened at the first one
         self._replies: SyncClient | None = None
         self._sends_own_replies = False  # True for the replies client itself
+        self._step_hooks: list[Callable[[], None]] = []
+        self._step_s = 0.1  # the longest ``run`` waits for I/O before its hooks run
 
     # ------------------------------------------------------------ lifecycle
     def connect(self) -> Self:
@@ -241,6 +243,13 @@ class SyncClient:
             raise
         return spec.tag
 
+    def every_step(self, hook: Callable[[], None], *, within: float = 0.1) -> None:
+        """Call ``hook`` after each step of :meth:`run` (at least every ``within`` seconds,
+        and after each batch of deliveries), whoever runs the client: the sync face has no
+        background tasks, so work due on time (receipt batches) rides on the caller's pump."""
+        self._step_hooks.append(hook)
+        self._step_s = min(self._step_s, max(within, 0.001))
+
     def cancel(self, tag: str) -> None:
         self.topology.forget_consumer(tag)
         self._consumers.pop(tag, None)
@@ -254,9 +263,13 @@ class SyncClient:
         """Process deliveries for ``seconds`` (forever if None) or until ``until()`` is true."""
         deadline = None if seconds is None else time.monotonic() + seconds
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
-            step = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            step = self._step_s
+            if deadline is not None:
+                step = max(0.0, min(step, deadline - time.monotonic()))
             self._call(functools.partial(_process_events, time_limit=step))
             self._call(self._watch)
+            for hook in list(self._step_hooks):
+                hook()
             if self._replies is not None:
                 self._replies.poll()
             if self._cancelled and self._live is not None:
