@@ -6,7 +6,7 @@ instead of waiting for it: the watched channel (``watch.py``) of unconfirmed pub
 uses it, so the caller goes on at once while the layer still hears an ack or a nack.
 It does what aiormq 7's ``Channel.basic_publish`` does up to its last line (take the
 channel lock, number the publish, register the confirmation, queue the frames), which
-``tests/unit/test_aio_properties.py`` checks against the installed aiormq.
+``tests/unit/test_watch.py`` checks against the installed aiormq.
 """
 
 from __future__ import annotations
