@@ -494,8 +494,9 @@ class AsyncClient:
         async with self._window:
             live = await self._await_live()
             try:
-                answer = await live.replies.send(message)
-                await asyncio.wait_for(asyncio.shield(answer), self.settings.publish_timeout)
+                answer = await live.replies.send(message, wait=True)
+                assert answer is not None
+                await asyncio.wait_for(answer, self.settings.publish_timeout)
             except Exception as exc:
                 raise translate_aio(exc) from exc
         metrics.PUBLISHED_UNCONFIRMED.inc()

@@ -1,17 +1,16 @@
 """The asyncio core's publish frames, on aiormq's channel without aio-pika's objects.
 
-:func:`basic_publish` is aiormq's own publish of a layer message.  :func:`publish_unawaited`
-sends a publish on a confirm-mode channel and hands back the broker's answer as a future
-instead of waiting for it: the watched channel (``watch.py``) of unconfirmed publishes
-uses it, so the caller goes on at once while the layer still hears an ack or a nack.
-It does what aiormq 7's ``Channel.basic_publish`` does up to its last line (take the
-channel lock, number the publish, register the confirmation, queue the frames), which
-``tests/unit/test_watch.py`` checks against the installed aiormq.
+:func:`basic_publish` is aiormq's own publish of a layer message.  :func:`publish_numbered`
+sends a publish and returns the delivery tag the broker numbers it with, for the watched
+channel of unconfirmed publishes (``aio_watch.py``), which reads the broker's acks and
+nacks itself instead of keeping a future per message in aiormq.  It does what aiormq 7's
+``Channel.basic_publish`` does without confirms (take the channel lock, number the
+publish, queue the frames), which ``tests/unit/test_watch.py`` checks against the
+installed aiormq.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 
 import aiormq
@@ -21,7 +20,7 @@ from pamqp.header import ContentHeader
 
 from .message import OutgoingMessage
 
-__all__ = ["amqp_timestamp", "basic_publish", "properties", "publish_unawaited"]
+__all__ = ["amqp_timestamp", "basic_publish", "properties", "publish_numbered"]
 
 
 async def basic_publish(
@@ -45,14 +44,10 @@ async def basic_publish(
     )
 
 
-async def publish_unawaited(
-    underlay: aiormq.Channel, message: OutgoingMessage
-) -> tuple[int, asyncio.Future[object]]:
-    """Queue ``message`` (not mandatory) on the confirm-mode channel ``underlay``; return
-    its delivery tag and the future of the broker's answer (a result for an ack, aiormq's
-    ``DeliveryError`` for a nack, an error or cancellation when the channel closes)."""
-    if not underlay.publisher_confirms:
-        raise ValueError("publish_unawaited needs a channel in confirm mode")
+async def publish_numbered(underlay: aiormq.Channel, message: OutgoingMessage) -> int:
+    """Queue ``message`` (not mandatory) on ``underlay`` and return the delivery tag the
+    broker gives it: on a channel the layer put in confirm mode itself (``aio_watch``),
+    the tag its ack or nack will carry; aiormq keeps no future for it."""
     body = bytes(message.body)
     frames: list[object] = [
         spec.Basic.Publish(exchange=message.exchange, routing_key=message.routing_key),
@@ -62,8 +57,6 @@ async def publish_unawaited(
     async with underlay.lock:
         underlay.delivery_tag += 1
         tag = underlay.delivery_tag
-        confirmation = underlay.create_future()
-        underlay.confirmations[tag] = confirmation
         try:
             await underlay.write_queue.put(
                 ChannelFrame.marshall(
@@ -74,10 +67,8 @@ async def publish_unawaited(
             )
         except BaseException:
             underlay.delivery_tag -= 1  # the broker has not seen it: reuse the number
-            underlay.confirmations.pop(tag, None)
-            confirmation.cancel()
             raise
-    return tag, confirmation
+    return tag
 
 
 def properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:

@@ -91,16 +91,17 @@ def test_every_publish_is_settled_resent_or_given_up_exactly_once(answers) -> No
     assert len(seen) == len(set(seen))
 
 
-def test_the_installed_aiormq_has_what_publish_unawaited_uses() -> None:
-    """``aio_publish.publish_unawaited`` mirrors aiormq 7's ``Channel.basic_publish``."""
+def test_the_installed_aiormq_has_what_the_watched_channel_uses() -> None:
+    """``aio_publish.publish_numbered`` mirrors aiormq 7's ``Channel.basic_publish``, and
+    ``aio_watch`` reads the confirm frames aiormq's reader hands ``_on_confirm_frame``."""
     assert importlib.metadata.version("aiormq").startswith("7.")
     source = inspect.getsource(aiormq.Channel.basic_publish)
     for part in (
         "self.delivery_tag += 1",
-        "self.confirmations[delivery_tag]",
         "write_queue.put",
         "ChannelFrame.marshall",
         "_split_body",
         "self.lock",
     ):
         assert part in source, part
+    assert "await self._on_confirm_frame(frame)" in inspect.getsource(aiormq.Channel)
