@@ -20,7 +20,8 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
     │   ├── ConfirmTimeout (TimeoutError)         no broker confirm in time
     │   ├── SubscriptionUnconfirmed (TimeoutError)  Phoenix: W of N did not confirm a (un)subscribe
-    │   └── ReplicaTimeout (TimeoutError)         Phoenix: a replica write given up below W
+    │   ├── ReplicaTimeout (TimeoutError)         Phoenix: a replica write given up below W
+    │   └── ResourceLocked                        an exclusive queue is a lost connection's still
     ├── PublishError                           the broker refused a publish
     │   ├── SpoolFull                             queues: the local spool is at its limit (internal)
     │   ├── MalformedMessage (ValueError)         permanent: the broker would refuse this message
@@ -87,6 +88,7 @@ __all__ = [
     "ReceiptTimeout",
     "Reject",
     "Requeue",
+    "ResourceLocked",
     "RetryableError",
     "TopologyError",
     "UnknownName",
@@ -139,6 +141,14 @@ class LinkDown(BrokerUnreachable):
 
 class WindowFull(RetryableError):
     """The in-flight window is full and the caller asked not to wait."""
+
+
+class ResourceLocked(RetryableError):
+    """An exclusive queue is held by another connection (405 RESOURCE_LOCKED).
+
+    Retryable: after a failover the queue a client declares again is still the lost
+    connection's until the broker notices that connection is gone (seen for seconds
+    when the lost connection's node died)."""
 
 
 class ConfirmTimeout(RetryableError, TimeoutError):

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+import pydantic
+
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
 from ..errors import ConfigurationError, DeadLetter, RetryableError
 from ..settings import Settings
@@ -95,16 +97,22 @@ class ClientCore:
         if confirm not in ("broker", "e2e"):
             raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
         self.check_wait(wait_s)
-        return Subscribe(
-            event_type=event_type,
-            home=self.cluster,
-            latency_level=latency_level,
-            queue=queue,
-            subscription_id=uuid.uuid4().hex,
-            confirm="e2e" if confirm == "e2e" else "broker",
-            filter=flt.spec(),
-            reply_to=None if wait_s is None else self.reply_queue,
-        )
+        try:
+            return Subscribe(
+                event_type=event_type,
+                home=self.cluster,
+                latency_level=latency_level,
+                queue=queue,
+                subscription_id=uuid.uuid4().hex,
+                confirm="e2e" if confirm == "e2e" else "broker",
+                filter=flt.spec(),
+                reply_to=None if wait_s is None else self.reply_queue,
+            )
+        except pydantic.ValidationError as exc:  # e.g. an empty queue or event type name
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'subscribe'}: {e['msg']}" for e in exc.errors()
+            )
+            raise FilterError(f"subscribe refused: {problems}") from None
 
     def unsubscription(
         self, event_type: str, subscription_id: str, wait_s: float | None

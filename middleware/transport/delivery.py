@@ -192,15 +192,24 @@ def dead_letter_message(
     Headers the broker would refuse (too large for a frame once the reason is added,
     values it cannot carry) are left out, and ``x-qosmq-headers-dropped`` says why:
     a copy that cannot be published would send the original back to its handler."""
-    message_id = delivery.message_id if _text_ok(delivery.message_id) else None
+    def kept(value: str | None) -> str | None:  # every property that decodes travels on
+        return value if _text_ok(value) else None
+
+    stamp = delivery.timestamp
+    reply_to = kept(delivery.reply_to)
     copy = OutgoingMessage(
         body=delivery.body,
         exchange=exchange,
         routing_key=_escaped(delivery.queue)[:255],
-        message_id=message_id or new_message_id(),
+        message_id=kept(delivery.message_id) or new_message_id(),
         headers=dead_letter_headers(delivery, reason),
         persistent=True,
-        content_type=delivery.content_type if _text_ok(delivery.content_type) else None,
+        priority=delivery.priority,
+        # the bare pseudo-queue would ask the broker for this channel's own reply address
+        reply_to=None if reply_to == "amq.rabbitmq.reply-to" else reply_to,
+        correlation_id=kept(delivery.correlation_id),
+        content_type=kept(delivery.content_type),
+        timestamp=stamp if stamp is not None and 0 <= stamp <= _LAST_SECOND else None,
     )
     try:
         check_message(copy, limits)

@@ -21,6 +21,7 @@ from ..errors import (
     MiddlewareError,
     PreconditionFailed,
     PublishNacked,
+    ResourceLocked,
     TopologyError,
     Unroutable,
 )
@@ -75,6 +76,7 @@ _AIO_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], F
     (aexc.ChannelAccessRefused, _make(AccessRefused, "access refused")),
     (aexc.ChannelNotFoundEntity, _make(EntityNotFound, "not found")),
     (aexc.ChannelPreconditionFailed, _make(PreconditionFailed, "precondition failed")),
+    (aexc.ChannelLockedResource, _make(ResourceLocked, "resource locked")),
     (aexc.PublishError, _make(Unroutable, "message returned as unroutable")),
     (aexc.DeliveryError, _make(PublishNacked, "the broker nacked the message")),
     # before OSError: since Python 3.11 TimeoutError is an OSError
@@ -122,7 +124,7 @@ _SYNC_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], 
 _BY_REPLY_CODE: dict[int, Factory] = {
     403: _make(AccessRefused, "access refused"),
     404: _make(EntityNotFound, "not found"),
-    405: _make(PreconditionFailed, "resource locked"),
+    405: _make(ResourceLocked, "resource locked"),
     406: _make(PreconditionFailed, "precondition failed"),
 }
 

@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import decimal
 import math
+import threading
 import time
 from collections.abc import Iterator
 
@@ -166,7 +167,9 @@ def test_undecodable_deliveries_are_dead_lettered_and_the_queue_flows(
         ch = plain.channel()
         ch.confirm_delivery()  # the broker holds every one before the connection closes
         for case, props in POISON_PROPERTIES.items():
-            ch.basic_publish("", name, case.encode(), pika.BasicProperties(**props))
+            # every property that decodes travels on with the dead-letter copy
+            kept = dict(correlation_id="corr-" + case, priority=3)
+            ch.basic_publish("", name, case.encode(), pika.BasicProperties(**props, **kept))
             ch.basic_publish("", name, b"good after " + case.encode())
     finally:
         plain.close()
@@ -183,6 +186,10 @@ def test_undecodable_deliveries_are_dead_lettered_and_the_queue_flows(
     assert bytes(raw["reply-to not UTF-8"]["x-qosmq-raw-reply-to"]) == b"\xc3\x28"
     assert int(raw["timestamp 2**64-1"]["x-qosmq-raw-timestamp"]) >= 2**64 - 1  # via a float
     assert "\\xff\\xfekey" in raw["header name not UTF-8"]
+    assert {d.body.decode(): d.correlation_id for d in dead} == {
+        case: "corr-" + case for case in POISON_PROPERTIES
+    }
+    assert {d.priority for d in dead} == {3}
     assert face.client.reconnects == 0
     time.sleep(0.3)
     assert face.call("queue_length", name) == 0
@@ -424,3 +431,23 @@ def test_an_e2e_publish_the_broker_closes_the_connection_at_is_refused_after_one
         assert set(handled) == set(goods), sorted(set(goods) - set(handled))
     finally:
         e2e.close()
+
+
+def test_an_exclusive_queue_still_held_elsewhere_is_waited_for_not_refused(
+    face, settings, name
+) -> None:
+    """RESOURCE_LOCKED is retryable (``ResourceLocked``): after a failover the exclusive
+    queue a client declares again is the lost connection's until the broker notices;
+    the sync face let ``PreconditionFailed`` escape ``run()`` there and died."""
+    spec = QueueSpec(name, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
+    holder = SyncClient(settings=settings).connect()
+    holder.declare_queue(spec)
+    releaser = threading.Timer(1.0, holder.close)
+    releaser.start()
+    started = time.monotonic()
+    try:
+        face.call("declare_queue", spec)  # retried under the policy until the holder goes
+    finally:
+        releaser.join()
+    assert time.monotonic() - started >= 0.9
+    face.call("delete_queue", name)

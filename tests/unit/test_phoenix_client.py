@@ -21,3 +21,26 @@ def test_a_phoenix_client_refuses_a_connection_to_another_clusters_rabbitmq() ->
         PhoenixClient(client, topology=topology, cluster="B")
     with pytest.raises(ConfigurationError, match="not in the topology"):
         PhoenixClient(client, topology=topology, cluster="Z")
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+def test_a_subscribe_to_an_empty_queue_name_is_a_filter_error_not_a_validation_error(
+    face,
+) -> None:
+    import asyncio
+
+    from middleware.routing import FilterError
+    from middleware.routing.client import PhoenixClient, SyncPhoenixClient
+    from middleware.routing.protocol import PhoenixTopology
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient, SyncClient
+
+    topology = PhoenixTopology.model_validate({"clusters": [{"id": "A"}]})
+    settings = Settings.load()
+    with pytest.raises(FilterError, match="queue"):  # refused before any I/O
+        if face == "async":
+            client = PhoenixClient(AsyncClient(settings=settings), topology=topology, cluster="A")
+            asyncio.run(client.subscribe("quotes", [("price", "<", 10)], 1, queue=""))
+        else:
+            sync = SyncPhoenixClient(SyncClient(settings=settings), topology=topology, cluster="A")
+            sync.subscribe("quotes", [("price", "<", 10)], 1, queue="")
