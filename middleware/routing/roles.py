@@ -293,6 +293,7 @@ class _Role:
         self._stop: asyncio.Event | None = None
         self._began = 0.0  # when serve() began (monotonic), for the recovery log
         self.retired = False  # told by its master that another process serves its role
+        self.fenced = False  # a master that learnt of a newer reign: it steps down
         self.beater: Beater | None = None
         self._former_control: str | None = None  # its consumer tag (a promoted master)
         self.counters: Counter[str] = Counter()
@@ -368,9 +369,14 @@ class _Role:
             recovery.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await recovery
+            # a master that stepped down lets nothing it still handles finish: what it holds
+            # goes back to the inbox for the master it yielded to (a subscribe waiting for
+            # replicas that follow that master now would hold the step-down for
+            # ``close_grace``)
+            grace = 0.0 if self.fenced else None
             for tag in tags:
                 with contextlib.suppress(Exception):
-                    await client.cancel(tag)
+                    await client.cancel(tag, grace=grace)
             await self.finish()
 
     async def recovery(self, stop: asyncio.Event) -> None:
@@ -932,6 +938,7 @@ class _Role:
             back,
         )
         self.count("fenced")
+        self.fenced = True
         self.switch_to, self.reign = back, reign  # the slave trusts the newer reign
         if self._stop is not None:
             self._stop.set()
@@ -2482,6 +2489,7 @@ class MatchMaster(_MatchBroker):
             self._confirm(message, None, {"error": str(exc), "refused": "filter"})
             raise DeadLetter(f"subscription {message.subscription_id}: {exc}") from None
         written = await self.replicas.write(message.subscription_id, record.to_document())
+        await self._replicated(written)
         self._confirm(message, written, {})
 
     async def _on_advertise(self, message: Advertise) -> None:
@@ -2522,6 +2530,7 @@ class MatchMaster(_MatchBroker):
             return
         self.registry.remove(sid)
         written = await self.replicas.write(sid, None)
+        await self._replicated(written)
         self.count("unsubscribed")
         taken_out = Unsubscribed(event_type=record.event_type, latency_level=record.latency_level)
         for cluster in dict.fromkeys(record.path):
@@ -2530,6 +2539,15 @@ class MatchMaster(_MatchBroker):
                     cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
                 )
         self._confirm(message, written, {"removed": True})
+
+    @staticmethod
+    async def _replicated(written: asyncio.Future[None]) -> None:
+        """The inbox delivery of an (un)subscribe is acked only once W of N replicas
+        hold it: a master superseded while frozen never reaches W (its slaves follow its
+        successor), steps down with the delivery unacked, and the successor handles it.
+        A write given up below W is the client's to hear (``_confirm``)."""
+        with contextlib.suppress(ReplicaTimeout):
+            await asyncio.shield(written)
 
     def _confirm(
         self,

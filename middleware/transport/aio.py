@@ -344,16 +344,19 @@ class AsyncClient:
             raise
         return spec.tag
 
-    async def cancel(self, tag: str) -> None:
+    async def cancel(self, tag: str, *, grace: float | None = None) -> None:
         """Stop a consumer (and forget it for replay): no new deliveries; the ones being
-        handled finish and settle first (up to ``settings.close_grace`` seconds)."""
-        await self._stop_consumers([tag])
+        handled finish and settle first, for up to ``grace`` seconds (default
+        ``settings.close_grace``; 0: cancel them now, their deliveries go back to the
+        queue, as a Phoenix master that stepped down wants)."""
+        await self._stop_consumers([tag], grace)
 
     def on_close(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run ``hook`` on ``close``, after the handlers finished, while still connected."""
         self._close_hooks.append(hook)
 
-    async def _stop_consumers(self, tags: list[str]) -> None:
+    async def _stop_consumers(self, tags: list[str], grace: float | None = None) -> None:
+        grace = self.settings.close_grace if grace is None else grace
         live = self._live
         channels = []
         for tag in tags:
@@ -369,12 +372,15 @@ class AsyncClient:
         running = {t for tag in tags for t in self._handling.get(tag, ())}
         running.discard(asyncio.current_task())  # a handler cancelling its own consumer
         if running:
-            _, late = await asyncio.wait(running, timeout=self.settings.close_grace)
+            late = running
+            if grace:
+                _, late = await asyncio.wait(running, timeout=grace)
             if late:
-                log.warning(
+                log.log(
+                    logging.WARNING if grace else logging.INFO,
                     "%d handlers still running after %.1f s: their deliveries go back to the queue",
                     len(late),
-                    self.settings.close_grace,
+                    grace,
                 )
                 for task in late:
                     task.cancel()

@@ -192,23 +192,24 @@ def dead_letter_message(
     Headers the broker would refuse (too large for a frame once the reason is added,
     values it cannot carry) are left out, and ``x-qosmq-headers-dropped`` says why:
     a copy that cannot be published would send the original back to its handler."""
-    def kept(value: str | None) -> str | None:  # every property that decodes travels on
+
+    def decoded(value: str | None) -> str | None:  # every property that decodes travels on
         return value if _text_ok(value) else None
 
     stamp = delivery.timestamp
-    reply_to = kept(delivery.reply_to)
+    reply_to = decoded(delivery.reply_to)
     copy = OutgoingMessage(
         body=delivery.body,
         exchange=exchange,
         routing_key=_escaped(delivery.queue)[:255],
-        message_id=kept(delivery.message_id) or new_message_id(),
+        message_id=decoded(delivery.message_id) or new_message_id(),
         headers=dead_letter_headers(delivery, reason),
         persistent=True,
         priority=delivery.priority,
         # the bare pseudo-queue would ask the broker for this channel's own reply address
         reply_to=None if reply_to == "amq.rabbitmq.reply-to" else reply_to,
-        correlation_id=kept(delivery.correlation_id),
-        content_type=kept(delivery.content_type),
+        correlation_id=decoded(delivery.correlation_id),
+        content_type=decoded(delivery.content_type),
         timestamp=stamp if stamp is not None and 0 <= stamp <= _LAST_SECOND else None,
     )
     try:
