@@ -9,11 +9,12 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
-from ..errors import MessageRefused
+from ..errors import LinkDown, MessageRefused, MiddlewareError
 from ..settings import ConfirmSettings
 from ..transport.aio import AsyncClient, AsyncHandler
 from ..transport.delivery import Delivery, Outcome
 from ..transport.message import OutgoingMessage
+from ..transport.translate import translate_aio
 from .core import ConsumerCore, PublisherCore, Settled, new_batcher
 from .modes import ConfirmMode
 from .tracking import Receipt
@@ -108,6 +109,60 @@ class AsyncConfirmPublisher:
             try:
                 await self.client.publish(message, confirm=False)
                 await future
+            finally:
+                self._futures.pop(message.message_id, None)
+                self.core.forget(message.message_id)
+
+    async def publish_held(
+        self,
+        body: bytes,
+        *,
+        hold_s: float,
+        taken_within: float,
+        exchange: str = "",
+        routing_key: str = "",
+        message_id: str | None = None,
+        expect: Iterable[str] | None = None,
+    ) -> bool:
+        """An e2e publish whose receipts are waited for ``hold_s`` at most (``pace.py``):
+        True when every expected queue answered in time; False when the time passed and
+        the broker holds the message (within ``taken_within`` seconds), which is then
+        neither resent nor waited for.  Raises ``NegativeReceipt`` for a refusal in time,
+        ``LinkDown`` when the broker did not take it within ``taken_within``, or the
+        publish's own error."""
+        if not self.core.profile.receipts:
+            raise ValueError(f"publish_held needs an e2e mode, not {self.mode}")
+        async with self._window:
+            message = self.core.prepare(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                headers=None,
+                message_id=message_id,
+                expect=expect,
+                priority=None,
+            )
+            future = asyncio.get_running_loop().create_future()
+            self._futures[message.message_id] = future
+            try:
+                taken = await self.client.publish_watched(message)
+                if hold_s > 0:
+                    await asyncio.wait({future}, timeout=hold_s)
+                if future.done():
+                    future.result()  # a refusal raises
+                    return True
+                try:
+                    await asyncio.wait_for(taken, taken_within)
+                except TimeoutError:
+                    raise LinkDown(
+                        f"message {message.message_id}: the broker did not take it within "
+                        f"{taken_within} s"
+                    ) from None
+                except MiddlewareError:
+                    raise
+                except Exception as exc:
+                    raise translate_aio(exc) from exc
+                return future.done() and future.exception() is None
             finally:
                 self._futures.pop(message.message_id, None)
                 self.core.forget(message.message_id)

@@ -29,7 +29,7 @@ from ..errors import DeadLetter, LinkDown, MiddlewareError, NotConnected, Retrya
 from ..recovery import flood
 from ..recovery.links import LinkTable, Started
 from .ids import RoleId
-from .messages import Found, Message, Probe, RoutedMessage
+from .messages import Copy, Found, Message, Probe, RoutedMessage
 
 if TYPE_CHECKING:
     from ..transport import AsyncClient
@@ -98,7 +98,7 @@ class Detours:
 
     # ------------------------------------------------------------------ forwarding
     async def forward(
-        self, dest: str, message: RoutedMessage, priority: int
+        self, dest: str, message: RoutedMessage | Copy, priority: int
     ) -> tuple[str, ...] | None:
         """Send ``message`` to ``dest``'s routing master: directly, over a detour, or
         (no way known yet) once one is; the path it took (``dest`` last).  None: ``dest``
@@ -121,9 +121,7 @@ class Detours:
             onward = message.model_copy(update={"via": [*path[1:], *message.via]})
             inbox = RoleId.router(hop).inbox(self.prefix)
             try:  # connecting, declaring and confirming together stay within the bound
-                await asyncio.wait_for(
-                    self._send(hop, inbox, onward, priority), 2 * self.topology.link_timeout_s
-                )
+                await self._sent_unless_down(hop, self._send(hop, inbox, onward, priority))
             except LINK_ERRORS as exc:
                 self._count("link_failures", 1)
                 if hop not in self.table.down:
@@ -134,6 +132,33 @@ class Detours:
             if len(path) > 1:
                 self._count("detoured", 1)
             return tuple(path)
+
+    async def _sent_unless_down(self, hop: str, send: Awaitable[None]) -> None:
+        """``send`` within the bound, unless ``hop`` is found down meanwhile by another
+        send or a neighbour check: a forward already waiting on a silent link then takes
+        the detour at once (it waited out the whole bound before, its inbox slot held,
+        and so did every message behind it).  What it had sent may still arrive: the
+        owner routes an event id once and e2e subscribers drop a copy they have."""
+        sending = asyncio.ensure_future(send)
+        sending.add_done_callback(lambda task: task.cancelled() or task.exception())
+        deadline = asyncio.get_running_loop().time() + 2 * self.topology.link_timeout_s
+        try:
+            while True:
+                changed = asyncio.ensure_future(self._changed.wait())
+                left = deadline - asyncio.get_running_loop().time()
+                done, _ = await asyncio.wait(
+                    {sending, changed}, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                changed.cancel()
+                if sending in done:
+                    return sending.result()
+                if not done:
+                    raise TimeoutError
+                if hop in self.table.down:
+                    raise LinkDown(f"{hop} found down meanwhile")
+        finally:
+            if not sending.done():
+                sending.cancel()
 
     async def publish(self, client: AsyncClient, send: Callable[[], Awaitable[None]]) -> None:
         """One AMQP publish to another cluster: fail fast when its connection is down
@@ -311,6 +336,20 @@ class Detours:
             self._start(self.table.failed(dest, dest, time.monotonic()))
             self._wake()
         return down
+
+    def reported_down(self, dest: str) -> None:
+        """Another role of this cluster could not reach ``dest``'s RabbitMQ (a match
+        broker's copy): taken as a failed link now, as a failed check is, so the copies
+        it hands over do not wait out the same timeout once more."""
+        if self.shared(dest) or dest in self.table.down or self.table.flooding(dest):
+            return
+        if dest not in self.table.ring.clusters:
+            return
+        log.warning(
+            "%s -> %s: reported unreachable by a match broker; flooding", self.cluster, dest
+        )
+        self._start(self.table.failed(dest, dest, time.monotonic()))
+        self._wake()
 
     async def _answers(self, dest: str) -> bool:
         """A round trip to ``dest``'s routing master's inbox over the direct link."""

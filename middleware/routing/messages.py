@@ -29,6 +29,7 @@ __all__ = [
     "Beat",
     "Configure",
     "Confirmation",
+    "Copy",
     "Fence",
     "Found",
     "Handover",
@@ -115,6 +116,21 @@ class Publish(Routed):
     kind: Literal[Kind.PUBLISH] = Kind.PUBLISH
     event: Event
     broker: str | None = None  # the match broker that matched it (on delivery)
+
+
+class Copy(Routed):
+    """One matched event's copy for one subscriber queue, on its way to the routing
+    master of the queue's home cluster, which puts it in the queue (a match broker that
+    cannot reach that home directly hands it to its own routing master)."""
+
+    kind: Literal[Kind.COPY] = Kind.COPY
+    home: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    queue: str = Field(min_length=1)
+    confirm: Literal["broker", "e2e"] = "broker"
+    copy_id: str | None = Field(None, min_length=1, max_length=200)
+    publish: Publish  # what the subscriber receives (stamped with the matching broker)
+    #: the match broker could not reach the home directly: the routers' link may be down
+    unreachable: bool = False
 
 
 class Heartbeat(_Message):
@@ -396,7 +412,8 @@ Message = Annotated[
     | Leave
     | Recover
     | Recovered
-    | Matched,
+    | Matched
+    | Copy,
     Field(discriminator="kind"),
 ]
 _ONE: TypeAdapter[Message] = TypeAdapter(Message)

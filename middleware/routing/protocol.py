@@ -46,6 +46,7 @@ class Kind(StrEnum):
     RECOVER = "recover"  # the departed's successor's router -> its match masters: restore
     RECOVERED = "recovered"  # a match master -> that router: restored (how many)
     MATCHED = "matched"  # the owner's match roles -> the entry router: these events are done
+    COPY = "copy"  # a match broker -> routers -> a subscriber's home router: one copy
 
 
 class ClusterSpec(BaseModel):
@@ -134,6 +135,18 @@ class PhoenixTopology(BaseModel):
     #: there until its owner says it was matched (routed again if the owner leaves);
     #: at most this long (a lost ``Matched`` costs memory only this long)
     keep_unmatched_s: float = Field(60.0, gt=0, le=3600)
+    #: deliveries (docs/phoenix.md, "What a subscriber can count on"): an e2e copy's
+    #: receipt is waited for ``e2e_hold_s`` at most; past it the copy counts once the
+    #: subscriber's broker holds it, and that subscriber's next copies wait only for its
+    #: broker (one probe copy every ``e2e_probe_s`` waits again), and at most
+    #: ``e2e_window`` copies of one subscriber wait for receipts at a time, so a
+    #: subscriber that stops consuming holds up no other.  A copy whose home cannot be
+    #: reached directly within ``link_timeout_s`` is handed to the match broker's own
+    #: routing master, which carries it to the home's routing master over the ring's
+    #: links and detours
+    e2e_hold_s: float = Field(2.0, ge=0, le=3600)
+    e2e_probe_s: float = Field(1.0, gt=0, le=3600)
+    e2e_window: int = Field(4, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _links_between_clusters(self) -> PhoenixTopology:

@@ -53,8 +53,7 @@ from prometheus_client import Gauge, Histogram
 from pydantic import ValidationError
 
 from .. import heap
-from ..confirms.aio import AsyncConfirmPublisher
-from ..errors import DeadLetter, MiddlewareError, RetryableError, Unroutable
+from ..errors import DeadLetter, LinkDown, MiddlewareError, RetryableError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
 from ..recovery.fencing import Reign, Trust, Verdict
@@ -64,6 +63,7 @@ from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, Queue
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
 from .beats import Beater, LeaseWatch
+from .delivery import CopySender, Outcome
 from .detours import LINK_ERRORS, Detours
 from .ids import RoleId, RoleKind
 from .matching import FilterError
@@ -74,6 +74,7 @@ from .messages import (
     Beat,
     Configure,
     Confirmation,
+    Copy,
     Fence,
     Found,
     Handover,
@@ -220,18 +221,47 @@ class Connections:
         self.process_queue = f"{topology.prefix}.process.{uuid.uuid4().hex[:16]}"
         self._clients: dict[str, AsyncClient] = {}  # one per RabbitMQ and vhost
         self._cluster_clients: dict[str, AsyncClient] = {}  # cluster -> its client
+        self._connecting: dict[str, asyncio.Future[AsyncClient]] = {}  # key -> first connect
 
     async def client_for(self, cluster: str) -> AsyncClient:
         client = self._cluster_clients.get(cluster)  # the hot path: every forward, delivery
-        if client is None:
-            key, settings = cluster_settings(self.settings, self.topology, cluster, self.home)
-            if key not in self._clients:
-                self._clients[key] = await AsyncClient(settings=settings).connect()
-            client = self._cluster_clients[cluster] = self._clients[key]
+        if client is not None:
+            return client
+        key, settings = cluster_settings(self.settings, self.topology, cluster, self.home)
+        if key not in self._connecting:  # one connection per RabbitMQ and vhost, however
+            self._connecting[key] = asyncio.ensure_future(self._connect(key, settings))
+        client = await asyncio.shield(self._connecting[key])  # many sends ask at once
+        self._cluster_clients[cluster] = client
+        return client
+
+    async def _connect(self, key: str, settings: Settings) -> AsyncClient:
+        """The first connection to a RabbitMQ: when no node answers (a link cut before
+        this process ever used it), the client is kept and goes on connecting in the
+        background, so that later sends find it (not ``ready`` until it connects) instead
+        of each starting a connection of its own; this first caller hears why."""
+        client = AsyncClient(settings=settings)
+        try:
+            await client.connect()
+        except RetryableError:
+            client.reconnect_in_background()
+            self._clients[key] = client
+            self._cluster_clients.update(
+                (c.id, client)
+                for c in self.topology.clusters
+                if cluster_settings(self.settings, self.topology, c.id, self.home)[0] == key
+            )
+            raise
+        except BaseException:
+            del self._connecting[key]  # a permanent error (refused): the next asks again
+            raise
+        self._clients[key] = client
         return client
 
     async def close(self) -> None:
         clients, self._clients, self._cluster_clients = self._clients, {}, {}
+        for connecting in self._connecting.values():
+            connecting.cancel()
+        self._connecting = {}
         for client in clients.values():
             await client.close()
 
@@ -316,6 +346,8 @@ class _Role:
         client = await self.client_for(cluster)
         # a process queue (a reply: ack, snapshot) is its process's: never declared here
         if inbox not in client.topology.queues and not self._is_process_queue(inbox):
+            if cluster != self.cluster and not client.ready:  # fail fast, as a send would:
+                raise LinkDown(f"no connection to cluster {cluster}'s RabbitMQ")  # (detours)
             await client.declare_queue(inbox_spec(inbox))
         # with the others sent to the same inbox and priority in this loop turn
         self.count("sent")
@@ -1472,6 +1504,8 @@ class RouterMaster(_Role):
             on_unreachable=self._suspect,
         )
         self._spec = self.topology.cluster(self.cluster)
+        #: copies carried here for this cluster's subscribers (``_on_copy``)
+        self.copies = CopySender(topology=self.topology, client_for=self.client_for)
         #: departed clusters whose arc this router took over: (arc, restored)
         self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
         #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
@@ -1506,6 +1540,9 @@ class RouterMaster(_Role):
             body, "", inbox, content_type="application/json", priority=priority
         )
         await self.detours.publish(client, lambda: client.publish(message, retry=False))
+
+    async def finish(self) -> None:
+        await self.copies.close()
 
     async def prepare(self) -> None:
         table = await self.replicas.read(self.topology.read_timeout_s)
@@ -1584,7 +1621,7 @@ class RouterMaster(_Role):
     @functools.cached_property
     def inbox_handlers(self) -> dict[type, Handler]:
         routed = (Advertise, Subscribe, Unsubscribe, Unsubscribed, Publish)
-        return {Join: self._on_join, **dict.fromkeys(routed, self._route)}
+        return {Join: self._on_join, Copy: self._on_copy, **dict.fromkeys(routed, self._route)}
 
     def urgency(self, message: Message) -> int:
         return self.logic.priority(message) if isinstance(message, Routed) else 0
@@ -1650,15 +1687,43 @@ class RouterMaster(_Role):
 
         self._background(route_again())
 
-    async def _relay(self, message: RoutedMessage) -> None:
+    async def _on_copy(self, message: Copy) -> None:
+        """A copy for a subscriber queue: put it in the queue when its home is this
+        cluster, else carry it toward the home's routing master (over a detour when the
+        direct link failed, as routed events are).  Acked only once it is on."""
+        if message.via:
+            await self._relay(message)
+            return
+        if message.home == self.cluster:
+            body = encode(message.publish)
+            result = await self.copies.put(
+                message.home, message.queue, message.confirm, body, message.copy_id, local=True
+            )
+            self.count(f"carried_copies_{result.outcome.value}")
+            return
+        self.count("copies_carried")
+        if message.unreachable and not message.hops:  # from a match broker of this cluster
+            self.detours.reported_down(message.home)
+        onward = message.model_copy(update={"hops": [self.cluster]})
+        if not await self.detours.forward(message.home, onward, message.priority):
+            raise DeadLetter(f"subscriber home cluster left the ring: {message.home}")
+
+    async def _relay(self, message: RoutedMessage | Copy) -> None:
         step = self.logic.relay(message)
         if not isinstance(step, Forward):  # a path naming this cluster again: on from here
-            await self._route(step)
+            if isinstance(step, Copy):
+                await self._on_copy(step)
+            else:
+                await self._route(step)
             return
         self.count("relayed")
         if not await self.detours.forward(step.cluster, step.message, step.priority):
             self.count("rerouted")  # the hop left the ring: the ring goes on from here
-            await self._route(message.model_copy(update={"via": []}))
+            again = message.model_copy(update={"via": []})
+            if isinstance(again, Copy):
+                await self._on_copy(again)
+            else:
+                await self._route(again)
 
     async def _taken_over(self, event_type: str) -> bool:
         """An event type of an arc this router took over from a departed cluster waits
@@ -2068,8 +2133,7 @@ class _MatchBroker(_Role):
         self.owner = self.id.owner  # subscriptions are the master's
         self.registry = Registry(self.cluster)  # records, indexed; where matches go
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
-        self._e2e: dict[AsyncClient, AsyncConfirmPublisher] = {}  # one per connection
-        self._e2e_lock = asyncio.Lock()
+        self.copies = CopySender(topology=self.topology, client_for=self.client_for)
         #: clusters that left the ring: deliveries to their subscribers are dead-lettered
         self.departed: set[str] = set()
         #: ids of events matched here, by the cluster they entered the ring at, until
@@ -2161,40 +2225,54 @@ class _MatchBroker(_Role):
         self._receipts.add(task)
         task.add_done_callback(self._receipts.discard)
 
-    async def _e2e_publisher(self, home: str) -> AsyncConfirmPublisher:
-        client = await self.client_for(home)
-        async with self._e2e_lock:  # one publisher (one reply listener) per RabbitMQ
-            if client not in self._e2e:
-                self._e2e[client] = await AsyncConfirmPublisher(client, mode="e2e").start()
-        return self._e2e[client]
-
     async def _deliver(self, message: Publish, matched: set[str]) -> None:
         """One copy per subscriber queue, however many of its subscriptions matched, on
-        the RabbitMQ of the subscriber's own cluster; the copies are confirmed together
-        (e2e subscriptions: once the subscriber handled it)."""
-        body = encode(message.model_copy(update={"broker": self.name}))
+        the RabbitMQ of the subscriber's own cluster, each with its own outcome
+        (``delivery.py``): a copy whose home cannot be reached now is handed to this
+        cluster's routing master, which carries it there over the ring; one subscriber
+        never costs another its copy."""
+        stamped = message.model_copy(update={"broker": self.name})
+        body = encode(stamped)
         copies = self.registry.copies(matched, self.departed)
         queues, gone = copies.queues, copies.departed
-        sends = []
-        for (home, queue), confirm in queues.items():
-            if confirm == "e2e":
-                publisher = await self._e2e_publisher(home)
-                # one id per (event, queue): a copy sent again (the event handled again
-                # after a match master's death) is suppressed by the subscriber's filter
-                copy_id = None if message.id is None else f"{message.id}:{_short(queue)}"
-                sends.append(
-                    publisher.publish(body, routing_key=queue, expect=[queue], message_id=copy_id)
-                )
-            else:
-                outgoing = OutgoingMessage(body, "", queue, content_type="application/json")
-                sends.append((await self.client_for(home)).publish(outgoing))
-        results = await asyncio.gather(*sends, return_exceptions=True)
-        for (home, queue), result in zip(queues, results, strict=True):
-            if isinstance(result, Unroutable):
+
+        def copy_id(queue: str) -> str | None:
+            # one id per (event, queue): a copy sent again (the event handled again after
+            # a match master's death) is suppressed by the subscriber's filter
+            return None if message.id is None else f"{message.id}:{_short(queue)}"
+
+        outcomes = await asyncio.gather(
+            *(
+                self.copies.put(home, queue, confirm, body, copy_id(queue))
+                for (home, queue), confirm in queues.items()
+            )
+        )
+        for ((home, queue), confirm), result in zip(queues.items(), outcomes, strict=True):
+            self.count(f"copies_{result.outcome.value}")
+            if result.outcome is Outcome.GONE:
                 log.warning("subscriber queue %s of cluster %s is gone", queue, home)
-            elif isinstance(result, BaseException):
-                raise result  # not settled: the inbox delivery is dead-lettered with why
-            else:
+            elif result.outcome is Outcome.UNREACHABLE:
+                carried = Copy(
+                    event_type=message.event_type,
+                    home=home,
+                    queue=queue,
+                    confirm="e2e" if confirm == "e2e" else "broker",
+                    copy_id=copy_id(queue),
+                    publish=stamped,
+                    priority=message.priority,
+                    unreachable=True,
+                )
+                # this cluster's own RabbitMQ: a failure here leaves the event unacked
+                router = self.inbox_of(RoleId.router(self.cluster))
+                await self.send(self.cluster, router, carried, message.priority)
+                log.info(
+                    "%s: copy for %s at %s carried by the ring (%s)",
+                    self.name,
+                    queue,
+                    home,
+                    result.reason,
+                )
+            if result.outcome in (Outcome.DELIVERED, Outcome.TAKEN):
                 self.count("delivered")
         if gone:  # after the others' copies went out: not lost, kept with why
             self.count("home_departed", len(gone))
@@ -2205,9 +2283,7 @@ class _MatchBroker(_Role):
         return self.id.owner
 
     async def finish(self) -> None:
-        publishers, self._e2e = self._e2e, {}
-        for publisher in publishers.values():
-            await publisher.close()
+        await self.copies.close()
 
     async def _observe(self, inbox: str, stop: asyncio.Event) -> None:
         """Every window: read the inbox backlog from the broker, close the predictor's

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeadLetter
-from .messages import Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
+from .messages import Copy, Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
 from .protocol import PhoenixTopology
 from .records import LatencyEntry, RecordError
 from .ring import ChordRing, Handover, ring_id
@@ -45,7 +45,7 @@ class Forward:
     """Send ``message`` to ``cluster``'s routing master with ``priority``."""
 
     cluster: str
-    message: RoutedMessage
+    message: RoutedMessage | Copy
     priority: int
 
 
@@ -54,7 +54,7 @@ class ToMatch:
     """Hand ``message`` to this cluster's match master ``index``."""
 
     index: int
-    message: RoutedMessage
+    message: RoutedMessage | Copy
     priority: int
 
 
@@ -101,7 +101,7 @@ class RouterLogic:
             self.latency.entries[event_type] = (entry.level_sum, entry.count)
         return refused
 
-    def priority(self, message: RoutedMessage) -> int:
+    def priority(self, message: RoutedMessage | Copy) -> int:
         """The latency level's priority: the highest any router on the path knows."""
         if not self.topology.outer:
             return 0
@@ -140,7 +140,7 @@ class RouterLogic:
         # (over a take-over's P for an adopted arc's types)
         return ToMatch(ring_id(et) % self.masters_for(et), message, message.priority)
 
-    def relay(self, message: RoutedMessage) -> Forward | RoutedMessage:
+    def relay(self, message: RoutedMessage | Copy) -> Forward | RoutedMessage | Copy:
         """A message on a detour: ``Forward`` to the next hop of its path, or the message
         to route from here (the path named this cluster)."""
         hop, rest = message.via[0], message.via[1:]

@@ -507,6 +507,26 @@ class AsyncClient:
                 raise translate_aio(exc) from exc
         metrics.PUBLISHED_UNCONFIRMED.inc()
 
+    async def publish_watched(self, message: OutgoingMessage) -> asyncio.Future[None]:
+        """An unconfirmed publish (it leaves as ``publish(confirm=False)`` does) whose
+        broker answer is handed back: the future resolves when the broker took it, or
+        raises ``PublishNacked`` (the layer sends it again itself) or the reason its
+        channel closed.  For callers that wait for something else first (an e2e receipt)
+        and want to know, once they stop waiting, that the broker holds the message."""
+        check_message(message, self.limits)
+        if is_reply(message) and not self._sends_own_replies:
+            replies = await self._reply_sender()
+            return await replies.publish_watched(message)
+        async with self._window:
+            live = await self._await_live()
+            try:
+                answer = await live.replies.send(message, wait=True)
+            except Exception as exc:
+                raise translate_aio(exc) from exc
+        metrics.PUBLISHED_UNCONFIRMED.inc()
+        assert answer is not None
+        return answer
+
     def publish_nowait(
         self, message: OutgoingMessage, *, confirm: bool = True
     ) -> asyncio.Future[None]:

@@ -51,6 +51,7 @@ class _Channel:
     #: publishes whose sender waits for the broker's answer (``send(wait=True)``)
     waiting: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     closing: bool = False  # closed by the layer (retired, or the connection went)
+    replying: bool = False  # consuming direct reply-to (once: a second consume closes it)
 
 
 class WatchedReplies:
@@ -81,10 +82,22 @@ class WatchedReplies:
         self._current = await self._new_channel()
 
     async def listen(self, on_reply: ReplyCallback) -> None:
-        """Consume direct reply-to on the channel in use, and on every later one."""
+        """Consume direct reply-to on the channel in use, and on every later one (once
+        each, however often asked: a listener added while the connection came back finds
+        the replies already consumed, and a second consume would close the channel with
+        "reply consumer already set")."""
         self._on_reply = on_reply
-        current = await self._usable()
-        await current.underlay.basic_consume(REPLY_TO, on_reply, no_ack=True)
+        await self._replies_on(await self._usable())
+
+    async def _replies_on(self, holder: _Channel) -> None:
+        if self._on_reply is None or holder.replying:
+            return
+        holder.replying = True
+        try:
+            await holder.underlay.basic_consume(REPLY_TO, self._on_reply, no_ack=True)
+        except BaseException:
+            holder.replying = False
+            raise
 
     def close(self) -> None:
         """The connection is going: forget what was owed, stop the timers."""
@@ -107,6 +120,7 @@ class WatchedReplies:
         if not wait:
             return None
         answer = holder.waiting[tag] = asyncio.get_running_loop().create_future()
+        answer.add_done_callback(_retrieved)  # a caller may stop waiting for it
         return answer
 
     async def _usable(self) -> _Channel:
@@ -117,8 +131,7 @@ class WatchedReplies:
             holder = self._current
             if holder is None or not holder.ledger.current or holder.channel.is_closed:
                 holder = self._current = await self._new_channel()
-                if self._on_reply is not None:
-                    await holder.underlay.basic_consume(REPLY_TO, self._on_reply, no_ack=True)
+                await self._replies_on(holder)
             return holder
 
     async def _new_channel(self) -> _Channel:
@@ -201,3 +214,8 @@ class WatchedReplies:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _retrieved(answer: asyncio.Future[None]) -> None:
+    if not answer.cancelled():
+        answer.exception()

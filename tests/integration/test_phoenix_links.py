@@ -173,11 +173,16 @@ class Links:
             while await at_y_client.get(self.queue) is not None:
                 pass
 
-    async def stream(self, seconds: float, faults: list[tuple[float, str]]):
-        """Publish RATE events/s at A for ``seconds``, applying ``faults`` to A<->X (at
-        t: "cut", "blackhole" — connections stay open, nothing passes — or "heal"); return
-        the arrivals (n, wall clock) in order, how many were published, and each fault
-        applied: (what, wall clock, events published before it)."""
+    async def stream(
+        self,
+        seconds: float,
+        faults: list[tuple[float, str]],
+        between: tuple[str, str] | None = None,
+    ):
+        """Publish RATE events/s at A for ``seconds``, applying ``faults`` to A<->X (or to
+        ``between``) (at t: "cut", "blackhole" — connections stay open, nothing passes —
+        or "heal"); return the arrivals (n, wall clock) in order, how many were published,
+        and each fault applied: (what, wall clock, events published before it)."""
         arrivals: list[tuple[int, float]] = []
         done = asyncio.Event()
 
@@ -205,7 +210,7 @@ class Links:
                 while pending and time.monotonic() - start >= pending[0][0]:
                     _, what = pending.pop(0)
                     applied.append((what, time.time(), published))
-                    getattr(self, what)("A", self.x)
+                    getattr(self, what)(*(between or ("A", self.x)))
                 await at_a.publish({"event_type": self.event_type, "attributes": {"n": published}})
                 published += 1
                 await asyncio.sleep(1 / RATE)

@@ -1,0 +1,170 @@
+"""Putting one matched event's copy into one subscriber queue: the driver both a match
+broker (directly) and a subscriber's home routing master (a copy carried over the ring)
+use.
+
+Each copy has an outcome of its own, so one subscriber never costs another its copy:
+
+- ``DELIVERED``: the broker confirmed it (broker-confirmed subscriptions) or the
+  subscriber's handler took it in time (e2e);
+- ``TAKEN``: e2e, the receipt did not come within the hold, the subscriber's broker
+  holds the copy (``confirms/pace.py``: that queue lags, its next copies wait only for
+  its broker);
+- ``GONE``: the queue does not exist (the subscriber deleted it);
+- ``REFUSED``: the subscriber's handler rejected it (it dead-lettered it itself);
+- ``UNREACHABLE``: the home's RabbitMQ did not take it within ``link_timeout_s`` (a cut
+  or silent link, a failover): the caller hands the copy on (a match broker to its own
+  routing master, which carries it around the failed link).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ..confirms.aio import AsyncConfirmPublisher
+from ..confirms.pace import QueuePace
+from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
+from ..transport import AsyncClient, OutgoingMessage
+from .protocol import PhoenixTopology
+
+__all__ = ["CopyOutcome", "CopySender", "Outcome"]
+
+log = logging.getLogger(__name__)
+#: what a copy's send raises when its home, not the copy, is at fault
+HOME_ERRORS = (RetryableError, NotConnected, TimeoutError)
+
+
+class Outcome(enum.Enum):
+    DELIVERED = "delivered"
+    TAKEN = "taken"
+    GONE = "gone"
+    REFUSED = "refused"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOutcome:
+    outcome: Outcome
+    reason: str = ""
+
+
+class CopySender:
+    """One role's copies into subscriber queues (one e2e publisher per connection)."""
+
+    def __init__(
+        self,
+        *,
+        topology: PhoenixTopology,
+        client_for: Callable[[str], Awaitable[AsyncClient]],
+    ) -> None:
+        self.topology = topology
+        self.client_for = client_for
+        self.pace = QueuePace(
+            hold_s=topology.e2e_hold_s, probe_s=topology.e2e_probe_s, window=topology.e2e_window
+        )
+        self._e2e: dict[AsyncClient, AsyncConfirmPublisher] = {}
+        self._lock = asyncio.Lock()
+        #: homes a copy could not reach: when a copy may try the direct way again (one
+        #: every ``link_retry_s``); meanwhile their copies go to the ring at once instead
+        #: of each waiting ``link_timeout_s`` with an inbox slot held
+        self._down: dict[str, float] = {}
+
+    async def put(
+        self,
+        home: str,
+        queue: str,
+        confirm: str,
+        body: bytes,
+        copy_id: str | None,
+        *,
+        local: bool = False,
+    ) -> CopyOutcome:
+        """Send one copy and say how it ended (never raises for its home's faults).
+        ``local``: the home is this role's own cluster (a routing master putting a copy
+        the ring carried to it): no link bound, the transport's own retries, and a
+        failure raises (the copy's delivery stays unacked)."""
+        bound = None if local else self.topology.link_timeout_s
+        if not local and not self._may_try(home, time.monotonic()):
+            return CopyOutcome(Outcome.UNREACHABLE, f"cluster {home} unreachable a moment ago")
+        try:
+            client = await asyncio.wait_for(self.client_for(home), bound)
+            if not local and not client.ready:
+                raise LinkDown(f"no connection to cluster {home}'s RabbitMQ (failing over)")
+            if confirm == "e2e":
+                return await self._e2e_copy(client, home, queue, body, copy_id, bound)
+            message = OutgoingMessage(body, "", queue, content_type="application/json")
+            await asyncio.wait_for(client.publish(message), bound)
+            self._down.pop(home, None)
+            return CopyOutcome(Outcome.DELIVERED)
+        except Unroutable:
+            return CopyOutcome(Outcome.GONE, f"subscriber queue {queue} is gone")
+        except NegativeReceipt as exc:
+            return CopyOutcome(Outcome.REFUSED, str(exc))
+        except HOME_ERRORS as exc:
+            if local:
+                raise
+            self._down[home] = time.monotonic() + self.topology.link_retry_s
+            return CopyOutcome(Outcome.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+
+    def _may_try(self, home: str, now: float) -> bool:
+        """Whether a copy to ``home`` tries the direct way (a home not known down, or
+        the one probe of a down home every ``link_retry_s``)."""
+        due = self._down.get(home)
+        if due is None:
+            return True
+        if now < due:
+            return False
+        self._down[home] = now + self.topology.link_retry_s
+        return True
+
+    async def _e2e_copy(
+        self,
+        client: AsyncClient,
+        home: str,
+        queue: str,
+        body: bytes,
+        copy_id: str | None,
+        bound: float | None,
+    ) -> CopyOutcome:
+        publisher = await self._publisher(client)
+        hold = self.pace.hold(queue, time.monotonic())
+        try:
+            in_time = await publisher.publish_held(
+                body,
+                hold_s=hold,
+                taken_within=client.settings.publish_timeout if bound is None else bound,
+                routing_key=queue,
+                expect=[queue],
+                message_id=copy_id,
+            )
+        finally:
+            if hold > 0:
+                self.pace.released(queue)
+        self._down.pop(home, None)
+        if in_time:
+            self.pace.receipted(queue)
+            return CopyOutcome(Outcome.DELIVERED)
+        if hold > 0:
+            log.info("subscriber queue %s: no receipt within %.1f s: lagging", queue, hold)
+            self.pace.overdue(queue, time.monotonic())
+        return CopyOutcome(Outcome.TAKEN)
+
+    async def _publisher(self, client: AsyncClient) -> AsyncConfirmPublisher:
+        publisher = self._e2e.get(client)
+        if publisher is not None:
+            return publisher
+        async with self._lock:  # one publisher (one reply listener) per connection
+            if client not in self._e2e:
+                started = AsyncConfirmPublisher(client, mode="e2e")
+                await started.start()  # a failed start leaves nothing registered
+                self._e2e[client] = started
+        return self._e2e[client]
+
+    async def close(self) -> None:
+        publishers, self._e2e = self._e2e, {}
+        for publisher in publishers.values():
+            await publisher.close()

@@ -1,0 +1,157 @@
+"""A match broker's deliveries under faults: each copy has its own outcome.
+
+Across a failed link (three clusters on vhosts of their own, every directed link through
+a TCP proxy of the test's): the owner X's match broker cannot reach the subscriber's
+home Y, so it hands Y's copies to X's routing master, which carries them to Y's routing
+master over a detour (X -> A -> Y) as it carries routed events; a second subscriber,
+homed at A, is not touched.  Before, a copy to an unreachable home dead-lettered the
+whole event (no subscriber got it) or waited for the heal.
+
+A subscriber that stops consuming: its e2e copies wait in its queue, and the other
+subscribers of the same match broker go on at their pace (before, every event waited
+~20 s for that subscriber's receipts, and the others with it).
+
+Every count is the test's own: events published, copies found in each queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import pytest
+
+from middleware.errors import EntityNotFound
+from middleware.routing.client import PhoenixClient
+from middleware.routing.ids import RoleId
+from middleware.transport import DEAD_LETTER_QUEUE, AsyncClient
+from tests.integration.phoenix_support import owned_by, running
+from tests.integration.test_phoenix_links import RATE, links  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow, pytest.mark.chaos]
+
+
+async def _count_at(settings, queue: str, done: asyncio.Event, arrivals: list) -> None:
+    async with AsyncClient(settings=settings) as client:
+        while True:
+            d = await client.get(queue)
+            if d is None:
+                if done.is_set():
+                    return
+                await asyncio.sleep(0.005)
+                continue
+            arrivals.append((json.loads(d.body)["event"]["attributes"]["n"], time.time()))
+
+
+def _all_once(arrivals, published: int) -> int:
+    """Every event arrived; how many more than once."""
+    got = [n for n, _ in arrivals if n >= 0]
+    missing = sorted(set(range(published)) - set(got))
+    assert not missing, f"{len(missing)} of {published} events lost: {missing[:20]}"
+    return len(got) - len(set(got))
+
+
+@pytest.mark.parametrize("fault", ["cut", "blackhole"])
+def test_copies_to_a_home_behind_a_failed_link_are_carried_around_it(links, fault) -> None:  # noqa: F811
+    x, y = links.x, links.y
+    at_a_queue = f"{links.name}.at-a"
+
+    async def scenario():
+        async with AsyncClient(settings=links.cluster("A")) as client:
+            at_a = PhoenixClient(client, topology=links.topology, cluster="A")
+            await at_a.subscribe(links.event_type, [("n", ">=", 0)], 1, at_a_queue, wait_s=60)
+        done = asyncio.Event()
+        at_a_arrivals: list = []
+        counter = asyncio.create_task(
+            _count_at(links.cluster("A"), at_a_queue, done, at_a_arrivals)
+        )
+        # X's roles reach Y's RabbitMQ through proxies[X, Y]: that link fails, both ways
+        arrivals, published, applied = await links.stream(
+            6.0, [(1.5, fault), (4.5, "heal")], between=(x, y)
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len({n for n, _ in at_a_arrivals}) < published:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        done.set()
+        await counter
+        return arrivals, at_a_arrivals, published, applied
+
+    arrivals, at_a_arrivals, published, applied = asyncio.run(scenario())
+    # both subscribers are broker-confirmed: a copy whose confirm the fault swallowed
+    # may come twice (an e2e subscriber's filter drops such a copy), none may be lost
+    twice_at_y = _all_once(arrivals, published)  # behind the failed link
+    assert _all_once(at_a_arrivals, published) == 0  # at A: untouched
+    (_, failed_at, before), (_, _healed, after) = applied
+    # each copy's delay from its event's publish (at RATE/s from the fault on), for the
+    # events published while the link was down
+    first = {}
+    for n, t in arrivals:
+        first.setdefault(n, t)
+    delays = sorted(
+        first[n] - (failed_at + (n - before) / RATE) for n in range(before, after) if n in first
+    )
+    p50, p99 = delays[len(delays) // 2], delays[int(0.99 * (len(delays) - 1))]
+    matcher_log = links.deployment.log_file(RoleId.match(x, 0)).read_text()
+    assert f"at {y} carried by the ring" in matcher_log, matcher_log[-3000:]
+    print(
+        f"\n{fault} {x}<->{y}: {published} events, 0 lost at {y} and at A; copies to {y} "
+        f"published during the fault: p50 {p50:.3f} s, p99 {p99:.3f} s, max {delays[-1]:.3f} s"
+        f"; {twice_at_y} twice at {y}"
+    )
+    # carried around the failed link while it was down, in about the time a routed
+    # event takes to find its detour: not held until the heal (3 s here)
+    bound = links.topology.link_timeout_s + 1.0
+    assert p99 < bound, f"cross-link copies p99 {p99:.2f} s (bound {bound} s)"
+
+
+def test_a_subscriber_that_stops_consuming_costs_the_others_nothing(
+    settings, brokers, tmp_path, name
+) -> None:
+    event_type = owned_by(["A", "B"], "B", "silent")
+    live, silent = f"{name}.live", f"{name}.silent"
+    urls = ",".join(brokers.urls)
+    with running(tmp_path, name, settings, urls, {"A": {}, "B": {}}) as deployed:
+
+        async def scenario() -> tuple[list, int, int]:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=deployed.topology, cluster="A")
+                await at_a.subscribe(event_type, [("n", ">=", 0)], 1, silent, confirm="e2e")
+                await at_a.subscribe(event_type, [("n", ">=", 0)], 1, live, confirm="e2e")
+                got: list[tuple[int, float]] = []
+
+                async def handler(event, message) -> None:
+                    got.append((event.attributes["n"], time.time() - event.attributes["t"]))
+
+                await at_a.consume(live, handler, e2e=True)  # nobody consumes ``silent``
+                published = 0
+                start = time.monotonic()
+                while time.monotonic() - start < 8.0:
+                    event = {"n": published, "t": time.time()}
+                    await at_a.publish({"event_type": event_type, "attributes": event})
+                    published += 1
+                    await asyncio.sleep(1 / 50)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and len({n for n, _ in got}) < published:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+                waiting = await client.queue_length(silent)
+                dead = 0
+                with contextlib.suppress(EntityNotFound):  # none was ever dead-lettered
+                    while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                        dead += d.headers.get("x-qosmq-queue", "").startswith(name)
+                return got, published, waiting, dead
+
+        got, published, waiting, dead = asyncio.run(scenario())
+    missing = sorted(set(range(published)) - {n for n, _ in got})
+    assert not missing, f"{len(missing)} events never reached the live subscriber"
+    latencies = sorted(latency for _, latency in got)
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    # every copy for the silent subscriber waits in its queue (the resends of the first,
+    # held copies too), none is dead-lettered
+    assert waiting >= published and dead == 0, (waiting, dead)
+    print(
+        f"\nbeside a silent e2e subscriber: {published} events, the live one's p50 "
+        f"{latencies[len(latencies) // 2] * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms; "
+        f"{waiting} copies wait for the silent one"
+    )
+    assert p99 < 1.0, f"the live subscriber's p99 {p99:.2f} s beside a silent one"
