@@ -2274,9 +2274,12 @@ class _MatchBroker(_Role):
                 )
             if result.outcome in (Outcome.DELIVERED, Outcome.TAKEN):
                 self.count("delivered")
-        if gone:  # after the others' copies went out: not lost, kept with why
+        refusals = [r.reason for r in outcomes if r.outcome is Outcome.REFUSED]
+        why = [f"subscriber home cluster left the ring: {', '.join(gone)}"] if gone else []
+        if gone:
             self.count("home_departed", len(gone))
-            raise DeadLetter(f"subscriber home cluster left the ring: {', '.join(gone)}")
+        if why or refusals:  # after the others' copies went out: kept with why
+            raise DeadLetter("; ".join(why + refusals))
 
     @property
     def name(self) -> str:
