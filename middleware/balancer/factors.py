@@ -42,6 +42,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..errors import InvalidArgument
+
 __all__ = [
     "ALGORITHMS",
     "PredictiveChooser",
@@ -54,17 +56,30 @@ __all__ = [
 ALGORITHMS = ("round_robin", "paper", "inverse", "predictive")
 
 
+def _checked(values: Sequence[float], what: str) -> list[float]:
+    """``values`` as floats, refused unless every one is finite and >= 0: a NaN or an
+    infinity would pass a ``< 0`` check and turn every weight after it into noise."""
+    if not values:
+        raise InvalidArgument(f"{what}: need at least one replica")
+    out = []
+    for value in values:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"{what}: {value!r} is not a number") from None
+        if not math.isfinite(number) or number < 0:
+            raise InvalidArgument(f"{what}: {value!r} is not a finite number >= 0")
+        out.append(number)
+    return out
+
+
 def _round_half_up(x: float) -> int:
-    if x < 0 or math.isnan(x):
-        raise ValueError(f"queue length average must be >= 0, got {x}")
     return math.floor(x + 0.5)
 
 
 def paper_factors(averages: Sequence[float]) -> list[int]:
     """The paper's load factors L_n for average lengths b_n (see the module docstring)."""
-    if not averages:
-        raise ValueError("need at least one replica")
-    b = [_round_half_up(x) for x in averages]
+    b = [_round_half_up(x) for x in _checked(averages, "queue length averages")]
     if not any(b):
         return [1] * len(b)
     c = math.gcd(*b)
@@ -83,20 +98,17 @@ def paper_factors(averages: Sequence[float]) -> list[int]:
 
 def inverse_factors(averages: Sequence[float]) -> list[float]:
     """Weights proportional to 1 / (1 + b_n)."""
-    if not averages:
-        raise ValueError("need at least one replica")
-    if any(x < 0 or math.isnan(x) for x in averages):
-        raise ValueError("queue length averages must be >= 0")
-    return [1.0 / (1.0 + x) for x in averages]
+    return [1.0 / (1.0 + x) for x in _checked(averages, "queue length averages")]
 
 
 class WeightedPicker:
     """Pick replica n with probability L_n / sum(L): the paper's §3.2, O(log R) per pick."""
 
     def __init__(self, weights: Sequence[float], rng: random.Random | None = None) -> None:
-        if not weights or any(w < 0 for w in weights) or not any(weights):
-            raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
-        self.weights = list(weights)
+        checked = _checked(weights, "weights")
+        if not any(checked):
+            raise InvalidArgument(f"weights must have a positive sum, got {list(weights)}")
+        self.weights = [int(w) if float(w).is_integer() else w for w in checked]
         self._prefix = list(itertools.accumulate(self.weights))
         self._integral = all(float(w).is_integer() for w in self.weights)
         self._rng = rng or random.Random()
@@ -162,11 +174,13 @@ class PredictiveChooser:
         elapsed = max(0.0, now - r.at)
         return max(0.0, r.length + (others - r.service_rate) * elapsed + mine)
 
-    def choose(self, now: float) -> int:
-        if self.replicas == 1:
-            chosen = 0
+    def choose(self, now: float, allowed: Sequence[int] | None = None) -> int:
+        """The shorter predicted of two random replicas among ``allowed`` (default all)."""
+        pool = range(self.replicas) if allowed is None else allowed
+        if len(pool) == 1:
+            chosen = pool[0]
         else:
-            a, b = self.rng.sample(range(self.replicas), 2)
+            a, b = self.rng.sample(pool, 2)
             chosen = a if self.predicted(a, now) <= self.predicted(b, now) else b
         self.sent_since[chosen] += 1
         return chosen

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
 import time
 from typing import Self
 
+from ..errors import ConfirmTimeout, EntityNotFound, InvalidArgument, MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import (
     AsyncClient,
@@ -20,6 +22,8 @@ from ..transport import (
     QueueKind,
     QueueSpec,
 )
+from ..transport.message import new_message_id
+from . import metrics
 from .factors import (
     ALGORITHMS,
     PredictiveChooser,
@@ -67,6 +71,13 @@ class BalancedPublisher:
     Reports older than ``stale_after`` (default 3 x the report period) are
     ignored: the publisher falls back to equal weights (round robin) until a
     fresh report arrives.
+
+    A replica whose queue is gone leaves the choice at once: publishes are mandatory,
+    and a returned one (or a report saying the queue does not exist) takes the replica
+    out and sends the message to a live one, within the same ``publish_timeout``.  A
+    missing replica is looked for every ``recheck_s`` (a passive declare) and comes
+    back once its queue exists again.  No publish outlives ``publish_timeout``: past
+    it, ``ConfirmTimeout``.
     """
 
     def __init__(
@@ -78,6 +89,7 @@ class BalancedPublisher:
         algorithm: str = "predictive",
         stale_after: float | None = None,
         rng: random.Random | None = None,
+        recheck_s: float = 1.0,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
@@ -85,15 +97,22 @@ class BalancedPublisher:
         self.queues = replica_names(topic, replicas)
         self.stale_after = stale_after
         self.rng = rng or random.Random()
+        self.recheck_s = recheck_s
         self.chooser = PredictiveChooser(replicas, self.rng)
         self.picker: WeightedPicker | None = None
         self.report: LoadReport | None = None
         self.received_at = 0.0
         self.routed = [0] * replicas
         self.fallbacks = 0
+        self.missing: set[int] = set()  # replicas whose queue is gone
+        self.returned = 0  # publishes a missing replica returned (sent again elsewhere)
+        self.reports_refused = 0
         self._rr = 0
+        self._factors: list[float] | None = None
+        self._recheck: asyncio.Task[None] | None = None
 
     async def start(self) -> Self:
+        self._recheck = asyncio.create_task(self._recheck_missing())
         if self.algorithm == "round_robin":
             return self
         inbox = f"qosmq.balancer.inbox.{self.topic}.{id(self):x}"
@@ -105,13 +124,53 @@ class BalancedPublisher:
         await self.client.consume(inbox, self._on_report, prefetch=1)
         return self
 
-    async def publish(self, body: bytes, **fields: object) -> str:
-        """Publish to the chosen replica with broker confirms; return the replica's queue."""
-        queue = self.queues[self.choose()]
-        await self.client.publish(OutgoingMessage(body, "", queue, **fields))  # type: ignore[arg-type]
-        return queue
+    async def close(self) -> None:
+        if self._recheck is not None:
+            self._recheck.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recheck
 
-    def choose(self) -> int:
+    async def publish(self, body: bytes, **fields: object) -> str:
+        """Publish to a chosen live replica with broker confirms; return its queue."""
+        limit = self.client.settings.publish_timeout
+        message_id = str(fields.pop("message_id", None) or new_message_id())
+        tried: set[int] = set()
+        try:
+            async with asyncio.timeout(limit):
+                while True:
+                    index = self.choose(exclude=tried)
+                    queue = self.queues[index]
+                    message = OutgoingMessage(
+                        body,
+                        "",
+                        queue,
+                        message_id=message_id,
+                        mandatory=True,
+                        **fields,  # type: ignore[arg-type]
+                    )
+                    try:
+                        await self.client.publish(message)
+                        return queue
+                    except (Unroutable, EntityNotFound):
+                        self._gone(index)
+                        tried.add(index)
+        except TimeoutError:
+            metrics.BALANCED_TIMEOUTS.labels(self.topic).inc()
+            raise ConfirmTimeout(
+                f"topic {self.topic!r}: message {message_id} not confirmed within "
+                f"publish_timeout = {limit} s"
+            ) from None
+
+    def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        """A replica by the algorithm, among the live ones not in ``exclude``;
+        ``Unroutable`` when none is left."""
+        blocked = self.missing | exclude
+        allowed = [i for i in range(len(self.queues)) if i not in blocked]
+        if not allowed:
+            raise Unroutable(
+                f"topic {self.topic!r}: no replica can take the message "
+                f"(missing: {', '.join(self.queues[i] for i in sorted(self.missing)) or '-'})"
+            )
         now = time.monotonic()
         stale = self.report is None or (
             self.stale_after is not None and now - self.received_at > self.stale_after
@@ -123,37 +182,81 @@ class BalancedPublisher:
         if self.algorithm == "round_robin" or (stale and self.algorithm != "predictive"):
             if self.algorithm != "round_robin":
                 self.fallbacks += 1
-            index = self._rr % len(self.queues)
+            index = allowed[self._rr % len(allowed)]
             self._rr += 1
         elif self.algorithm == "predictive":
-            index = self.chooser.choose(now)
+            index = self.chooser.choose(now, allowed)
         else:
-            assert self.picker is not None
-            index = self.picker.pick()
+            index = self._pick(allowed)
         self.routed[index] += 1
         return index
+
+    def _pick(self, allowed: list[int]) -> int:
+        """The weighted pick over the live replicas (a blocked one weighs 0)."""
+        if len(allowed) == len(self.queues) and self.picker is not None:
+            return self.picker.pick()
+        factors = self._factors or [1.0] * len(self.queues)
+        weights = [factors[i] if i in allowed else 0.0 for i in range(len(self.queues))]
+        if not any(weights):
+            return allowed[self.rng.randrange(len(allowed))]
+        return WeightedPicker(weights, self.rng).pick()
+
+    def _gone(self, index: int) -> None:
+        self.returned += 1
+        if index not in self.missing:
+            self.missing.add(index)
+            metrics.BALANCED_MISSING.labels(self.topic).set(len(self.missing))
+            log.warning(
+                "replica %s is gone: left out until its queue exists again", self.queues[index]
+            )
+
+    async def _recheck_missing(self) -> None:
+        while True:
+            await asyncio.sleep(self.recheck_s)
+            for index in sorted(self.missing):
+                try:
+                    await self.client.queue_length(self.queues[index])
+                except EntityNotFound:
+                    continue
+                except MiddlewareError as exc:  # not known either way: looked at again
+                    log.debug("replica %s not checked: %s", self.queues[index], exc)
+                    continue
+                self._back(index)
+
+    def _back(self, index: int) -> None:
+        if index in self.missing:
+            self.missing.discard(index)
+            metrics.BALANCED_MISSING.labels(self.topic).set(len(self.missing))
+            log.warning("replica %s exists again: chosen again", self.queues[index])
 
     async def _on_report(self, delivery: Delivery) -> None:
         try:
             report = LoadReport.decode(delivery.body)
-        except ValueError as exc:
-            log.warning("ignoring %s", exc)
-            return
-        lengths = {r.queue: r for r in report.replicas}
-        if set(lengths) != set(self.queues):
-            log.warning("report for %s names other replicas; ignored", report.topic)
+            lengths = {r.queue: r for r in report.replicas}
+            if set(lengths) != set(self.queues):
+                raise InvalidArgument(f"report for {report.topic} names other replicas")
+            ordered = [lengths[q] for q in self.queues]
+            factors: list[float] = (
+                list(map(float, paper_factors([r.length for r in ordered])))
+                if self.algorithm == "paper"
+                else inverse_factors([r.length for r in ordered])
+            )
+        except InvalidArgument as exc:
+            self.reports_refused += 1
+            metrics.BALANCED_REPORTS_REFUSED.labels(self.topic).inc()
+            log.warning("load report ignored: %s", exc)
             return
         now = time.monotonic()
         self.report, self.received_at = report, now
         if self.stale_after is None:
             self.stale_after = 3 * report.period_s
-        ordered = [lengths[q] for q in self.queues]
         for i, r in enumerate(ordered):
             self.chooser.report(i, ReplicaReport(r.length, r.arrival_rate, r.service_rate, now))
-        factors: list[float] = (
-            list(map(float, paper_factors([r.length for r in ordered])))
-            if self.algorithm == "paper"
-            else inverse_factors([r.length for r in ordered])
-        )
+            if r.exists:
+                self._back(i)
+            elif i not in self.missing:
+                self._gone(i)
+                self.returned -= 1  # reported, not returned
+        self._factors = factors
         with contextlib.suppress(ValueError):
             self.picker = WeightedPicker(factors, self.rng)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ..errors import InvalidArgument
 
 __all__ = ["REPORT_EXCHANGE", "LoadReport", "ReplicaLoad", "Sampler", "replica_names"]
 
@@ -24,6 +27,9 @@ class ReplicaLoad:
     length: float  # b_n: average waiting messages over the period
     arrival_rate: float
     service_rate: float
+    #: the replica's queue answered the sidecar's last sample (a deleted queue is not an
+    #: idle one: publishers leave it out until it exists again)
+    exists: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,16 +44,52 @@ class LoadReport:
 
     @classmethod
     def decode(cls, body: bytes) -> LoadReport:
+        """A report as a sidecar sends it; anything else raises ``InvalidArgument``
+        naming the field (a publisher ignores such a report, says so once, counts it)."""
         try:
-            data: dict[str, Any] = json.loads(body)
+            data = json.loads(body)
+            if not isinstance(data, dict) or not isinstance(data.get("replicas"), list):
+                raise TypeError("not an object with a replicas list")
             return cls(
-                topic=str(data["topic"]),
-                period_s=float(data["period_s"]),
-                sent_at=float(data["sent_at"]),
-                replicas=tuple(ReplicaLoad(**r) for r in data["replicas"]),
+                topic=_text(data, "topic"),
+                period_s=_number(data, "period_s", positive=True),
+                sent_at=_number(data, "sent_at"),
+                replicas=tuple(_replica(r) for r in data["replicas"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"malformed load report: {exc}") from None
+            raise InvalidArgument(f"malformed load report: {exc}") from None
+
+
+def _text(data: dict[str, Any], key: str) -> str:
+    value = data[key]
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(data: dict[str, Any], key: str, *, positive: bool = False) -> float:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{key} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(f"{key} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
+    return number
+
+
+def _replica(r: Any) -> ReplicaLoad:
+    if not isinstance(r, dict):
+        raise TypeError(f"a replica must be an object, got {r!r}")
+    exists = r.get("exists", True)
+    if not isinstance(exists, bool):
+        raise TypeError(f"exists must be true or false, got {exists!r}")
+    return ReplicaLoad(
+        queue=_text(r, "queue"),
+        length=_number(r, "length"),
+        arrival_rate=_number(r, "arrival_rate"),
+        service_rate=_number(r, "service_rate"),
+        exists=exists,
+    )
 
 
 class Sampler:

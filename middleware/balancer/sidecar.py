@@ -25,6 +25,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from ..errors import EntityNotFound
 from ..settings import Settings
 from ..transport import AsyncClient, ExchangeSpec, ExchangeType, OutgoingMessage
 from ..transport.management import management_get, vhost_path
@@ -63,12 +64,18 @@ class BalancerSidecar:
         self.i1, self.i2 = sample_interval, report_interval
         self.client = AsyncClient(settings=settings)
         self.samplers = {q: Sampler() for q in self.queues}
+        self.missing: set[str] = set()  # replicas whose last sample found no queue
         self.last_report: LoadReport | None = None
 
     async def run(self, *, stop: asyncio.Event | None = None) -> None:
         """Sample and report until ``stop`` is set."""
         stop = stop or asyncio.Event()
         await self.client.connect()
+        try:
+            await self.check_replicas()
+        except BaseException:
+            await self.client.close()
+            raise
         await self.client.declare_exchange(ExchangeSpec(REPORT_EXCHANGE, ExchangeType.DIRECT))
         next_report = time.monotonic() + self.i2
         try:
@@ -82,11 +89,34 @@ class BalancerSidecar:
         finally:
             await self.client.close()
 
+    async def check_replicas(self) -> None:
+        """Refuse to report on replicas that do not exist (a typo in the topic or the
+        count would otherwise report idle queues that attract every publisher)."""
+        absent = []
+        for queue in self.queues:
+            try:
+                await self.client.queue_length(queue)
+            except EntityNotFound:
+                absent.append(queue)
+        if absent:
+            raise EntityNotFound(
+                f"replicated topic {self.topic!r}: {', '.join(absent)} do(es) not exist "
+                "(declare the topic first: qosmq sidecar balancer --declare, or "
+                "declare_replicated_topic)"
+            )
+
     async def sample(self) -> None:
         now = time.monotonic()
         for queue in self.queues:
             try:
                 self.samplers[queue].add(now, await self.client.queue_length(queue))
+                if queue in self.missing:
+                    self.missing.discard(queue)
+                    log.warning("replica %s exists again: reported as live", queue)
+            except EntityNotFound:  # deleted: reported missing, not idle
+                if queue not in self.missing:
+                    self.missing.add(queue)
+                    log.warning("replica %s does not exist: reported as missing", queue)
             except Exception as exc:  # a missing sample lowers the count, not the average
                 log.info("no sample of %s: %s", queue, exc)
 
@@ -95,7 +125,15 @@ class BalancerSidecar:
         loads = []
         for queue in self.queues:
             arrival, service, published = rates.get(queue, (0.0, 0.0, None))
-            loads.append(ReplicaLoad(queue, self.samplers[queue].average(), arrival, service))
+            loads.append(
+                ReplicaLoad(
+                    queue,
+                    self.samplers[queue].average(),
+                    arrival,
+                    service,
+                    exists=queue not in self.missing,
+                )
+            )
             self.samplers[queue].reset()
             if published is not None:
                 ROUTED.labels(self.topic, queue).set(published)

@@ -17,8 +17,9 @@ from middleware.balancer import (
     declare_replicated_topic,
     subscribe_replicated,
 )
+from middleware.errors import MiddlewareError
 from middleware.observability import start_metrics_server
-from middleware.transport import AsyncClient, OutgoingMessage, QueueKind
+from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
 from tests.conftest import LoopThread
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster]
@@ -169,3 +170,147 @@ def test_sidecar_metrics_are_served_on_loopback(settings, name) -> None:
     port = start_metrics_server(port=0)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         assert b"qosmq_balancer_reports_total" in response.read()
+
+
+@pytest.mark.parametrize("algorithm", ["round_robin", "paper", "inverse", "predictive"])
+def test_a_deleted_replica_leaves_the_choice_and_comes_back_nothing_lost(
+    settings, name, algorithm
+) -> None:
+    """A replica's queue deleted under load: no publish fails while another replica is
+    live (a returned one goes to a live replica), nothing confirmed is lost, and once
+    the queue is declared again the replica is chosen again (the sidecar's report, or
+    the publisher's own look)."""
+    loop = LoopThread()
+
+    async def scenario():
+        names = await declare_replicated_topic(settings, name, 3, kind=QueueKind.CLASSIC)
+        client = await AsyncClient(settings=settings).connect()
+        got: set[str] = set()
+
+        async def handle(delivery) -> None:
+            got.add(delivery.message_id)
+
+        await subscribe_replicated(client, name, 3, handle)
+        stop = asyncio.Event()
+        sidecar = BalancerSidecar(
+            settings=settings, topic=name, replicas=3, sample_interval=0.1, report_interval=0.3
+        )
+        task = asyncio.create_task(sidecar.run(stop=stop))
+        publisher = await BalancedPublisher(
+            client, topic=name, replicas=3, algorithm=algorithm, recheck_s=0.3
+        ).start()
+        confirmed, failed = [], []
+        admin = await AsyncClient(settings=settings).connect()
+        after_back = 0
+        for i in range(400):
+            if i == 100:
+                await admin.delete_queue(names[1])
+            if i == 250:
+                await admin.declare_queue(QueueSpec(names[1], kind=QueueKind.CLASSIC))
+                back_at = publisher.routed[1]
+            try:
+                await publisher.publish(b"m", message_id=f"m{i}")
+                confirmed.append(f"m{i}")
+            except MiddlewareError as exc:
+                failed.append(repr(exc))
+            await asyncio.sleep(0.01)
+        after_back = publisher.routed[1] - back_at
+        deadline = time.monotonic() + 20
+        while not set(confirmed) <= got and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        await publisher.close()
+        for q in names:
+            await admin.delete_queue(q)
+        await admin.close()
+        await client.close()
+        return confirmed, failed, got, publisher, after_back
+
+    try:
+        confirmed, failed, got, publisher, after_back = loop.run(scenario(), timeout=180)
+    finally:
+        loop.stop()
+    assert failed == [], failed[:5]
+    lost = set(confirmed) - got
+    assert not lost, f"{len(lost)} confirmed messages lost"
+    assert publisher.missing == set() and after_back > 0, (publisher.missing, after_back)
+
+
+def test_no_balanced_publish_outlives_publish_timeout(settings, brokers, name) -> None:
+    """The connection goes silent (a blackhole: open, nothing answers): each publish
+    raises ConfirmTimeout once ``publish_timeout`` passed, not after every retry."""
+    from middleware.errors import ConfirmTimeout
+    from middleware.localcluster.proxy import FaultProxy
+
+    port = int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1])
+    proxy = FaultProxy(port)
+    quick = settings.model_copy(update={"amqp_urls": (proxy.url,), "publish_timeout": 2.0})
+
+    async def scenario() -> list[float]:
+        await declare_replicated_topic(settings, name, 2, kind=QueueKind.CLASSIC)
+        client = await AsyncClient(settings=quick).connect()
+        publisher = await BalancedPublisher(
+            client, topic=name, replicas=2, algorithm="round_robin"
+        ).start()
+        await publisher.publish(b"before")
+        proxy.blackhole()
+        took = []
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(ConfirmTimeout):
+                await publisher.publish(b"into the hole")
+            took.append(time.monotonic() - started)
+        proxy.heal()
+        await publisher.close()
+        await client.close()
+        async with AsyncClient(settings=settings) as admin:
+            for q in (f"{name}.r0", f"{name}.r1"):
+                await admin.delete_queue(q)
+        return took
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        proxy.close()
+    assert all(t < 2.0 + 1.0 for t in took), took
+
+
+def test_the_sidecar_refuses_replicas_that_do_not_exist(settings, name) -> None:
+    from middleware.errors import EntityNotFound
+
+    sidecar = BalancerSidecar(settings=settings, topic=name, replicas=2)
+    with pytest.raises(EntityNotFound, match=rf"{name}\.r0, {name}\.r1"):
+        asyncio.run(sidecar.run())
+
+
+def test_a_forged_load_report_is_ignored_and_counted(settings, name) -> None:
+    from middleware.balancer import REPORT_EXCHANGE
+
+    async def scenario() -> BalancedPublisher:
+        await declare_replicated_topic(settings, name, 2, kind=QueueKind.CLASSIC)
+        async with AsyncClient(settings=settings) as client:
+            publisher = await BalancedPublisher(
+                client, topic=name, replicas=2, algorithm="paper"
+            ).start()
+            forged = {
+                "topic": name,
+                "period_s": float("nan"),
+                "sent_at": 1,
+                "replicas": [
+                    {"queue": f"{name}.r0", "length": "abc", "arrival_rate": 0, "service_rate": 0}
+                ],
+            }
+            for body in (json.dumps(forged).encode(), b"not json"):
+                await client.publish(OutgoingMessage(body, REPORT_EXCHANGE, name, mandatory=False))
+                await asyncio.sleep(0.3)
+            for i in range(10):
+                await publisher.publish(b"m", message_id=f"m{i}")
+            await publisher.close()
+            for q in (f"{name}.r0", f"{name}.r1"):
+                await client.delete_queue(q)
+            return publisher
+
+    publisher = asyncio.run(scenario())
+    assert publisher.reports_refused == 2 and publisher.report is None
+    assert sum(publisher.routed) == 10

@@ -15,6 +15,7 @@ from middleware.balancer.factors import (
     inverse_factors,
     paper_factors,
 )
+from middleware.errors import InvalidArgument
 
 
 def test_the_papers_worked_example() -> None:
@@ -119,3 +120,85 @@ def test_predictive_spreads_when_equal() -> None:
     chooser = PredictiveChooser(3, random.Random(1))
     counts = Counter(chooser.choose(0.0) for _ in range(3000))
     assert max(counts.values()) - min(counts.values()) <= 2
+
+
+@pytest.mark.parametrize(
+    "bad", [[math.inf, 1, 1], [math.nan, 1, 1], [-1, 1], ["abc", 1], [None, 1], []]
+)
+def test_factors_and_weights_refuse_what_is_not_a_finite_non_negative_number(bad) -> None:
+    for build in (paper_factors, inverse_factors, WeightedPicker):
+        with pytest.raises(InvalidArgument):
+            build(bad)
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"period_s": float("nan")}, "period_s"),
+        ({"period_s": -1}, "period_s"),
+        ({"period_s": 0}, "period_s"),
+        ({"topic": ""}, "topic"),
+        ({"replicas": "x"}, "replicas"),
+        (
+            {
+                "replicas": [
+                    {"queue": "t.r0", "length": "abc", "arrival_rate": 0, "service_rate": 0}
+                ]
+            },
+            "length",
+        ),
+        (
+            {"replicas": [{"queue": "t.r0", "length": None, "arrival_rate": 0, "service_rate": 0}]},
+            "length",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "queue": "t.r0",
+                        "length": 1,
+                        "arrival_rate": 0,
+                        "service_rate": 0,
+                        "exists": "yes",
+                    }
+                ]
+            },
+            "exists",
+        ),
+    ],
+)
+def test_a_malformed_load_report_is_refused_naming_the_field(change, names) -> None:
+    import json
+
+    from middleware.balancer import LoadReport
+
+    good = {
+        "topic": "t",
+        "period_s": 1.0,
+        "sent_at": 1.0,
+        "replicas": [{"queue": "t.r0", "length": 1, "arrival_rate": 0, "service_rate": 0}],
+    }
+    assert LoadReport.decode(json.dumps(good).encode()).replicas[0].exists
+    with pytest.raises(InvalidArgument, match=names):
+        LoadReport.decode(json.dumps({**good, **change}).encode())
+
+
+def test_a_missing_replica_is_never_chosen_and_none_left_is_unroutable() -> None:
+    import asyncio
+
+    from middleware.balancer import BalancedPublisher
+    from middleware.errors import Unroutable
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient
+
+    for algorithm in ("round_robin", "paper", "inverse", "predictive"):
+        publisher = BalancedPublisher(
+            AsyncClient(settings=Settings.load()), topic="t", replicas=3, algorithm=algorithm
+        )
+        publisher.missing = {1}
+        picks = {publisher.choose() for _ in range(300)}
+        assert picks == {0, 2}, algorithm
+        assert {publisher.choose(exclude={0}) for _ in range(50)} == {2}
+        with pytest.raises(Unroutable):
+            publisher.choose(exclude={0, 2})
+    asyncio.run(asyncio.sleep(0))

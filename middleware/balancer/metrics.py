@@ -1,0 +1,17 @@
+"""Prometheus series of the balanced publishers (process-wide)."""
+
+from prometheus_client import Counter, Gauge
+
+BALANCED_TIMEOUTS = Counter(
+    "qosmq_balancer_publish_timeouts_total",
+    "balanced publishes not confirmed within publish_timeout (ConfirmTimeout)",
+    ["topic"],
+)
+BALANCED_MISSING = Gauge(
+    "qosmq_balancer_missing_replicas", "replicas a publisher leaves out (queue gone)", ["topic"]
+)
+BALANCED_REPORTS_REFUSED = Counter(
+    "qosmq_balancer_reports_refused_total",
+    "load reports a publisher ignored as malformed or forged",
+    ["topic"],
+)
