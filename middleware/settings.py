@@ -197,6 +197,14 @@ class Settings(BaseSettings):
         description="seconds a consumer's cancel, or close, lets the handlers already "
         "running finish and settle (asyncio client)",
     )
+    consumer_check_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="seconds between a consumer's checks that its queue still exists and "
+        "still counts it (a passive declare): a queue deleted without a basic.cancel, or "
+        "declared again since, is found and the consumer subscribed again (0: off)",
+    )
     max_message_size: int = Field(
         134_217_728,
         ge=4096,

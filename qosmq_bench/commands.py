@@ -56,6 +56,23 @@ def register(sub: Any) -> None:
         default=6.0,
         help="extra per-message time of replica 0's consumer",
     )
+    balance.add_argument(
+        "--phases",
+        action="store_true",
+        help="fault phases instead of steady cells: every algorithm in a lane of its own at "
+        "once, 3 replicas, phases steady, slow (a consumer at a quarter of its rate), kill "
+        "(a consumer process SIGKILLed, restarted 12 s later), delete (a replica's queue)",
+    )
+    balance.add_argument(
+        "--phase-seconds", type=number(1, 3600), default=30.0, help="--phases: each phase, s"
+    )
+    balance.add_argument(
+        "--service-rate",
+        type=number(0, 1e5, above=True),
+        default=50.0,
+        help="--phases: messages/s each consumer process serves per replica",
+    )
+    balance.add_argument("--work-dir", type=path, default=Path(".qosmq/balance-faults"))
     balance.add_argument("--json", type=path)
     balance.set_defaults(run=_run_balance)
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
@@ -395,6 +412,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_balance(args: argparse.Namespace) -> int:
     from .balance import BalanceCell, run_balance_cell
 
+    if args.phases:
+        return _run_balance_phases(args)
     try:
         cells = [
             BalanceCell(
@@ -438,6 +457,59 @@ def _run_balance(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _run_balance_phases(args: argparse.Namespace) -> int:
+    from .balance_faults import PHASES, run_balance_faults
+
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    rate = float(args.rate.split(",")[0])
+    rows = runtime.run(
+        run_balance_faults(
+            args.settings,
+            algorithms,
+            rate=rate,
+            service_rate=args.service_rate,
+            phase_s=args.phase_seconds,
+            work_dir=args.work_dir,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        ),
+        event_loop=args.settings.event_loop,
+    )
+    print(format_balance_phases(rows, PHASES))
+    if args.json:
+        for r in rows:
+            r.update(_provenance(args.settings))
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def format_balance_phases(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> str:
+    """One Markdown table per phase: each algorithm's latency, its p99 as a ratio to
+    round robin's and the paper's in the same run, how fast the faulted replica's share
+    fell, what callers saw."""
+    out = []
+    for phase in phases:
+        mine = [r for r in rows if r["phase"] == phase]
+        p99 = {r["algorithm"]: r["p99_s"] for r in mine}
+        out.append(
+            f"\n{phase}\n\n| algorithm | published | p50 s | p99 s | p99 / round robin | "
+            "p99 / paper | share < 1/2 after s | share < 1/10 after s | errors | lost |\n"
+            + "|---|---|---|---|---|---|---|---|---|---|"
+        )
+        for r in mine:
+
+            def ratio(base: str, r: dict[str, Any] = r, p99: dict[str, Any] = p99) -> str:
+                b = p99.get(base)
+                return f"{r['p99_s'] / b:.2f}" if b and r["p99_s"] is not None else "-"
+
+            errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
+            out.append(
+                f"| {r['algorithm']} | {r['published']} | {r['p50_s']} | {r['p99_s']} | "
+                f"{ratio('round_robin')} | {ratio('paper')} | {r.get('to_half_s', '-')} | "
+                f"{r.get('to_tenth_s', '-')} | {errors} | {r['lost']} |"
+            )
+    return "\n".join(out)
 
 
 def _run_phoenix(args: argparse.Namespace) -> int:

@@ -129,6 +129,7 @@ def broker_settings(brokers: Brokers) -> Settings:
         connect_timeout=3,
         retry={"attempts": 30, "initial_delay": 0.1, "max_delay": 1.0, "jitter": 0.05},
         publish_timeout=20,
+        consumer_check_s=1.0,
     )
 
 

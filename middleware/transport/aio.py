@@ -33,6 +33,7 @@ from ..errors import (
     AccessRefused,
     BrokerUnreachable,
     ConnectionLost,
+    EntityNotFound,
     MessageRefused,
     MiddlewareError,
     NotConnected,
@@ -142,6 +143,10 @@ class AsyncClient:
         #: publishes to direct reply-to addresses go over a connection of their own
         #: (``is_reply``); opened at the first one
         self._replies: AsyncClient | None = None
+        self._watchdog: asyncio.Task[None] | None = None  # consumers subscribed to nothing
+        self._subscribed_at: dict[str, float] = {}  # consumer tag -> when consume-ok came
+        self._checks: dict[str, consuming.ConsumerCheck] = {}  # the watchdog's, by tag
+        self._delivered: dict[str, int] = {}  # deliveries each consumer was given
         self._sends_own_replies = False  # True for the replies client itself
         self._replies_lock = asyncio.Lock()
 
@@ -156,6 +161,7 @@ class AsyncClient:
                 node = self._rotation.take()
                 try:
                     await self._open(node)
+                    self._start_watchdog()
                     return self
                 except AccessRefused:
                     raise
@@ -182,6 +188,7 @@ class AsyncClient:
         self._watch_loop_end()
         if self._reconnect_task is None or self._reconnect_task.done():
             self._reconnect_task = asyncio.ensure_future(self._reconnect())
+        self._start_watchdog()
 
     async def close(self) -> None:
         """Stop the consumers, let the handlers already running finish and settle (up to
@@ -196,6 +203,8 @@ class AsyncClient:
         if self._replies is not None:
             await self._replies.close()
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._loop_watch is not None:
             self._loop_watch.cancel()
         if self._reconnect_task is not None:
@@ -913,13 +922,67 @@ class AsyncClient:
             )
             # known before the first delivery: a queue's backlog arrives with consume-ok
             live.consumer_channels[spec.tag] = channel
+            self._subscribed_at.pop(spec.tag, None)
+            self._checks.pop(spec.tag, None)
             await underlay.basic_consume(
                 spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
             )
+            self._subscribed_at[spec.tag] = time.monotonic()
         except Exception as exc:
             if channel is not None and live.consumer_channels.get(spec.tag) is channel:
                 del live.consumer_channels[spec.tag]
             raise translate_aio(exc) from exc
+
+    def _start_watchdog(self) -> None:
+        if self.settings.consumer_check_s > 0 and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.ensure_future(self._watch_consumers())
+
+    async def _watch_consumers(self) -> None:
+        """Every ``consumer_check_s``: each consumer's queue, by a passive declare, still
+        exists and counts a consumer (``consuming.consumer_lost``); one that does not is
+        subscribed again as after the broker's cancel (which RabbitMQ 3.10 sometimes does
+        not send for a quorum queue deleted under load: the consumer waited for ever)."""
+        interval = self.settings.consumer_check_s
+        while not self._closing:
+            await asyncio.sleep(interval)
+            live = self._live
+            if not isinstance(live, _Live) or not self._ready.is_set():
+                continue
+            settled = time.monotonic() - interval / 2
+            for tag, consumer in list(self._consumers.items()):
+                channel = live.consumer_channels.get(tag)
+                if channel is None or self._subscribed_at.get(tag, float("inf")) > settled:
+                    continue  # being subscribed (again) right now
+                verdict = await self._still_consumed(live, tag, consumer)
+                if verdict is False and live.consumer_channels.get(tag) is channel:
+                    metrics.CONSUMERS_LOST.inc()
+                    log.warning(
+                        "consumer %s: queue %r is gone or counts no consumer (no basic.cancel "
+                        "came); subscribing again when it exists",
+                        tag,
+                        consumer.spec.queue,
+                    )
+                    task = asyncio.ensure_future(self._resubscribe(live, consumer))
+                    self._closers.add(task)
+                    task.add_done_callback(self._closers.discard)
+
+    async def _still_consumed(self, live: _Live, tag: str, consumer: _Consumer) -> bool | None:
+        """The watchdog's verdict on one consumer; None when it cannot be told now."""
+        queue = consumer.spec.queue
+        check = self._checks.setdefault(tag, consuming.ConsumerCheck())
+        try:
+            ok = await self._on_channel_of(live, lambda ch: ch.queue_declare(queue, passive=True))
+        except EntityNotFound:
+            return not check.lost(queue_exists=False, consumers=0, ready=0, delivered=0, room=False)
+        except MiddlewareError:
+            return None
+        return not check.lost(
+            queue_exists=True,
+            consumers=int(getattr(ok, "consumer_count", 0) or 0),
+            ready=int(getattr(ok, "message_count", 0) or 0),
+            delivered=self._delivered.get(tag, 0),
+            room=len(self._handling.get(tag, ())) < consumer.spec.prefetch,
+        )
 
     def _on_broker_cancel(self, live: _Live, tag: str) -> None:
         """The broker cancelled a consumer (its queue was deleted, a consumer timeout):
@@ -958,6 +1021,7 @@ class AsyncClient:
         tasks when the channel closes, which would cut a running handler short; this one
         runs to its end and meets the dead channel at its settle, as in the pika face."""
         task = asyncio.ensure_future(self._handle(msg, queue, consumer))
+        self._delivered[consumer.spec.tag] = self._delivered.get(consumer.spec.tag, 0) + 1
         running = self._handling.setdefault(consumer.spec.tag, set())
         running.add(task)
         task.add_done_callback(functools.partial(self._handled, consumer.spec.tag, running))

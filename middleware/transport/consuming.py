@@ -23,12 +23,14 @@ delivery the broker requeued is handled again (the contract test
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from enum import Enum
 
 from . import metrics
 from .delivery import Action, Delivery, Outcome, outcome_of, unreadable
 
 __all__ = [
+    "ConsumerCheck",
     "Step",
     "after_handler",
     "before_handler",
@@ -98,3 +100,36 @@ def resubscribe_after_lost_settle(*, channel_closed: bool, connection_open: bool
     live connection. A dead connection is the connect loop's (it replays every consumer),
     and a channel still open lost only that frame (nothing to do)."""
     return channel_closed and connection_open
+
+
+@dataclass
+class ConsumerCheck:
+    """The watchdog's state for one consumer the client believes subscribed (pure).
+
+    Lost when its queue is gone, counts no consumer, or had messages ready at two checks
+    in a row while this consumer had room for more and was given none in between: a
+    queue deleted and declared again without a ``basic.cancel`` (RabbitMQ 3.10 sometimes
+    sends none for a quorum queue deleted under load, and then even counts the stale
+    consumer on the new queue).  A lost consumer is treated as cancelled: subscribed
+    again as soon as the queue exists.  (A single-active-consumer queue's waiting
+    consumers are given nothing by design: ``starvation`` false for them.)"""
+
+    delivered: int = 0
+    starved: int = 0
+
+    def lost(
+        self,
+        *,
+        queue_exists: bool,
+        consumers: int,
+        ready: int,
+        delivered: int,
+        room: bool,
+        starvation: bool = True,
+    ) -> bool:
+        if not queue_exists or consumers == 0:
+            return True
+        given = delivered != self.delivered
+        self.delivered = delivered
+        self.starved = self.starved + 1 if starvation and ready and room and not given else 0
+        return self.starved >= 2

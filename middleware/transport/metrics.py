@@ -29,6 +29,11 @@ PUBLISH_REFUSED = Counter(
     "publishes failed with MessageRefused (the broker closed the connection at them twice)",
 )
 
+CONSUMERS_LOST = Counter(
+    "qosmq_consumers_lost_total",
+    "consumers the watchdog found subscribed to nothing (queue gone or not counting them) "
+    "without the broker's basic.cancel; each subscribes again",
+)
 UNCONFIRMED_RESENT = Counter(
     "qosmq_unconfirmed_resent_total",
     "unconfirmed publishes sent again on a fresh channel after the broker refused them "

@@ -19,6 +19,7 @@ from typing import Any, Self, TypeVar
 
 import pika
 import pika.adapters.blocking_connection as blocking
+import pika.exceptions
 import pika.spec
 
 from ..errors import (
@@ -119,6 +120,10 @@ class SyncClient:
         self._sends_own_replies = False  # True for the replies client itself
         self._step_hooks: list[Callable[[], None]] = []
         self._step_s = 0.1  # the longest ``run`` waits for I/O before its hooks run
+        self._next_check = 0.0  # the consumer watchdog's next look (``consumer_check_s``)
+        self._subscribed_at: dict[str, float] = {}
+        self._checks: dict[str, consuming.ConsumerCheck] = {}  # the watchdog's, by tag
+        self._delivered: dict[str, int] = {}  # deliveries each consumer was given
 
     # ------------------------------------------------------------ lifecycle
     def connect(self) -> Self:
@@ -272,6 +277,8 @@ class SyncClient:
                 hook()
             if self._replies is not None:
                 self._replies.poll()
+            if self._live is not None and self.settings.consumer_check_s > 0:
+                self._watch_consumers(self._live)
             if self._cancelled and self._live is not None:
                 self._resubscribe_cancelled(self._live)
 
@@ -657,6 +664,8 @@ class SyncClient:
             spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
         )
         live.consumer_channels[spec.tag] = channel
+        self._subscribed_at[spec.tag] = time.monotonic()
+        self._checks.pop(spec.tag, None)
 
     def _on_broker_cancel(self, tag: str) -> None:
         """The broker cancelled a consumer (queue deleted, consumer timeout): ``run``
@@ -666,6 +675,42 @@ class SyncClient:
             return
         metrics.consumer_cancelled_by_broker(log, tag, consumer.spec.queue)
         self._cancelled[tag] = time.monotonic()
+
+    def _watch_consumers(self, live: _SyncLive) -> None:
+        """As the asyncio core's watchdog, inside ``run``: every ``consumer_check_s`` each
+        consumer's queue must exist and count a consumer, else it is subscribed again."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        interval = self.settings.consumer_check_s
+        self._next_check = now + interval
+        for tag, consumer in list(self._consumers.items()):
+            if tag in self._cancelled or self._subscribed_at.get(tag, now) > now - interval / 2:
+                continue
+            check = self._checks.setdefault(tag, consuming.ConsumerCheck())
+            try:
+                count, ready = self._on_temp_channel(
+                    live, functools.partial(_counts_of, queue=consumer.spec.queue)
+                )
+                exists = True
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    continue
+                exists, count, ready = False, 0, 0
+            except Exception:  # not known either way: looked at next time
+                continue
+            delivered = self._delivered.get(tag, 0)  # handlers run inside ``run``: room
+            if check.lost(
+                queue_exists=exists, consumers=count, ready=ready, delivered=delivered, room=True
+            ):
+                metrics.CONSUMERS_LOST.inc()
+                log.warning(
+                    "consumer %s: queue %r is gone or counts no consumer (no basic.cancel "
+                    "came); subscribing again when it exists",
+                    tag,
+                    consumer.spec.queue,
+                )
+                self._cancelled[tag] = now
 
     def _resubscribe_cancelled(self, live: _SyncLive) -> None:
         now = time.monotonic()
@@ -695,6 +740,7 @@ class SyncClient:
         self, ch: blocking.BlockingChannel, delivery: Delivery, consumer: _SyncConsumer
     ) -> None:
         """Execute what ``consuming`` decides (the asyncio core executes the same)."""
+        self._delivered[consumer.spec.tag] = self._delivered.get(consumer.spec.tag, 0) + 1
         outcome = consuming.before_handler(delivery)
         if outcome is None:
             try:
@@ -758,6 +804,13 @@ class _Refused(MiddlewareError):
     def __init__(self, error: MiddlewareError, code: int) -> None:
         super().__init__(str(error))
         self.error, self.code = error, code
+
+
+def _counts_of(channel: blocking.BlockingChannel, *, queue: str) -> tuple[int, int]:
+    """(consumers, ready messages) of ``queue`` (the broker closes the channel with 404
+    if there is no such queue)."""
+    ok = channel.queue_declare(queue, passive=True).method
+    return int(ok.consumer_count), int(ok.message_count)
 
 
 def _exists(channel: blocking.BlockingChannel, *, queue: str) -> None:

@@ -58,3 +58,26 @@ def test_only_a_dead_channel_under_a_live_connection_is_subscribed_again(
         )
         is again
     )
+
+
+def test_the_watchdog_finds_a_consumer_subscribed_to_nothing() -> None:
+    from middleware.transport.consuming import ConsumerCheck
+
+    check = ConsumerCheck()
+    assert check.lost(queue_exists=False, consumers=0, ready=0, delivered=0, room=True)
+    assert check.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
+    busy = ConsumerCheck()  # ready messages while it is given some: fine
+    for delivered in (1, 5, 9):
+        assert not busy.lost(queue_exists=True, consumers=1, ready=3, delivered=delivered, room=True)
+    full = ConsumerCheck()  # ready messages, nothing given, but no room: its prefetch is full
+    for _ in range(3):
+        assert not full.lost(queue_exists=True, consumers=1, ready=3, delivered=4, room=False)
+    starved = ConsumerCheck()  # messages ready, room, nothing given: twice in a row is lost
+    assert not starved.lost(queue_exists=True, consumers=1, ready=2, delivered=7, room=True)
+    assert not starved.lost(queue_exists=True, consumers=1, ready=2, delivered=7, room=True)
+    assert starved.lost(queue_exists=True, consumers=1, ready=2, delivered=7, room=True)
+    single_active = ConsumerCheck()  # a waiting single-active consumer is given nothing
+    for _ in range(3):
+        assert not single_active.lost(
+            queue_exists=True, consumers=2, ready=5, delivered=0, room=True, starvation=False
+        )
