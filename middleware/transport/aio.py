@@ -271,8 +271,10 @@ class AsyncClient:
         """
         self._reply_handlers.append(handler)
         if len(self._reply_handlers) == 1:
-            try:
-                await self._start_replies(await self._await_live())
+            try:  # a connection lost meanwhile: after the failover (which starts the
+                async for attempt in async_retrying(self.settings.retry):  # replies too)
+                    with attempt:
+                        await self._start_replies(await self._await_live())
             except BaseException:
                 self._reply_handlers.remove(handler)
                 raise

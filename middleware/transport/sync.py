@@ -74,6 +74,7 @@ class _Watched:
     ledger: WatchedChannel
     answers: list[Any] = field(default_factory=list)
     close_at: float = 0.0  # once retired: when its lingering replies no longer matter
+    replying: bool = False  # consuming direct reply-to (once: a second consume closes it)
 
 
 @dataclass
@@ -199,7 +200,10 @@ class SyncClient:
             for handler in handlers:
                 handler(delivery)
 
+        if live.replies.replying:  # a reconnect already started them on this channel
+            return
         live.replies.channel.basic_consume(REPLY_TO, on_reply, auto_ack=True)
+        live.replies.replying = True
 
     # ------------------------------------------------------------- topology
     def declare_exchange(self, spec: ExchangeSpec) -> None:

@@ -226,3 +226,59 @@ def test_a_client_left_open_stops_at_the_end_of_the_loop(event_loop, brokers, na
     assert done.stdout.split() == ["left", "open", "loop", "ended"]
     for sign in ("failing over", "Task was destroyed", "Traceback", "never awaited"):
         assert sign not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("step", ["connect", "reply consumer"])
+def test_an_e2e_publisher_whose_first_start_meets_a_cut_link_starts_clean_after_it(
+    step, settings, brokers, name
+) -> None:
+    """The first use of a connection broken at each step of its set-up: the connection
+    itself (no node answers: the client is kept connecting in the background), or the
+    reply consumer (the connection fails over while the listener waits for it, and the
+    failover already consumed the replies: a second consume closed the channel with
+    "reply consumer already set" and every later e2e publish failed).  After the heal
+    the publisher starts, its publishes are confirmed."""
+    from middleware.confirms import AsyncConfirmConsumer, AsyncConfirmPublisher
+    from middleware.localcluster.proxy import FaultProxy
+
+    port = int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1])
+    proxy = FaultProxy(port)
+    through = _with_urls(settings, proxy.url).model_copy(update={"connect_timeout": 4.0})
+
+    async def scenario() -> int:
+        async with AsyncClient(settings=settings) as consumer_client:
+            await consumer_client.declare_queue(QueueSpec(name))
+            consumer = AsyncConfirmConsumer(consumer_client)
+            got: list[str] = []
+
+            async def handle(d) -> None:
+                got.append(d.message_id)
+
+            await consumer.consume(name, handle)
+            client = AsyncClient(settings=through)
+            if step == "connect":
+                proxy.cut()
+                with pytest.raises(MiddlewareError):
+                    await client.connect()
+                client.reconnect_in_background()
+            else:
+                await client.connect()
+                proxy.cut()
+            loop = asyncio.get_running_loop()
+            loop.call_later(1.0, proxy.heal)  # within connect_timeout: start waits for it
+            publisher = AsyncConfirmPublisher(client, mode="e2e")
+            await publisher.start()
+            await client.declare_queue(QueueSpec(name))
+            for i in range(20):
+                await publisher.publish(b"x", routing_key=name, message_id=f"m{i}")
+            await publisher.close()
+            await client.close()
+            await consumer.close()
+            await consumer_client.delete_queue(name)
+            return len(set(got))
+
+    try:
+        handled = asyncio.run(scenario())
+    finally:
+        proxy.close()
+    assert handled == 20
