@@ -1,10 +1,20 @@
 """Failure detection from heartbeats (pure): who has been silent too long.
 
-One rule for every use: a peer is suspected once nothing was heard from it for
-``misses`` heartbeat intervals.  A peer starts with a grace period (watched = heard now),
-so a role that has just started is not suspected before its first heartbeat can arrive.
-A peer known to be gone (:meth:`lost`: its lease came back, see routing/beats.py) is
-suspected at once, until it is heard again.
+A peer is suspected once nothing was heard from it for its *timeout*: at least
+``misses`` heartbeat intervals (the floor), and more when its beats have been arriving
+irregularly, the way a busy machine delays them.  The timeout follows the observed
+inter-arrival gaps as TCP's retransmission timeout follows round trips (Jacobson's
+estimator: a smoothed mean and mean deviation, timeout = mean + ``k`` deviations), a
+phi-accrual detector's idea without its distribution: a peer whose beats come every
+0.1 s to the millisecond is suspected after the floor, one whose beats came 0.1 to 0.6 s
+apart after a second or more, and never later than ``ceiling_s``.  So a machine whose
+cores are oversubscribed does not elect new masters whenever a beat is late, while a
+silent peer on a quiet machine is found as fast as before; and a dead *process* is
+not waited for at all: its lease comes back at once (:meth:`lost`, routing/beats.py).
+
+A peer starts with a grace period (watched = heard now), so a role that has just
+started is not suspected before its first heartbeat can arrive.  A peer known to be gone
+(:meth:`lost`) is suspected at once, until it is heard again.
 """
 
 from __future__ import annotations
@@ -17,12 +27,43 @@ __all__ = ["FailureDetector"]
 
 P = TypeVar("P", bound=Hashable)
 
+#: mean deviations above the mean gap before a silence counts (about a phi-accrual
+#: threshold of 8 for a normal spread of gaps, 5.6 standard deviations)
+DEVIATIONS = 7.0
+_GAIN, _DEV_GAIN = 1 / 8, 1 / 4  # Jacobson's
+
+
+@dataclass
+class _Gaps:
+    """One peer's beats: when last heard (or watched), the gaps' smoothed mean and mean
+    deviation (from its second beat on), and a grace that holds suspicion off."""
+
+    last: float
+    mean: float
+    dev: float = 0.0
+    beats: int = 0  # heard since watched
+    quiet_until: float = 0.0
+
+    def heard(self, now: float) -> None:
+        gap, self.last = now - self.last, now
+        self.beats += 1
+        if self.beats == 1:  # the wait for the first beat is no gap between beats
+            return
+        if self.beats == 2:
+            self.mean, self.dev = gap, gap / 2
+            return
+        self.dev += _DEV_GAIN * (abs(gap - self.mean) - self.dev)
+        self.mean += _GAIN * (gap - self.mean)
+
 
 @dataclass
 class FailureDetector(Generic[P]):
     interval_s: float
     misses: int
-    _last: dict[P, float] = field(default_factory=dict)
+    #: the longest a silence may be waited for, however irregular the beats were
+    #: (0: the floor, ``interval_s * misses``, always: the fixed rule)
+    ceiling_s: float = 0.0
+    _gaps: dict[P, _Gaps] = field(default_factory=dict)
     _lost: set[P] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -31,48 +72,63 @@ class FailureDetector(Generic[P]):
 
     @property
     def timeout_s(self) -> float:
-        """Silence after which a peer is suspected."""
+        """The floor: silence after which a peer with regular beats is suspected."""
         return self.interval_s * self.misses
+
+    def timeout_for(self, peer: P) -> float:
+        """The silence after which ``peer`` is suspected now (see the module doc)."""
+        gaps = self._gaps.get(peer)
+        floor = self.timeout_s
+        if gaps is None or gaps.beats < 3 or self.ceiling_s <= floor:
+            return floor
+        adaptive = gaps.mean + DEVIATIONS * gaps.dev + self.interval_s
+        return min(self.ceiling_s, max(floor, adaptive))
 
     def watch(self, peers: Iterable[P], now: float) -> None:
         """Start watching ``peers`` (already watched ones keep their last heartbeat)."""
         for peer in peers:
-            self._last.setdefault(peer, now)
+            if peer not in self._gaps:
+                self._gaps[peer] = _Gaps(last=now, mean=self.interval_s)
 
     def heard(self, peer: P, now: float) -> None:
         """A heartbeat (or any message) from ``peer``; unknown peers are not watched."""
-        if peer in self._last and now > self._last[peer]:
-            self._last[peer] = now
+        gaps = self._gaps.get(peer)
+        if gaps is not None and now > gaps.last:
+            gaps.heard(now)
             self._lost.discard(peer)
 
     def lost(self, peer: P) -> None:
         """``peer`` is gone (its connection closed): suspected from now until heard."""
-        if peer in self._last:
+        if peer in self._gaps:
             self._lost.add(peer)
 
     def grace(self, peer: P, until: float) -> None:
         """Do not suspect ``peer`` before ``until`` (one known to be starting: a master
         just elected, whose first beat may take a while)."""
-        if peer in self._last:
-            self._last[peer] = max(self._last[peer], until - self.timeout_s)
+        gaps = self._gaps.get(peer)
+        if gaps is not None:
+            gaps.quiet_until = max(gaps.quiet_until, until)
             self._lost.discard(peer)
 
     def forget(self, peer: P) -> None:
-        self._last.pop(peer, None)
+        self._gaps.pop(peer, None)
         self._lost.discard(peer)
+
+    def _silent(self, peer: P, gaps: _Gaps, now: float) -> bool:
+        return now > gaps.quiet_until and now - gaps.last > self.timeout_for(peer)
 
     def suspects(self, now: float) -> set[P]:
         return {
-            p for p, last in self._last.items() if now - last > self.timeout_s or p in self._lost
+            p for p, gaps in self._gaps.items() if p in self._lost or self._silent(p, gaps, now)
         }
 
     def alive(self, now: float) -> set[P]:
         return {
             p
-            for p, last in self._last.items()
-            if now - last <= self.timeout_s and p not in self._lost
+            for p, gaps in self._gaps.items()
+            if p not in self._lost and not self._silent(p, gaps, now)
         }
 
     def silent_for(self, peer: P, now: float) -> float | None:
-        last = self._last.get(peer)
-        return None if last is None else now - last
+        gaps = self._gaps.get(peer)
+        return None if gaps is None else now - gaps.last

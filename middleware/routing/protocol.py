@@ -96,6 +96,11 @@ class PhoenixTopology(BaseModel):
     #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over
     heartbeat_interval_s: float = Field(0.1, gt=0, le=60)
     heartbeat_misses: int = Field(5, ge=1, le=100)
+    #: beats that arrive irregularly (a busy machine) raise the silence a peer may keep
+    #: before it is suspected, from ``heartbeat_misses`` intervals up to this many seconds
+    #: (recovery/detector.py; a SIGKILLed role is heard at once by its lease either way;
+    #: 0: the fixed rule)
+    suspect_ceiling_s: float = Field(2.0, ge=0, le=600)
     #: each role process holds a lease on its beat connection (routing/beats.py): when the
     #: process dies its watchers (a master's slaves) hear it at once from the broker,
     #: instead of after ``heartbeat_misses`` silent intervals; off: the beats alone

@@ -307,7 +307,9 @@ class _Role:
         self.electing_since: float | None = None
         # a master's slaves, by number, as their beats and load reports say: the one
         # liveness rule for dispatch (match masters) and for replacements
-        self.live = FailureDetector[int](topology.heartbeat_interval_s, topology.heartbeat_misses)
+        self.live = FailureDetector[int](
+            topology.heartbeat_interval_s, topology.heartbeat_misses, topology.suspect_ceiling_s
+        )
         self.replacing: dict[int, float] = {}  # slave -> when a replacement was asked for
         self.slave_processes: dict[int, str] = {}  # slave -> the process queue serving it
         self._retired: dict[str, float] = {}  # a second process's queue -> when told to stop
@@ -1298,7 +1300,9 @@ class _ReplicaHolder(_Role):
         interval = topology.heartbeat_interval_s
         # the master is watched from its first beat on: a slave that starts before its
         # master (they start together) must not elect against a master still starting
-        self.detector = FailureDetector(interval, topology.heartbeat_misses)
+        self.detector = FailureDetector(
+            interval, topology.heartbeat_misses, topology.suspect_ceiling_s
+        )
         self.bully = Bully(
             me=self.id,
             peers=master.slaves(topology.cluster(self.cluster)),
@@ -1431,8 +1435,9 @@ class _ReplicaHolder(_Role):
                 )
             self.bully.on_coordinator(sender, now)
             self.electing_since = None  # the election is over: another slave won it
-            # the new master beats once it switched role: one more timeout for its first
-            self.detector.grace(self.id.master, now + 2 * self.detector.timeout_s)
+            # the new master beats once it switched role, then reads its tables back and
+            # collects its heap (every thread held, its beats too): time for all of it
+            self.detector.grace(self.id.master, now + max(2 * self.detector.timeout_s, 2.0))
             log.warning("%s: %s serves %s now", self.id, sender, self.id.master)
 
     def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover

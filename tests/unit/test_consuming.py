@@ -68,7 +68,9 @@ def test_the_watchdog_finds_a_consumer_subscribed_to_nothing() -> None:
     assert check.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
     busy = ConsumerCheck()  # ready messages while it is given some: fine
     for delivered in (1, 5, 9):
-        assert not busy.lost(queue_exists=True, consumers=1, ready=3, delivered=delivered, room=True)
+        assert not busy.lost(
+            queue_exists=True, consumers=1, ready=3, delivered=delivered, room=True
+        )
     full = ConsumerCheck()  # ready messages, nothing given, but no room: its prefetch is full
     for _ in range(3):
         assert not full.lost(queue_exists=True, consumers=1, ready=3, delivered=4, room=False)

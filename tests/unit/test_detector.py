@@ -59,3 +59,53 @@ def test_a_peer_whose_lease_came_back_is_suspected_at_once_until_heard() -> None
     d.lost(MASTER)
     d.grace(MASTER, until=11.0)  # a master just elected
     assert d.suspects(10.5) == set()
+
+
+def _beats(detector, peer, gaps, start=0.0) -> float:
+    now = start
+    detector.watch([peer], now)
+    for gap in gaps:
+        now += gap
+        detector.heard(peer, now)
+    return now
+
+
+def test_regular_beats_are_suspected_after_the_floor() -> None:
+    detector = FailureDetector[str](0.1, 5, ceiling_s=2.0)
+    now = _beats(detector, "m", [0.1] * 50)
+    assert detector.timeout_for("m") == detector.timeout_s == 0.5
+    assert "m" not in detector.suspects(now + 0.49)
+    assert "m" in detector.suspects(now + 0.51)
+
+
+def test_irregular_beats_raise_the_timeout_up_to_the_ceiling() -> None:
+    import random
+
+    rng = random.Random(1)
+    busy = FailureDetector[str](0.1, 5, ceiling_s=2.0)
+    now = _beats(busy, "m", [rng.uniform(0.1, 0.6) for _ in range(200)])
+    assert 1.0 < busy.timeout_for("m") <= 2.0
+    assert "m" not in busy.suspects(now + 0.8)  # a late beat on a busy machine: no election
+    stalled = FailureDetector[str](0.1, 5, ceiling_s=2.0)
+    now = _beats(stalled, "m", [rng.uniform(0.1, 5.0) for _ in range(200)])
+    assert stalled.timeout_for("m") == 2.0
+    assert "m" in stalled.suspects(now + 2.01)  # never waits past the ceiling
+
+
+def test_the_fixed_rule_without_a_ceiling_and_the_first_wait_is_no_gap() -> None:
+    fixed = FailureDetector[str](0.1, 5)
+    now = _beats(fixed, "m", [0.05, 0.9, 0.05, 0.9])
+    assert fixed.timeout_for("m") == 0.5 and "m" in fixed.suspects(now + 0.6)
+    late_start = FailureDetector[str](0.1, 5, ceiling_s=2.0)
+    now = _beats(late_start, "m", [3.0, 0.1, 0.1, 0.1, 0.1])  # 3 s to the first beat
+    assert late_start.timeout_for("m") == 0.5
+
+
+def test_a_lost_peer_is_suspected_at_once_and_a_grace_holds_silence_off() -> None:
+    detector = FailureDetector[str](0.1, 5, ceiling_s=2.0)
+    now = _beats(detector, "m", [0.1] * 10)
+    detector.lost("m")
+    assert "m" in detector.suspects(now + 0.01)
+    detector.grace("m", now + 3.0)
+    assert "m" not in detector.suspects(now + 2.9)
+    assert "m" in detector.suspects(now + 3.1)
