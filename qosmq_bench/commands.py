@@ -78,13 +78,26 @@ def register(sub: Any) -> None:
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
         "--experiment",
-        choices=("matching", "rate", "subscriptions", "recovery", "link", "leave"),
+        choices=("matching", "rate", "subscriptions", "recovery", "link", "leave", "busy"),
         default="matching",
         help="matching: (c) one match broker; rate: (a) response time vs event rate; "
         "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
         "of each role kind under load; link: a link between two routing masters cut or "
         "blackholed under load (detour, way back); leave: a whole cluster removed under "
-        "load (its arc restored at its successor from the persisted state)",
+        "load (its arc restored at its successor from the persisted state); busy: the "
+        "deployment started and run beside CPU hogs, elections nobody caused counted",
+    )
+    phoenix.add_argument(
+        "--hogs",
+        type=integer(0, 64),
+        default=2,
+        help="busy: processes spinning on the cores beside the deployment",
+    )
+    phoenix.add_argument(
+        "--busy-seconds",
+        type=number(1, 86_400),
+        default=300.0,
+        help="busy: seconds of steady events under the hogs",
     )
     phoenix.add_argument(
         "--cuts",
@@ -517,6 +530,8 @@ def _run_phoenix(args: argparse.Namespace) -> int:
         return _run_phoenix_recovery(args)
     if args.experiment == "link":
         return _run_phoenix_links(args)
+    if args.experiment == "busy":
+        return _run_phoenix_busy(args)
     if args.experiment == "leave":
         return _run_phoenix_leave(args)
     if args.experiment != "matching":
@@ -599,6 +614,23 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
             )
         )
     return 1 if sum(r["lost"] for r in rows) else 0
+
+
+def _run_phoenix_busy(args: argparse.Namespace) -> int:
+    from .phoenix_busy import run_busy
+
+    row = run_busy(
+        args.settings,
+        directory=args.work_dir,
+        hogs=args.hogs,
+        rate=float((args.rates or "100").split(",")[0]),
+        duration_s=args.busy_seconds,
+    )
+    row.update(_provenance(args.settings))
+    print(json.dumps(row, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(row, indent=2))
+    return 0
 
 
 def _run_phoenix_leave(args: argparse.Namespace) -> int:
