@@ -78,14 +78,31 @@ def register(sub: Any) -> None:
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
         "--experiment",
-        choices=("matching", "rate", "subscriptions", "recovery", "link", "leave", "busy"),
+        choices=("matching", "rate", "subscriptions", "recovery", "link", "leave", "busy", "chaos"),
         default="matching",
         help="matching: (c) one match broker; rate: (a) response time vs event rate; "
         "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
         "of each role kind under load; link: a link between two routing masters cut or "
         "blackholed under load (detour, way back); leave: a whole cluster removed under "
         "load (its arc restored at its successor from the persisted state); busy: the "
-        "deployment started and run beside CPU hogs, elections nobody caused counted",
+        "deployment started and run beside CPU hogs, elections nobody caused counted; "
+        "chaos: every fault kind in a seeded order under both client faces and both "
+        "confirm modes, each subscriber's own counts checked against its filters",
+    )
+    phoenix.add_argument(
+        "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
+    )
+    phoenix.add_argument(
+        "--chaos-faults",
+        type=names(("router", "router_slave", "match", "match_slave", "freeze", "node", "silent")),
+        default="router,router_slave,match,match_slave,freeze,node,silent",
+        help="chaos: the fault kinds (node: needs --state-dir of a local cluster)",
+    )
+    phoenix.add_argument(
+        "--window", type=number(4, 3600), default=8.0, help="chaos: seconds per fault window"
+    )
+    phoenix.add_argument(
+        "--state-dir", type=path, help="chaos: the local cluster whose nodes it may kill"
     )
     phoenix.add_argument(
         "--hogs",
@@ -532,6 +549,8 @@ def _run_phoenix(args: argparse.Namespace) -> int:
         return _run_phoenix_links(args)
     if args.experiment == "busy":
         return _run_phoenix_busy(args)
+    if args.experiment == "chaos":
+        return _run_phoenix_chaos(args)
     if args.experiment == "leave":
         return _run_phoenix_leave(args)
     if args.experiment != "matching":
@@ -614,6 +633,30 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
             )
         )
     return 1 if sum(r["lost"] for r in rows) else 0
+
+
+def _run_phoenix_chaos(args: argparse.Namespace) -> int:
+    from middleware.localcluster import LocalCluster
+
+    from .phoenix_chaos import problems, run_chaos, summarize
+
+    cluster = LocalCluster.open(args.state_dir) if args.state_dir else None
+    rows = run_chaos(
+        args.settings,
+        directory=args.work_dir,
+        seed=args.seed,
+        faults=args.chaos_faults.split(","),
+        rate=float((args.rates or "100").split(",")[0]),
+        window_s=args.window,
+        cluster=cluster,
+    )
+    print(summarize(rows))
+    broken = problems(rows)
+    for line in broken:
+        print(f"broken: {line}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"seed": args.seed, "rows": rows}, indent=2))
+    return 1 if broken else 0
 
 
 def _run_phoenix_busy(args: argparse.Namespace) -> int:

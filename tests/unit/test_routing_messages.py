@@ -20,6 +20,7 @@ from middleware.routing.messages import (
     Beat,
     Configure,
     Confirmation,
+    Copy,
     Fence,
     Found,
     Handover,
@@ -82,6 +83,15 @@ ONE_OF_EACH = [
     Recovered(request="r4", broker="C/match-0", restored=3),
     Retire(broker="B/match-0", slave="B/match-0/slave-1", epoch=2, by=-1),
     Matched(by="C", ids=["e1", "e2"]),
+    Copy(
+        event_type="quotes",
+        home="A",
+        queue="q",
+        confirm="e2e",
+        copy_id="e1:q",
+        publish=Publish(event_type="quotes", event={"event_type": "quotes", "attributes": {}}),
+        unreachable=True,
+    ),
 ]
 
 
@@ -189,6 +199,7 @@ def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
         router = RouterMaster(settings=Settings.load(), topology=topology, cluster="B")
         assert set(router.inbox_handlers) == {
             Join,
+            Copy,
             Advertise,
             Subscribe,
             Unsubscribe,

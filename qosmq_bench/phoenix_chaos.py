@@ -1,0 +1,512 @@
+"""``qosmq bench phoenix --experiment chaos --seed N``: the subscribers' promises under
+every fault kind, both client faces and both confirm modes at once.
+
+Three clusters (A, B, C; a routing slave and a match slave each by default), four
+subscribers homed at A, one per cell of {asyncio, sync} x {broker, e2e}, each with
+filters of its own over the attributes ``x`` (0..99) and ``k`` (a short text).  Events
+of two types B owns (and one C owns) are published at B and C alternately at ``rate``/s.
+Then one fault per window, in an order the seed picks:
+
+- ``router``, ``router_slave``, ``match``, ``match_slave``: that role of B SIGKILLed;
+- ``freeze``: B's match master SIGSTOPped past detection (``freeze_s``), then SIGCONT;
+- ``node``: a RabbitMQ node SIGKILLed and started again (needs a local cluster);
+- ``silent``: the asyncio e2e subscriber stops consuming for the window, then resumes;
+
+and in every window a subscribe and an unsubscribe are sent just after the fault.
+Every subscriber counts what it receives; the harness evaluates the filters itself (its
+own small evaluator, not the layer's matcher) and knows when each subscription was
+confirmed and each unsubscribe sent.  Per window and subscriber: ``expected`` (events
+published while a matching subscription stood), ``delivered``, ``lost``, ``duplicated``
+(an e2e subscriber must see none) and ``unexpected`` (a delivery no standing or
+changing subscription explains).  Events published while one of the queue's
+subscriptions was being made or removed are ``uncertain``: counted neither way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue as queue_module
+import random
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from middleware import runtime
+from middleware.localcluster import LocalCluster
+from middleware.routing import PhoenixClient, RoleId, SyncPhoenixClient
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, SyncClient
+
+from .phoenix_recovery import _serving, _wait_all_served
+from .phoenix_timeliness import Deployment
+
+__all__ = ["FAULTS", "run_chaos"]
+
+FAULTS = ("router", "router_slave", "match", "match_slave", "freeze", "node", "silent")
+CELLS = (("async", "broker"), ("async", "e2e"), ("sync", "broker"), ("sync", "e2e"))
+TEXTS = ("AB", "AC", "BD", "CE")
+Condition = tuple[str, str, Any]
+
+
+def holds(conditions: Sequence[Condition], attributes: dict[str, Any]) -> bool:
+    """The harness's own evaluation of a filter (a conjunction), for what it uses."""
+    for name, op, value in conditions:
+        got = attributes.get(name)
+        if op == "<" and not got < value:
+            return False
+        if op == ">=" and not got >= value:
+            return False
+        if op == "=" and got != value:
+            return False
+        if op == "prefix" and not str(got).startswith(value):
+            return False
+    return True
+
+
+@dataclass
+class _Subscription:
+    event_type: str
+    conditions: list[Condition]
+    sent: float  # the subscribe went out
+    confirmed: float | None = None  # it was confirmed (None: never)
+    removing: float | None = None  # the unsubscribe went out
+    removed: float | None = None  # it was confirmed
+
+    def standing(self, t: float) -> bool:
+        return (
+            self.confirmed is not None
+            and self.confirmed <= t
+            and (self.removing is None or t < self.removing)
+        )
+
+    def changing(self, t: float) -> bool:
+        making = self.sent <= t and (self.confirmed is None or t < self.confirmed)
+        unmaking = (
+            self.removing is not None
+            and self.removing <= t
+            and (self.removed is None or t < self.removed)
+        )
+        return making or unmaking
+
+
+@dataclass
+class _Subscriber:
+    face: str
+    confirm: str
+    queue: str
+    subscriptions: dict[str, _Subscription] = field(default_factory=dict)
+    got: list[tuple[str, float]] = field(default_factory=list)  # (event id, arrival)
+
+    @property
+    def name(self) -> str:
+        return f"{self.face}-{self.confirm}"
+
+
+class _SyncSide:
+    """A sync subscriber: its own thread runs its SyncPhoenixClient (pika is used by one
+    thread only); subscribe and unsubscribe are handed to that thread."""
+
+    def __init__(self, settings: Settings, deployment: Deployment, sub: _Subscriber) -> None:
+        self.settings, self.deployment, self.sub = settings, deployment, sub
+        self.todo: queue_module.Queue[Callable[[SyncPhoenixClient], None]] = queue_module.Queue()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            client = SyncPhoenixClient(
+                SyncClient(settings=self.settings).connect(),
+                topology=self.deployment.topology,
+                cluster="A",
+            )
+            while not self.stop.is_set():
+                while not self.todo.empty():
+                    self.todo.get()(client)
+                client.run(0.05)
+            client.close()
+        except BaseException as exc:  # the run reports it; a sync face must not die
+            self.error = exc
+
+
+class _Chaos:
+    def __init__(
+        self,
+        settings: Settings,
+        deployment: Deployment,
+        cluster: LocalCluster | None,
+        rng: random.Random,
+        prefix: str,
+    ) -> None:
+        self.settings, self.deployment, self.cluster, self.rng = settings, deployment, cluster, rng
+        ring = deployment.ring
+
+        def owned(owner: str) -> list[str]:
+            return [t for t in (f"chaos{i}" for i in range(10_000)) if ring.owner(t) == owner]
+
+        self.types = [*owned("B")[:2], owned("C")[0]]
+        self.subs = [_Subscriber(f, c, f"{prefix}.{f}-{c}") for f, c in CELLS]
+        self.sync_sides: dict[str, _SyncSide] = {}
+        self.published: dict[str, tuple[str, dict[str, Any], float]] = {}
+        self.async_client: AsyncClient | None = None
+        self.at_a: PhoenixClient | None = None
+        self.consumer_tags: dict[str, str] = {}
+
+    def new_conditions(self) -> tuple[str, list[Condition]]:
+        event_type = self.rng.choice(self.types)
+        choice = self.rng.randrange(3)
+        if choice == 0:
+            return event_type, [("x", "<", self.rng.randrange(20, 80))]
+        if choice == 1:
+            return event_type, [("k", "prefix", self.rng.choice("ABC")), ("x", ">=", 10)]
+        return event_type, [("k", "=", self.rng.choice(TEXTS))]
+
+    # --------------------------------------------------------- subscribing
+    async def subscribe(self, sub: _Subscriber, wait: bool = True) -> None:
+        event_type, conditions = self.new_conditions()
+        record = _Subscription(event_type, conditions, sent=time.time())
+        spec = [list(c) for c in conditions]
+
+        def done(sid: str) -> None:
+            record.confirmed = time.time()
+            sub.subscriptions[sid] = record
+
+        if sub.face == "async":
+            client = self._at_a()
+            task = client.subscribe(
+                event_type,
+                spec,
+                1 + self.rng.randrange(5),
+                sub.queue,
+                confirm=sub.confirm,
+                wait_s=60,
+            )
+            pending = asyncio.ensure_future(task)
+            pending.add_done_callback(lambda t: None if t.exception() else done(t.result()))
+            sub.subscriptions[f"pending-{uuid.uuid4().hex[:6]}"] = record
+            if wait:
+                await pending
+            return
+        finished = threading.Event()
+
+        def call(client: SyncPhoenixClient) -> None:
+            try:
+                done(
+                    client.subscribe(event_type, spec, 3, sub.queue, confirm=sub.confirm, wait_s=60)
+                )
+            finally:
+                finished.set()
+
+        sub.subscriptions[f"pending-{uuid.uuid4().hex[:6]}"] = record
+        self.sync_sides[sub.name].todo.put(call)
+        if wait:
+            await asyncio.to_thread(finished.wait, 90)
+
+    async def unsubscribe(self, sub: _Subscriber) -> None:
+        standing = [
+            (sid, s)
+            for sid, s in sub.subscriptions.items()
+            if not sid.startswith("pending") and s.removing is None and s.confirmed
+        ]
+        if len(standing) < 2:
+            return  # keep at least one: every queue keeps expecting something
+        sid, record = self.rng.choice(standing)
+        record.removing = time.time()
+
+        def removed(_result: object) -> None:
+            record.removed = time.time()
+
+        if sub.face == "async":
+            client = self._at_a()
+            pending = asyncio.ensure_future(client.unsubscribe(record.event_type, sid, wait_s=60))
+            pending.add_done_callback(lambda t: None if t.exception() else removed(None))
+            return
+        self.sync_sides[sub.name].todo.put(
+            lambda client: removed(client.unsubscribe(record.event_type, sid, wait_s=60))
+        )
+
+    def _client(self) -> AsyncClient:
+        assert self.async_client is not None
+        return self.async_client
+
+    def _at_a(self) -> PhoenixClient:
+        """The one asyncio client at A (one reply queue for its confirmations)."""
+        if self.at_a is None:
+            self.at_a = PhoenixClient(
+                self._client(), topology=self.deployment.topology, cluster="A"
+            )
+        return self.at_a
+
+    # ------------------------------------------------------------ consuming
+    async def consume(self, sub: _Subscriber) -> None:
+        async def handler(event: Any, message: Any) -> None:
+            sub.got.append((str(event.attributes["id"]), time.time()))
+
+        if sub.face == "async":
+            client = self._at_a()
+            self.consumer_tags[sub.name] = await client.consume(
+                sub.queue, handler, e2e=sub.confirm == "e2e"
+            )
+            return
+        side = self.sync_sides[sub.name] = _SyncSide(self.settings, self.deployment, sub)
+
+        def consume(client: SyncPhoenixClient) -> None:
+            def on_event(event: Any, message: Any) -> None:
+                sub.got.append((str(event.attributes["id"]), time.time()))
+
+            client.consume(sub.queue, on_event, e2e=sub.confirm == "e2e")
+
+        side.todo.put(consume)
+        side.start()
+
+    # ------------------------------------------------------------ publishing
+    async def publish(self, rate: float, seconds: float) -> None:
+        sides = [
+            PhoenixClient(self._client(), topology=self.deployment.topology, cluster=c)
+            for c in ("B", "C")
+        ]
+        start, n = time.monotonic(), 0
+        while time.monotonic() - start < seconds:
+            event_type = self.rng.choice(self.types)
+            eid = uuid.uuid4().hex[:12]
+            attributes: dict[str, Any] = {
+                "id": eid,
+                "x": self.rng.randrange(100),
+                "k": self.rng.choice(TEXTS),
+            }
+            self.published[eid] = (event_type, attributes, time.time())
+            await sides[n % 2].publish({"event_type": event_type, "attributes": attributes})
+            n += 1
+            await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
+
+    # --------------------------------------------------------------- faults
+    def fault(self, kind: str) -> Callable[[], None]:
+        """What the fault does at its moment (in a thread), and the undo is scheduled."""
+        phoenix = self.deployment.phoenix()
+        targets = {
+            "router": RoleId.router("B"),
+            "router_slave": RoleId.router_slave("B", 0),
+            "match": RoleId.match("B", 0),
+            "match_slave": RoleId.match_slave("B", 0, 0),
+            "freeze": RoleId.match("B", 0),
+        }
+        if kind in targets:
+            _, pid = _serving(phoenix)[targets[kind]]
+            if kind == "freeze":
+
+                def freeze() -> None:
+                    os.kill(pid, signal.SIGSTOP)
+                    threading.Timer(2.5, lambda: os.kill(pid, signal.SIGCONT)).start()
+
+                return freeze
+            return lambda: os.kill(pid, signal.SIGKILL)
+        if kind == "node":
+            assert self.cluster is not None
+            node = self.cluster.layout.nodes[-1].short_name
+            cluster = self.cluster
+
+            def bounce() -> None:
+                cluster.kill(node)
+                threading.Timer(8.0, lambda: cluster.start(node)).start()
+
+            return bounce
+        return lambda: None  # "silent": done by the window itself
+
+
+def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dict[str, Any]]:
+    rows = []
+    for sub in chaos.subs:
+        arrivals = Counter(eid for eid, _ in sub.got)
+        expected, uncertain = set(), set()
+        for eid, (event_type, attributes, at) in chaos.published.items():
+            if not begin <= at < end:
+                continue
+            matching = [
+                s
+                for s in sub.subscriptions.values()
+                if s.event_type == event_type and holds(s.conditions, attributes)
+            ]
+            if any(s.changing(at) for s in matching):
+                uncertain.add(eid)
+            elif any(s.standing(at) for s in matching):
+                expected.add(eid)
+        delivered = {eid for eid in expected if arrivals[eid]}
+        unexpected = [
+            eid
+            for eid in arrivals
+            if eid in chaos.published
+            and begin <= chaos.published[eid][2] < end
+            and eid not in expected
+            and eid not in uncertain
+        ]
+        rows.append(
+            {
+                "fault": kind,
+                "subscriber": sub.name,
+                "expected": len(expected),
+                "delivered": len(delivered),
+                "lost": len(expected - delivered),
+                "duplicated": sum(
+                    n - 1
+                    for eid, n in arrivals.items()
+                    if n > 1 and eid in chaos.published and begin <= chaos.published[eid][2] < end
+                ),
+                "unexpected": len(unexpected),
+                "uncertain": len(uncertain),
+            }
+        )
+    return rows
+
+
+async def _run(
+    chaos: _Chaos, faults: Sequence[str], rate: float, window_s: float
+) -> list[dict[str, Any]]:
+    chaos.async_client = await AsyncClient(settings=chaos.settings).connect()
+    for sub in chaos.subs:
+        await chaos.consume(sub)
+    for sub in chaos.subs:
+        for _ in range(2):
+            await chaos.subscribe(sub)
+    await chaos.publish(rate, 3.0)  # a warm-up window, counted as "none"
+    bounds = [("none", 0.0, time.time())]
+    for kind in faults:
+        await asyncio.to_thread(_wait_all_served, chaos.deployment.phoenix(), 180)
+        begin = time.time()
+        act = chaos.fault(kind)
+
+        async def during(
+            kind: str = kind, act: Callable[[], None] = act, silent: _Subscriber = chaos.subs[1]
+        ) -> None:  # ``silent``: the asyncio e2e subscriber
+            await asyncio.sleep(1.0)
+            if kind == "silent":
+                await chaos._client().cancel(chaos.consumer_tags[silent.name])
+            else:
+                await asyncio.to_thread(act)
+            sub = chaos.rng.choice(chaos.subs)
+            await chaos.subscribe(sub, wait=False)  # in flight during the fault
+            await chaos.unsubscribe(chaos.rng.choice(chaos.subs))
+            if kind == "silent":
+                await asyncio.sleep(window_s - 3.0)
+                await chaos.consume(silent)
+
+        doing = asyncio.create_task(during())
+        await chaos.publish(rate, window_s)
+        await doing
+        bounds.append((kind, begin, time.time()))
+    # the stragglers: every expected event may still arrive (a silent subscriber's backlog)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rows = [r for kind, b, e in bounds for r in _window_rows(chaos, kind, b, e)]
+        if not any(r["lost"] for r in rows):
+            break
+        await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)  # late duplicates show here
+    for side in chaos.sync_sides.values():
+        side.stop.set()
+        await asyncio.to_thread(side.thread.join, 10)
+    await chaos._client().close()
+    rows = [r for kind, b, e in bounds for r in _window_rows(chaos, kind, b, e)]
+    for side in chaos.sync_sides.values():
+        if side.error is not None:
+            rows.append(
+                {
+                    "fault": "sync face",
+                    "subscriber": side.sub.name,
+                    "error": f"{type(side.error).__name__}: {side.error}",
+                }
+            )
+    return rows
+
+
+def run_chaos(
+    settings: Settings,
+    *,
+    directory: Path,
+    seed: int,
+    faults: Sequence[str] = FAULTS,
+    rate: float = 100.0,
+    window_s: float = 8.0,
+    cluster: LocalCluster | None = None,
+    routing_slaves: int = 1,
+    match_slaves: int = 1,
+) -> list[dict[str, Any]]:
+    """One chaos run: the faults in the seed's order; a row per (window, subscriber)."""
+    rng = random.Random(seed)
+    kinds = [f for f in faults if f != "node" or cluster is not None]
+    rng.shuffle(kinds)
+    prefix = f"bench-chaos-{seed}-{int(time.time())}"
+    deployment = Deployment(
+        directory / prefix,
+        prefix=prefix,
+        amqp_urls=settings.amqp_urls,
+        routing_slaves=routing_slaves,
+        match_slaves=match_slaves,
+    )
+    with deployment.running():
+        _wait_all_served(deployment.phoenix(), 180)
+        chaos = _Chaos(settings, deployment, cluster, rng, prefix)
+        rows = runtime.run(_run(chaos, kinds, rate, window_s), event_loop=settings.event_loop)
+        with contextlib.suppress(Exception):
+            runtime.run(_drop_queues(settings, [s.queue for s in chaos.subs]))
+    return rows
+
+
+async def _drop_queues(settings: Settings, queues: list[str]) -> None:
+    async with AsyncClient(settings=settings) as client:
+        for name in queues:
+            await client.delete_queue(name)
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table."""
+    head = (
+        "| window | subscriber | expected | delivered | lost | duplicated | unexpected "
+        "| uncertain |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['fault']} | {r['subscriber']} | error: {r['error']} |||||")
+            continue
+        lines.append(
+            f"| {r['fault']} | {r['subscriber']} | {r['expected']} | {r['delivered']} | "
+            f"{r['lost']} | {r['duplicated']} | {r['unexpected']} | {r['uncertain']} |"
+        )
+    return "\n".join(lines)
+
+
+def problems(rows: list[dict[str, Any]]) -> list[str]:
+    """What breaks a promise: a loss, an e2e duplicate, an unexpected delivery, an error."""
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['subscriber']}: {r['error']}")
+            continue
+        where = f"{r['fault']} window, {r['subscriber']}"
+        if r["lost"]:
+            out.append(f"{where}: {r['lost']} of {r['expected']} lost")
+        if r["unexpected"]:
+            out.append(f"{where}: {r['unexpected']} unexpected")
+        if r["duplicated"] and r["subscriber"].endswith("e2e"):
+            out.append(f"{where}: {r['duplicated']} duplicates to an e2e subscriber")
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick manual run
+    import sys
+
+    out = run_chaos(Settings.load(), directory=Path(sys.argv[1]), seed=int(sys.argv[2]))
+    print(summarize(out))
+    print(json.dumps(problems(out), indent=2))
