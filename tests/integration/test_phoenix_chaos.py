@@ -1,0 +1,34 @@
+"""The chaos matrix: every fault kind crossed with both client faces and both confirm
+modes, the subscribers' own counts checked against their filters
+(``qosmq_bench/phoenix_chaos.py``; the same run as ``qosmq bench phoenix --experiment
+chaos``).  Short here: each fault once, in the order ``QOSMQ_CHAOS_SEED`` picks (default
+1); ``QOSMQ_CHAOS_ROUNDS=N`` runs the list N times (a soak)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from qosmq_bench.phoenix_chaos import FAULTS, problems, run_chaos, summarize
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest.mark.slow]
+
+
+def test_no_subscriber_loses_or_gets_what_it_did_not_ask_for_under_any_fault(
+    settings, local_cluster, tmp_path
+) -> None:
+    seed = int(os.environ.get("QOSMQ_CHAOS_SEED", "1"))
+    rounds = int(os.environ.get("QOSMQ_CHAOS_ROUNDS", "1"))
+    rows = run_chaos(
+        settings,
+        directory=tmp_path,
+        seed=seed,
+        faults=list(FAULTS) * rounds,
+        rate=80.0,
+        window_s=7.0,
+        cluster=local_cluster,
+    )
+    print(f"\nseed {seed}\n{summarize(rows)}")
+    assert {r["fault"] for r in rows} >= set(FAULTS), "a fault kind did not run"
+    assert not problems(rows), problems(rows)
