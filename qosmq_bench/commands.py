@@ -111,6 +111,12 @@ def register(sub: Any) -> None:
         help="busy: processes spinning on the cores beside the deployment",
     )
     phoenix.add_argument(
+        "--suspect-ceiling",
+        type=number(0, 600),
+        help="busy: the topology's suspect_ceiling_s (0: the fixed detection rule; "
+        "default: the topology's, 2.0)",
+    )
+    phoenix.add_argument(
         "--busy-seconds",
         type=number(1, 86_400),
         default=300.0,
@@ -668,6 +674,9 @@ def _run_phoenix_busy(args: argparse.Namespace) -> int:
         hogs=args.hogs,
         rate=float((args.rates or "100").split(",")[0]),
         duration_s=args.busy_seconds,
+        fields=None
+        if args.suspect_ceiling is None
+        else {"suspect_ceiling_s": args.suspect_ceiling},
     )
     row.update(_provenance(args.settings))
     print(json.dumps(row, indent=2))

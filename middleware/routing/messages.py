@@ -116,6 +116,10 @@ class Publish(Routed):
     kind: Literal[Kind.PUBLISH] = Kind.PUBLISH
     event: Event
     broker: str | None = None  # the match broker that matched it (on delivery)
+    #: when its entry router first routed it (wall clock): a cluster that left and comes
+    #: back drops what its inbox held from before its departure that entered elsewhere
+    #: (the entry routers routed those again to its successor, which matched them)
+    entered_at: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class Copy(Routed):

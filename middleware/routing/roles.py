@@ -1509,6 +1509,8 @@ class RouterMaster(_Role):
             on_unreachable=self._suspect,
         )
         self._spec = self.topology.cluster(self.cluster)
+        #: when this router saw each departed cluster leave (its join record names it)
+        self._left_at: dict[str, float] = {}
         #: copies carried here for this cluster's subscribers (``_on_copy``)
         self.copies = CopySender(topology=self.topology, client_for=self.client_for)
         #: departed clusters whose arc this router took over: (arc, restored)
@@ -1594,16 +1596,21 @@ class RouterMaster(_Role):
     def _record_ring_change(self, cluster: str, state: str) -> None:
         """Persist that ``cluster`` left or joined (in the state store every cluster's
         router reads; each router records what it handled, the newest record wins)."""
-        document = {"state": state, "at": time.time()}
-        write = asyncio.to_thread(
-            self.store.save,
-            ring_owner(self.topology.prefix),
-            "ring",
-            cluster,
-            document,
-            time.time_ns(),
-        )
-        self._background(write)
+        document: dict[str, Any] = {"state": state, "at": time.time()}
+        if state == "left":
+            self._left_at[cluster] = document["at"]
+        elif cluster in self._left_at:  # what the returning cluster's roles must know
+            document["left_at"] = self._left_at[cluster]
+        owner, version = ring_owner(self.topology.prefix), time.time_ns()
+
+        def write() -> None:
+            if state == "joined" and "left_at" not in document:  # a router started since
+                _, before = self.store.load(owner, "ring").get(cluster, (0, {}))
+                if isinstance(before, dict) and before.get("state") == "left":
+                    document["left_at"] = before.get("at")
+            self.store.save(owner, "ring", cluster, document, version)
+
+        self._background(asyncio.to_thread(write))
 
     def _background(self, work: Awaitable[Any]) -> None:
         """Run ``work`` beside serving, held until it ends (stores, recoveries, retires)."""
@@ -1643,6 +1650,8 @@ class RouterMaster(_Role):
         if message.via:  # on a detour: pass it on toward the next hop of its path
             await self._relay(message)
             return
+        if isinstance(message, Publish) and message.id is None and message.entered_at is None:
+            message = message.model_copy(update={"entered_at": time.time()})  # its entry
         writes, forwarded = self.logic.accept(message)
         for write in writes:
             entry = None if write.entry is None else write.entry.to_document()
@@ -2384,6 +2393,8 @@ class MatchMaster(_MatchBroker):
         #: event types restored from a departed cluster: matched here, never dispatched
         #: (the restored subscriptions are not replicated to the slaves, see ``adopt``)
         self.local_types: set[str] = set()
+        #: when this cluster last left the ring (``prepare``): see ``_matched_elsewhere``
+        self.left_at: float | None = None
         #: departed clusters' subscriptions read ahead (a router suspected the departure),
         #: with the plan they were read for (``_restore_plan``)
         self.standby: dict[str, tuple[tuple[Any, ...], asyncio.Future[Restorable]]] = {}
@@ -2395,6 +2406,35 @@ class MatchMaster(_MatchBroker):
         for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():
             self._held(sid, doc)
         log.info("%s: %d subscriptions read back", self.owner, len(self.registry))
+        self.left_at = await asyncio.to_thread(self._own_departure)
+        if self.left_at is not None:
+            log.warning(
+                "%s: this cluster left the ring at %.3f: what its inbox held from before "
+                "that and entered elsewhere was matched by its successor, and is dropped",
+                self.owner,
+                self.left_at,
+            )
+
+    def _own_departure(self) -> float | None:
+        """When this cluster last left the ring, as the routers recorded it (None: it
+        never did, or a new deployment forgot it)."""
+        records = self.store.load(ring_owner(self.topology.prefix), "ring")
+        _, record = records.get(self.cluster, (0, {}))
+        if not isinstance(record, dict):
+            return None
+        at = record.get("at") if record.get("state") == "left" else record.get("left_at")
+        return float(at) if isinstance(at, int | float) else None
+
+    def _matched_elsewhere(self, message: Publish) -> bool:
+        """An event from before this cluster left, that entered at another cluster: its
+        entry router routed it again when this one left, and the successor matched it."""
+        return (
+            self.left_at is not None
+            and message.entered_at is not None
+            and message.entered_at < self.left_at
+            and bool(message.hops)
+            and message.hops[0] != self.cluster
+        )
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -2582,6 +2622,9 @@ class MatchMaster(_MatchBroker):
         )
 
     async def _on_publish(self, message: Publish) -> None:
+        if self._matched_elsewhere(message):
+            self.count("dropped_after_rejoin")
+            return
         if message.event_type in self.local_types:  # its slaves do not hold them
             await self._match(message)
             return

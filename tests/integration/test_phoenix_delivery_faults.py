@@ -155,3 +155,32 @@ def test_a_subscriber_that_stops_consuming_costs_the_others_nothing(
         f"{waiting} copies wait for the silent one"
     )
     assert p99 < 1.0, f"the live subscriber's p99 {p99:.2f} s beside a silent one"
+
+
+@pytest.mark.parametrize(
+    "links", [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}}], indirect=True
+)
+def test_a_rejoining_cluster_does_not_match_again_what_its_successor_matched(links) -> None:  # noqa: F811
+    """X leaves while events flow (some wait in its match master's inbox); A, where they
+    entered, routes them again to X's successor, which matches them.  When X comes back,
+    its inbox still holds them: X drops what entered elsewhere before it left, instead of
+    delivering each a second time."""
+    x = links.x
+    arrivals, published, _ = asyncio.run(links.stream(5.0, [(1.0, "remove")], between=(x,)))
+    assert _all_once(arrivals, published) == 0
+    links.restore_links(x)
+    links.deployment.join(x)
+
+    async def drain(seconds: float) -> int:
+        async with AsyncClient(settings=links.cluster(links.y)) as client:
+            count, deadline = 0, time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                while await client.get(links.queue) is not None:
+                    count += 1
+                await asyncio.sleep(0.2)
+            return count
+
+    again = asyncio.run(drain(8.0))  # X's roles are back, consuming what its inbox held
+    log = links.deployment.log_file(RoleId.match(x, 0)).read_text()
+    assert "this cluster left the ring at" in log, log[-3000:]
+    assert again == 0, f"{again} events delivered a second time after {x} rejoined"
