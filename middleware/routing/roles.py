@@ -1650,7 +1650,7 @@ class RouterMaster(_Role):
         if message.via:  # on a detour: pass it on toward the next hop of its path
             await self._relay(message)
             return
-        if isinstance(message, Publish) and message.id is None and message.entered_at is None:
+        if isinstance(message, Publish) and message.entered_at is None:
             message = message.model_copy(update={"entered_at": time.time()})  # its entry
         writes, forwarded = self.logic.accept(message)
         for write in writes:
@@ -2623,6 +2623,12 @@ class MatchMaster(_MatchBroker):
 
     async def _on_publish(self, message: Publish) -> None:
         if self._matched_elsewhere(message):
+            if not self.counters["dropped_after_rejoin"]:
+                log.warning(
+                    "%s: dropping events from before the departure (first: %s)",
+                    self.owner,
+                    message.id,
+                )
             self.count("dropped_after_rejoin")
             return
         if message.event_type in self.local_types:  # its slaves do not hold them
