@@ -84,7 +84,7 @@ class _Lane:
         #: message id -> (sent wall time, replica index or None, error kind or None)
         self.sent: dict[str, tuple[float, int | None, str | None]] = {}
 
-    async def publish(self, rate: float, stop: asyncio.Event) -> None:
+    async def publish(self, rate: float, stop: asyncio.Event, go: asyncio.Event) -> None:
         client = await AsyncClient(settings=self.settings).connect()
         publisher = await BalancedPublisher(
             client,
@@ -107,6 +107,7 @@ class _Lane:
 
         while not stop.is_set():
             await asyncio.sleep(rng.expovariate(rate))
+            await go.wait()  # paused between phases, while the replicas drain
             task = asyncio.create_task(one(f"{self.algorithm}-{uuid.uuid4().hex[:12]}"))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -136,7 +137,8 @@ async def run_balance_faults(
     outs = [work_dir / f"consumer-{i}.txt" for i in range(replicas)]
     queues = [[f"{lane.topic}.r{i}" for lane in lanes] for i in range(replicas)]
     consumers = [_spawn(settings, queues[i], 1 / service_rate, outs[i]) for i in range(replicas)]
-    stop, stop_publishing = asyncio.Event(), asyncio.Event()
+    stop, stop_publishing, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    go.set()
     sidecars = [
         asyncio.create_task(
             BalancerSidecar(
@@ -150,11 +152,13 @@ async def run_balance_faults(
         for lane in lanes
     ]
     await asyncio.sleep(3.0)  # consumers subscribed, first reports out
-    publishers = [asyncio.create_task(lane.publish(rate, stop_publishing)) for lane in lanes]
+    publishers = [asyncio.create_task(lane.publish(rate, stop_publishing, go)) for lane in lanes]
     starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
     admin = await AsyncClient(settings=settings).connect()
     try:
         for phase in PHASES:
+            go.set()
             starts[phase] = time.time()
             progress(f"phase {phase} ({phase_s:.0f} s)")
             if phase == "slow":
@@ -179,6 +183,9 @@ async def run_balance_faults(
             elif phase == "delete":
                 for lane in lanes:
                     await admin.declare_queue(QueueSpec(f"{lane.topic}.r2", kind=kind))
+            go.clear()  # each phase starts from drained replicas: no backlog carried over
+            ends[phase] = time.time()
+            await _drained(admin, [f"{lane.topic}.r{i}" for lane in lanes for i in range(replicas)])
         starts["end"] = time.time()
         stop_publishing.set()
         await asyncio.gather(*publishers)
@@ -198,7 +205,19 @@ async def run_balance_faults(
                     await admin.delete_queue(f"{lane.topic}.r{i}")
         await admin.close()
     handled = _handled(outs)
-    return [row for lane in lanes for row in _rows(lane, handled, starts, replicas)]
+    return [row for lane in lanes for row in _rows(lane, handled, starts, ends, replicas)]
+
+
+async def _drained(admin: AsyncClient, queues: list[str], within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        lengths = []
+        for queue in queues:
+            with contextlib.suppress(Exception):
+                lengths.append(await admin.queue_length(queue))
+        if not any(lengths):
+            return
+        await asyncio.sleep(0.5)
 
 
 def _handled(outs: list[Path]) -> dict[str, float]:
@@ -212,13 +231,16 @@ def _handled(outs: list[Path]) -> dict[str, float]:
 
 
 def _rows(
-    lane: _Lane, handled: dict[str, float], starts: dict[str, float], replicas: int
+    lane: _Lane,
+    handled: dict[str, float],
+    starts: dict[str, float],
+    ends: dict[str, float],
+    replicas: int,
 ) -> list[dict[str, Any]]:
-    bounds = [*(starts[p] for p in PHASES), starts["end"]]
-    steady = _shares(lane, bounds[0], bounds[1], replicas)
+    steady = _shares(lane, starts["steady"], ends["steady"], replicas)
     rows = []
-    for n, phase in enumerate(PHASES):
-        begin, end = bounds[n], bounds[n + 1]
+    for phase in PHASES:
+        begin, end = starts[phase], ends[phase]
         mine = {m: s for m, s in lane.sent.items() if begin <= s[0] < end}
         latencies = sorted(handled[m] - s[0] for m, s in mine.items() if m in handled and not s[2])
         errors = Counter(s[2] for s in mine.values() if s[2])
