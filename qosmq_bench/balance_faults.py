@@ -108,6 +108,8 @@ class _Lane:
         while not stop.is_set():
             await asyncio.sleep(rng.expovariate(rate))
             await go.wait()  # paused between phases, while the replicas drain
+            if stop.is_set():
+                break
             task = asyncio.create_task(one(f"{self.algorithm}-{uuid.uuid4().hex[:12]}"))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -188,6 +190,7 @@ async def run_balance_faults(
             await _drained(admin, [f"{lane.topic}.r{i}" for lane in lanes for i in range(replicas)])
         starts["end"] = time.time()
         stop_publishing.set()
+        go.set()
         await asyncio.gather(*publishers)
         await asyncio.sleep(10.0)  # the backlog drains
     finally:
