@@ -105,9 +105,13 @@ class _Lane:
             except Exception as exc:  # counted: a caller would have seen it
                 self.sent[mid] = (at, None, type(exc).__name__)
 
+        next_at = time.monotonic()
         while not stop.is_set():
-            await asyncio.sleep(rng.expovariate(rate))
-            await go.wait()  # paused between phases, while the replicas drain
+            next_at += rng.expovariate(rate)  # Poisson arrivals on the clock, not per sleep
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if not go.is_set():  # paused between phases, while the replicas drain
+                await go.wait()
+                next_at = time.monotonic()
             if stop.is_set():
                 break
             task = asyncio.create_task(one(f"{self.algorithm}-{uuid.uuid4().hex[:12]}"))
