@@ -957,13 +957,7 @@ class AsyncClient:
                     continue  # being subscribed (again) right now
                 verdict = await self._still_consumed(live, tag, consumer)
                 if verdict is False and live.consumer_channels.get(tag) is channel:
-                    metrics.CONSUMERS_LOST.inc()
-                    log.warning(
-                        "consumer %s: queue %r is gone or counts no consumer (no basic.cancel "
-                        "came); subscribing again when it exists",
-                        tag,
-                        consumer.spec.queue,
-                    )
+                    metrics.consumer_lost(log, tag, consumer.spec.queue)
                     task = asyncio.ensure_future(self._resubscribe(live, consumer))
                     self._closers.add(task)
                     task.add_done_callback(self._closers.discard)

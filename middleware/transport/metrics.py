@@ -54,3 +54,15 @@ def consumer_cancelled_by_broker(log: logging.Logger, tag: str, queue: str) -> N
         queue,
     )
     CONSUMERS_CANCELLED_BY_BROKER.inc()
+
+
+def consumer_lost(log: logging.Logger, tag: str, queue: str) -> None:
+    """Say and count that the watchdog found a consumer subscribed to nothing (both faces
+    subscribe it again)."""
+    log.warning(
+        "consumer %s: queue %r is gone, counts no consumer or gives it nothing (no "
+        "basic.cancel came); subscribing again when it exists",
+        tag,
+        queue,
+    )
+    CONSUMERS_LOST.inc()

@@ -707,13 +707,7 @@ class SyncClient:
             if check.lost(
                 queue_exists=exists, consumers=count, ready=ready, delivered=delivered, room=True
             ):
-                metrics.CONSUMERS_LOST.inc()
-                log.warning(
-                    "consumer %s: queue %r is gone or counts no consumer (no basic.cancel "
-                    "came); subscribing again when it exists",
-                    tag,
-                    consumer.spec.queue,
-                )
+                metrics.consumer_lost(log, tag, consumer.spec.queue)
                 self._cancelled[tag] = now
 
     def _resubscribe_cancelled(self, live: _SyncLive) -> None:
