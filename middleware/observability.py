@@ -40,7 +40,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
-    """Configure the root logger once per process (``main()`` calls it)."""
+    """Configure the root logger of one of the layer's own processes (the CLI's
+    ``main()``: commands, sidecars, roles); the library itself adds no handler and
+    changes no logger's level in a service's process."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

@@ -1,10 +1,5 @@
 """AMQP transport: the asyncio core (aio-pika), the sync face (pika), and the logic they share."""
 
-from . import codec
-
-codec.install()  # one field codec for both faces: before either library encodes anything
-
-# ruff: noqa: E402
 from .aio import REPLY_TO, AsyncClient, AsyncHandler
 from .delivery import DEAD_LETTER_QUEUE, Action, Delivery, Outcome
 from .message import OutgoingMessage

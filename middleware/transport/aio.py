@@ -43,7 +43,7 @@ from ..errors import (
     WindowFull,
 )
 from ..settings import Settings
-from . import consuming, metrics
+from . import codec, consuming, metrics
 from .aio_publish import basic_publish
 from .aio_watch import WatchedReplies
 from .coalesce import CoalescingConnection
@@ -108,6 +108,7 @@ class _Consumer:
     on_settled: SettleHook | None
 
 
+@codec.layer_calls
 class AsyncClient:
     """The asyncio client: failover, record-and-replay, confirms with an in-flight window."""
 

@@ -30,6 +30,8 @@ from aiormq.connection import TransportFactory
 from aiormq.exceptions import AMQPConnectionError
 from yarl import URL
 
+from . import codec
+
 __all__ = ["CoalescingConnection", "CoalescingTransportFactory", "CoalescingWriter"]
 
 STREAM_LIMIT = 2**16  # asyncio.open_connection's default reader limit
@@ -123,3 +125,9 @@ class CoalescingConnection(aio_pika.Connection):
     def __init__(self, url: URL, **kwargs: Any) -> None:
         kwargs.setdefault("transport_factory", CoalescingTransportFactory())
         super().__init__(url, **kwargs)
+
+    async def connect(self, timeout: Any = None) -> None:  # noqa: ASYNC109  (aio-pika's signature)
+        """aio-pika's connect with the layer's codec: aiormq's reader and writer tasks,
+        started here, decode and encode every frame of this connection with it."""
+        with codec.layer_codec():
+            await super().connect(timeout)

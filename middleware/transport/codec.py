@@ -1,7 +1,13 @@
 """How the layer's AMQP libraries encode and decode field values: one policy for both faces.
 
-Installed once when :mod:`middleware.transport` is imported; it changes pamqp's (aiormq's)
-and pika's table codecs for the whole process, in four ways, each a fix:
+The policy holds for the layer's own connections only.  Importing the layer changes
+nothing in pamqp, aiormq or pika; the first layer client that connects installs codec
+functions there that act only inside the layer's calls (a context variable set by
+:func:`layer_calls` around every public client method and by the layer's connection,
+whose reader and writer tasks inherit it) and hand everything else to the library's own
+code unchanged, so a plain aio-pika or pika connection in the same process encodes and
+decodes byte for byte as without the layer (``tests/integration/test_codec_isolation.py``).
+Inside the layer's connections it fixes four things:
 
 * **floats go out as doubles** (``d``) and come back as floats: pamqp sends single
   precision (0.1 arrives as 0.10000000149011612), pika cannot send a float at all and
@@ -26,18 +32,68 @@ Deliveries that carry such values are dead-lettered with the reason by the consu
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
+import functools
+import inspect
 import struct
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import pamqp.common
 import pamqp.decode
 import pamqp.encode
 import pika.data
 
-__all__ = ["install", "raw_bytes"]
+__all__ = ["active", "install", "layer_calls", "layer_codec", "raw_bytes"]
 
 _installed = False
+_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("qosmq_layer_codec", default=False)
+C = TypeVar("C", bound=type)
+
+
+def active() -> bool:
+    """Whether the current context belongs to one of the layer's own calls."""
+    return _LAYER.get()
+
+
+@contextlib.contextmanager
+def layer_codec() -> Iterator[None]:
+    """Run the block (and the tasks it starts) with the layer's codec."""
+    install()
+    token = _LAYER.set(True)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def layer_calls(cls: C) -> C:
+    """Class decorator: every public method of ``cls`` runs with the layer's codec."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.isfunction(member):
+            continue
+        setattr(cls, name, _in_layer(member))
+    return cls
+
+
+def _in_layer(method: Any) -> Any:
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            with layer_codec():
+                return await method(*args, **kwargs)
+
+        return run_async
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with layer_codec():
+            return method(*args, **kwargs)
+
+    return run
 
 
 def raw_bytes(text: str | bytes) -> bytes:
@@ -49,9 +105,14 @@ def raw_bytes(text: str | bytes) -> bytes:
 
 # ----------------------------------------------------------------- pamqp (aiormq)
 _pamqp_encode_value = pamqp.encode.encode_table_value
+_pamqp_short_str_orig = pamqp.decode.short_str
+_pamqp_timestamp_orig = pamqp.decode.timestamp
+_pamqp_field_table_orig = pamqp.decode.field_table
 
 
 def _pamqp_encode(value: Any) -> bytes:
+    if not _LAYER.get():
+        return _pamqp_encode_value(value)
     if isinstance(value, float):
         return b"d" + pamqp.encode.double(value)
     if isinstance(value, bytes):
@@ -60,6 +121,8 @@ def _pamqp_encode(value: Any) -> bytes:
 
 
 def _pamqp_short_str(value: bytes) -> tuple[int, str]:
+    if not _LAYER.get():
+        return _pamqp_short_str_orig(value)
     try:
         length = pamqp.common.Struct.byte.unpack(value[0:1])[0]
     except (struct.error, TypeError) as err:
@@ -68,6 +131,8 @@ def _pamqp_short_str(value: bytes) -> tuple[int, str]:
 
 
 def _pamqp_timestamp(value: bytes) -> tuple[int, datetime.datetime | int]:
+    if not _LAYER.get():
+        return _pamqp_timestamp_orig(value)
     try:
         raw = pamqp.common.Struct.timestamp.unpack(value[0:8])[0]
     except (struct.error, TypeError) as err:
@@ -80,6 +145,8 @@ def _pamqp_timestamp(value: bytes) -> tuple[int, datetime.datetime | int]:
 
 def _pamqp_field_table(value: bytes) -> tuple[int, dict[str, Any]]:
     """pamqp's ``field_table`` with keys decoded like short strings (surrogate escapes)."""
+    if not _LAYER.get():
+        return _pamqp_field_table_orig(value)
     try:
         length = pamqp.common.Struct.integer.unpack(value[0:4])[0]
         offset, data, end = 4, {}, 4 + length
@@ -115,6 +182,8 @@ _pika_decode_value = pika.data.decode_value
 
 
 def _pika_encode(pieces: list[bytes], value: Any) -> int:
+    if not _LAYER.get():
+        return int(_pika_encode_value(pieces, value))
     if isinstance(value, float):
         pieces.append(struct.pack(">cd", b"d", value))
         return 9
@@ -124,6 +193,9 @@ def _pika_encode(pieces: list[bytes], value: Any) -> int:
 
 
 def _pika_decode(encoded: bytes, offset: int) -> tuple[Any, int]:
+    if not _LAYER.get():
+        original: tuple[Any, int] = _pika_decode_value(encoded, offset)
+        return original
     kind = encoded[offset : offset + 1]
     if kind == b"d":  # pika 1.x truncates floats to integers on decode (long(...))
         return struct.unpack_from(">d", encoded, offset + 1)[0], offset + 9
@@ -152,7 +224,9 @@ async def _aiormq_rpc(
     expected-answer check: a wrong vhost (530) or refused login then raises aiormq's
     error for that reply code with the broker's text, not ``InvalidFrameError("...got
     <Connection.Close object at 0x...>")``, which the layer could only call a lost,
-    retryable connection."""
+    retryable connection.  Outside the layer's calls: aiormq's own step."""
+    if not _LAYER.get():
+        return await _aiormq_rpc_orig(request, writer, frame_receiver, wait_response)
     import aiormq.connection as connection
     import pamqp.frame
     from aiormq.exceptions import InvalidFrameError, ProbableAuthenticationError
@@ -172,14 +246,20 @@ async def _aiormq_rpc(
     return frame
 
 
+_aiormq_rpc_orig: Any = None
+
+
 def _install_aiormq() -> None:
     import aiormq.connection
 
+    global _aiormq_rpc_orig
+    _aiormq_rpc_orig = aiormq.connection.Connection._rpc
     aiormq.connection.Connection._rpc = staticmethod(_aiormq_rpc)  # type: ignore[method-assign]
 
 
 def install() -> None:
-    """Apply the policy (idempotent)."""
+    """Put the policy's codec functions in place (idempotent; they act only where
+    :func:`active`); done by the first layer call, never by an import."""
     global _installed
     if not _installed:
         _install_pamqp()

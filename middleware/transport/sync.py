@@ -34,7 +34,7 @@ from ..errors import (
     TopologyError,
 )
 from ..settings import Settings
-from . import consuming, metrics
+from . import codec, consuming, metrics
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_TOPOLOGY,
@@ -94,6 +94,7 @@ class _SyncConsumer:
     on_settled: SyncSettleHook | None
 
 
+@codec.layer_calls
 class SyncClient:
     """The blocking client: failover, record-and-replay, publisher confirms."""
 
