@@ -37,7 +37,18 @@ from .transport import (
     SyncClient,
 )
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version: ``pyproject.toml`` is its one source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qosmq")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "AccessRefused",

@@ -74,11 +74,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="qosmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", type=path, help="TOML settings file (env QOSMQ_* wins)")
+    parser.add_argument(
+        "--version", action="version", version=f"qosmq {_installed_version()}", help="print it"
+    )
     sub = parser.add_subparsers(title="commands")
     _cluster_commands(sub)
     for register in _feature_commands():
         register(sub)
     return parser
+
+
+def _installed_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _feature_commands() -> list[Callable[[Any], None]]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian/Ubuntu machine for qosmq: RabbitMQ (Debian's package), Java for
-# Spark, and a Python 3.11+ virtualenv with the layer and its test/dev/spark extras.
+# Spark, and a Python 3.11+ virtualenv with the layer and its test/dev/spark/mongo extras.
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ fi
 stamp="$VENV/.qosmq-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing qosmq and its extras into $VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,dev,spark]"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,dev,spark,mongo]"
   touch "$stamp"
 fi
 echo "setup: ready ($("$VENV/bin/python" --version), $(dpkg-query -W -f='rabbitmq-server ${Version}' rabbitmq-server 2>/dev/null || echo rabbitmq-server))"

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
+from ..errors import ConfigurationError
+
 __all__ = [
     "KINDS",
     "MongoStateStore",
@@ -141,8 +143,12 @@ class MongoStateStore:
     def __init__(
         self, url: str, *, database: str = "qosmq_phoenix", timeout_ms: int = 5000
     ) -> None:
-        from pymongo import MongoClient
-
+        try:
+            from pymongo import MongoClient
+        except ImportError as err:
+            raise ConfigurationError(
+                "the Mongo state store needs pymongo: pip install 'qosmq[mongo]'"
+            ) from err
         self._client: Any = MongoClient(url, serverSelectionTimeoutMS=timeout_ms)
         self._db = self._client[database]
 

@@ -96,3 +96,27 @@ def test_the_readme_is_read_in_five_minutes() -> None:
     head = "\n".join(lines[:60])
     assert "make demo" in head and "make test" in head
     assert "results.md" in "\n".join(lines)
+
+
+def test_pymongo_is_an_extra_and_its_absence_is_named(monkeypatch) -> None:
+    import sys
+
+    import pytest
+
+    from middleware.errors import ConfigurationError
+    from middleware.routing.store import MongoStateStore
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("pymongo") for d in project["dependencies"])
+    assert any(d.startswith("pymongo") for d in project["optional-dependencies"]["mongo"])
+    monkeypatch.setitem(sys.modules, "pymongo", None)  # as if not installed
+    with pytest.raises(ConfigurationError, match=r"qosmq\[mongo\]"):
+        MongoStateStore("mongodb://127.0.0.1:1/")
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    import middleware
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert middleware.__version__ == project["version"]
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
