@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
@@ -15,6 +16,7 @@ from ..transport.aio import AsyncClient, AsyncHandler
 from ..transport.delivery import Delivery, Outcome
 from ..transport.message import OutgoingMessage
 from ..transport.translate import translate_aio
+from . import metrics
 from .core import ConsumerCore, PublisherCore, Settled, new_batcher
 from .modes import ConfirmMode
 from .tracking import Receipt
@@ -50,6 +52,7 @@ class AsyncConfirmPublisher:
         )
         self._window = asyncio.Semaphore(settings.publish_window)
         self._futures: dict[str, asyncio.Future[None]] = {}
+        self._sent_at: dict[str, float] = {}  # message id -> monotonic, for the metrics
         self._ticker: asyncio.Task[None] | None = None
         self._refused_seen = client.refused_closes
         self._resending = asyncio.Lock()  # timeout resends wait while suspects are resent
@@ -100,17 +103,29 @@ class AsyncConfirmPublisher:
 
         if not profile.receipts:
             # broker confirms are windowed by the client itself
-            await self.client.publish(prepare(), confirm=profile.broker_confirm)
+            message = prepare()
+            self._sent_at[message.message_id] = time.monotonic()
+            try:
+                await self.client.publish(message, confirm=profile.broker_confirm)
+            except BaseException as exc:
+                self._count([(message.message_id, exc)])
+                raise
+            self._count([(message.message_id, None)])
             return
         async with self._window:
             message = prepare()  # starts the receipt clock: only once it may really leave
             future = asyncio.get_running_loop().create_future()
             self._futures[message.message_id] = future
+            self._sent_at[message.message_id] = time.monotonic()
             try:
                 await self.client.publish(message, confirm=False)
                 await future
+            except Exception as exc:
+                self._count([(message.message_id, exc)])  # unless settled (counted) already
+                raise
             finally:
                 self._futures.pop(message.message_id, None)
+                self._sent_at.pop(message.message_id, None)
                 self.core.forget(message.message_id)
 
     async def publish_held(
@@ -144,6 +159,7 @@ class AsyncConfirmPublisher:
             )
             future = asyncio.get_running_loop().create_future()
             self._futures[message.message_id] = future
+            self._sent_at[message.message_id] = time.monotonic()
             try:
                 taken = await self.client.publish_watched(message)
                 if hold_s > 0:
@@ -162,9 +178,16 @@ class AsyncConfirmPublisher:
                     raise
                 except Exception as exc:
                     raise translate_aio(exc) from exc
-                return future.done() and future.exception() is None
+                confirmed = future.done() and future.exception() is None
+                if not confirmed and self._sent_at.pop(message.message_id, None) is not None:
+                    metrics.CONFIRMS.labels(self.mode.value, "held").inc()
+                return confirmed
+            except Exception as exc:
+                self._count([(message.message_id, exc)])
+                raise
             finally:
                 self._futures.pop(message.message_id, None)
+                self._sent_at.pop(message.message_id, None)
                 self.core.forget(message.message_id)
 
     def publish_nowait(self, body: bytes, **kwargs: Any) -> asyncio.Future[None]:
@@ -178,7 +201,11 @@ class AsyncConfirmPublisher:
     def _on_reply(self, delivery: Delivery) -> None:
         self._settle(self.core.on_reply(delivery))
 
+    def _count(self, settled: list[Settled]) -> None:
+        metrics.settled(self.mode.value, settled, self._sent_at, time.monotonic())
+
     def _settle(self, settled: list[Settled]) -> None:
+        self._count(settled)
         for message_id, error in settled:
             future = self._futures.get(message_id)
             if future is None or future.done():
@@ -199,6 +226,7 @@ class AsyncConfirmPublisher:
                     await self._resend(message)
 
     async def _resend(self, message: OutgoingMessage) -> None:
+        metrics.RESENDS.labels(self.mode.value).inc()
         try:
             await self.client.publish(message, confirm=False)
         except Exception as exc:
@@ -220,6 +248,7 @@ class AsyncConfirmPublisher:
                 if not suspect:
                     await self._resend(message)
                     continue
+                metrics.RESENDS.labels(self.mode.value).inc()
                 try:
                     await self.client.resend_alone(message, confirm=False)
                 except MessageRefused as exc:
@@ -319,6 +348,8 @@ class AsyncConfirmConsumer:
         async def wrapped(delivery: Delivery) -> None:
             if self.core.should_handle(delivery):
                 await handler(delivery)
+            else:
+                metrics.DUPLICATES_SUPPRESSED.labels(delivery.queue).inc()
 
         tag = await self.client.consume(
             queue, wrapped, prefetch=prefetch, on_settled=self._on_settled
@@ -356,6 +387,8 @@ class AsyncConfirmConsumer:
             await self._send(reply_to, receipts)
 
     async def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
+        if self.core.handled_e2e(delivery):
+            metrics.E2E_SETTLED.labels(delivery.queue, outcome.action.value).inc()
         full = self.core.settled(delivery, outcome)
         if self._pool is not None:
             await self._pool.send(full, via=self)

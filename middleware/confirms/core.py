@@ -245,6 +245,13 @@ class ConsumerCore:
         self._skipped[id(delivery)] = earlier
         return False
 
+    def handled_e2e(self, delivery: Delivery) -> bool:
+        """Whether ``delivery`` is an e2e copy its handler ran for (not a duplicate
+        answered without it): asked before :meth:`settled`."""
+        return id(delivery) not in self._skipped and wants_receipt(
+            delivery.headers, delivery.reply_to, delivery.message_id
+        )
+
     def settled(self, delivery: Delivery, outcome: Outcome) -> list[tuple[str, list[Receipt]]]:
         """Record the receipt a settled delivery earns; return batches that are full."""
         if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):

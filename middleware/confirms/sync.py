@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -9,6 +10,7 @@ from ..errors import MessageRefused
 from ..settings import ConfirmSettings
 from ..transport.delivery import Delivery, Outcome
 from ..transport.sync import SyncClient, SyncHandler
+from . import metrics
 from .core import ConsumerCore, PublisherCore
 from .modes import ConfirmMode
 
@@ -36,6 +38,7 @@ class SyncConfirmPublisher:
             topology=client.topology,
         )
         self._results: dict[str, BaseException | None] = {}
+        self._sent_at: dict[str, float] = {}  # message id -> monotonic, for the metrics
         self._refused_seen = client.refused_closes
         self._reconnects_seen = client.reconnects
         if self.core.profile.receipts:
@@ -86,14 +89,23 @@ class SyncConfirmPublisher:
                 message_id=next(ids) if ids else None,
                 expect=expect,
             )
+            self._sent_at[message.message_id] = time.monotonic()
             if not self.core.profile.receipts:
-                self.client.publish(message, confirm=self.core.profile.broker_confirm)
+                try:
+                    self.client.publish(message, confirm=self.core.profile.broker_confirm)
+                except BaseException as exc:
+                    self._count([(message.message_id, exc)])
+                    raise
+                self._count([(message.message_id, None)])
                 continue
             waiting.append(message.message_id)
             try:
                 self.client.publish(message, confirm=False)
             except MessageRefused as exc:
                 self._record([self.core.refused(message.message_id, exc)])
+            except BaseException as exc:
+                self._count([(message.message_id, exc)])
+                raise
             self._resend_after_failover()
             if len(self.core.in_flight) >= self.client.settings.publish_window:
                 self._wait(lambda: len(self.core.in_flight) < self.client.settings.publish_window)
@@ -111,6 +123,7 @@ class SyncConfirmPublisher:
             resend, failed = self.core.due()
             self._record(failed)
             for message in resend:
+                metrics.RESENDS.labels(self.mode.value).inc()
                 self.client.publish(message, confirm=False)
             self._resend_after_failover()
 
@@ -130,6 +143,7 @@ class SyncConfirmPublisher:
             for message in list(self.core.in_flight.values()):
                 if message.message_id not in self.core.in_flight:
                     continue
+                metrics.RESENDS.labels(self.mode.value).inc()
                 try:
                     if suspect:
                         self.client.resend_alone(message, confirm=False)
@@ -141,7 +155,11 @@ class SyncConfirmPublisher:
     def _on_reply(self, delivery: Delivery) -> None:
         self._record(self.core.on_reply(delivery))
 
+    def _count(self, settled: list[tuple[str, BaseException | None]]) -> None:
+        metrics.settled(self.mode.value, settled, self._sent_at, time.monotonic())
+
     def _record(self, settled: list[tuple[str, BaseException | None]]) -> None:
+        self._count(settled)
         for message_id, error in settled:
             self._results[message_id] = error
 
@@ -160,6 +178,8 @@ class SyncConfirmConsumer:
         def wrapped(delivery: Delivery) -> None:
             if self.core.should_handle(delivery):
                 handler(delivery)
+            else:
+                metrics.DUPLICATES_SUPPRESSED.labels(delivery.queue).inc()
 
         return self.client.consume(queue, wrapped, prefetch=prefetch, on_settled=self._on_settled)
 
@@ -172,6 +192,8 @@ class SyncConfirmConsumer:
         self._send(self.core.batcher.due())
 
     def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
+        if self.core.handled_e2e(delivery):
+            metrics.E2E_SETTLED.labels(delivery.queue, outcome.action.value).inc()
         self._send(self.core.settled(delivery, outcome))
 
     def _send(self, batches: list[tuple[str, list[Any]]]) -> None:

@@ -10,17 +10,34 @@ at most the unconfirmed window (consumers drop those duplicates by id).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from ..errors import InvalidArgument, PublishError, UnknownName
 
 __all__ = ["Spool", "SpoolEntry", "SpoolFull"]
+
+DEPTH = Gauge("qosmq_spool_messages", "messages waiting in the spool", ["path"])
+OLDEST_AGE = Gauge(
+    "qosmq_spool_oldest_age_seconds",
+    "how long the oldest message in the spool has waited (0: empty)",
+    ["path"],
+)
+APPENDED = Counter("qosmq_spool_appended_total", "messages accepted into the spool", ["path"])
+DRAINED = Counter(
+    "qosmq_spool_drained_total",
+    "messages that left the spool, confirmed by the broker (rate(): the drain rate)",
+    ["path"],
+)
 
 
 class SpoolFull(PublishError):
@@ -61,8 +78,11 @@ class Spool:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                 "queue TEXT NOT NULL, message_id TEXT NOT NULL, body BLOB NOT NULL, "
-                "headers TEXT NOT NULL)"
+                "headers TEXT NOT NULL, added_at REAL)"
             )
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(spool)")}
+            if "added_at" not in columns:  # a spool written before entries had a time
+                self._db.execute("ALTER TABLE spool ADD COLUMN added_at REAL")
             self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
         except sqlite3.DatabaseError as exc:
             self._db.close()
@@ -70,6 +90,10 @@ class Spool:
                 f"{self.path} is not a qosmq spool ({exc}): give the SQLite file that "
                 "queues.spool_path names"
             ) from None
+        self._opened_at = time.time()  # the age of entries written without a time
+        self._label = str(self.path)
+        DEPTH.labels(self._label).set_function(lambda: self._count)
+        OLDEST_AGE.labels(self._label).set_function(self.oldest_age_s)
 
     @classmethod
     def open_existing(cls, path: Path | str) -> Spool:
@@ -83,7 +107,8 @@ class Spool:
 
     def append(self, entries: Iterable[SpoolEntry]) -> list[int]:
         """Append in one transaction; return the sequence numbers.  Raises SpoolFull."""
-        rows = [(e.queue, e.message_id, e.body, json.dumps(dict(e.headers))) for e in entries]
+        now = time.time()
+        rows = [(e.queue, e.message_id, e.body, json.dumps(dict(e.headers)), now) for e in entries]
         with self._lock:
             if self._count + len(rows) > self.max_messages:
                 raise SpoolFull(f"spool {self.path} holds {self._count} of {self.max_messages}")
@@ -91,7 +116,8 @@ class Spool:
             try:
                 seqs = [
                     self._db.execute(
-                        "INSERT INTO spool (queue, message_id, body, headers) VALUES (?, ?, ?, ?)",
+                        "INSERT INTO spool (queue, message_id, body, headers, added_at) "
+                        "VALUES (?, ?, ?, ?, ?)",
                         row,
                     ).lastrowid
                     or 0
@@ -102,6 +128,7 @@ class Spool:
                 self._db.execute("ROLLBACK")
                 raise
             self._count += len(rows)
+            APPENDED.labels(self._label).inc(len(rows))
             return seqs
 
     def peek(self, limit: int, *, after: int = 0) -> list[SpoolEntry]:
@@ -122,7 +149,21 @@ class Spool:
             self._db.execute("BEGIN")
             self._db.executemany("DELETE FROM spool WHERE seq = ?", ids)
             self._db.execute("COMMIT")
+            before = self._count
             self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+        DRAINED.labels(self._label).inc(max(0, before - self._count))
+
+    def oldest_age_s(self) -> float:
+        """Seconds the oldest entry has waited (0 when empty or closed)."""
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT added_at FROM spool ORDER BY seq LIMIT 1").fetchone()
+        except sqlite3.ProgrammingError:  # closed
+            return 0.0
+        if row is None:
+            return 0.0
+        added = row[0] if row[0] is not None else self._opened_at
+        return max(0.0, time.time() - added)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -137,6 +178,7 @@ class Spool:
             "messages": count,
             "bytes": size,
             "oldest_seq": oldest,
+            "oldest_age_s": round(self.oldest_age_s(), 3),
             "queues": queues,
             "max_messages": self.max_messages,
         }
@@ -144,3 +186,6 @@ class Spool:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        for gauge in (DEPTH, OLDEST_AGE):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self._label)

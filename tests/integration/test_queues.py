@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from middleware.errors import (
     ConnectionNotEstablished,
@@ -82,6 +83,13 @@ def test_load_sharing_learns_the_cluster_and_spreads_enqueues(
     assert sorted(sent.values()) == [10, 10, 10] and length == 30
 
 
+def _sample(series: str, path: str) -> float:
+    """A spool series as a scrape would read it (the spool's file is the label)."""
+    value = REGISTRY.get_sample_value(series, {"path": path})
+    assert value is not None, series
+    return value
+
+
 def test_sync_face_verbs_spool_and_recover(settings, brokers, tmp_path, name) -> None:
     proxy = FaultProxy(int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1]))
     try:
@@ -98,9 +106,17 @@ def test_sync_face_verbs_spool_and_recover(settings, brokers, tmp_path, name) ->
         assert queues.enqueue(name, b"b", message_id="b").status is EnqueueStatus.SPOOLED
         assert queues.enqueue(name, b"c", message_id="c").status is EnqueueStatus.SPOOLED
         assert len(queues.spool) == 2
+        path = str(queues.spool.path)
+        assert _sample("qosmq_spool_messages", path) == 2
+        time.sleep(0.2)
+        assert _sample("qosmq_spool_oldest_age_seconds", path) >= 0.2
+        assert _sample("qosmq_spool_appended_total", path) == 2
         proxy.heal()
         report = queues.recover()
         assert (report.replayed, report.remaining) == (2, 0)
+        assert _sample("qosmq_spool_drained_total", path) == 2
+        assert _sample("qosmq_spool_messages", path) == 0
+        assert _sample("qosmq_spool_oldest_age_seconds", path) == 0
         got = []
         while (m := queues.dequeue(name, timeout=5)) is not None and len(got) < 3:
             got.append(m.message_id)
