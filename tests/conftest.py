@@ -215,14 +215,28 @@ class Face:
     kind: str
 
     def __init__(self, kind: str, settings: Settings) -> None:
-        """``kind``: ``sync``, ``async`` (asyncio's loop) or ``async-uvloop``."""
+        """``kind``: ``sync``, ``async`` (asyncio's loop) or ``async-uvloop``; or the test
+        doubles of ``middleware.testing``, ``double-async`` and ``double-sync``, each on an
+        in-memory broker of its own (the same contract must hold for them)."""
+        self.double = kind.startswith("double-")
+        kind = kind.removeprefix("double-")
         self.kind = "async" if kind.startswith("async") else kind
         self.settings = settings
+        factories: tuple[Any, Any] = (AsyncClient, SyncClient)
+        extra: dict[str, Any] = {}
+        if self.double:
+            from middleware.testing import InMemoryBroker, InMemoryClient, InMemorySyncClient
+
+            factories, extra = (InMemoryClient, InMemorySyncClient), {"broker": InMemoryBroker()}
+        self.factory = factories[0] if self.kind == "async" else factories[1]
+        self.extra = extra
         if self.kind == "async":
             self.loop = LoopThread("uvloop" if kind == "async-uvloop" else "asyncio")
-            self.client: Any = AsyncClient(settings=settings)
-        else:
-            self.client = SyncClient(settings=settings)
+        self.client: Any = self.new_client()
+
+    def new_client(self) -> Any:
+        """Another client of the same kind (on the same in-memory broker for a double)."""
+        return self.factory(settings=self.settings, **self.extra)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         result = getattr(self.client, method)(*args, **kwargs)
@@ -254,6 +268,15 @@ class Face:
 
 @pytest.fixture(params=["async", "sync"])
 def face(request: pytest.FixtureRequest, settings: Settings) -> Iterator[Face]:
+    f = Face(request.param, settings)
+    f.call("connect")
+    yield f
+    f.close()
+
+
+@pytest.fixture(params=["async", "sync", "double-async", "double-sync"])
+def contract_face(request: pytest.FixtureRequest, settings: Settings) -> Iterator[Face]:
+    """Both real faces and both test doubles: the contract a service may rely on."""
     f = Face(request.param, settings)
     f.call("connect")
     yield f

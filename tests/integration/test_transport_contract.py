@@ -1,4 +1,5 @@
-"""One contract, both faces: what a client does against a real broker."""
+"""One contract, both faces: what a client does against a real broker, and what the test
+doubles of ``middleware.testing`` do the same way (the tests on ``contract_face``)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from middleware.transport.delivery import Action
 pytestmark = pytest.mark.rabbit
 
 
-def test_publish_consume_roundtrip(face, name) -> None:
+def test_publish_consume_roundtrip(contract_face, name) -> None:
+    face = contract_face
     face.call("declare_exchange", ExchangeSpec(name, ExchangeType.DIRECT))
     face.call("declare_queue", QueueSpec(name))
     face.call("bind", BindingSpec(name, name, "k"))
@@ -48,7 +50,8 @@ def test_publish_consume_roundtrip(face, name) -> None:
     face.call("delete_queue", name)
 
 
-def test_every_message_property_arrives(face, name) -> None:
+def test_every_message_property_arrives(contract_face, name) -> None:
+    face = contract_face
     """What a publisher sets is what the consumer (and basic.get) reads, on both faces."""
     face.call("declare_queue", QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9))
     sent = OutgoingMessage(
@@ -84,7 +87,8 @@ def test_every_message_property_arrives(face, name) -> None:
     face.call("delete_queue", name)
 
 
-def test_unroutable_and_missing_exchange_are_named_errors(face, name) -> None:
+def test_unroutable_and_missing_exchange_are_named_errors(contract_face, name) -> None:
+    face = contract_face
     face.call("declare_exchange", ExchangeSpec(name, ExchangeType.DIRECT))
     with pytest.raises(Unroutable):
         face.call("publish", OutgoingMessage(b"x", name, "nobody-bound"))
@@ -99,7 +103,8 @@ def test_unroutable_and_missing_exchange_are_named_errors(face, name) -> None:
     face.call("delete_queue", name)
 
 
-def test_redeclare_with_other_arguments_is_precondition_failed(face, name) -> None:
+def test_redeclare_with_other_arguments_is_precondition_failed(contract_face, name) -> None:
+    face = contract_face
     face.call("declare_queue", QueueSpec(name))
     with pytest.raises(PreconditionFailed):
         face.call("declare_queue", QueueSpec(name, kind=QueueKind.CLASSIC))
@@ -108,7 +113,8 @@ def test_redeclare_with_other_arguments_is_precondition_failed(face, name) -> No
     face.call("delete_queue", name)
 
 
-def test_handler_failures_dead_letter_with_reason(face, name) -> None:
+def test_handler_failures_dead_letter_with_reason(contract_face, name) -> None:
+    face = contract_face
     face.call("declare_queue", QueueSpec(name))
     seen: list[str] = []
 

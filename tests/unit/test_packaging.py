@@ -120,3 +120,12 @@ def test_version_comes_from_the_package_metadata() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert middleware.__version__ == project["version"]
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_the_test_double_example_in_the_docs_runs_as_printed() -> None:
+    """docs/testing.md's example of ``middleware.testing`` (no broker needed)."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    section = text.split("## Testing a service without RabbitMQ")[1]
+    example = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    assert "asyncio.run(main())" in example and "InMemoryClient" in example
+    exec(compile(example, "docs/testing.md", "exec"), {"__name__": "__main__"})
