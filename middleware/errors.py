@@ -15,6 +15,7 @@ pika and aiormq exceptions are translated at the transport boundary
     ├── NotConnected (RuntimeError)            permanent: call connect() first
     ├── RetryableError                         the same call may succeed later
     │   ├── BrokerUnreachable (ConnectionError)   no node of the cluster answered
+    │   │   ├── ManagementUnavailable             no management HTTP API answered
     │   │   ├── ConnectionLost                    a live connection died mid-call
     │   │   └── LinkDown                          Phoenix: a link to another cluster failed
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
@@ -73,6 +74,7 @@ __all__ = [
     "InvalidArgument",
     "LinkDown",
     "MalformedMessage",
+    "ManagementUnavailable",
     "MessageMalformed",
     "MessageRefused",
     "MiddlewareError",
@@ -128,6 +130,11 @@ class BrokerUnreachable(RetryableError, ConnectionError):
     def __init__(self, message: str, *, attempts: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.attempts: dict[str, str] = dict(attempts or {})
+
+
+class ManagementUnavailable(BrokerUnreachable):
+    """No node's management HTTP API answered, or it refused the credentials (each
+    node's error in ``attempts``)."""
 
 
 class ConnectionLost(BrokerUnreachable):

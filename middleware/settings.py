@@ -225,8 +225,18 @@ class Settings(BaseSettings):
         description="Phoenix roles: freeze the tables loaded at start so full garbage "
         "collections skip them",
     )
+    management_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="the management API of each node, tried in turn: comma-separated "
+        "http(s)://[user:password@]host:port[/path-prefix] URLs (https with the tls "
+        "settings; credentials from the URL, else username and password); empty: each "
+        "AMQP node's host at its port + management_port_offset, https for amqps nodes",
+    )
     management_port_offset: int = Field(
-        10000, ge=0, description="management API port = AMQP port + this (local clusters: 10000)"
+        10000,
+        ge=0,
+        description="without management_urls: management API port = AMQP port + this "
+        "(the local cluster's; a default RabbitMQ listens on 15672 for AMQP 5672: 10000)",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
@@ -246,6 +256,28 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("management_urls", mode="before")
+    @classmethod
+    def _split_management_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("management_urls")
+    @classmethod
+    def _check_management_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"{_mask(url)!r} is not http(s)://[USER:PASSWORD@]HOST[:PORT][/PREFIX]"
+                )
+            try:
+                parts.port  # noqa: B018 - raises ValueError on a bad port
+            except ValueError:
+                raise ValueError(f"{_mask(url)!r}: the port is not a number 0-65535") from None
+        return urls
 
     @field_validator("amqp_urls")
     @classmethod

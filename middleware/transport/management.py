@@ -1,66 +1,189 @@
-"""The RabbitMQ management HTTP API: one authenticated JSON GET for every caller."""
+"""The RabbitMQ management HTTP API as operators run it: every node tried in turn.
+
+Each node's API comes from ``settings.management_urls`` (``http(s)://[user:password@]
+host:port[/path-prefix]``) or, when none are given, from the AMQP nodes (their host, the
+port plus ``management_port_offset``, https for ``amqps://`` nodes).  https uses the
+settings' TLS (CA, client certificate, verification); credentials come from the URL,
+else from ``username``/``password``; a path prefix (a reverse proxy's ``/rabbitmq``) is
+put before every API path.  A call goes to the first node that answers; when none does
+it raises :class:`ManagementUnavailable` naming each node's error (an ``OSError``, as
+the callers that read the API optionally expect).
+"""
 
 from __future__ import annotations
 
 import base64
 import json
+import ssl
+import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ManagementUnavailable
 from ..settings import Settings
+from .message import tls_context
 
-__all__ = ["get_json", "management_get", "management_put", "put_json", "vhost_path"]
+__all__ = [
+    "ManagementUnavailable",
+    "get_json",
+    "management_endpoints",
+    "management_get",
+    "management_put",
+    "put_json",
+    "vhost_path",
+]
 
 
-def get_json(url: str, *, username: str, password: str, timeout: float = 5.0) -> Any:
-    """GET ``url`` with basic auth and decode JSON; raises OSError/ValueError on failure."""
-    request = urllib.request.Request(url)
+@dataclass(frozen=True)
+class Endpoint:
+    """One node's management API: its base URL (no credentials) and how to log in."""
+
+    base: str  # scheme://host:port[/prefix], no trailing slash
+    username: str
+    password: str
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def shown(self) -> str:
+        return self.base  # never the credentials
+
+
+def management_endpoints(settings: Settings) -> list[Endpoint]:
+    """Every node's management API, in the settings' order."""
+    password = settings.password.get_secret_value()
+    if not settings.management_urls:
+        return [
+            Endpoint(
+                f"{'https' if tls else 'http'}://{host}:{port + settings.management_port_offset}",
+                settings.username,
+                password,
+            )
+            for host, port, tls in settings.nodes
+        ]
+    out = []
+    for url in settings.management_urls:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        prefix = parts.path.rstrip("/")
+        out.append(
+            Endpoint(
+                f"{parts.scheme}://{host}:{port}{prefix}",
+                urllib.parse.unquote(parts.username) if parts.username else settings.username,
+                urllib.parse.unquote(parts.password) if parts.password is not None else password,
+            )
+        )
+    return out
+
+
+def _request(
+    url: str,
+    *,
+    username: str,
+    password: str,
+    timeout: float,
+    data: bytes | None = None,
+    method: str = "GET",
+    context: ssl.SSLContext | None = None,
+) -> Any:
+    request = urllib.request.Request(url, data=data, method=method)
     token = base64.b64encode(f"{username}:{password}".encode()).decode()
     request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    return urllib.request.urlopen(request, timeout=timeout, context=context)
+
+
+def get_json(
+    url: str,
+    *,
+    username: str,
+    password: str,
+    timeout: float = 5.0,
+    context: ssl.SSLContext | None = None,
+) -> Any:
+    """GET ``url`` with basic auth and decode JSON; raises OSError/ValueError on failure."""
+    with _request(
+        url, username=username, password=password, timeout=timeout, context=context
+    ) as response:
         return json.loads(response.read())
 
 
-def put_json(url: str, body: Any, *, username: str, password: str, timeout: float = 5.0) -> int:
+def put_json(
+    url: str,
+    body: Any,
+    *,
+    username: str,
+    password: str,
+    timeout: float = 5.0,
+    context: ssl.SSLContext | None = None,
+) -> int:
     """PUT ``body`` as JSON with basic auth; the HTTP status (raises OSError on failure)."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT")
-    token = base64.b64encode(f"{username}:{password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
-    request.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with _request(
+        url,
+        username=username,
+        password=password,
+        timeout=timeout,
+        data=json.dumps(body).encode(),
+        method="PUT",
+        context=context,
+    ) as response:
         return int(response.status)
 
 
-def management_put(settings: Settings, path: str, body: Any, *, timeout: float = 5.0) -> int:
-    """PUT ``body`` to ``path`` of the management API of the settings' first node that
-    answers; the HTTP status."""
-    last: OSError | None = None
-    for host, port, _ in settings.nodes:
-        url = f"http://{host}:{port + settings.management_port_offset}{path}"
+def _each_node(settings: Settings, path: str, call: Any) -> Any:
+    attempts: dict[str, str] = {}
+    context: ssl.SSLContext | None = None
+    for endpoint in management_endpoints(settings):
+        if endpoint.base.startswith("https:") and context is None:
+            context = tls_context(settings)
         try:
-            return put_json(
-                url,
-                body,
-                username=settings.username,
-                password=settings.password.get_secret_value(),
-                timeout=timeout,
+            return call(
+                endpoint.url(path),
+                username=endpoint.username,
+                password=endpoint.password,
+                context=context if endpoint.base.startswith("https:") else None,
             )
-        except OSError as exc:
-            last = exc
-    raise last or OSError("no node to ask")
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):  # refused here: the next node would refuse too
+                raise ManagementUnavailable(
+                    f"management API {endpoint.shown()} refused {endpoint.username!r} "
+                    f"({exc.code} {exc.reason}): check the management credentials and tags",
+                    attempts={**attempts, endpoint.shown(): f"{exc.code} {exc.reason}"},
+                ) from None
+            attempts[endpoint.shown()] = f"{exc.code} {exc.reason}"
+        except (OSError, ValueError) as exc:
+            attempts[endpoint.shown()] = str(getattr(exc, "reason", exc))
+    raise ManagementUnavailable(
+        f"no management API answered {path}: "
+        + "; ".join(f"{base}: {why}" for base, why in attempts.items())
+        + " (set management_urls, or management_port_offset, to where the API listens)",
+        attempts=attempts,
+    )
 
 
 def management_get(settings: Settings, path: str, *, timeout: float = 3.0) -> Any:
-    """GET ``path`` from the management API of the settings' first node."""
-    host, port, _ = settings.nodes[0]
-    url = f"http://{host}:{port + settings.management_port_offset}{path}"
-    return get_json(
-        url,
-        username=settings.username,
-        password=settings.password.get_secret_value(),
-        timeout=timeout,
-    )
+    """GET ``path`` from the management API of the first node that answers."""
+
+    def get(url: str, **login: Any) -> Any:
+        return get_json(url, timeout=timeout, **login)
+
+    return _each_node(settings, path, get)
+
+
+def management_put(settings: Settings, path: str, body: Any, *, timeout: float = 5.0) -> int:
+    """PUT ``body`` to ``path`` of the management API of the first node that answers;
+    the HTTP status."""
+
+    def put(url: str, **login: Any) -> int:
+        return put_json(url, body, timeout=timeout, **login)
+
+    result: int = _each_node(settings, path, put)
+    return result
 
 
 def vhost_path(settings: Settings) -> str:
