@@ -130,10 +130,15 @@ class Beater:
 
     @staticmethod
     def _lease_spec(name: str) -> QueueSpec:
+        """Durable, not exclusive: watchers on other connections consume it, which an
+        exclusive queue forbids, and RabbitMQ 4.3 refuses transient non-exclusive
+        queues.  Its expiry removes it once neither holder nor watcher uses it; the
+        token is transient (a restart of the queue's node also ends the holder's
+        connection, which then takes a new lease)."""
         return QueueSpec(
             name,
             kind=QueueKind.CLASSIC,
-            durable=False,
+            durable=True,
             arguments={"x-expires": LEASE_EXPIRES_MS},
         )
 

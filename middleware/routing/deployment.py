@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from ..localcluster.manager import pid_alive, spawn_daemon
 from ..recovery.fencing import Reign
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
-from ..transport.management import management_put, vhost_path
+from ..transport.broker_info import BrokerInfo
+from ..transport.management import management_get, management_put, vhost_path
 from .ids import RoleId, RoleKind
 from .messages import Join, encode
 from .node import take_over
@@ -45,6 +46,12 @@ from .zygote import Zygote
 __all__ = ["DeploymentError", "LocalProvisioner", "PhoenixDeployment", "RoleStatus"]
 
 log = logging.getLogger(__name__)
+
+
+def _broker_version(settings: Settings) -> BrokerInfo:
+    """The cluster's RabbitMQ version, from its management API."""
+    overview = management_get(settings, "/api/overview")
+    return BrokerInfo.from_version(overview.get("rabbitmq_version"))
 
 
 class DeploymentError(MiddlewareError):
@@ -474,10 +481,18 @@ class PhoenixDeployment:
 
         runtime.run(check(), event_loop=self.settings.event_loop)
 
-    def mirror_inboxes(self, clusters: Iterable[str]) -> list[str]:
+    def mirror_inboxes(
+        self,
+        clusters: Iterable[str],
+        *,
+        version_of: Callable[[Settings], BrokerInfo] | None = None,
+    ) -> list[str]:
         """Set the policy that mirrors the role queues of ``clusters`` over
         ``inbox_mirrors`` nodes of each cluster's RabbitMQ (management API); return what
-        could not be done, as messages (the roles run without it, on one node each)."""
+        could not be done, as messages, each also logged in one line (the roles run
+        without it, on one node each): a broker without classic mirroring (4.0 and
+        later, read from the API's ``rabbitmq_version``; ``version_of`` replaces that
+        read, for tests) gets no policy."""
         mirrors = self.topology.inbox_mirrors
         if mirrors < 2:
             return []
@@ -502,6 +517,14 @@ class PhoenixDeployment:
             seen.add(key)
             path = f"/api/policies/{vhost_path(conf)}/qosmq-phoenix-{prefix}"
             try:
+                server = (version_of or _broker_version)(conf)
+                if not server.classic_mirroring:
+                    problems.append(
+                        f"cluster {cluster!r}: {server.describe()} has no classic queue "
+                        "mirroring (removed in 4.0): inbox_mirrors not applied; the role "
+                        "queues live on one RabbitMQ node each"
+                    )
+                    continue
                 management_put(conf, path, policy)
             except OSError as exc:
                 problems.append(

@@ -46,6 +46,7 @@ from ..settings import Settings
 from . import codec, consuming, metrics
 from .aio_publish import basic_publish
 from .aio_watch import WatchedReplies
+from .broker_info import BrokerInfo
 from .coalesce import CoalescingConnection
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
@@ -116,6 +117,8 @@ class AsyncClient:
         self.settings = settings
         self.topology = TopologyRecord()
         self.reconnects = 0
+        #: what the broker of the current (or last) connection said it is
+        self.server: BrokerInfo | None = None
         self._rotation = NodeRotation(settings)
         self._live: _Live | _Down = _Down()
         self._ready = asyncio.Event()
@@ -691,8 +694,11 @@ class AsyncClient:
             raise
         connection.close_callbacks.add(self._on_connection_closed)
         self._fatal = None
+        underlay = getattr(connection.transport, "connection", None)
+        self.server = BrokerInfo.from_properties(getattr(underlay, "server_properties", None))
+        metrics.broker_connected(log, self.server)
         self._ready.set()
-        log.debug("connected to %s", node)
+        log.debug("connected to %s (%s)", node, self.server.describe())
 
     def _stop_loop_watch(self) -> None:
         """After a failed or cancelled ``connect``: the caller may drop the client, and a

@@ -6,8 +6,9 @@ dict lookup under a lock that the hot path need not pay.
 
 import logging
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
+from .broker_info import BrokerInfo
 from .delivery import Action
 
 PUBLISHED = Counter("qosmq_published_total", "messages published", ["kind"])
@@ -66,3 +67,22 @@ def consumer_lost(log: logging.Logger, tag: str, queue: str) -> None:
         queue,
     )
     CONSUMERS_LOST.inc()
+
+
+BROKER_VERSION = Gauge(
+    "qosmq_broker_info",
+    "1 for each broker version a client of this process connected to",
+    ["product", "version"],
+)
+_announced: set[str] = set()
+
+
+def broker_connected(log: logging.Logger, info: BrokerInfo) -> None:
+    """Export the broker's version; log once per process and version what it lacks that
+    the layer adapts to (``BrokerInfo.notices``)."""
+    BROKER_VERSION.labels(info.product, info.raw_version).set(1)
+    if info.raw_version in _announced:
+        return
+    _announced.add(info.raw_version)
+    for notice in info.notices():
+        log.warning("%s", notice)

@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..settings import Settings
 from . import codec, consuming, metrics
+from .broker_info import BrokerInfo
 from .delivery import (
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_TOPOLOGY,
@@ -102,6 +103,8 @@ class SyncClient:
         self.settings = settings
         self.topology = TopologyRecord()
         self.reconnects = 0
+        #: what the broker of the current (or last) connection said it is
+        self.server: BrokerInfo | None = None
         #: connections the broker closed in answer to a frame it could not take (see
         #: ``AsyncClient.refused_closes``); what was in flight then is suspect
         self.refused_closes = 0
@@ -602,7 +605,10 @@ class SyncClient:
                 connection.close()
             raise translate_sync(exc) from exc
         self._live = live
-        log.debug("connected to %s", node)
+        impl = getattr(connection, "_impl", None)
+        self.server = BrokerInfo.from_properties(getattr(impl, "server_properties", None))
+        metrics.broker_connected(log, self.server)
+        log.debug("connected to %s (%s)", node, self.server.describe())
 
     def _reopen_channel(self, live: _SyncLive) -> blocking.BlockingChannel:
         channel = live.connection.channel()
