@@ -10,10 +10,11 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
+from .. import tracing
 from ..errors import LinkDown, MessageRefused, MiddlewareError
 from ..settings import ConfirmSettings
 from ..transport.aio import AsyncClient, AsyncHandler
-from ..transport.delivery import Delivery, Outcome
+from ..transport.delivery import Action, Delivery, Outcome
 from ..transport.message import OutgoingMessage
 from ..transport.translate import translate_aio
 from . import metrics
@@ -389,6 +390,8 @@ class AsyncConfirmConsumer:
     async def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
         if self.core.handled_e2e(delivery):
             metrics.E2E_SETTLED.labels(delivery.queue, outcome.action.value).inc()
+        if tracing.active() and self.core.owes_receipt(delivery, outcome):
+            tracing.receipt(delivery, outcome.action is Action.ACK)
         full = self.core.settled(delivery, outcome)
         if self._pool is not None:
             await self._pool.send(full, via=self)

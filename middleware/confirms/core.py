@@ -252,6 +252,13 @@ class ConsumerCore:
             delivery.headers, delivery.reply_to, delivery.message_id
         )
 
+    @staticmethod
+    def owes_receipt(delivery: Delivery, outcome: Outcome) -> bool:
+        """Whether settling ``delivery`` so answers its publisher (a requeue does not)."""
+        return outcome.action is not Action.REQUEUE and wants_receipt(
+            delivery.headers, delivery.reply_to, delivery.message_id
+        )
+
     def settled(self, delivery: Delivery, outcome: Outcome) -> list[tuple[str, list[Receipt]]]:
         """Record the receipt a settled delivery earns; return batches that are full."""
         if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):

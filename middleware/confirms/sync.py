@@ -6,9 +6,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .. import tracing
 from ..errors import MessageRefused
 from ..settings import ConfirmSettings
-from ..transport.delivery import Delivery, Outcome
+from ..transport.delivery import Action, Delivery, Outcome
 from ..transport.sync import SyncClient, SyncHandler
 from . import metrics
 from .core import ConsumerCore, PublisherCore
@@ -194,6 +195,8 @@ class SyncConfirmConsumer:
     def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
         if self.core.handled_e2e(delivery):
             metrics.E2E_SETTLED.labels(delivery.queue, outcome.action.value).inc()
+        if tracing.active() and self.core.owes_receipt(delivery, outcome):
+            tracing.receipt(delivery, outcome.action is Action.ACK)
         self._send(self.core.settled(delivery, outcome))
 
     def _send(self, batches: list[tuple[str, list[Any]]]) -> None:

@@ -25,6 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from .. import tracing
 from ..confirms.tracking import DuplicateFilter, Receipt
 from ..errors import (
     BrokerUnreachable,
@@ -159,6 +160,8 @@ class AsyncQueues:
     ) -> EnqueueResult:
         """Make the message safe; return whether the broker confirmed it or the spool holds it."""
         clean = validate(body, headers, max_bytes=self.settings.max_message_bytes, schema=schema)
+        if tracing.active():  # a spooled message is drained in the context it was accepted in
+            clean = tracing.injected(clean)
         message_id = message_id or new_message_id()
         if not block and self._window.locked():
             raise WindowExceeded(
@@ -265,9 +268,10 @@ class AsyncQueues:
             while self.client.ready and not failed:
                 if len(flight) < window // 2:
                     for entry in spool.peek(window - len(flight), after=after):
-                        task = asyncio.ensure_future(
-                            self.client.publish(to_message(entry), retry=False)
-                        )
+                        with tracing.resumed(entry.headers, f"spool {entry.queue}"):
+                            task = asyncio.ensure_future(
+                                self.client.publish(to_message(entry), retry=False)
+                            )
                         flight.append((entry, task))
                         after = entry.seq
                 if not flight:

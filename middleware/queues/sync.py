@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .. import tracing
 from ..confirms.tracking import DuplicateFilter, Receipt
 from ..errors import (
     BrokerUnreachable,
@@ -128,6 +129,8 @@ class SyncQueues:
         schema: Callable[[bytes], Any] | None = None,
     ) -> EnqueueResult:
         clean = validate(body, headers, max_bytes=self.settings.max_message_bytes, schema=schema)
+        if tracing.active():  # a spooled message is drained in the context it was accepted in
+            clean = tracing.injected(clean)
         message_id = message_id or new_message_id()
         if self.spool is not None and len(self.spool) and time.monotonic() >= self._next_drain:
             self.recover()  # keep order: what waits goes first
@@ -172,7 +175,8 @@ class SyncQueues:
             try:
                 for entry in batch:
                     try:
-                        self.client.publish(to_message(entry), retry=False)
+                        with tracing.resumed(entry.headers, f"spool {entry.queue}"):
+                            self.client.publish(to_message(entry), retry=False)
                     except MiddlewareError as exc:
                         reason = drain_failure(entry, exc)
                         if reason is None:

@@ -29,6 +29,7 @@ from aio_pika.abc import (
 from aiormq.abc import DeliveredMessage
 from tenacity import AsyncRetrying, retry_if_exception_type
 
+from .. import tracing
 from ..errors import (
     AccessRefused,
     BrokerUnreachable,
@@ -437,6 +438,14 @@ class AsyncClient:
         if is_reply(message) and not self._sends_own_replies:
             replies = await self._reply_sender()
             return await replies.publish(message, confirm=confirm, block=block, retry=retry)
+        if tracing.active():
+            with tracing.publish(message) as traced:
+                return await self._publish(traced, confirm=confirm, block=block, retry=retry)
+        return await self._publish(message, confirm=confirm, block=block, retry=retry)
+
+    async def _publish(
+        self, message: OutgoingMessage, *, confirm: bool, block: bool, retry: bool
+    ) -> None:
         try:
             await self._publish_once(message, confirm=confirm, block=block)
             return
@@ -1037,6 +1046,14 @@ class AsyncClient:
     async def _handle(self, msg: DeliveredMessage, queue: str, consumer: _Consumer) -> None:
         """Execute what ``consuming`` decides (the pika face executes the same)."""
         delivery = _from_delivered(msg, queue)
+        if tracing.active():
+            with tracing.process(delivery):
+                return await self._handle_delivery(msg, delivery, consumer)
+        return await self._handle_delivery(msg, delivery, consumer)
+
+    async def _handle_delivery(
+        self, msg: DeliveredMessage, delivery: Delivery, consumer: _Consumer
+    ) -> None:
         outcome = consuming.before_handler(delivery)
         if outcome is None:
             try:

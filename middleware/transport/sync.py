@@ -22,6 +22,7 @@ import pika.adapters.blocking_connection as blocking
 import pika.exceptions
 import pika.spec
 
+from .. import tracing
 from ..errors import (
     AccessRefused,
     BrokerUnreachable,
@@ -340,6 +341,12 @@ class SyncClient:
         if is_reply(message) and not self._sends_own_replies:
             self._reply_sender().publish(message, confirm=confirm, retry=retry)
             return
+        if tracing.active():
+            with tracing.publish(message) as traced:
+                return self._publish(traced, confirm=confirm, retry=retry)
+        return self._publish(message, confirm=confirm, retry=retry)
+
+    def _publish(self, message: OutgoingMessage, *, confirm: bool, retry: bool) -> None:
         if not confirm:
             self._call(functools.partial(self._watch, then=message))
             metrics.PUBLISHED_UNCONFIRMED.inc()
@@ -746,6 +753,14 @@ class SyncClient:
     ) -> None:
         """Execute what ``consuming`` decides (the asyncio core executes the same)."""
         self._delivered[consumer.spec.tag] = self._delivered.get(consumer.spec.tag, 0) + 1
+        if tracing.active():
+            with tracing.process(delivery):
+                return self._deliver_traced(ch, delivery, consumer)
+        return self._deliver_traced(ch, delivery, consumer)
+
+    def _deliver_traced(
+        self, ch: blocking.BlockingChannel, delivery: Delivery, consumer: _SyncConsumer
+    ) -> None:
         outcome = consuming.before_handler(delivery)
         if outcome is None:
             try:
