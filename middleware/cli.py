@@ -81,7 +81,24 @@ def _parser() -> argparse.ArgumentParser:
     _cluster_commands(sub)
     for register in _feature_commands():
         register(sub)
+    _config_after_the_command(parser)
     return parser
+
+
+def _config_after_the_command(parser: argparse.ArgumentParser) -> None:
+    """``--config`` also after any subcommand (``qosmq cluster status --config x.toml``):
+    each command parser without one of its own gets it, not overriding the first's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                if "--config" not in command._option_string_actions:
+                    command.add_argument(
+                        "--config",
+                        type=path,
+                        default=argparse.SUPPRESS,
+                        help="TOML settings file (as before the command)",
+                    )
+                _config_after_the_command(command)
 
 
 def _installed_version() -> str:

@@ -11,7 +11,11 @@ environment variable that sets it, and the expected form.
 from __future__ import annotations
 
 import contextvars
+import difflib
+import logging
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import unquote, urlsplit
@@ -48,6 +52,20 @@ __all__ = [
 ]
 
 ENV_PREFIX = "QOSMQ_"
+#: QOSMQ_ variables that are not settings: the CLI's, the local cluster's and the tests'
+OTHER_VARIABLES = frozenset(
+    {
+        "QOSMQ_STATE_DIR",
+        "QOSMQ_RABBITMQ_BIN",
+        "QOSMQ_TEST_BASE_PORT",
+        "QOSMQ_TEST_DOCKER",
+        "QOSMQ_CHAOS_SEED",
+        "QOSMQ_CHAOS_ROUNDS",
+        "QOSMQ_FUZZ_SEED",
+    }
+)
+log = logging.getLogger(__name__)
+_warned_variables: set[str] = set()
 #: The URLs of the embedded default: ``qosmq cluster up`` with its default ports.
 LOCAL_CLUSTER_URLS = (
     "amqp://127.0.0.1:5682/",
@@ -355,6 +373,7 @@ class Settings(BaseSettings):
         if path is not None and not path.is_file():
             raise ConfigurationError(f"--config: file {path} does not exist")
         token = _config_file.set(path)
+        warn_unknown_variables(os.environ)
         try:
             return cls(**overrides)
         except ValidationError as exc:
@@ -375,6 +394,40 @@ class Settings(BaseSettings):
             raise ConfigurationError(f"--config {path}: cannot read it ({exc.strerror})") from None
         finally:
             _config_file.reset(token)
+
+
+def known_variables() -> frozenset[str]:
+    """Every environment variable a setting reads (nested ones with ``__``), and the
+    other ``QOSMQ_`` variables the project reads."""
+    names = set(OTHER_VARIABLES)
+    for name, info in Settings.model_fields.items():
+        names.add(f"{ENV_PREFIX}{name}".upper())
+        nested = info.annotation
+        if isinstance(nested, type) and issubclass(nested, BaseModel):
+            names.update(f"{ENV_PREFIX}{name}__{sub}".upper() for sub in nested.model_fields)
+    return frozenset(names)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``QOSMQ_`` variables no setting reads: (name, the closest known name or None)."""
+    known = known_variables()
+    bare = {k.removeprefix(ENV_PREFIX): k for k in known}  # the prefix would make all close
+    out = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in known:
+            close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), bare, 1, 0.7)
+            out.append((name, bare[close[0]] if close else None))
+    return out
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """One log line per unknown ``QOSMQ_`` variable and process (a typo is not silent)."""
+    for name, close in unknown_variables(environ):
+        if name not in _warned_variables:
+            _warned_variables.add(name)
+            hint = f" (did you mean {close}?)" if close else ""
+            log.warning("%s is not a qosmq setting%s: ignored", name, hint)
 
 
 def _split_userinfo(url: str) -> tuple[str | None, str]:

@@ -94,9 +94,16 @@ def register(sub: Any) -> None:
     )
     phoenix.add_argument(
         "--chaos-faults",
-        type=names(("router", "router_slave", "match", "match_slave", "freeze", "node", "silent")),
+        type=names(
+            (
+                *("router", "router_slave", "match", "match_slave", "freeze", "node", "silent"),
+                *("cut", "blackhole", "cut_both"),
+            )
+        ),
         default="router,router_slave,match,match_slave,freeze,node,silent",
-        help="chaos: the fault kinds (node: needs --state-dir of a local cluster)",
+        help="chaos: the fault kinds (node: needs --state-dir of a local cluster; cut, "
+        "blackhole, cut_both: the link B->C, or both ways, through a proxy; with any of "
+        "these the subscribers are homed at A and C)",
     )
     phoenix.add_argument(
         "--window", type=number(4, 3600), default=8.0, help="chaos: seconds per fault window"

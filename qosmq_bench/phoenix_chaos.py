@@ -11,6 +11,12 @@ Then one fault per window, in an order the seed picks:
 - ``freeze``: B's match master SIGSTOPped past detection (``freeze_s``), then SIGCONT;
 - ``node``: a RabbitMQ node SIGKILLed and started again (needs a local cluster);
 - ``silent``: the asyncio e2e subscriber stops consuming for the window, then resumes;
+- ``cut``, ``blackhole``: the link from B to C (B's roles' connections to C's RabbitMQ go
+  through a fault-injecting proxy, as every inter-cluster link does in a run with link
+  faults) refuses and resets connections, or holds them open carrying nothing, for
+  ``link_down_s``; ``cut_both``: B to C and C to B.  With link faults the subscribers are
+  homed at A and C (two each, one per face), so B's match broker delivers copies across
+  the faulted link and events published at B for C's type are routed around it;
 
 and in every window a subscribe and an unsubscribe are sent just after the fault.
 Every subscriber counts what it receives; the harness evaluates the filters itself (its
@@ -33,6 +39,7 @@ import random
 import signal
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -42,17 +49,21 @@ from typing import Any
 
 from middleware import runtime
 from middleware.errors import MiddlewareError
-from middleware.localcluster import LocalCluster
+from middleware.localcluster import FaultProxy, LocalCluster
 from middleware.routing import PhoenixClient, RoleId, SyncPhoenixClient
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, QueueKind, QueueSpec, SyncClient
 
 from .phoenix_recovery import _serving, _wait_all_served
-from .phoenix_timeliness import Deployment
+from .phoenix_timeliness import CLUSTERS, Deployment
 
-__all__ = ["FAULTS", "run_chaos"]
+__all__ = ["FAULTS", "LINK_FAULTS", "run_chaos"]
 
 FAULTS = ("router", "router_slave", "match", "match_slave", "freeze", "node", "silent")
+LINK_FAULTS = ("cut", "blackhole", "cut_both")
+#: where each subscriber (CELLS' order) is homed in a run with link faults
+LINK_HOMES = ("C", "A", "A", "C")
+LINK_DOWN_S = 3.0
 CELLS = (("async", "broker"), ("async", "e2e"), ("sync", "broker"), ("sync", "e2e"))
 TEXTS = ("AB", "AC", "BD", "CE")
 Condition = tuple[str, str, Any]
@@ -105,6 +116,7 @@ class _Subscriber:
     face: str
     confirm: str
     queue: str
+    home: str = "A"
     subscriptions: dict[str, _Subscription] = field(default_factory=dict)
     got: list[tuple[str, float]] = field(default_factory=list)  # (event id, arrival)
 
@@ -132,7 +144,7 @@ class _SyncSide:
             client = SyncPhoenixClient(
                 SyncClient(settings=self.settings).connect(),
                 topology=self.deployment.topology,
-                cluster="A",
+                cluster=self.sub.home,
             )
             while not self.stop.is_set():
                 while not self.todo.empty():
@@ -151,19 +163,25 @@ class _Chaos:
         cluster: LocalCluster | None,
         rng: random.Random,
         prefix: str,
+        proxies: dict[tuple[str, str], FaultProxy] | None = None,
     ) -> None:
         self.settings, self.deployment, self.cluster, self.rng = settings, deployment, cluster, rng
+        self.proxies = proxies or {}
         ring = deployment.ring
 
         def owned(owner: str) -> list[str]:
             return [t for t in (f"chaos{i}" for i in range(10_000)) if ring.owner(t) == owner]
 
         self.types = [*owned("B")[:2], owned("C")[0]]
-        self.subs = [_Subscriber(f, c, f"{prefix}.{f}-{c}") for f, c in CELLS]
+        homes = LINK_HOMES if self.proxies else ("A",) * len(CELLS)
+        self.subs = [
+            _Subscriber(f, c, f"{prefix}.{f}-{c}", home)
+            for (f, c), home in zip(CELLS, homes, strict=True)
+        ]
         self.sync_sides: dict[str, _SyncSide] = {}
         self.published: dict[str, tuple[str, dict[str, Any], float]] = {}
         self.async_client: AsyncClient | None = None
-        self.at_a: PhoenixClient | None = None
+        self.at_home: dict[str, PhoenixClient] = {}
         self.consumer_tags: dict[str, str] = {}
 
     def new_conditions(self) -> tuple[str, list[Condition]]:
@@ -186,7 +204,7 @@ class _Chaos:
             sub.subscriptions[sid] = record
 
         if sub.face == "async":
-            client = self._at_a()
+            client = self._at(sub.home)
             task = client.subscribe(
                 event_type,
                 spec,
@@ -242,7 +260,7 @@ class _Chaos:
             record.removed = time.time()
 
         if sub.face == "async":
-            client = self._at_a()
+            client = self._at(sub.home)
             pending = asyncio.ensure_future(client.unsubscribe(record.event_type, sid, wait_s=60))
             pending.add_done_callback(lambda t: t.cancelled() or t.exception())
             pending.add_done_callback(
@@ -260,13 +278,13 @@ class _Chaos:
         assert self.async_client is not None
         return self.async_client
 
-    def _at_a(self) -> PhoenixClient:
-        """The one asyncio client at A (one reply queue for its confirmations)."""
-        if self.at_a is None:
-            self.at_a = PhoenixClient(
-                self._client(), topology=self.deployment.topology, cluster="A"
+    def _at(self, home: str) -> PhoenixClient:
+        """The one asyncio client at ``home`` (one reply queue for its confirmations)."""
+        if home not in self.at_home:
+            self.at_home[home] = PhoenixClient(
+                self._client(), topology=self.deployment.topology, cluster=home
             )
-        return self.at_a
+        return self.at_home[home]
 
     # ------------------------------------------------------------ consuming
     async def consume(self, sub: _Subscriber) -> None:
@@ -274,7 +292,7 @@ class _Chaos:
             sub.got.append((str(event.attributes["id"]), time.time()))
 
         if sub.face == "async":
-            client = self._at_a()
+            client = self._at(sub.home)
             self.consumer_tags[sub.name] = await client.consume(
                 sub.queue, handler, e2e=sub.confirm == "e2e"
             )
@@ -330,6 +348,23 @@ class _Chaos:
 
                 return freeze
             return lambda: os.kill(pid, signal.SIGKILL)
+        if kind in LINK_FAULTS:
+            pairs = [("B", "C"), ("C", "B")] if kind == "cut_both" else [("B", "C")]
+            links = [self.proxies[pair] for pair in pairs]
+
+            def heal() -> None:
+                for proxy in links:
+                    proxy.heal()
+
+            def break_links() -> None:
+                for proxy in links:
+                    if kind == "blackhole":
+                        proxy.blackhole()
+                    else:
+                        proxy.cut()
+                threading.Timer(LINK_DOWN_S, heal).start()
+
+            return break_links
         if kind == "node":
             assert self.cluster is not None
             node = self.cluster.layout.nodes[-1].short_name
@@ -482,19 +517,28 @@ def run_chaos(
     kinds = [f for f in faults if f != "node" or cluster is not None]
     rng.shuffle(kinds)
     prefix = f"bench-chaos-{seed}-{int(time.time())}"
-    deployment = Deployment(
-        directory / prefix,
-        prefix=prefix,
-        amqp_urls=settings.amqp_urls,
-        routing_slaves=routing_slaves,
-        match_slaves=match_slaves,
-    )
-    with deployment.running():
-        _wait_all_served(deployment.phoenix(), 180)
-        chaos = _Chaos(settings, deployment, cluster, rng, prefix)
-        rows = runtime.run(_run(chaos, kinds, rate, window_s), event_loop=settings.event_loop)
-        with contextlib.suppress(Exception):
-            runtime.run(_drop_queues(settings, [s.queue for s in chaos.subs]))
+    proxies: dict[tuple[str, str], FaultProxy] = {}
+    if any(k in LINK_FAULTS for k in kinds):  # every inter-cluster link through a proxy
+        port = urllib.parse.urlsplit(settings.amqp_urls[0]).port or 5672
+        proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
+    try:
+        deployment = Deployment(
+            directory / prefix,
+            prefix=prefix,
+            amqp_urls=settings.amqp_urls,
+            routing_slaves=routing_slaves,
+            match_slaves=match_slaves,
+            links={pair: proxy.url for pair, proxy in proxies.items()},
+        )
+        with deployment.running():
+            _wait_all_served(deployment.phoenix(), 180)
+            chaos = _Chaos(settings, deployment, cluster, rng, prefix, proxies)
+            rows = runtime.run(_run(chaos, kinds, rate, window_s), event_loop=settings.event_loop)
+            with contextlib.suppress(Exception):
+                runtime.run(_drop_queues(settings, [s.queue for s in chaos.subs]))
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
     return rows
 
 

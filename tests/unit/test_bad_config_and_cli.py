@@ -116,3 +116,12 @@ def test_spool_status_of_a_file_that_is_not_a_spool(capsys, tmp_path) -> None:
     path.write_text("hello, this is not SQLite\n" * 100)
     err = _cli(capsys, ["spool", "status", "--path", str(path)])
     assert "is not a qosmq spool" in err
+
+
+def test_config_is_taken_after_the_command_too(tmp_path, capsys) -> None:
+    missing = tmp_path / "missing.toml"
+    assert main(["cluster", "status", "--state-dir", str(tmp_path), "--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config: file {missing} does not exist" in err and "Traceback" not in err
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("qosmq ")

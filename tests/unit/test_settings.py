@@ -77,3 +77,23 @@ def test_settings_are_frozen() -> None:
     s = Settings.load()
     with pytest.raises(Exception, match="frozen"):
         s.prefetch = 3  # type: ignore[misc]
+
+
+def test_an_unknown_qosmq_variable_is_named_with_the_closest_setting(monkeypatch, caplog) -> None:
+    """A typo in a top-level setting's variable is one warning naming the closest setting
+    (a nested one, ``QOSMQ_RETRY__ATTEMPS``, is refused by the nested model already)."""
+    import logging
+
+    from middleware import settings as settings_module
+
+    monkeypatch.setattr(settings_module, "_warned_variables", set())
+    monkeypatch.setenv("QOSMQ_PUBLISH_WINDW", "3")
+    monkeypatch.setenv("QOSMQ_NOTHING_LIKE_IT", "1")
+    caplog.set_level(logging.WARNING, logger="middleware.settings")
+    Settings.load()
+    Settings.load()  # once per process and variable
+    lines = [r.getMessage() for r in caplog.records]
+    hint = "(did you mean QOSMQ_PUBLISH_WINDOW?)"
+    assert lines.count(f"QOSMQ_PUBLISH_WINDW is not a qosmq setting {hint}: ignored") == 1
+    assert "QOSMQ_NOTHING_LIKE_IT is not a qosmq setting: ignored" in lines
+    assert len(lines) == 2
