@@ -272,6 +272,10 @@ class _SharedReceipts:
         self.batcher = new_batcher(confirms)
         self.members: list[AsyncConfirmConsumer] = []
         self._flusher: asyncio.Task[None] | None = None
+        # held while receipts taken from the batcher are being sent: a leaving member
+        # waits for them before the flush loop is stopped (stopping it mid-send lost
+        # them: the publisher then timed out although every handler had run)
+        self._sending = asyncio.Lock()
 
     def join(self, member: AsyncConfirmConsumer) -> None:
         if member not in self.members:
@@ -284,13 +288,16 @@ class _SharedReceipts:
         still open; stop the flush loop with the last member."""
         if member not in self.members:
             return
-        await self.send(self.batcher.drain(), via=member)
-        self.members.remove(member)
-        if not self.members and self._flusher is not None:
-            self._flusher.cancel()
+        async with self._sending:
+            await self.send(self.batcher.drain(), via=member)
+            self.members.remove(member)
+            flusher = self._flusher if not self.members else None
+            if flusher is not None:
+                flusher.cancel()  # sleeping or waiting for the lock: it holds no receipt
+                self._flusher = None
+        if flusher is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
+                await flusher
 
     async def send(
         self, batches: list[tuple[str, list[Receipt]]], via: AsyncConfirmConsumer
@@ -305,10 +312,11 @@ class _SharedReceipts:
         period = max(self.batcher.linger_s, 0.001)
         while True:
             await asyncio.sleep(period)
-            due = self.batcher.due()
-            if due and self.members:
-                ready = [m for m in self.members if m.client.ready] or self.members
-                await self.send(due, via=ready[0])
+            async with self._sending:
+                due = self.batcher.due()
+                if due and self.members:
+                    ready = [m for m in self.members if m.client.ready] or self.members
+                    await self.send(due, via=ready[0])
 
 
 #: event loop -> confirm settings -> the receipts its consumers share
@@ -337,6 +345,7 @@ class AsyncConfirmConsumer:
         self.core = ConsumerCore(self.confirms)
         self._pool: _SharedReceipts | None = None
         self._flusher: asyncio.Task[None] | None = None
+        self._sending = asyncio.Lock()  # held while a flush sends what it took
         self._tags: list[str] = []
         # closing the client alone still lets running handlers settle and sends their receipts
         client.on_close(self._drain)
@@ -379,13 +388,14 @@ class AsyncConfirmConsumer:
         if self._pool is not None:
             await self._pool.leave(self)
             return
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
-        for reply_to, receipts in self.core.batcher.drain():
-            await self._send(reply_to, receipts)
+        async with self._sending:  # a flush in progress keeps what it took
+            if self._flusher is not None:
+                self._flusher.cancel()
+                flusher, self._flusher = self._flusher, None
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flusher
+            for reply_to, receipts in self.core.batcher.drain():
+                await self._send(reply_to, receipts)
 
     async def _on_settled(self, delivery: Delivery, outcome: Outcome) -> None:
         if self.core.handled_e2e(delivery):
@@ -403,8 +413,9 @@ class AsyncConfirmConsumer:
         period = max(self.core.batcher.linger_s, 0.001)
         while True:
             await asyncio.sleep(period)
-            for reply_to, receipts in self.core.batcher.due():
-                await self._send(reply_to, receipts)
+            async with self._sending:
+                for reply_to, receipts in self.core.batcher.due():
+                    await self._send(reply_to, receipts)
 
     async def _send(self, reply_to: str, receipts: list[Receipt]) -> bool:
         try:
