@@ -17,7 +17,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args, get_origin
 from urllib.parse import unquote, urlsplit
 
 from pydantic import (
@@ -256,8 +256,12 @@ class Settings(BaseSettings):
         description="without management_urls: management API port = AMQP port + this "
         "(the local cluster's; a default RabbitMQ listens on 15672 for AMQP 5672: 10000)",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="the qosmq processes' log level (the library sets none)"
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="the qosmq processes' log lines: text, or one JSON object a line"
+    )
     metrics_host: str = Field("127.0.0.1", description="address of the Prometheus endpoint")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="0 = any free port")
 
@@ -476,3 +480,49 @@ def _describe(cls: type[BaseModel], loc: list[str]) -> str:
         info = fields[part]
         model = info.annotation
     return (info.description or "") if info is not None else ""
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type for readers: ``path or none``, ``one of: a, b``, ``comma list``."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return "one of: " + ", ".join(str(a) for a in args)
+    if args and type(None) in args:
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or none"
+    if origin is tuple:
+        return "comma list"
+    name = getattr(annotation, "__name__", str(annotation))
+    return {"SecretStr": "secret", "Path": "path"}.get(name, name)
+
+
+def _default_text(name: str, default: Any) -> str:
+    if name == "amqp_urls":
+        return "the local cluster's three nodes"
+    if isinstance(default, SecretStr):
+        return "`guest`"
+    if default is None or default == ():
+        return "none"
+    return f"`{default}`"
+
+
+def settings_reference() -> str:
+    """Every setting as a Markdown table (field, environment variable, type, default,
+    description), nested ones with their own rows: ``docs/configuration.md`` holds it
+    and a test keeps the two equal (``python -c "from middleware.settings import
+    settings_reference as r; print(r(), end='')"`` prints it)."""
+    rows = ["| setting | environment | type | default | meaning |", "|---|---|---|---|---|"]
+
+    def add(prefix: str, env: str, model: type[BaseModel]) -> None:
+        for name, info in model.model_fields.items():
+            nested = info.annotation
+            if isinstance(nested, type) and issubclass(nested, BaseModel):
+                add(f"{prefix}{name}.", f"{env}{name.upper()}__", nested)
+                continue
+            text = (info.description or "").replace("|", "\\|")
+            rows.append(
+                f"| `{prefix}{name}` | `{env}{name.upper()}` | {_type_name(info.annotation)} "
+                f"| {_default_text(name, info.default)} | {text} |"
+            )
+
+    add("", ENV_PREFIX, Settings)
+    return "\n".join(rows) + "\n"

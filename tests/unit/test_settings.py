@@ -97,3 +97,18 @@ def test_an_unknown_qosmq_variable_is_named_with_the_closest_setting(monkeypatch
     assert lines.count(f"QOSMQ_PUBLISH_WINDW is not a qosmq setting {hint}: ignored") == 1
     assert "QOSMQ_NOTHING_LIKE_IT is not a qosmq setting: ignored" in lines
     assert len(lines) == 2
+
+
+def test_the_configuration_reference_lists_every_setting_as_the_model_has_it() -> None:
+    from pathlib import Path
+
+    from middleware.settings import known_variables, settings_reference
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = doc.split("<!-- settings:begin -->\n")[1].split("<!-- settings:end -->")[0]
+    assert table == settings_reference(), (
+        "docs/configuration.md differs from the settings model: paste the output of "
+        "middleware.settings.settings_reference() between the settings markers"
+    )
+    for variable in known_variables():  # the other QOSMQ_ variables are named there too
+        assert variable in doc, variable
