@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cli_help import apply_everywhere
 from .cliargs import Parser, integer, path
 from .errors import ConfigurationError, InvalidArgument, MiddlewareError
 from .localcluster.layout import DEFAULT_BASE_PORT, MAX_NODES
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     for register in _feature_commands():
         register(sub)
     _config_after_the_command(parser)
+    apply_everywhere(parser)
     return parser
 
 

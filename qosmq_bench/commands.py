@@ -32,24 +32,44 @@ def register(sub: Any) -> None:
     confirms.set_defaults(run=_run_confirms)
     demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
     _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0)
-    demo.add_argument("--state-dir", type=path, default=Path(".qosmq"))
+    demo.add_argument(
+        "--state-dir",
+        type=path,
+        default=Path(".qosmq"),
+        help="where the local cluster keeps its nodes' data, logs and PIDs",
+    )
     demo.add_argument("--out", type=path, default=Path("results"), help="Spark job results")
     demo.set_defaults(run=_run_demo)
     balance = cmds.add_parser("balance", help="weighted dispatch vs round robin (paper 001)")
     from middleware.balancer import ALGORITHMS
 
     balance.add_argument(
-        "--algorithms", type=names(ALGORITHMS), default="round_robin,paper,inverse,predictive"
+        "--algorithms",
+        type=names(ALGORITHMS),
+        default="round_robin,paper,inverse,predictive",
+        help="the dispatch algorithms compared (comma list)",
     )
-    balance.add_argument("--replicas", type=integer(1, 64), default=2)
+    balance.add_argument(
+        "--replicas", type=integer(1, 64), default=2, help="queue replicas of the topic"
+    )
     balance.add_argument(
         "--rate",
         type=numbers(0, 1e6, above=True),
         default="250,400",
         help="comma list of msg/s (light,heavy)",
     )
-    balance.add_argument("--duration", type=number(0, 86_400, above=True), default=30.0)
-    balance.add_argument("--service-ms", type=number(0, 60_000), default=2.0)
+    balance.add_argument(
+        "--duration",
+        type=number(0, 86_400, above=True),
+        default=30.0,
+        help="seconds per cell",
+    )
+    balance.add_argument(
+        "--service-ms",
+        type=number(0, 60_000),
+        default=2.0,
+        help="milliseconds each consumer spends per message",
+    )
     balance.add_argument(
         "--slow-extra-ms",
         type=number(0, 60_000),
@@ -72,8 +92,13 @@ def register(sub: Any) -> None:
         default=50.0,
         help="--phases: messages/s each consumer process serves per replica",
     )
-    balance.add_argument("--work-dir", type=path, default=Path(".qosmq/balance-faults"))
-    balance.add_argument("--json", type=path)
+    balance.add_argument(
+        "--work-dir",
+        type=path,
+        default=Path(".qosmq/balance-faults"),
+        help="--phases: where the sidecars' files go",
+    )
+    balance.add_argument("--json", type=path, help="also write the rows to this JSON file")
     balance.set_defaults(run=_run_balance)
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
@@ -205,12 +230,17 @@ def register(sub: Any) -> None:
     phoenix.add_argument(
         "--work-dir", type=path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
     )
-    phoenix.add_argument("--json", type=path)
+    phoenix.add_argument("--json", type=path, help="also write the rows to this JSON file")
     phoenix.set_defaults(run=_run_phoenix)
     transport = cmds.add_parser("transport", help="the clients' cost per message vs raw")
     from .transport import CLIENTS
 
-    transport.add_argument("--clients", type=names(CLIENTS), default="raw,layer,layer-per-frame")
+    transport.add_argument(
+        "--clients",
+        type=names(CLIENTS),
+        default="raw,layer,layer-per-frame",
+        help="the clients compared (comma list; raw: plain aio-pika, the baseline)",
+    )
     transport.add_argument(
         "--messages", type=integer(1, 100_000_000), default=4000, help="per cell"
     )
@@ -220,13 +250,22 @@ def register(sub: Any) -> None:
     transport.add_argument(
         "--repeats", type=integer(1, 100), default=3, help="passes (order rotated)"
     )
-    transport.add_argument("--json", type=path)
+    transport.add_argument("--json", type=path, help="also write the rows to this JSON file")
     transport.set_defaults(run=_run_transport)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
-    queues.add_argument("--duration", type=number(0, 86_400, above=True), default=10.0)
-    queues.add_argument("--size", type=integer(1, 16 * 2**20), default=1500)
-    queues.add_argument("--window", type=integer(1, 65_536), default=256)
-    queues.add_argument("--json", type=path)
+    queues.add_argument(
+        "--duration",
+        type=number(0, 86_400, above=True),
+        default=10.0,
+        help="seconds per cell",
+    )
+    queues.add_argument(
+        "--size", type=integer(1, 16 * 2**20), default=1500, help="message size in bytes"
+    )
+    queues.add_argument(
+        "--window", type=integer(1, 65_536), default=256, help="enqueues unconfirmed at once"
+    )
+    queues.add_argument("--json", type=path, help="also write the rows to this JSON file")
     queues.set_defaults(run=_run_queues)
     loss = cmds.add_parser(
         "node-loss",
@@ -252,7 +291,7 @@ def register(sub: Any) -> None:
         help="seconds each node stays down",
     )
     loss.add_argument("--state-dir", type=path, default=Path(".qosmq"), help="the local cluster")
-    loss.add_argument("--json", type=path)
+    loss.add_argument("--json", type=path, help="also write the rows to this JSON file")
     loss.set_defaults(run=_run_node_loss)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
@@ -286,8 +325,12 @@ def _grid_arguments(
     p.add_argument(
         "--queues", type=integers(1, 64), default=queues, help="comma list of queue counts"
     )
-    p.add_argument("--producers-per-queue", type=integer(1, 64), default=2)
-    p.add_argument("--consumers-per-queue", type=integer(1, 64), default=3)
+    p.add_argument(
+        "--producers-per-queue", type=integer(1, 64), default=2, help="publishers per queue"
+    )
+    p.add_argument(
+        "--consumers-per-queue", type=integer(1, 64), default=3, help="consumers per queue"
+    )
     p.add_argument(
         "--size", type=integer(1, 16 * 2**20), default=1500, help="message size in bytes"
     )

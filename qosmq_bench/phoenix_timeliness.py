@@ -726,7 +726,12 @@ def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
         type=numbers(0, 1e6, above=True),
         help="events/s, comma list (default rate: 100,200,400; subscriptions: 200)",
     )
-    p.add_argument("--mechanisms", type=names(MECHANISMS), default="none,inner,outer,both")
+    p.add_argument(
+        "--mechanisms",
+        type=names(MECHANISMS),
+        default="none,inner,outer,both",
+        help="the timeliness mechanisms compared (comma list)",
+    )
     p.add_argument(
         "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
     )

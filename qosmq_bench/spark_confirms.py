@@ -181,15 +181,31 @@ def parse_grid(args: argparse.Namespace) -> Grid:
 def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or Parser(prog="confirms_job", description=__doc__.split("\n")[0])
     p.set_defaults(master=None)
-    p.add_argument("--modes", type=names(MODES), default="none,broker,persistent,e2e")
-    p.add_argument("--queues", type=integers(1, 64), default=DEFAULT_QUEUES)
-    p.add_argument("--producers-per-queue", type=integer(1, 64), default=2)
-    p.add_argument("--consumers-per-queue", type=integer(1, 64), default=3)
-    p.add_argument("--size", type=integer(1, 16 * 2**20), default=1500)
+    p.add_argument(
+        "--modes",
+        type=names(MODES),
+        default="none,broker,persistent,e2e",
+        help="the confirm modes compared (comma list; raw: plain aio-pika)",
+    )
+    p.add_argument(
+        "--queues",
+        type=integers(1, 64),
+        default=DEFAULT_QUEUES,
+        help="queue counts, one cell each (comma list)",
+    )
+    p.add_argument(
+        "--producers-per-queue", type=integer(1, 64), default=2, help="publishers per queue"
+    )
+    p.add_argument(
+        "--consumers-per-queue", type=integer(1, 64), default=3, help="consumers per queue"
+    )
+    p.add_argument(
+        "--size", type=integer(1, 16 * 2**20), default=1500, help="message size in bytes"
+    )
     p.add_argument(
         "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
     )
-    p.add_argument("--repeats", type=integer(1, 100), default=3)
+    p.add_argument("--repeats", type=integer(1, 100), default=3, help="runs of each cell, averaged")
     p.add_argument(
         "--tasks-per-cell",
         default="auto",
@@ -205,7 +221,9 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
     p.add_argument("--config", type=path, help="qosmq TOML settings")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress lines while the job runs"
+    )
     return p
 
 

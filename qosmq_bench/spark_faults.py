@@ -54,7 +54,12 @@ LOST = {"recovery": ("lost",), "link": ("lost",), "leave": ("lost_after", "lost_
 def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or Parser(prog="faults_job", description=__doc__.split("\n")[0])
     p.set_defaults(master=None)
-    p.add_argument("--experiment", choices=tuple(TARGETS_S), default="link")
+    p.add_argument(
+        "--experiment",
+        choices=tuple(TARGETS_S),
+        default="link",
+        help="which failure experiment the job runs",
+    )
     p.add_argument("--runs", type=integer(1, 10_000), default=5, help="runs per kind and rate")
     p.add_argument("--rates", type=str, default="200", help="events/s, comma list")
     p.add_argument(

@@ -181,7 +181,9 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
     p.add_argument("--config", type=path, help="qosmq TOML settings")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress lines while the job runs"
+    )
     return p
 
 

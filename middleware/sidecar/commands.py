@@ -20,8 +20,12 @@ def register(sub: Any) -> None:
     sidecar = sub.add_parser("sidecar", help="long-running sidecar processes")
     roles = sidecar.add_subparsers(title="sidecars", required=True)
     bal = roles.add_parser("balancer", help="sample a replicated topic and publish load reports")
-    bal.add_argument("--topic", required=True)
-    bal.add_argument("--replicas", type=integer(1, 64), default=2)
+    bal.add_argument(
+        "--topic", required=True, help="the topic whose replicas this sidecar measures"
+    )
+    bal.add_argument(
+        "--replicas", type=integer(1, 64), default=2, help="queue replicas of the topic"
+    )
     bal.add_argument(
         "--i1", type=number(0, 3600, above=True), default=0.5, help="sample interval, seconds"
     )

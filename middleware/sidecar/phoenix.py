@@ -19,9 +19,16 @@ __all__ = ["register"]
 def register(roles: Any, sub: Any) -> None:
     for name, run in (("router", _run_router), ("matcher", _run_matcher)):
         p = roles.add_parser(name, help=f"a Phoenix {name} role")
-        p.add_argument("--cluster", required=True)
-        p.add_argument("--role", choices=("master", "slave"), default="master")
-        p.add_argument("--topology", type=path, required=True)
+        p.add_argument("--cluster", required=True, help="the cluster id this role belongs to")
+        p.add_argument(
+            "--role",
+            choices=("master", "slave"),
+            default="master",
+            help="start as the master or as a slave",
+        )
+        p.add_argument(
+            "--topology", type=path, required=True, help="the Phoenix topology file (TOML)"
+        )
         p.add_argument("--index", type=integer(0, 63), default=0, help="match master number")
         p.add_argument(
             "--slave", type=integer(0, 63), default=0, help="slave number (--role slave)"
@@ -45,10 +52,17 @@ def register(roles: Any, sub: Any) -> None:
         ),
     ):
         p = cmds.add_parser(name, help=help_)
-        p.add_argument("--topology", type=path, required=True)
-        p.add_argument("--state-dir", type=path, default=Path(".qosmq"))
+        p.add_argument(
+            "--topology", type=path, required=True, help="the Phoenix topology file (TOML)"
+        )
+        p.add_argument(
+            "--state-dir",
+            type=path,
+            default=Path(".qosmq"),
+            help="where the deployment keeps its PIDs, status files and logs",
+        )
         if name == "join":
-            p.add_argument("--cluster", required=True)
+            p.add_argument("--cluster", required=True, help="the id of the cluster that joins")
         if name == "takeover":
             p.add_argument("--role", required=True, help="the slave's key, as status shows it")
             p.add_argument(
@@ -56,7 +70,12 @@ def register(roles: Any, sub: Any) -> None:
             )
         if name == "configure":
             for switch in ("outer", "inner"):
-                p.add_argument(f"--{switch}", choices=("on", "off"))
+                p.add_argument(
+                    f"--{switch}",
+                    choices=("on", "off"),
+                    help=f"turn the {switch} timeliness mechanism on or off, live "
+                    "(default: unchanged)",
+                )
             p.add_argument(
                 "--blind-dispatch",
                 choices=("round_robin", "master"),

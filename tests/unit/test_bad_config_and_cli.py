@@ -125,3 +125,14 @@ def test_config_is_taken_after_the_command_too(tmp_path, capsys) -> None:
     assert f"--config: file {missing} does not exist" in err and "Traceback" not in err
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("qosmq ")
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) -> None:
+    from middleware.cli import _parser
+    from middleware.cli_help import undocumented
+
+    parser = _parser()
+    assert undocumented(parser) == []
+    assert main(["bench", "queues", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "seconds per cell (default: 10.0)" in text and "(default: 256)" in text
