@@ -929,6 +929,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         max_steal_pct=max_steal,
         steal_retries=steal_retries,
         inbox_mirrors=args.inbox_mirrors,
+        role_queue_type=args.role_queues,
     )
     summary = summarize(rows)
     print(

@@ -171,8 +171,10 @@ class Deployment:
         fields: Mapping[str, float] | None = None,
         links: Mapping[tuple[str, str], str] | None = None,
         match_masters: Mapping[str, int] | None = None,
+        role_queues: str = "classic",
     ) -> None:
         self.directory, self.prefix = directory, prefix
+        self.role_queues = role_queues  # the role inboxes' queue type (topology field)
         self.match_masters = dict(match_masters or {})  # cluster -> masters (default 1)
         self.links = dict(links or {})  # (from, to) -> the URL that link takes
         self.inbox_mirrors = inbox_mirrors  # nodes per role queue (topology field)
@@ -192,6 +194,7 @@ class Deployment:
             f'prefix = "{self.prefix}"\nstate_store = "{self.store_path}"\n'
             f"outer = {str(outer).lower()}\ninner = {str(inner).lower()}\n"
             f"inbox_mirrors = {self.inbox_mirrors}\n"
+            f'role_queues = "{self.role_queues}"\n'
             + "".join(f"{key} = {value}\n" for key, value in self.fields.items())
             + "".join(
                 f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
@@ -523,6 +526,7 @@ def run_experiment(
     steal_retries: int = 2,
     inbox_mirrors: int = 0,
     part: Part | None = None,
+    role_queue_type: str = "classic",
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
@@ -550,6 +554,7 @@ def run_experiment(
                 prefix=f"bench-phx-{os.getpid()}-{count}",
                 amqp_urls=settings.amqp_urls,
                 inbox_mirrors=inbox_mirrors,
+                role_queues=role_queue_type,
             )
             loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
             for rate in rates:
@@ -746,6 +751,13 @@ def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
         type=integer(0, 16),
         default=0,
         help="RabbitMQ nodes holding each role queue (0: no mirroring policy)",
+    )
+    p.add_argument(
+        "--role-queues",
+        choices=("classic", "quorum"),
+        default="classic",
+        help="the role inboxes' queue type (quorum: replicated by RabbitMQ, no broker "
+        "priorities on 3.x)",
     )
     steal_arguments(p)
 

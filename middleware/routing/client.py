@@ -223,7 +223,7 @@ class PhoenixClient:
 
     async def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
-            await self.client.declare_queue(inbox_spec(self.core.inbox))
+            await self.client.declare_queue(inbox_spec(self.core.inbox, self.topology.role_queues))
         body = encode(message)
         await self._batcher.send(self.cluster, self.core.inbox, body, 0)
 
@@ -361,7 +361,7 @@ class SyncPhoenixClient:
 
     def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
-            self.client.declare_queue(inbox_spec(self.core.inbox))
+            self.client.declare_queue(inbox_spec(self.core.inbox, self.topology.role_queues))
         self.client.publish(outgoing(message, self.core.inbox))
 
     def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:

@@ -198,7 +198,7 @@ class PhoenixDeployment:
                 _, conf = cluster_settings(self.settings, self.topology, other)  # its RabbitMQ
                 async with AsyncClient(settings=conf) as client:
                     inbox = RoleId.router(other).inbox(self.topology.prefix)
-                    await client.declare_queue(inbox_spec(inbox))
+                    await client.declare_queue(inbox_spec(inbox, self.topology.role_queues))
                     await client.publish(OutgoingMessage(message, "", inbox, priority=MAX_PRIORITY))
 
         runtime.run(announce(), event_loop=self.settings.event_loop)
@@ -494,7 +494,7 @@ class PhoenixDeployment:
         later, read from the API's ``rabbitmq_version``; ``version_of`` replaces that
         read, for tests) gets no policy."""
         mirrors = self.topology.inbox_mirrors
-        if mirrors < 2:
+        if mirrors < 2 or self.topology.role_queues == "quorum":  # quorum: replicated anyway
             return []
         prefix = self.topology.prefix
         policy = {

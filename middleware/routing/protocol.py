@@ -116,6 +116,12 @@ class PhoenixTopology(BaseModel):
     #: responses 60-160x slower (docs/results.md).  RabbitMQ 3.10's quorum queues have no
     #: priorities, which the latency levels need (docs/phoenix-recovery.md)
     inbox_mirrors: int = Field(0, ge=0, le=16)
+    #: the queue type of every role inbox and control queue: ``classic`` (with priorities,
+    #: ``x-max-priority`` 9; replicated only by ``inbox_mirrors``, which RabbitMQ 4.0
+    #: removed) or ``quorum`` (replicated by RabbitMQ itself on every version, with no
+    #: broker priorities on 3.x and two levels from 4.0: the latency levels then order only
+    #: what a role holds, by its priority gate).  docs/compatibility.md
+    role_queues: Literal["classic", "quorum"] = "classic"
     #: directed links with addresses of their own (``[[link]]`` tables)
     links: tuple[LinkSpec, ...] = ()
     #: ring failures (docs/phoenix-ring-failures.md): a forward to another cluster not

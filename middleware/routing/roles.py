@@ -197,8 +197,12 @@ def outgoing(message: Message, queue: str, **options: Any) -> OutgoingMessage:
 Handler = Callable[[Any], Awaitable[None]]
 
 
-def inbox_spec(name: str) -> QueueSpec:
-    """Every role inbox is declared alike, so any role may declare any inbox first."""
+def inbox_spec(name: str, kind: str = "classic") -> QueueSpec:
+    """Every role inbox is declared alike (the topology's ``role_queues``), so any role
+    may declare any inbox first: classic with priorities, or quorum (no broker
+    priorities on RabbitMQ 3.x, which refuses ``x-max-priority`` on quorum queues)."""
+    if kind == "quorum":
+        return QueueSpec(name, kind=QueueKind.QUORUM)
     return QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9)
 
 
@@ -350,7 +354,7 @@ class _Role:
         if inbox not in client.topology.queues and not self._is_process_queue(inbox):
             if cluster != self.cluster and not client.ready:  # fail fast, as a send would:
                 raise LinkDown(f"no connection to cluster {cluster}'s RabbitMQ")  # (detours)
-            await client.declare_queue(inbox_spec(inbox))
+            await client.declare_queue(inbox_spec(inbox, self.topology.role_queues))
         # with the others sent to the same inbox and priority in this loop turn
         self.count("sent")
         await self.batcher.send(cluster, inbox, encode(message), priority)
@@ -384,7 +388,7 @@ class _Role:
         client = await self.client_for(self.cluster)
         inbox = self.inbox_of(self.id)
         control = self.control_of(self.id)
-        await client.declare_queue(inbox_spec(control))
+        await client.declare_queue(inbox_spec(control, self.topology.role_queues))
         tags = [await client.consume(control, self._on_control)]
         # where a FENCE (masters) or a RETIRE (slaves) finds this process
         await client.declare_queue(process_queue_spec(self.connections.process_queue))
@@ -393,7 +397,7 @@ class _Role:
             # the control queue it had as a slave: a master of another reign beats there
             # (it is judged like the slaves judge it), a late ELECTION is answered
             old = self.control_of(self.promoted_from)
-            await client.declare_queue(inbox_spec(old))
+            await client.declare_queue(inbox_spec(old, self.topology.role_queues))
             self._former_control = await client.consume(old, self._on_control)
             tags.append(self._former_control)
         recovery = asyncio.create_task(self.recovery(stop))
@@ -542,7 +546,7 @@ class _Role:
         inboxes.append((inbox, self._on_message))
         with heap.FullCollections() as collections:
             for name, on_message in inboxes:
-                await client.declare_queue(inbox_spec(name))
+                await client.declare_queue(inbox_spec(name, self.topology.role_queues))
                 tags.append(
                     await client.consume(name, on_message, prefetch=self.topology.inbox_prefetch)
                 )

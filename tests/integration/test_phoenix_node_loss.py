@@ -19,7 +19,7 @@ import pytest
 from middleware.errors import MiddlewareError
 from middleware.routing.client import PhoenixClient
 from middleware.routing.ids import RoleId
-from middleware.transport import AsyncClient
+from middleware.transport import AsyncClient, QueueKind, QueueSpec
 from middleware.transport.management import management_get
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe
 
@@ -86,3 +86,78 @@ def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
         print(f"\n{victim} killed: {len(confirmed)} confirmed, 0 lost, {failed} refused")
     finally:
         deployment.down()
+
+
+def test_quorum_role_queues_survive_the_node_of_an_inbox_leader(
+    settings, brokers, local_cluster, tmp_path: Path, name: str
+) -> None:
+    """``role_queues = "quorum"``: RabbitMQ replicates every role inbox itself (the HA
+    that does not depend on classic mirroring, which RabbitMQ 4.0 removed; on 3.10
+    without broker priorities).  SIGKILL of the node that leads B's routing master's
+    inbox loses no event whose publish the broker confirmed."""
+    event_type, topology, deployment = _deployment(
+        settings,
+        brokers,
+        tmp_path,
+        name,
+        {"A": {}, "B": {"match_slaves": 1}},
+        {"role_queues": "quorum"},
+    )
+    assert topology.role_queues == "quorum"
+    queue = f"{name}.sub"
+    inbox = RoleId.router("B").inbox(topology.prefix)
+    deployment.up()
+    try:
+        info = management_get(settings, f"/api/queues/%2F/{urllib.parse.quote(inbox, safe='')}")
+        assert info["type"] == "quorum" and len(info.get("members") or []) >= 2, info
+        victim = info["leader"]
+        # the subscriber's classic queue on another node (it would die with the victim)
+        elsewhere = next(n for n in local_cluster.layout.nodes if n.node_name != victim)
+        asyncio.run(_declare_subscriber_queue(settings, elsewhere.amqp_url, queue))
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+        confirmed, got, failed = asyncio.run(
+            _stream(settings, topology, event_type, queue, local_cluster, victim)
+        )
+        lost = sorted(confirmed - got)
+        assert not lost, f"{len(lost)} confirmed events lost after {victim} died: {lost[:20]}"
+        assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
+        print(
+            f"\n{victim} (inbox leader) killed: {len(confirmed)} confirmed, 0 lost, {failed} failed"
+        )
+    finally:
+        deployment.down()
+
+
+async def _declare_subscriber_queue(settings, url: str, queue: str) -> None:
+    async with AsyncClient(settings=settings.model_copy(update={"amqp_urls": (url,)})) as client:
+        await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+
+
+async def _stream(settings, topology, event_type, queue, local_cluster, victim):
+    """6 s of events at A, ``victim`` killed one second in; (confirmed, got, failed)."""
+    confirmed: set[int] = set()
+    failed = 0
+    async with AsyncClient(settings=settings) as client:
+        at_a = PhoenixClient(client, topology=topology, cluster="A")
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < 6.0:
+            if n == RATE:  # one second in
+                await asyncio.to_thread(local_cluster.kill, victim)
+            try:
+                await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                confirmed.add(n)
+            except MiddlewareError:
+                failed += 1  # refused or failed: the publisher knows, not lost
+            n += 1
+            await asyncio.sleep(1 / RATE)
+        got: set[int] = set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not confirmed <= got:
+            try:
+                while (d := await client.get(queue)) is not None:
+                    got.add(json.loads(d.body)["event"]["attributes"]["n"])
+            except MiddlewareError:
+                pass
+            await asyncio.sleep(0.2)
+        return confirmed, got, failed
