@@ -63,25 +63,29 @@ def _block(starting: str) -> str:
     return block
 
 
-def test_the_persistent_queues_example_runs_as_printed(settings, tmp_path) -> None:
-    snippet = _snippet(_block("from middleware.queues import AsyncQueues"), "settings, AsyncClient")
-    local = settings.model_copy(
-        update={"queues": settings.queues.model_copy(update={"spool_path": tmp_path / "spool.db"})}
-    )
+def test_the_persistent_queues_example_runs_as_printed(
+    brokers, tmp_path, monkeypatch, capsys
+) -> None:
+    example = _block("import asyncio\n\nfrom middleware.queues import AsyncQueues")
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", ",".join(brokers.urls))
+    monkeypatch.setenv("QOSMQ_QUEUES__SPOOL_PATH", str(tmp_path / "spool.db"))
+    try:
+        exec(compile(example, "README.md (Persistent queues)", "exec"), {"__name__": "__main__"})
+        out = capsys.readouterr().out
+        assert out.startswith("confirmed b'...'"), out  # enqueued, taken, acked
 
-    async def run() -> None:
-        made = await snippet(local, AsyncClient)
-        queues = made["queues"]
-        try:
-            assert made["result"].status == "confirmed"
-            assert made["message"].body == b"..."
-            assert await queues.client.queue_length("invoices") == 0  # acked
-        finally:
-            await queues.destroy_queue("invoices")
-            await queues.close()
-            await queues.client.close()
+        async def length() -> int:
+            async with AsyncClient(settings=Settings.load()) as client:
+                return await client.queue_length("invoices")
 
-    asyncio.run(run())
+        assert asyncio.run(length()) == 0  # acked
+    finally:
+
+        async def clean() -> None:
+            async with AsyncClient(settings=Settings.load()) as client:
+                await client.delete_queue("invoices")
+
+        asyncio.run(clean())
 
 
 def test_the_weighted_dispatch_example_runs_as_printed(settings) -> None:
