@@ -27,8 +27,15 @@ __all__ = ["format_table", "register", "run_confirms_grid"]
 def register(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark cells against the running cluster")
     cmds = bench.add_subparsers(title="benchmarks", required=True)
-    confirms = cmds.add_parser("confirms", help="confirm modes x queue counts (paper 003)")
+    confirms = cmds.add_parser("confirms", help="confirm modes x queue counts (Xu & Jiao)")
     _grid_arguments(confirms, modes="raw,none,broker,persistent,e2e", queues="1,2,3", duration=10.0)
+    confirms.add_argument(
+        "--interval",
+        type=number(0, 3600, above=True),
+        default=1.0,
+        help="seconds between the live progress lines inside a cell (stderr)",
+    )
+    confirms.add_argument("--quiet", action="store_true", help="no live progress lines")
     confirms.set_defaults(run=_run_confirms)
     demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
     _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0)
@@ -364,8 +371,15 @@ def _cells(args: argparse.Namespace) -> list[CellSpec]:
         raise InvalidArgument(f"bad grid: {exc}") from None
 
 
-def run_confirms_grid(settings: Settings, cells: list[CellSpec]) -> list[dict[str, Any]]:
-    """Run cells one after another (they must not compete for the CPU); add ratios."""
+def run_confirms_grid(
+    settings: Settings, cells: list[CellSpec], *, interval_s: float = 1.0, quiet: bool = False
+) -> list[dict[str, Any]]:
+    """Run cells one after another (they must not compete for the CPU); add ratios.  A
+    progress line every ``interval_s`` on stderr inside each cell unless ``quiet``."""
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     rows = []
     for i, cell in enumerate(cells, 1):
         print(
@@ -375,7 +389,9 @@ def run_confirms_grid(settings: Settings, cells: list[CellSpec]) -> list[dict[st
             flush=True,
         )
         try:
-            row = run_cell_sync(settings, cell)
+            row = run_cell_sync(
+                settings, cell, progress=None if quiet else progress, interval_s=interval_s
+            )
         except Exception as exc:  # a failed cell is recorded and the grid goes on
             row = {
                 "mode": cell.mode,
@@ -438,7 +454,9 @@ def _ratio(value: float | None) -> str:
 
 def _run_confirms(args: argparse.Namespace) -> int:
     cells = _cells(args)
-    rows = run_confirms_grid(args.settings, cells)
+    if args.json is not None and not args.json.parent.is_dir():  # before the grid, not after
+        raise InvalidArgument(f"--json {args.json}: folder {args.json.parent} does not exist")
+    rows = run_confirms_grid(args.settings, cells, interval_s=args.interval, quiet=args.quiet)
     print(format_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -112,17 +112,60 @@ class _Tally:
 
 
 def run_cell_sync(
-    settings: Settings, spec: CellSpec, *, records: bool = False, part: Part | None = None
+    settings: Settings,
+    spec: CellSpec,
+    *,
+    records: bool = False,
+    part: Part | None = None,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = 1.0,
 ) -> dict[str, Any]:
     """Run one cell (or one part of it) in a fresh event loop (for Spark executors and
-    the CLI)."""
+    the CLI).  ``progress``: told a line every ``interval_s`` while the cell runs."""
     return runtime.run(
-        run_cell(settings, spec, records=records, part=part), event_loop=settings.event_loop
+        run_cell(
+            settings, spec, records=records, part=part, progress=progress, interval_s=interval_s
+        ),
+        event_loop=settings.event_loop,
     )
 
 
+def progress_line(tally: _Tally, since: float, last: tuple[int, int, int], dt: float) -> str:
+    """PerfTest's live line: rates over the last interval, confirm latency so far."""
+    sent, confirmed, handled = len(tally.sent), len(tally.confirmed), len(tally.handled)
+    latencies = sorted(
+        (t - tally.sent[m]) * 1000 for m, t in list(tally.confirmed.items()) if m in tally.sent
+    )
+
+    def pct(p: float) -> str:
+        return f"{latencies[int(p / 100 * (len(latencies) - 1))]:.1f}" if latencies else "-"
+
+    return (
+        f"  {since:6.1f} s  sent {(sent - last[0]) / dt:7.0f}/s  confirmed "
+        f"{(confirmed - last[1]) / dt:7.0f}/s  consumed {(handled - last[2]) / dt:7.0f}/s  "
+        f"confirm p50 {pct(50)} ms p99 {pct(99)} ms"
+    )
+
+
+async def _report(
+    tally: _Tally, progress: Callable[[str], None], interval_s: float, started: float
+) -> None:
+    last, at = (0, 0, 0), time.perf_counter()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = time.perf_counter()
+        progress(progress_line(tally, now - started, last, now - at))
+        last, at = (len(tally.sent), len(tally.confirmed), len(tally.handled)), now
+
+
 async def run_cell(
-    settings: Settings, spec: CellSpec, *, records: bool = False, part: Part | None = None
+    settings: Settings,
+    spec: CellSpec,
+    *,
+    records: bool = False,
+    part: Part | None = None,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = 1.0,
 ) -> dict[str, Any]:
     """Run one cell against the cluster in ``settings``; return its summary (and records).
     As one ``part`` of several processes: this part's share, and its raw records."""
@@ -161,8 +204,17 @@ async def run_cell(
             await part.barrier()  # every consumer is up: the producers start together
         started = time.perf_counter()
         deadline = started + spec.duration_s
-        with CpuMeter({"client": os.getpid(), **_brokers()}) as cpu:
-            await asyncio.gather(*(p(deadline, tally) for p in producers))
+        reporter = (
+            asyncio.create_task(_report(tally, progress, interval_s, started))
+            if progress is not None
+            else None
+        )
+        try:
+            with CpuMeter({"client": os.getpid(), **_brokers()}) as cpu:
+                await asyncio.gather(*(p(deadline, tally) for p in producers))
+        finally:
+            if reporter is not None:
+                reporter.cancel()
         elapsed = time.perf_counter() - started
         await (_drain_parts(tally, spec, part) if part else _drain(tally, spec))
     finally:

@@ -136,3 +136,26 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) ->
     assert main(["bench", "queues", "--help"]) == 0
     text = capsys.readouterr().out
     assert "seconds per cell (default: 10.0)" in text and "(default: 256)" in text
+
+
+def test_a_benchmark_refuses_an_output_folder_that_does_not_exist_before_running(
+    tmp_path, capsys
+) -> None:
+    missing = tmp_path / "no" / "x.json"
+    assert main(["bench", "confirms", "--json", str(missing)]) == 2  # no cell ran
+    err = capsys.readouterr().err
+    assert "folder" in err and "does not exist" in err and "[1/" not in err
+
+
+def test_the_live_progress_line_has_rates_and_confirm_latency() -> None:
+    from qosmq_bench.confirms import _Tally, progress_line
+
+    tally = _Tally()
+    for i in range(100):
+        tally.sent[f"m{i}"] = 10.0
+        if i < 80:
+            tally.confirmed[f"m{i}"] = 10.0 + i / 1000
+            tally.handled[("q", f"m{i}")] = 10.0
+    line = progress_line(tally, 2.0, (50, 40, 40), 0.5)
+    assert "sent     100/s" in line and "confirmed      80/s" in line
+    assert "consumed      80/s" in line and "p50 39.0 ms p99 78.0 ms" in line
