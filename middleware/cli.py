@@ -56,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.load(args.config)
         configure_logging(settings.log_level, settings.log_format)
+        if settings.trace_file is not None:
+            from .tracing import configure_process
+
+            configure_process(settings.trace_file)
         args.settings = settings
         result: int = args.run(args)
         return result

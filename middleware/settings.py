@@ -262,6 +262,12 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="the qosmq processes' log lines: text, or one JSON object a line"
     )
+    trace_file: Path | None = Field(
+        None,
+        description="the qosmq processes (CLI, sidecars, Phoenix roles): append every span "
+        "as a JSON line to this file (needs opentelemetry-sdk: pip install "
+        "'qosmq[tracing]' opentelemetry-sdk); a service sets its own tracer provider",
+    )
     metrics_host: str = Field("127.0.0.1", description="address of the Prometheus endpoint")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="0 = any free port")
 

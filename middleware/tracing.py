@@ -41,11 +41,13 @@ except ImportError:  # pragma: no cover - the extra is installed in the tests
 __all__ = [
     "TRACE_HEADERS",
     "active",
+    "configure_process",
     "injected",
     "process",
     "publish",
     "receipt",
     "resumed",
+    "span",
     "use",
 ]
 
@@ -143,6 +145,16 @@ def process(delivery: Delivery) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def span(name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
+    """An INTERNAL span around a step of the layer's own (a Phoenix match's delivery)."""
+    if not active():
+        yield
+        return
+    with _tracer().start_as_current_span(name, attributes=dict(attributes)):
+        yield
+
+
 def receipt(delivery: Delivery, ok: bool) -> None:
     """The e2e receipt a consumer owes for ``delivery`` (a span under its process span)."""
     if not active():
@@ -173,3 +185,24 @@ def resumed(headers: Mapping[str, Any], where: str) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def configure_process(trace_file: Any) -> bool:
+    """For the layer's own processes: every span appended as a JSON line to
+    ``trace_file`` (the SDK's console exporter on that file).  False, with one log line,
+    when the SDK is not installed."""
+    if trace_file is None:
+        return False
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+    except ImportError:
+        log.warning("trace_file %s ignored: opentelemetry-sdk is not installed", trace_file)
+        return False
+    out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    exporter = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
+    provider = TracerProvider(resource=Resource.create({"service.name": "qosmq"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    use(provider)
+    return True

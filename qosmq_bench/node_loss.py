@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ from middleware.transport import (
 from .stats import percentile
 
 __all__ = ["SCENARIOS", "WORKLOADS", "run_node_loss"]
+log = logging.getLogger(__name__)
 
 SCENARIOS = ("publisher-node", "leader-node", "two-nodes")
 WORKLOADS = ("e2e-async", "e2e-sync", "broker-async")
@@ -74,6 +76,8 @@ class _Workload:
         entry = self.sent[message_id] = _Sent(started)
         entry.settled = time.monotonic()
         entry.error = None if error is None else type(error).__name__
+        if error is not None:  # the text, for the run's log: the row keeps only the kind
+            log.warning("publish %s failed: %s: %s", message_id, type(error).__name__, error)
 
 
 def _ordered(urls: tuple[str, ...], first: int) -> tuple[str, ...]:

@@ -52,7 +52,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 from pydantic import ValidationError
 
-from .. import heap
+from .. import heap, tracing
 from ..errors import DeadLetter, LinkDown, MiddlewareError, RetryableError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
@@ -2259,12 +2259,20 @@ class _MatchBroker(_Role):
             # a match master's death) is suppressed by the subscriber's filter
             return None if message.id is None else f"{message.id}:{_short(queue)}"
 
-        outcomes = await asyncio.gather(
-            *(
-                self.copies.put(home, queue, confirm, body, copy_id(queue))
-                for (home, queue), confirm in queues.items()
+        with tracing.span(
+            f"{message.event_type} match",
+            {
+                "qosmq.phoenix.broker": self.name,
+                "qosmq.phoenix.matched": sorted(matched)[:50],
+                "qosmq.phoenix.copies": len(queues),
+            },
+        ):
+            outcomes = await asyncio.gather(
+                *(
+                    self.copies.put(home, queue, confirm, body, copy_id(queue))
+                    for (home, queue), confirm in queues.items()
+                )
             )
-        )
         for ((home, queue), confirm), result in zip(queues.items(), outcomes, strict=True):
             self.count(f"copies_{result.outcome.value}")
             if result.outcome is Outcome.GONE:

@@ -4,6 +4,8 @@ drained under the context it was accepted in, a traceparent that does not parse.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -19,7 +21,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from middleware import tracing
 from middleware.localcluster.proxy import FaultProxy
 from middleware.queues import EnqueueStatus, SyncQueues
-from middleware.transport import QueueKind, QueueSpec, SyncClient
+from middleware.routing import PhoenixTopology, RoleId
+from middleware.routing.client import PhoenixClient
+from middleware.transport import AsyncClient, QueueKind, QueueSpec, SyncClient
+from tests.integration.phoenix_support import owned_by, running
 from tests.integration.test_confirms import E2E, _fanout, _fast
 from tests.integration.test_queues import _settings
 
@@ -143,3 +148,66 @@ def test_a_traceparent_that_does_not_parse_is_ignored_in_one_line(
     assert len(processes) == 3 and all(p.parent is None for p in processes)
     lines = [r for r in caplog.records if "does not parse" in r.getMessage()]
     assert len(lines) == 1 and queue in lines[0].getMessage()
+
+
+def test_one_phoenix_event_is_one_trace_through_every_hop(
+    settings, brokers, tmp_path, name, spans, monkeypatch
+) -> None:
+    """Client at A, an event type B owns, the subscriber homed at A: the event's trace
+    runs client publish -> A's router -> B's router -> B's match broker (a ``match`` span
+    naming the subscription) -> the copy to the subscriber's queue, each role's spans
+    written by its own process (``trace_file``)."""
+    trace_file = tmp_path / "roles.jsonl"
+    monkeypatch.setenv("QOSMQ_TRACE_FILE", str(trace_file))  # the roles' environment
+    event_type = owned_by(["A", "B"], "B", "traced")
+    queue = f"{name}.sub"
+    fields = {"routing_slaves": 0, "match_slaves": 0}
+    with running(tmp_path, name, settings, ",".join(brokers.urls), {"A": fields, "B": fields}):
+        topology = PhoenixTopology.load(tmp_path / "phoenix.toml")
+
+        async def scenario() -> Any:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                sid = await at_a.subscribe(event_type, [("n", ">=", 0)], 1, queue, wait_s=60)
+                with tracing._tracer().start_as_current_span("app event") as app:
+                    await at_a.publish({"event_type": event_type, "attributes": {"n": 1}})
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    delivered = await client.get(queue)
+                    if delivered is not None:
+                        return app.get_span_context(), delivered, sid
+                    await asyncio.sleep(0.1)
+                raise AssertionError("the event never reached the subscriber")
+
+        app, delivered, sid = asyncio.run(scenario())
+        time.sleep(0.5)  # the roles' last spans
+    trace_id = f"0x{app.trace_id:032x}"
+    assert f"{app.trace_id:032x}" in delivered.headers["traceparent"]  # one trace end to end
+    role_spans = [json.loads(line) for line in trace_file.read_text().splitlines() if line]
+    mine = {s["context"]["span_id"]: s for s in role_spans if s["context"]["trace_id"] == trace_id}
+    local = {f"0x{s.context.span_id:016x}": s for s in spans.get_finished_spans()}
+    # walk back from the copy the subscriber got to the application's span
+    parent = "0x" + delivered.headers["traceparent"].split("-")[2]
+    chain, matched = [], None
+    while parent in mine:
+        span = mine[parent]
+        chain.append(span["name"])
+        if span["name"] == f"{event_type} match":
+            matched = span["attributes"]["qosmq.phoenix.matched"]
+        parent = span["parent_id"]
+    while parent in local:
+        chain.append(local[parent].name)
+        parent = (
+            f"0x{local[parent].parent.span_id:016x}" if local[parent].parent is not None else ""
+        )
+    prefix = topology.prefix
+    route = " <- ".join(chain)
+    print(f"\nthe event's trace, from the copy back: {route}")
+    assert chain[-1] == "app event", route
+    for hop in (
+        RoleId.router("A").inbox(prefix),
+        RoleId.router("B").inbox(prefix),
+        RoleId.match("B", 0).inbox(prefix),
+    ):
+        assert f"{hop} process" in chain, f"{hop} missing from {route}"
+    assert matched == [sid], (matched, sid)  # the match names the subscription
