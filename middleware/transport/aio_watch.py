@@ -130,8 +130,12 @@ class WatchedReplies:
         async with self._lock:  # one replacement, however many publishes wait for it
             holder = self._current
             if holder is None or not holder.ledger.current or holder.channel.is_closed:
-                holder = self._current = await self._new_channel()
+                # in use only once it consumes the replies: a publish with a reply address
+                # on a channel without that consumer closes it (406 "fast reply consumer
+                # does not exist"), which publishers saw as PreconditionFailed
+                holder = await self._new_channel()
                 await self._replies_on(holder)
+                self._current = holder
             return holder
 
     async def _new_channel(self) -> _Channel:
