@@ -50,35 +50,9 @@ def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
         assert info["policy"] == f"qosmq-phoenix-{topology.prefix}"
         victim = info["node"]  # where B's routing master's inbox lives
 
-        async def stream() -> tuple[set[int], set[int], int]:
-            confirmed: set[int] = set()
-            failed = 0
-            async with AsyncClient(settings=settings) as client:
-                at_a = PhoenixClient(client, topology=topology, cluster="A")
-                start = time.monotonic()
-                n = 0
-                while time.monotonic() - start < 6.0:
-                    if n == RATE:  # one second in
-                        await asyncio.to_thread(local_cluster.kill, victim)
-                    try:
-                        await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
-                        confirmed.add(n)
-                    except MiddlewareError:
-                        failed += 1  # refused or failed: the publisher knows, not lost
-                    n += 1
-                    await asyncio.sleep(1 / RATE)
-                got: set[int] = set()
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and not confirmed <= got:
-                    try:  # the test's own reads may meet the failover too: read again
-                        while (d := await client.get(queue)) is not None:
-                            got.add(json.loads(d.body)["event"]["attributes"]["n"])
-                    except MiddlewareError:
-                        pass
-                    await asyncio.sleep(0.2)
-                return confirmed, got, failed
-
-        confirmed, got, failed = asyncio.run(stream())
+        confirmed, got, failed = asyncio.run(
+            _stream(settings, topology, event_type, queue, local_cluster, victim)
+        )
         lost = sorted(confirmed - got)
         assert not lost, f"{len(lost)} confirmed events lost after {victim} died: {lost[:20]}"
         # the stream went on through the failover (publishes stall while it runs)
@@ -154,7 +128,7 @@ async def _stream(settings, topology, event_type, queue, local_cluster, victim):
         got: set[int] = set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not confirmed <= got:
-            try:
+            try:  # the test's own reads may meet the failover too: read again
                 while (d := await client.get(queue)) is not None:
                     got.add(json.loads(d.body)["event"]["attributes"]["n"])
             except MiddlewareError:
