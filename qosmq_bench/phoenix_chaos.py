@@ -23,8 +23,11 @@ Every subscriber counts what it receives; the harness evaluates the filters itse
 own small evaluator, not the layer's matcher) and knows when each subscription was
 confirmed and each unsubscribe sent.  Per window and subscriber: ``expected`` (events
 published while a matching subscription stood), ``delivered``, ``lost``, ``duplicated``
-(an e2e subscriber must see none) and ``unexpected`` (a delivery no standing or
-changing subscription explains).  Events published while one of the queue's
+(an e2e subscriber must see none) and ``unexpected`` (a delivery no subscription
+explains: none matching stood or was being made when the event was published, nor when
+its copy arrived — an event that waited in a killed router's inbox may be matched by a
+subscription sent after it was published, which the subscriber asked for before the copy
+came).  Events published while one of the queue's
 subscriptions was being made or removed are ``uncertain``: counted neither way.
 """
 
@@ -396,6 +399,25 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
             elif any(s.standing(at) for s in matching):
                 expected.add(eid)
         delivered = {eid for eid in expected if arrivals[eid]}
+        first_arrival: dict[str, float] = {}
+        for eid, t in sub.got:
+            first_arrival.setdefault(eid, t)
+
+        def asked_by_then(
+            eid: str, sub: _Subscriber = sub, first_arrival: dict[str, float] = first_arrival
+        ) -> bool:
+            """A matching subscription was being made or stood when the copy arrived: an
+            event that waited (a killed router's inbox) may meet a subscription sent after
+            it was published; a subscriber asked for that one before it came."""
+            event_type, attributes, _ = chaos.published[eid]
+            at = first_arrival[eid]
+            return any(
+                s.event_type == event_type
+                and holds(s.conditions, attributes)
+                and (s.standing(at) or s.changing(at))
+                for s in sub.subscriptions.values()
+            )
+
         unexpected = [
             eid
             for eid in arrivals
@@ -403,6 +425,7 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
             and begin <= chaos.published[eid][2] < end
             and eid not in expected
             and eid not in uncertain
+            and not asked_by_then(eid)
         ]
         rows.append(
             {
