@@ -36,6 +36,17 @@ def _settings(settings: Settings, tmp_path: Path, **queues: Any) -> Settings:
     return settings.model_copy(update={"queues": q})
 
 
+def _via(proxy: FaultProxy, settings: Settings, tmp_path: Path) -> Settings:
+    """The queue settings of this test, reaching the broker through ``proxy`` only, with
+    two connect attempts (a cut link fails the enqueue fast, so it spools)."""
+    return _settings(settings, tmp_path).model_copy(
+        update={
+            "amqp_urls": (proxy.url,),
+            "retry": settings.retry.model_copy(update={"attempts": 2}),
+        }
+    )
+
+
 def test_verbs_and_explicit_ack(settings, tmp_path, name) -> None:
     async def scenario() -> None:
         queues = await AsyncQueues(AsyncClient(settings=_settings(settings, tmp_path))).start()
@@ -93,13 +104,7 @@ def _sample(series: str, path: str) -> float:
 def test_sync_face_verbs_spool_and_recover(settings, brokers, tmp_path, name) -> None:
     proxy = FaultProxy(int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1]))
     try:
-        via_proxy = _settings(settings, tmp_path).model_copy(
-            update={
-                "amqp_urls": (proxy.url,),
-                "retry": settings.retry.model_copy(update={"attempts": 2}),
-            }
-        )
-        queues = SyncQueues(SyncClient(settings=via_proxy)).start()
+        queues = SyncQueues(SyncClient(settings=_via(proxy, settings, tmp_path))).start()
         queues.create_queue(name)
         assert queues.enqueue(name, b"a", message_id="a").status is EnqueueStatus.CONFIRMED
         proxy.cut(refuse=True)

@@ -26,7 +26,7 @@ from middleware.routing.client import PhoenixClient
 from middleware.transport import AsyncClient, QueueKind, QueueSpec, SyncClient
 from tests.integration.phoenix_support import owned_by, running
 from tests.integration.test_confirms import E2E, _fanout, _fast
-from tests.integration.test_queues import _settings
+from tests.integration.test_queues import _via
 
 pytestmark = pytest.mark.rabbit
 
@@ -90,13 +90,7 @@ def test_a_spooled_message_is_drained_in_the_context_it_was_accepted_in(
 ) -> None:
     proxy = FaultProxy(int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1]))
     try:
-        via_proxy = _settings(settings, tmp_path).model_copy(
-            update={
-                "amqp_urls": (proxy.url,),
-                "retry": settings.retry.model_copy(update={"attempts": 2}),
-            }
-        )
-        queues = SyncQueues(SyncClient(settings=via_proxy)).start()
+        queues = SyncQueues(SyncClient(settings=_via(proxy, settings, tmp_path))).start()
         queues.create_queue(name)
         proxy.cut(refuse=True)
         with tracing._tracer().start_as_current_span("app order") as app:
