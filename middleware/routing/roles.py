@@ -1525,6 +1525,10 @@ class RouterMaster(_Role):
         #: events that entered the ring here and went to another cluster, until their
         #: owner says they were matched (routed again if it leaves first)
         self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
+        #: set once the recorded leaves and joins are applied (``prepare``): a leave
+        #: told before that (its control queue is consumed first) waits for it, or a
+        #: promoted router would take a recorded departure's arc over a second time
+        self._ring_applied = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -1596,6 +1600,7 @@ class RouterMaster(_Role):
                 cluster,
                 adoption.masters,
             )
+        self._ring_applied.set()
 
     def _record_ring_change(self, cluster: str, state: str) -> None:
         """Persist that ``cluster`` left or joined (in the state store every cluster's
@@ -1922,6 +1927,9 @@ class RouterMaster(_Role):
         """``cluster`` left: drop it from the ring; this cluster's match roles stop
         delivering to its subscribers (dead-lettered with why); the successor's match
         masters restore its arc from the persisted state."""
+        if not self._ring_applied.is_set():
+            self._background(self._leave_when_ring_applied(cluster, by))
+            return
         if cluster == self.cluster or cluster not in self.ring.clusters or len(self.ring) < 2:
             return
         arc, _ = self._departure(cluster)
@@ -1938,6 +1946,10 @@ class RouterMaster(_Role):
         told = Leave(cluster=cluster, by=by)
         for role in self._match_roles():
             await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+
+    async def _leave_when_ring_applied(self, cluster: str, by: str) -> None:
+        await self._ring_applied.wait()
+        await self._leave(cluster, by)
 
     async def _restore_routing_table(self, cluster: str, arc: Arc) -> dict[str, dict[str, Any]]:
         """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
