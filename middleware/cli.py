@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_help import apply_everywhere
-from .cliargs import Parser, integer, path
+from .cliargs import ERROR_PREFIX, Parser, integer, path
 from .errors import ConfigurationError, InvalidArgument, MiddlewareError
 from .localcluster.layout import DEFAULT_BASE_PORT, MAX_NODES
 from .observability import configure_logging
@@ -38,6 +38,21 @@ QOSMQ_* variable or a key of the --config file (docs/configuration.md).
 """
 
 log = logging.getLogger("qosmq")
+URI_HELP = (
+    "a RabbitMQ node to connect to, amqp://host:port/ (repeat it, or a comma list, for "
+    "a cluster); this command and what it starts use these instead of QOSMQ_AMQP_URLS"
+)
+
+
+def use_uris(uris: Sequence[str] | None) -> None:
+    """``--uri``: the brokers for this command and every process it starts (the roles,
+    sidecars and Spark's local executors read ``QOSMQ_AMQP_URLS``); checked by the
+    settings model like the variable itself."""
+    if uris:
+        joined = ",".join(u.strip() for text in uris for u in text.split(",") if u.strip())
+        os.environ["QOSMQ_AMQP_URLS"] = joined
+
+
 DEFAULT_STATE_DIR = Path(os.environ.get("QOSMQ_STATE_DIR", ".qosmq"))
 COMMANDS_GROUP = "qosmq.commands"  # entry points: register(subparsers) -> None
 Handler = Callable[[argparse.Namespace], int]
@@ -54,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        use_uris(getattr(args, "uri", None))
         settings = Settings.load(args.config)
         configure_logging(settings.log_level, settings.log_format)
         if settings.trace_file is not None:
@@ -64,10 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.run(args)
         return result
     except (ConfigurationError, InvalidArgument) as exc:  # bad input: usage's exit code
-        print(f"qosmq: error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 2
     except MiddlewareError as exc:
-        print(f"qosmq: error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("qosmq: interrupted", file=sys.stderr)
@@ -79,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="qosmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", type=path, help="TOML settings file (env QOSMQ_* wins)")
+    parser.add_argument("--uri", action="append", help=URI_HELP)
     parser.add_argument(
         "--version", action="version", version=f"qosmq {_installed_version()}", help="print it"
     )
@@ -103,6 +120,10 @@ def _config_after_the_command(parser: argparse.ArgumentParser) -> None:
                         type=path,
                         default=argparse.SUPPRESS,
                         help="TOML settings file (as before the command)",
+                    )
+                if "--uri" not in command._option_string_actions:
+                    command.add_argument(
+                        "--uri", action="append", default=argparse.SUPPRESS, help=URI_HELP
                     )
                 _config_after_the_command(command)
 

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Collection, Mapping
 
-__all__ = ["DefaultsFormatter", "apply_everywhere", "undocumented"]
+__all__ = [
+    "DefaultsFormatter",
+    "apply_everywhere",
+    "not_for",
+    "renamed",
+    "undocumented",
+]
 
 
 class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
@@ -43,3 +51,59 @@ def undocumented(parser: argparse.ArgumentParser, path: str = "qosmq") -> list[s
         elif action.option_strings and not action.help:
             out.append(f"{path} {action.option_strings[0]}")
     return out
+
+
+class _Renamed(argparse.Action):
+    """An option's former name: still taken (into the new one's ``dest``), with a note
+    naming the new one; not shown in ``--help``."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: argparse.Action, **kw: object):
+        self.new = new
+        flag = isinstance(new, argparse._StoreTrueAction)
+        convert = None if flag or isinstance(new.type, str) else new.type
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0 if flag else None,
+            type=convert,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"qosmq: note: {option_string} is now {self.new.option_strings[0]}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Keep ``old`` working as ``new`` (an option renamed to one name per concept)."""
+    action = parser._option_string_actions[new]
+    parser.add_argument(old, dest=action.dest, action=_Renamed, new=action)
+
+
+def not_for(
+    args: argparse.Namespace,
+    parser_defaults: Mapping[str, object],
+    owners: Mapping[str, Collection[str]],
+    chosen: str,
+    what: str = "--experiment",
+) -> str | None:
+    """The first option given (not at its default) that only ``owners[dest]`` use and
+    ``chosen`` is not among, as a one-line reason; None when every option applies."""
+    for dest, users in owners.items():
+        if chosen in users:
+            continue
+        value = getattr(args, dest, None)
+        if value is not None and value != parser_defaults.get(dest):
+            flag = "--" + dest.replace("_", "-")
+            return f"{flag} is for {what} {'/'.join(sorted(users))}, not {chosen}"
+    return None

@@ -14,14 +14,29 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["Parser", "integer", "integers", "names", "number", "numbers", "path"]
+__all__ = [
+    "ERROR_PREFIX",
+    "Parser",
+    "integer",
+    "integers",
+    "names",
+    "number",
+    "numbers",
+    "out_file",
+    "path",
+]
+
+
+#: how every error of the command line starts (the ``qosmq`` command, its subcommands
+#: and the Spark jobs' entry points alike)
+ERROR_PREFIX = "qosmq: error:"
 
 
 class Parser(argparse.ArgumentParser):
-    """Bad arguments: one line ``prog: error: what (see prog --help)``, exit 2."""
+    """Bad arguments: one line ``qosmq: error: what (see prog --help)``, exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -122,3 +137,14 @@ def path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (expected a file or folder name)")
     return Path(text)
+
+
+def out_file(text: str) -> Path:
+    """A file a command writes its results to: its folder must exist now, so a run never
+    ends by losing its records to a typo."""
+    p = path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{p} is a folder (expected a file name)")
+    if not p.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {p.parent} does not exist (for {p})")
+    return p

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from middleware import __version__, runtime
-from middleware.cliargs import integer, integers, names, number, numbers, path
+from middleware.cli_help import not_for, renamed
+from middleware.cliargs import integer, integers, names, number, numbers, out_file, path
 from middleware.errors import InvalidArgument
 from middleware.settings import Settings
 
@@ -29,23 +30,19 @@ def register(sub: Any) -> None:
     cmds = bench.add_subparsers(title="benchmarks", required=True)
     confirms = cmds.add_parser("confirms", help="confirm modes x queue counts (Xu & Jiao)")
     _grid_arguments(confirms, modes="raw,none,broker,persistent,e2e", queues="1,2,3", duration=10.0)
-    confirms.add_argument(
-        "--interval",
-        type=number(0, 3600, above=True),
-        default=1.0,
-        help="seconds between the live progress lines inside a cell (stderr)",
-    )
-    confirms.add_argument("--quiet", action="store_true", help="no live progress lines")
+    _live_arguments(confirms)
     confirms.set_defaults(run=_run_confirms)
     demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
-    _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0)
+    _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0, out=False)
     demo.add_argument(
         "--state-dir",
         type=path,
         default=Path(".qosmq"),
         help="where the local cluster keeps its nodes' data, logs and PIDs",
     )
-    demo.add_argument("--out", type=path, default=Path("results"), help="Spark job results")
+    demo.add_argument(
+        "--out", type=path, default=Path("results"), help="the folder the results go to"
+    )
     demo.set_defaults(run=_run_demo)
     balance = cmds.add_parser("balance", help="weighted dispatch vs round robin (paper 001)")
     from middleware.balancer import ALGORITHMS
@@ -60,7 +57,7 @@ def register(sub: Any) -> None:
         "--replicas", type=integer(1, 64), default=2, help="queue replicas of the topic"
     )
     balance.add_argument(
-        "--rate",
+        "--rates",
         type=numbers(0, 1e6, above=True),
         default="250,400",
         help="comma list of msg/s (light,heavy)",
@@ -105,12 +102,17 @@ def register(sub: Any) -> None:
         default=Path(".qosmq/balance-faults"),
         help="--phases: where the sidecars' files go",
     )
-    balance.add_argument("--json", type=path, help="also write the rows to this JSON file")
+    balance.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
+    renamed(balance, "--json", "--out")
+    renamed(balance, "--rate", "--rates")
     balance.set_defaults(run=_run_balance)
     phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
     phoenix.add_argument(
         "--experiment",
-        choices=("matching", "rate", "subscriptions", "recovery", "link", "leave", "busy", "chaos"),
+        choices=(
+            *("matching", "rate", "subscriptions", "recovery", "link", "leave", "busy"),
+            *("chaos", "throughput"),
+        ),
         default="matching",
         help="matching: (c) one match broker; rate: (a) response time vs event rate; "
         "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
@@ -119,7 +121,21 @@ def register(sub: Any) -> None:
         "load (its arc restored at its successor from the persisted state); busy: the "
         "deployment started and run beside CPU hogs, elections nobody caused counted; "
         "chaos: every fault kind in a seeded order under both client faces and both "
-        "confirm modes, each subscriber's own counts checked against its filters",
+        "confirm modes, each subscriber's own counts checked against its filters; "
+        "throughput: the idle cost, then the rate raised in steps until the deployment "
+        "falls behind, with the CPU per event of every process and the messages per "
+        "event on each hop",
+    )
+    phoenix.add_argument(
+        "--idle",
+        type=number(1, 3600),
+        default=20.0,
+        help="throughput: seconds measured with no events (the idle cost)",
+    )
+    phoenix.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="throughput: run every step, also after one fell behind",
     )
     phoenix.add_argument(
         "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
@@ -129,13 +145,21 @@ def register(sub: Any) -> None:
         type=names(
             (
                 *("router", "router_slave", "match", "match_slave", "freeze", "node", "silent"),
-                *("cut", "blackhole", "cut_both"),
+                *("cut", "blackhole", "cut_both", "leave"),
             )
         ),
         default="router,router_slave,match,match_slave,freeze,node,silent",
         help="chaos: the fault kinds (node: needs --state-dir of a local cluster; cut, "
-        "blackhole, cut_both: the link B->C, or both ways, through a proxy; with any of "
-        "these the subscribers are homed at A and C)",
+        "blackhole, cut_both: the link B->C, or both ways, through a proxy; leave: the "
+        "last cluster other than B and C removed, then joined again; with any of these "
+        "every inter-cluster link goes through a proxy and the subscribers are homed at "
+        "A and C, or with 4 or more clusters at every cluster)",
+    )
+    phoenix.add_argument(
+        "--chaos-clusters",
+        type=integer(3, 8),
+        default=3,
+        help="chaos: how many clusters (A, B, C, D, ...)",
     )
     phoenix.add_argument(
         "--window", type=number(4, 3600), default=8.0, help="chaos: seconds per fault window"
@@ -161,12 +185,6 @@ def register(sub: Any) -> None:
         default=300.0,
         help="busy: seconds of steady events under the hogs",
     )
-    phoenix.add_argument(
-        "--cuts",
-        type=integer(1, 10_000),
-        default=5,
-        help="link: faults per kind and rate; leave: removals (a fresh deployment each)",
-    )
     add_departed_masters(phoenix)
     phoenix.add_argument(
         "--leave-after",
@@ -189,9 +207,6 @@ def register(sub: Any) -> None:
         "--link-timeout",
         type=number(0.01, 60),
         help="link: the topology's link_timeout_s (default: the topology's, 1.0)",
-    )
-    phoenix.add_argument(
-        "--kills", type=integer(1, 10_000), default=10, help="recovery: kills per kind and rate"
     )
     phoenix.add_argument(
         "--kinds",
@@ -233,12 +248,26 @@ def register(sub: Any) -> None:
     )
     from .phoenix_timeliness import timeliness_arguments
 
-    timeliness_arguments(phoenix, repeats=1)
+    timeliness_arguments(
+        phoenix,
+        repeats=None,
+        repeats_help="repetitions: rate, subscriptions: mechanism passes, rotated (default "
+        f"{PHOENIX_REPEATS['rate']}); recovery: kills per kind and rate "
+        f"({PHOENIX_REPEATS['recovery']}); link: faults per kind and rate "
+        f"({PHOENIX_REPEATS['link']}); leave: removals, a fresh deployment each "
+        f"({PHOENIX_REPEATS['leave']})",
+    )
+    renamed(phoenix, "--kills", "--repeats")
+    renamed(phoenix, "--cuts", "--repeats")
     phoenix.add_argument(
         "--work-dir", type=path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
     )
-    phoenix.add_argument("--json", type=path, help="also write the rows to this JSON file")
+    phoenix.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
+    renamed(phoenix, "--json", "--out")
     phoenix.set_defaults(run=_run_phoenix)
+    phoenix.set_defaults(
+        phoenix_defaults={a.dest: a.default for a in phoenix._actions if a.option_strings}
+    )
     transport = cmds.add_parser("transport", help="the clients' cost per message vs raw")
     from .transport import CLIENTS
 
@@ -257,7 +286,9 @@ def register(sub: Any) -> None:
     transport.add_argument(
         "--repeats", type=integer(1, 100), default=3, help="passes (order rotated)"
     )
-    transport.add_argument("--json", type=path, help="also write the rows to this JSON file")
+    transport.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
+    renamed(transport, "--json", "--out")
+    _live_arguments(transport)
     transport.set_defaults(run=_run_transport)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
     queues.add_argument(
@@ -272,7 +303,9 @@ def register(sub: Any) -> None:
     queues.add_argument(
         "--window", type=integer(1, 65_536), default=256, help="enqueues unconfirmed at once"
     )
-    queues.add_argument("--json", type=path, help="also write the rows to this JSON file")
+    queues.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
+    renamed(queues, "--json", "--out")
+    _live_arguments(queues)
     queues.set_defaults(run=_run_queues)
     loss = cmds.add_parser(
         "node-loss",
@@ -289,7 +322,10 @@ def register(sub: Any) -> None:
         "the node the clients failed over to (default: all)",
     )
     loss.add_argument(
-        "--rate", type=number(0, 1e5, above=True), default=30.0, help="publishes/s per workload"
+        "--rates",
+        type=numbers(0, 1e5, above=True),
+        default="30",
+        help="publishes/s per workload, comma list (each scenario runs at each rate)",
     )
     loss.add_argument(
         "--down",
@@ -298,7 +334,9 @@ def register(sub: Any) -> None:
         help="seconds each node stays down",
     )
     loss.add_argument("--state-dir", type=path, default=Path(".qosmq"), help="the local cluster")
-    loss.add_argument("--json", type=path, help="also write the rows to this JSON file")
+    loss.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
+    renamed(loss, "--json", "--out")
+    renamed(loss, "--rate", "--rates")
     loss.set_defaults(run=_run_node_loss)
     spark = sub.add_parser("spark", help="the PySpark benchmark pipeline on local[*]")
     jobs = spark.add_subparsers(title="jobs", required=True)
@@ -323,8 +361,25 @@ def register(sub: Any) -> None:
     job.set_defaults(run=_run_spark_faults, master="local[*]")
 
 
+def _live_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--interval",
+        type=number(0, 3600, above=True),
+        default=1.0,
+        help="seconds between the live progress lines inside a cell (stderr)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no live progress lines")
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    """Where a benchmark's live lines go: stderr, or nowhere with ``--quiet``."""
+    if args.quiet:
+        return None
+    return lambda line: print(line, file=sys.stderr, flush=True)
+
+
 def _grid_arguments(
-    p: argparse.ArgumentParser, *, modes: str, queues: str, duration: float
+    p: argparse.ArgumentParser, *, modes: str, queues: str, duration: float, out: bool = True
 ) -> None:
     p.add_argument(
         "--modes", type=names(MODES), default=modes, help=f"comma list of {', '.join(MODES)}"
@@ -347,7 +402,9 @@ def _grid_arguments(
     p.add_argument(
         "--window", type=integer(1, 65_536), default=64, help="in-flight publishes per producer"
     )
-    p.add_argument("--json", type=path, help="write the records to this file")
+    if out:  # the demo's --out is the Spark job's folder
+        p.add_argument("--out", type=out_file, help="write the records to this JSON file")
+        renamed(p, "--json", "--out")
 
 
 def _cells(args: argparse.Namespace) -> list[CellSpec]:
@@ -454,13 +511,11 @@ def _ratio(value: float | None) -> str:
 
 def _run_confirms(args: argparse.Namespace) -> int:
     cells = _cells(args)
-    if args.json is not None and not args.json.parent.is_dir():  # before the grid, not after
-        raise InvalidArgument(f"--json {args.json}: folder {args.json.parent} does not exist")
     rows = run_confirms_grid(args.settings, cells, interval_s=args.interval, quiet=args.quiet)
     print(format_table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-        print(f"records: {args.json}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+        print(f"records: {args.out}")
     return 1 if any("error" in r or r.get("lost") for r in rows) else 0
 
 
@@ -481,7 +536,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         import pyspark  # noqa: F401
     except ImportError:
         print("PySpark not installed: running the cells without Spark", file=sys.stderr)
-        return _run_confirms_with(settings, cells, args.json)
+        args.out.mkdir(parents=True, exist_ok=True)
+        return _run_confirms_with(settings, cells, args.out / "cells.json")
     from .spark_confirms import arguments, execute
 
     job = arguments().parse_args(
@@ -528,7 +584,7 @@ def _run_balance(args: argparse.Namespace) -> int:
                 service_ms=args.service_ms,
                 slow_extra_ms=args.slow_extra_ms,
             )
-            for r in args.rate.split(",")
+            for r in args.rates.split(",")
             for a in args.algorithms.split(",")
         ]
     except ValueError as exc:
@@ -558,8 +614,8 @@ def _run_balance(args: argparse.Namespace) -> int:
             f"{r['p99_first_third_ms']:>9.1f} {r['p99_last_third_ms']:>9.1f} "
             f"{r['max_queue_length']:>7} {r['backlog']:>7} {r['routed']}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
     return 0
 
 
@@ -567,7 +623,7 @@ def _run_balance_phases(args: argparse.Namespace) -> int:
     from .balance_faults import PHASES, run_balance_faults
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    rate = float(args.rate.split(",")[0])
+    rate = float(args.rates.split(",")[0])
     rows = runtime.run(
         run_balance_faults(
             args.settings,
@@ -581,10 +637,10 @@ def _run_balance_phases(args: argparse.Namespace) -> int:
         event_loop=args.settings.event_loop,
     )
     print(format_balance_phases(rows, PHASES))
-    if args.json:
+    if args.out:
         for r in rows:
             r.update(_provenance(args.settings))
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.out.write_text(json.dumps(rows, indent=2))
     return 0
 
 
@@ -616,7 +672,52 @@ def format_balance_phases(rows: list[dict[str, Any]], phases: tuple[str, ...]) -
     return "\n".join(out)
 
 
+#: ``bench phoenix --repeats`` when not given, by experiment
+PHOENIX_REPEATS = {"rate": 1, "subscriptions": 1, "recovery": 10, "link": 5, "leave": 5}
+#: the ``bench phoenix`` options that only some experiments use (any other refuses them)
+PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
+    "seed": ("chaos",),
+    "chaos_faults": ("chaos",),
+    "chaos_clusters": ("chaos",),
+    "window": ("chaos",),
+    "state_dir": ("chaos",),
+    "hogs": ("busy",),
+    "suspect_ceiling": ("busy",),
+    "busy_seconds": ("busy",),
+    "idle": ("throughput",),
+    "keep_going": ("throughput",),
+    "departed_masters": ("leave",),
+    "leave_after": ("leave",),
+    "faults": ("link",),
+    "down": ("link",),
+    "link_timeout": ("link",),
+    "kinds": ("recovery",),
+    "heartbeat_interval": ("recovery",),
+    "heartbeat_misses": ("recovery",),
+    "stream": ("recovery", "link", "leave"),
+    "events": ("matching",),
+    "symbols": ("matching",),
+    "subscriptions": ("matching", "rate", "subscriptions", "leave", "throughput"),
+    "repeats": ("rate", "subscriptions", "recovery", "link", "leave"),
+    "mechanisms": ("rate", "subscriptions", "throughput"),
+    "duration": ("rate", "subscriptions", "throughput"),
+    "warmup": ("rate", "subscriptions", "throughput"),
+    "inbox_mirrors": ("rate", "subscriptions"),
+    "role_queues": ("rate", "subscriptions"),
+    "max_steal": ("rate", "subscriptions"),
+    "steal_retries": ("rate", "subscriptions"),
+    "rates": ("rate", "subscriptions", "recovery", "link", "leave", "busy", "chaos", "throughput"),
+}
+
+
 def _run_phoenix(args: argparse.Namespace) -> int:
+    reason = not_for(args, args.phoenix_defaults, PHOENIX_OPTIONS, args.experiment)
+    if reason is not None:
+        raise InvalidArgument(reason)
+    if args.repeats is None:
+        args.repeats = PHOENIX_REPEATS.get(args.experiment, 1)
+    if args.experiment != "matching":  # a broker must answer before anything is preloaded
+        _brokers_answer(args.settings)
     if args.experiment == "recovery":
         return _run_phoenix_recovery(args)
     if args.experiment == "link":
@@ -627,6 +728,8 @@ def _run_phoenix(args: argparse.Namespace) -> int:
         return _run_phoenix_chaos(args)
     if args.experiment == "leave":
         return _run_phoenix_leave(args)
+    if args.experiment == "throughput":
+        return _run_phoenix_throughput(args)
     if args.experiment != "matching":
         return _run_phoenix_timeliness(args)
     from .phoenix import matching_throughput
@@ -647,8 +750,8 @@ def _run_phoenix(args: argparse.Namespace) -> int:
             f"{n:>13} {row['events_per_s']:>9} {row['matches_per_event']:>13} "
             f"{row['work_per_event']:>10} {row['build_s']:>8}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
     return 0
 
 
@@ -682,7 +785,7 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
         directory=args.work_dir,
         faults=args.faults.split(","),
         rates=rates,
-        cuts=args.cuts,
+        cuts=args.repeats,
         seconds=max(args.stream, args.down + 3.0),
         down_s=args.down,
         report=report,
@@ -699,8 +802,8 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
     for r in summary:
         print(" ".join(f"{r[k]!s:>{max(8, len(k))}}" for k in keys))
     print(f"logs: {run['directory']}")
-    if args.json:
-        args.json.write_text(
+    if args.out:
+        args.out.write_text(
             json.dumps(
                 {"rows": rows, "summary": summary, "run": run, **_provenance(args.settings)},
                 indent=2,
@@ -723,14 +826,37 @@ def _run_phoenix_chaos(args: argparse.Namespace) -> int:
         rate=float((args.rates or "100").split(",")[0]),
         window_s=args.window,
         cluster=cluster,
+        clusters="ABCDEFGH"[: args.chaos_clusters],
     )
     print(summarize(rows))
     broken = problems(rows)
     for line in broken:
         print(f"broken: {line}", file=sys.stderr)
-    if args.json:
-        args.json.write_text(json.dumps({"seed": args.seed, "rows": rows}, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps({"seed": args.seed, "rows": rows}, indent=2))
     return 1 if broken else 0
+
+
+def _run_phoenix_throughput(args: argparse.Namespace) -> int:
+    from .phoenix_throughput import run_throughput, summarize_throughput
+
+    result = run_throughput(
+        args.settings,
+        directory=args.work_dir,
+        subscriptions=int((args.subscriptions or "200000").split(",")[0]),
+        rates=[float(r) for r in (args.rates or "200,400,800,1200,1600,2000").split(",")],
+        mechanism=args.mechanisms.split(",")[-1],
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        idle_s=args.idle,
+        keep_going=args.keep_going,
+        report=lambda row: print(json.dumps(row), flush=True),
+    )
+    result.update(_provenance(args.settings))
+    print(summarize_throughput(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def _run_phoenix_busy(args: argparse.Namespace) -> int:
@@ -748,8 +874,8 @@ def _run_phoenix_busy(args: argparse.Namespace) -> int:
     )
     row.update(_provenance(args.settings))
     print(json.dumps(row, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(row, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(row, indent=2))
     return 0
 
 
@@ -784,7 +910,7 @@ def _run_phoenix_leave(args: argparse.Namespace) -> int:
     rows = run_leave(
         args.settings,
         directory=args.work_dir,
-        runs=args.cuts,
+        runs=args.repeats,
         rate=rate,
         subscriptions=subscriptions,
         seconds=max(args.stream, 10.0),
@@ -799,8 +925,8 @@ def _run_phoenix_leave(args: argparse.Namespace) -> int:
     )
     print(" ".join(f"{k:>{max(8, len(k))}}" for k in summary))
     print(" ".join(f"{v!s:>{max(8, len(k))}}" for k, v in summary.items()))
-    if args.json:
-        args.json.write_text(
+    if args.out:
+        args.out.write_text(
             json.dumps({"rows": rows, "summary": summary, **_provenance(args.settings)}, indent=2)
         )
     return 1 if summary["lost_after"] else 0
@@ -834,7 +960,7 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         directory=args.work_dir,
         kinds=args.kinds.split(","),
         rates=rates,
-        kills=args.kills,
+        kills=args.repeats,
         seconds=args.stream,
         report=report,
         fields={
@@ -879,8 +1005,8 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
     )
     for line in run["false_suspicion_lines"]:
         print(f"  false suspicion: {line}")
-    if args.json:
-        args.json.write_text(
+    if args.out:
+        args.out.write_text(
             json.dumps(
                 {"rows": rows, "summary": summary, "run": run, **_provenance(args.settings)},
                 indent=2,
@@ -904,8 +1030,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
     mechanisms = args.mechanisms.split(",")
     unknown = [m for m in mechanisms if m not in MECHANISMS]
     if unknown:
-        print(f"unknown mechanisms {unknown}; choose from {', '.join(MECHANISMS)}", file=sys.stderr)
-        return 2
+        raise InvalidArgument(f"unknown mechanisms {unknown}; choose from {', '.join(MECHANISMS)}")
     columns = (
         "subscriptions",
         "mechanism",
@@ -924,8 +1049,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
     try:
         max_steal, steal_retries = steal_limits(args)
     except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        raise InvalidArgument(str(exc)) from None
 
     def report(row: dict[str, Any]) -> None:
         line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
@@ -979,8 +1103,8 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         print(f"{line}  {r['x_none']}  {spread}  {_cpu_text(r.get('cpu'))}")
     for row in rows:
         row.update(_provenance(args.settings))
-    if args.json:
-        args.json.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2))
     return 0
 
 
@@ -993,7 +1117,12 @@ def _run_queues(args: argparse.Namespace) -> int:
 
     rows = runtime.run(
         run_queue_bench(
-            args.settings, duration_s=args.duration, size=args.size, window=args.window
+            args.settings,
+            duration_s=args.duration,
+            size=args.size,
+            window=args.window,
+            progress=_progress(args),
+            interval_s=args.interval,
         ),
         event_loop=args.settings.event_loop,
     )
@@ -1004,8 +1133,8 @@ def _run_queues(args: argparse.Namespace) -> int:
             f"{r['cell']:8} {r['messages']:>9} {r['seconds']:>8.2f} {r['per_s']:>9.0f} "
             f"{r['ratio_vs_raw']:>6.2f} {r['ratio_vs_enqueue']:>9.2f}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
     return 0
 
 
@@ -1017,24 +1146,45 @@ def _run_node_loss(args: argparse.Namespace) -> int:
     cluster = LocalCluster.open(args.state_dir)
     settings = args.settings.model_copy(update={"amqp_urls": tuple(cluster.status()["amqp_urls"])})
     rows: list[dict[str, Any]] = []
-    for scenario in args.scenarios.split(","):
-        rows += runtime.run(
-            run_node_loss(
-                cluster,
-                settings,
-                scenario=scenario,
-                rate=args.rate,
-                down_s=args.down,
-                progress=lambda line: print(line, file=sys.stderr, flush=True),
-            ),
-            event_loop=args.settings.event_loop,
-        )
+    for rate in (float(r) for r in args.rates.split(",")):
+        for scenario in args.scenarios.split(","):
+            found = runtime.run(
+                run_node_loss(
+                    cluster,
+                    settings,
+                    scenario=scenario,
+                    rate=rate,
+                    down_s=args.down,
+                    progress=lambda line: print(line, file=sys.stderr, flush=True),
+                ),
+                event_loop=args.settings.event_loop,
+            )
+            rows += [{**r, "rate": rate} for r in found]
     print(format_node_loss(rows))
-    if args.json:
+    if args.out:
         for r in rows:
             r.update(_provenance(args.settings))
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.out.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _brokers_answer(settings: Settings) -> None:
+    """Connect once (one try per node): a benchmark that cannot reach a broker says so
+    in one line before it preloads or starts anything."""
+    from middleware.errors import MiddlewareError
+    from middleware.transport import AsyncClient
+
+    async def check() -> None:
+        async with AsyncClient(settings=settings):
+            pass
+
+    try:
+        runtime.run(check(), event_loop=settings.event_loop)
+    except MiddlewareError as exc:
+        raise InvalidArgument(
+            f"no RabbitMQ answers at {','.join(settings.amqp_urls)} ({exc}); start one "
+            "(qosmq cluster up) or name yours (--uri or QOSMQ_AMQP_URLS)"
+        ) from None
 
 
 def format_node_loss(rows: list[dict[str, Any]]) -> str:
@@ -1066,12 +1216,10 @@ def _run_transport(args: argparse.Namespace) -> int:
         or (split_client(c)[0] in SYNC_CLIENTS and split_client(c)[1] is not None)
     )
     if unknown or args.messages < 1 or args.repeats < 1:
-        print(
-            f"bench transport: --clients from {', '.join(CLIENTS)}, the asyncio ones "
-            f"optionally @{'|@'.join(LOOPS)} (got {unknown}); --messages and --repeats >= 1",
-            file=sys.stderr,
+        raise InvalidArgument(
+            f"--clients from {', '.join(CLIENTS)}, the asyncio ones "
+            f"optionally @{'|@'.join(LOOPS)} (got {unknown}); --messages and --repeats >= 1"
         )
-        return 2
     header = f"{'client':16} {'repeat':>6} {'msg/s':>8} {'CPU us/msg':>10} {'frames/write':>12}"
     print(header)
 
@@ -1089,6 +1237,8 @@ def _run_transport(args: argparse.Namespace) -> int:
         size=args.size,
         repeats=args.repeats,
         report=report,
+        progress=_progress(args),
+        interval_s=args.interval,
     )
     summary = []
     for client in clients:
@@ -1122,9 +1272,9 @@ def _run_transport(args: argparse.Namespace) -> int:
         print(
             f"{s['client']:16} {s['per_s']:>8.0f} msg/s {s['cpu_us_per_message']:>6.0f} us{ratio}"
         )
-    if args.json:
+    if args.out:
         records = {"cells": rows, "summary": summary, **_provenance(args.settings)}
-        args.json.write_text(json.dumps(records, indent=2))
+        args.out.write_text(json.dumps(records, indent=2))
     return 0
 
 

@@ -47,6 +47,7 @@ from middleware.transport import (
 )
 
 from .cpu import CpuMeter
+from .live import live_line
 from .parts import Part, measure_clock_offset, serve_clock
 from .stats import percentile
 
@@ -132,19 +133,12 @@ def run_cell_sync(
 
 def progress_line(tally: _Tally, since: float, last: tuple[int, int, int], dt: float) -> str:
     """PerfTest's live line: rates over the last interval, confirm latency so far."""
-    sent, confirmed, handled = len(tally.sent), len(tally.confirmed), len(tally.handled)
-    latencies = sorted(
+    now = (len(tally.sent), len(tally.confirmed), len(tally.handled))
+    latencies = [
         (t - tally.sent[m]) * 1000 for m, t in list(tally.confirmed.items()) if m in tally.sent
-    )
-
-    def pct(p: float) -> str:
-        return f"{latencies[int(p / 100 * (len(latencies) - 1))]:.1f}" if latencies else "-"
-
-    return (
-        f"  {since:6.1f} s  sent {(sent - last[0]) / dt:7.0f}/s  confirmed "
-        f"{(confirmed - last[1]) / dt:7.0f}/s  consumed {(handled - last[2]) / dt:7.0f}/s  "
-        f"confirm p50 {pct(50)} ms p99 {pct(99)} ms"
-    )
+    ]
+    rates = tuple((n - before) / dt for n, before in zip(now, last, strict=True))
+    return live_line(since, rates, latencies)
 
 
 async def _report(

@@ -1,7 +1,7 @@
 """``qosmq bench phoenix --experiment chaos --seed N``: the subscribers' promises under
 every fault kind, both client faces and both confirm modes at once.
 
-Three clusters (A, B, C; a routing slave and a match slave each by default), four
+Three clusters by default (A, B, C; a routing slave and a match slave each), four
 subscribers homed at A, one per cell of {asyncio, sync} x {broker, e2e}, each with
 filters of its own over the attributes ``x`` (0..99) and ``k`` (a short text).  Events
 of two types B owns (and one C owns) are published at B and C alternately at ``rate``/s.
@@ -14,9 +14,16 @@ Then one fault per window, in an order the seed picks:
 - ``cut``, ``blackhole``: the link from B to C (B's roles' connections to C's RabbitMQ go
   through a fault-injecting proxy, as every inter-cluster link does in a run with link
   faults) refuses and resets connections, or holds them open carrying nothing, for
-  ``link_down_s``; ``cut_both``: B to C and C to B.  With link faults the subscribers are
-  homed at A and C (two each, one per face), so B's match broker delivers copies across
-  the faulted link and events published at B for C's type are routed around it;
+  ``link_down_s``; ``cut_both``: B to C and C to B;
+- ``leave``: the last cluster other than B and C (D of four, A of three) goes whole (its
+  roles SIGKILLed, its links cut) and joins again ``AWAY_S`` later; a type of its arc is
+  in the stream.  Copies for its own subscribers meanwhile are dead-lettered with
+  ``HOME_LEFT`` (read from a queue of the harness's own): counted ``dead_lettered``.
+
+With link faults the subscribers are homed at A and C over three clusters (two each, one
+per face), over four or more every cell at C and once more at another cluster, so B's
+match broker delivers copies across the faulted link, events published at B for C's type
+are routed around it, and every cluster is some subscriber's home;
 
 and in every window a subscribe and an unsubscribe are sent just after the fault.
 Every subscriber counts what it receives; the harness evaluates the filters itself (its
@@ -55,7 +62,16 @@ from middleware.errors import MiddlewareError
 from middleware.localcluster import FaultProxy, LocalCluster
 from middleware.routing import PhoenixClient, RoleId, SyncPhoenixClient
 from middleware.settings import Settings
-from middleware.transport import AsyncClient, QueueKind, QueueSpec, SyncClient
+from middleware.transport import (
+    DEAD_LETTER_EXCHANGE,
+    AsyncClient,
+    BindingSpec,
+    ExchangeSpec,
+    ExchangeType,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
 
 from .phoenix_recovery import _serving, _wait_all_served
 from .phoenix_timeliness import CLUSTERS, Deployment
@@ -63,10 +79,14 @@ from .phoenix_timeliness import CLUSTERS, Deployment
 __all__ = ["FAULTS", "LINK_FAULTS", "run_chaos"]
 
 FAULTS = ("router", "router_slave", "match", "match_slave", "freeze", "node", "silent")
-LINK_FAULTS = ("cut", "blackhole", "cut_both")
-#: where each subscriber (CELLS' order) is homed in a run with link faults
+LINK_FAULTS = ("cut", "blackhole", "cut_both", "leave")
+#: where each subscriber (CELLS' order) is homed in a run with link faults (3 clusters)
 LINK_HOMES = ("C", "A", "A", "C")
 LINK_DOWN_S = 3.0
+#: how long the leaving cluster stays away before it joins again (past ``leave_after_s``)
+AWAY_S = 6.0
+#: what a copy for a departed cluster's subscriber is dead-lettered with
+HOME_LEFT = "subscriber home cluster left the ring"
 CELLS = (("async", "broker"), ("async", "e2e"), ("sync", "broker"), ("sync", "e2e"))
 TEXTS = ("AB", "AC", "BD", "CE")
 Condition = tuple[str, str, Any]
@@ -125,7 +145,7 @@ class _Subscriber:
 
     @property
     def name(self) -> str:
-        return f"{self.face}-{self.confirm}"
+        return f"{self.face}-{self.confirm}@{self.home}"
 
 
 class _SyncSide:
@@ -167,6 +187,7 @@ class _Chaos:
         rng: random.Random,
         prefix: str,
         proxies: dict[tuple[str, str], FaultProxy] | None = None,
+        leave: bool = False,
     ) -> None:
         self.settings, self.deployment, self.cluster, self.rng = settings, deployment, cluster, rng
         self.proxies = proxies or {}
@@ -175,17 +196,38 @@ class _Chaos:
         def owned(owner: str) -> list[str]:
             return [t for t in (f"chaos{i}" for i in range(10_000)) if ring.owner(t) == owner]
 
+        #: the cluster the ``leave`` fault removes and brings back (neither publisher B
+        #: nor C, whose link the other faults break): D of four, A of three
+        self.leaving = next(c for c in reversed(deployment.clusters) if c not in ("B", "C"))
         self.types = [*owned("B")[:2], owned("C")[0]]
-        homes = LINK_HOMES if self.proxies else ("A",) * len(CELLS)
+        if leave:  # a type of the leaving cluster's arc: its take-over and hand-back
+            self.types.append(owned(self.leaving)[0])
         self.subs = [
-            _Subscriber(f, c, f"{prefix}.{f}-{c}", home)
-            for (f, c), home in zip(CELLS, homes, strict=True)
+            _Subscriber(f, c, f"{prefix}.{f}-{c}-{home.lower()}", home)
+            for (f, c), home in self.homes(deployment.clusters)
         ]
+        #: dead letters of events (event id -> reasons), from the harness's own queue
+        self.dead: dict[str, list[str]] = {}
         self.sync_sides: dict[str, _SyncSide] = {}
         self.published: dict[str, tuple[str, dict[str, Any], float]] = {}
         self.async_client: AsyncClient | None = None
         self.at_home: dict[str, PhoenixClient] = {}
         self.consumer_tags: dict[str, str] = {}
+
+    def homes(self, clusters: Sequence[str]) -> list[tuple[tuple[str, str], str]]:
+        """(cell, home) per subscriber: all at A without proxies; with link faults over
+        three clusters two at A and two at C; over four or more every cell at C (across
+        the faulted link B->C) and once more at another cluster, so every cluster is
+        some subscriber's home."""
+        if not self.proxies:
+            return [(cell, "A") for cell in CELLS]
+        if len(clusters) < 4:
+            return list(zip(CELLS, LINK_HOMES, strict=True))
+        # the last first: the leaving cluster (D of four) gets two, one per face and mode
+        others = [c for c in reversed(clusters) if c != "C"]
+        return [(cell, "C") for cell in CELLS] + [
+            (cell, others[i % len(others)]) for i, cell in enumerate(CELLS)
+        ]
 
     def new_conditions(self) -> tuple[str, list[Condition]]:
         event_type = self.rng.choice(self.types)
@@ -277,6 +319,33 @@ class _Chaos:
 
         self.sync_sides[sub.name].todo.put(call)
 
+    def rejoin(self) -> None:
+        """The leaving cluster comes back by the join path: links healed, roles started,
+        every running router told."""
+        for (a, b), proxy in self.proxies.items():
+            if self.leaving in (a, b):
+                proxy.heal()
+        self.deployment.phoenix().join(self.leaving, timeout=120)
+
+    async def collect_dead_letters(self) -> None:
+        """The layer's dead letters, on a queue of the harness's own (bound to the
+        dead-letter exchange), by the event id they carry."""
+        queue = f"{self.deployment.prefix}.dead"
+        client = self._client()
+        await client.declare_exchange(ExchangeSpec(DEAD_LETTER_EXCHANGE, ExchangeType.FANOUT))
+        await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+        await client.bind(BindingSpec(queue, DEAD_LETTER_EXCHANGE))
+
+        async def on_dead(delivery: Any) -> None:
+            with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                body = json.loads(delivery.body)
+                event = body.get("event", body)
+                eid = str(event["attributes"]["id"])
+                reason = str(delivery.headers.get("x-qosmq-reason"))
+                self.dead.setdefault(eid, []).append(reason)
+
+        await client.consume(queue, on_dead)
+
     def _client(self) -> AsyncClient:
         assert self.async_client is not None
         return self.async_client
@@ -351,6 +420,19 @@ class _Chaos:
 
                 return freeze
             return lambda: os.kill(pid, signal.SIGKILL)
+        if kind == "leave":
+            gone = self.leaving
+            roles = [r for r in phoenix.pids() if r.cluster == gone]
+            links = [p for (a, b), p in self.proxies.items() if gone in (a, b)]
+
+            def leave() -> None:  # the whole cluster goes: roles killed, links cut
+                for role, (_, pid) in _serving(phoenix).items():
+                    if role in roles:
+                        os.kill(pid, signal.SIGKILL)
+                for proxy in links:
+                    proxy.cut()
+
+            return leave
         if kind in LINK_FAULTS:
             pairs = [("B", "C"), ("C", "B")] if kind == "cut_both" else [("B", "C")]
             links = [self.proxies[pair] for pair in pairs]
@@ -399,6 +481,18 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
             elif any(s.standing(at) for s in matching):
                 expected.add(eid)
         delivered = {eid for eid in expected if arrivals[eid]}
+        named = f"{sub.queue} (cluster {sub.home})"
+
+        def home_left(eid: str, named: str = named) -> bool:
+            return any(HOME_LEFT in why and named in why for why in chaos.dead.get(eid, ()))
+
+        # a copy for a subscriber whose home left the ring: dead-lettered with the reason
+        dead_lettered = {eid for eid in expected - delivered if home_left(eid)}
+        dead_but_delivered = [
+            eid
+            for eid in arrivals
+            if eid in chaos.published and begin <= chaos.published[eid][2] < end and home_left(eid)
+        ]
         first_arrival: dict[str, float] = {}
         for eid, t in sub.got:
             first_arrival.setdefault(eid, t)
@@ -433,7 +527,9 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                 "subscriber": sub.name,
                 "expected": len(expected),
                 "delivered": len(delivered),
-                "lost": len(expected - delivered),
+                "lost": len(expected - delivered - dead_lettered),
+                "dead_lettered": len(dead_lettered),
+                "dead_but_delivered": len(dead_but_delivered),
                 "duplicated": sum(
                     n - 1
                     for eid, n in arrivals.items()
@@ -450,6 +546,7 @@ async def _run(
     chaos: _Chaos, faults: Sequence[str], rate: float, window_s: float
 ) -> list[dict[str, Any]]:
     chaos.async_client = await AsyncClient(settings=chaos.settings).connect()
+    await chaos.collect_dead_letters()
     # the sync subscribers connect to the node the ``node`` fault kills (the last one),
     # their queues live on the first: the node loss tests their failover, not the loss
     # of a classic queue with its node
@@ -486,9 +583,13 @@ async def _run(
             if kind == "silent":
                 await asyncio.sleep(window_s - 3.0)
                 await chaos.consume(silent)
+            if kind == "leave":
+                await asyncio.sleep(AWAY_S)
+                await asyncio.to_thread(chaos.rejoin)
 
         doing = asyncio.create_task(during())
-        await chaos.publish(rate, window_s)
+        # a leave's window goes on past the rejoin: the hand-back under traffic too
+        await chaos.publish(rate, window_s + (AWAY_S + 4.0 if kind == "leave" else 0.0))
         await doing
         bounds.append((kind, begin, time.time()))
     # the stragglers: every expected event may still arrive (a silent subscriber's backlog)
@@ -534,6 +635,7 @@ def run_chaos(
     cluster: LocalCluster | None = None,
     routing_slaves: int = 1,
     match_slaves: int = 1,
+    clusters: Sequence[str] = CLUSTERS,
 ) -> list[dict[str, Any]]:
     """One chaos run: the faults in the seed's order; a row per (window, subscriber)."""
     rng = random.Random(seed)
@@ -543,7 +645,7 @@ def run_chaos(
     proxies: dict[tuple[str, str], FaultProxy] = {}
     if any(k in LINK_FAULTS for k in kinds):  # every inter-cluster link through a proxy
         port = urllib.parse.urlsplit(settings.amqp_urls[0]).port or 5672
-        proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
+        proxies = {(a, b): FaultProxy(port) for a in clusters for b in clusters if a != b}
     try:
         deployment = Deployment(
             directory / prefix,
@@ -552,13 +654,17 @@ def run_chaos(
             routing_slaves=routing_slaves,
             match_slaves=match_slaves,
             links={pair: proxy.url for pair, proxy in proxies.items()},
+            clusters=clusters,
         )
         with deployment.running():
             _wait_all_served(deployment.phoenix(), 180)
-            chaos = _Chaos(settings, deployment, cluster, rng, prefix, proxies)
+            chaos = _Chaos(
+                settings, deployment, cluster, rng, prefix, proxies, leave="leave" in kinds
+            )
             rows = runtime.run(_run(chaos, kinds, rate, window_s), event_loop=settings.event_loop)
             with contextlib.suppress(Exception):
-                runtime.run(_drop_queues(settings, [s.queue for s in chaos.subs]))
+                queues = [s.queue for s in chaos.subs] + [f"{prefix}.dead"]
+                runtime.run(_drop_queues(settings, queues))
     finally:
         for proxy in proxies.values():
             proxy.close()
@@ -574,18 +680,19 @@ async def _drop_queues(settings: Settings, queues: list[str]) -> None:
 def summarize(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table."""
     head = (
-        "| window | subscriber | expected | delivered | lost | duplicated | unexpected "
-        "| uncertain |"
+        "| window | subscriber | expected | delivered | dead-lettered | lost | duplicated "
+        "| unexpected | uncertain |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r or "unconfirmed" in r:
             what = f"error: {r['error']}" if "error" in r else f"unconfirmed: {r['unconfirmed']}"
-            lines.append(f"| {r['fault']} | {r['subscriber']} | {what} |||||")
+            lines.append(f"| {r['fault']} | {r['subscriber']} | {what} ||||||")
             continue
         lines.append(
             f"| {r['fault']} | {r['subscriber']} | {r['expected']} | {r['delivered']} | "
-            f"{r['lost']} | {r['duplicated']} | {r['unexpected']} | {r['uncertain']} |"
+            f"{r['dead_lettered']} | {r['lost']} | {r['duplicated']} | {r['unexpected']} | "
+            f"{r['uncertain']} |"
         )
     return "\n".join(lines)
 
@@ -604,6 +711,11 @@ def problems(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"{where}: {r['lost']} of {r['expected']} lost")
         if r["unexpected"]:
             out.append(f"{where}: {r['unexpected']} unexpected")
+        if r["dead_but_delivered"]:
+            out.append(
+                f"{where}: {r['dead_but_delivered']} dead-lettered as if its home had left, "
+                "yet delivered"
+            )
         if r["duplicated"] and r["subscriber"].endswith("e2e"):
             out.append(f"{where}: {r['duplicated']} duplicates to an e2e subscriber")
     return out

@@ -64,6 +64,7 @@ __all__ = [
     "steal_arguments",
     "steal_limits",
     "summarize",
+    "warm_up",
 ]
 
 #: name -> the live switches (``qosmq phoenix configure``); with ``inner`` off the match
@@ -645,21 +646,7 @@ def _cell(
 ) -> dict[str, Any]:
     """One cell: ``warmup_s`` of unmeasured load at ``rate``, then the measured run."""
     loop = settings.event_loop
-    if warmup_s > 0:
-        runtime.run(
-            measure(
-                settings,
-                deployment,
-                workload,
-                rate=rate,
-                duration_s=warmup_s,
-                seed=99,
-                drain_s=1.0,
-                batch_max=batch_max,
-                part=part,
-            ),
-            event_loop=loop,
-        )
+    warm_up(settings, deployment, workload, rate, warmup_s, batch_max, part)
     row = _metered(
         deployment,
         measure(
@@ -676,6 +663,33 @@ def _cell(
         loop,
     )
     return {**key, **row}
+
+
+def warm_up(
+    settings: Settings,
+    deployment: Deployment,
+    workload: Workload,
+    rate: float,
+    warmup_s: float,
+    batch_max: int | None,
+    part: Part | None = None,
+) -> None:
+    """``warmup_s`` of unmeasured load at ``rate`` (nothing for 0)."""
+    if warmup_s > 0:
+        runtime.run(
+            measure(
+                settings,
+                deployment,
+                workload,
+                rate=rate,
+                duration_s=warmup_s,
+                seed=99,
+                drain_s=1.0,
+                batch_max=batch_max,
+                part=part,
+            ),
+            event_loop=settings.event_loop,
+        )
 
 
 def remeasure_while_stolen(
@@ -723,7 +737,12 @@ def steal_limits(args: argparse.Namespace) -> tuple[float | None, int]:
     return (None if off else args.max_steal), args.steal_retries
 
 
-def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
+def timeliness_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    repeats: int | None,
+    repeats_help: str = "mechanism passes (rotated)",
+) -> None:
     """The cell arguments the bench command and the Spark job share: rates, mechanisms,
     duration, repeats, warm-up and the steal rule."""
     p.add_argument(
@@ -740,9 +759,7 @@ def timeliness_arguments(p: argparse.ArgumentParser, *, repeats: int) -> None:
     p.add_argument(
         "--duration", type=number(0, 86_400, above=True), default=10.0, help="seconds per cell"
     )
-    p.add_argument(
-        "--repeats", type=integer(1, 100), default=repeats, help="mechanism passes (rotated)"
-    )
+    p.add_argument("--repeats", type=integer(1, 10_000), default=repeats, help=repeats_help)
     p.add_argument(
         "--warmup", type=number(0, 3600), default=3.0, help="unmeasured seconds per cell"
     )

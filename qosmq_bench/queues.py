@@ -25,11 +25,13 @@ from middleware.queues import AsyncQueues, EnqueueStatus
 from middleware.settings import Settings
 from middleware.transport import AsyncClient
 
+from .live import Live
+
 __all__ = ["run_queue_bench"]
 
 
 async def _windowed(
-    send: Callable[[int], Awaitable[None]], duration: float, window: int
+    send: Callable[[int], Awaitable[None]], duration: float, window: int, live: Live
 ) -> tuple[int, float]:
     """Keep ``window`` calls of ``send(i)`` in flight for ``duration``; return (done, seconds)."""
     done = 0
@@ -39,7 +41,10 @@ async def _windowed(
     async def one(i: int) -> None:
         nonlocal done
         try:
+            begun = time.perf_counter()
+            live.sent += 1
             await send(i)
+            live.confirmed_since(begun)
             done += 1
         finally:
             slots.release()
@@ -58,8 +63,16 @@ async def _windowed(
 
 
 async def run_queue_bench(
-    settings: Settings, *, duration_s: float = 10.0, size: int = 1500, window: int = 256
+    settings: Settings,
+    *,
+    duration_s: float = 10.0,
+    size: int = 1500,
+    window: int = 256,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = 1.0,
 ) -> list[dict[str, Any]]:
+    """The cells raw, enqueue, dequeue, spool and drain, a row each; ``progress``: told
+    a live line every ``interval_s`` inside each cell."""
     body = b"x" * size
     queue = f"qosmq.bench.queues.{uuid.uuid4().hex[:8]}"
     rows: list[dict[str, Any]] = []
@@ -82,26 +95,36 @@ async def run_queue_bench(
         queues = await AsyncQueues(AsyncClient(settings=up)).start()
         await queues.create_queue(queue)
         try:
-            row("raw", *await _raw(settings, queue, body, duration_s, window))
+
+            def live(cell: str) -> Live:
+                return Live(cell, progress, interval_s)
+
+            with live("raw").running() as counted:
+                row("raw", *await _raw(settings, queue, body, duration_s, window, counted))
             await queues.destroy_queue(queue)
             await queues.create_queue(queue)
 
             async def enqueue(i: int) -> None:
                 await queues.enqueue(queue, body, message_id=f"e{i}")
 
-            enqueued, seconds = await _windowed(enqueue, duration_s, window)
+            with live("enqueue").running() as counted:
+                enqueued, seconds = await _windowed(enqueue, duration_s, window, counted)
             row("enqueue", enqueued, seconds)
-            row("dequeue", *await _dequeue_all(queues, queue, enqueued))
+            with live("dequeue").running() as counted:
+                row("dequeue", *await _dequeue_all(queues, queue, enqueued, counted))
             # broker unreachable: a client pointed at a port nobody listens on
             down = up.model_copy(
                 update={"amqp_urls": ("amqp://127.0.0.1:9/",), "connect_timeout": 0.5}
             )
-            row("spool", *await _spool_for(down, queue, body, duration_s, window, None))
+            with live("spool").running() as counted:
+                row(
+                    "spool", *await _spool_for(down, queue, body, duration_s, window, None, counted)
+                )
             # drain exactly what the enqueue cell sent, into an empty queue, to compare
             await queues.destroy_queue(queue)
             await queues.create_queue(queue)
             fill = _with_spool(down, Path(tmp) / "drain.sqlite3")
-            await _spool_for(fill, queue, body, duration_s, window, enqueued)
+            await _spool_for(fill, queue, body, duration_s, window, enqueued, Live("fill"))
             drainer = AsyncQueues(
                 AsyncClient(settings=_with_spool(up, Path(tmp) / "drain.sqlite3"))
             )
@@ -129,7 +152,7 @@ def _with_spool(settings: Settings, path: Path) -> Settings:
 
 
 async def _raw(
-    settings: Settings, queue: str, body: bytes, duration: float, window: int
+    settings: Settings, queue: str, body: bytes, duration: float, window: int, live: Live
 ) -> tuple[int, float]:
     """Plain aio-pika: publisher confirms, persistent messages, same queue, no layer."""
     host, port, _ = settings.nodes[0]
@@ -146,13 +169,19 @@ async def _raw(
         )
 
     try:
-        return await _windowed(send, duration, window)
+        return await _windowed(send, duration, window, live)
     finally:
         await connection.close()
 
 
 async def _spool_for(
-    settings: Settings, queue: str, body: bytes, duration: float, window: int, count: int | None
+    settings: Settings,
+    queue: str,
+    body: bytes,
+    duration: float,
+    window: int,
+    count: int | None,
+    live: Live,
 ) -> tuple[int, float]:
     """Enqueue with no broker reachable (spooled) for ``duration``, or ``count`` messages."""
     offline = await AsyncQueues(AsyncClient(settings=settings)).start()
@@ -162,7 +191,7 @@ async def _spool_for(
         assert result.status is EnqueueStatus.SPOOLED
 
     if count is None:
-        result = await _windowed(spool, duration, window)
+        result = await _windowed(spool, duration, window, live)
     else:
         started = time.perf_counter()
         for start in range(0, count, window):
@@ -175,12 +204,15 @@ async def _spool_for(
     return result
 
 
-async def _dequeue_all(queues: AsyncQueues, queue: str, count: int) -> tuple[int, float]:
+async def _dequeue_all(
+    queues: AsyncQueues, queue: str, count: int, live: Live
+) -> tuple[int, float]:
     got = 0
     started = time.perf_counter()
     async for message in queues.messages(queue):
         await message.ack()
         got += 1
+        live.consumed += 1
         if got >= count:
             break
     return got, time.perf_counter() - started

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from middleware import __version__
+from middleware.cli import URI_HELP, use_uris
+from middleware.cliargs import ERROR_PREFIX
 from middleware.errors import ConfigurationError
 from middleware.settings import Settings
 
@@ -191,6 +193,11 @@ class StopAfterCell:
             signal.signal(signal.SIGINT, self._previous)
 
 
+def add_uri(p: argparse.ArgumentParser) -> None:
+    """``--uri`` as the ``qosmq`` command has it, for a job started by spark-submit."""
+    p.add_argument("--uri", action="append", help=URI_HELP)
+
+
 def execute(
     args: argparse.Namespace,
     *,
@@ -200,16 +207,17 @@ def execute(
 ) -> int:
     """A job's command: validate the grid (exit 2 naming the problem, nothing started),
     run it, print where the results went and the report."""
+    use_uris(getattr(args, "uri", None))  # spark-submit's entry point parses them itself
     try:
         validate(args)
     except ValueError as exc:
-        print(f"{job}: error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         out = run(args)
     except ConfigurationError as exc:  # found once Spark answered (e.g. too few slots)
-        print(f"{job}: error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 2
     print(f"results: {out}")
     print((out / "report.md").read_text())

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from middleware.cli_help import renamed
 from middleware.cliargs import Parser, integer, integers, names, number, path
 from middleware.errors import ConfigurationError
 from middleware.settings import Settings
@@ -50,6 +51,7 @@ from .cpu import CLIENT_BOUND_PCT, MACHINE_BOUND_PCT, RUNNABLE_PCT
 from .cpu import limit as cpu_limit
 from .parts import Part
 from .spark_common import (
+    add_uri,
     drive,
     failure,
     hms,
@@ -221,9 +223,9 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
     p.add_argument("--config", type=path, help="qosmq TOML settings")
-    p.add_argument(
-        "--no-progress", action="store_true", help="no progress lines while the job runs"
-    )
+    add_uri(p)
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the job runs")
+    renamed(p, "--no-progress", "--quiet")
     return p
 
 
@@ -298,7 +300,7 @@ def run(args: argparse.Namespace) -> Path:
         for repeat, parts, cell in grid.cells()
     ]
     try:
-        with _progress(grid, args.no_progress) as advance:
+        with _progress(grid, args.quiet) as advance:
             driven = drive(
                 spark,
                 out,

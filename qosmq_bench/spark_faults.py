@@ -31,12 +31,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from middleware.cli_help import renamed
 from middleware.cliargs import Parser, integer, names, number, path
 from middleware.settings import Settings
 
 from . import spark_common
 from .options import add_departed_masters
-from .spark_common import drive, failure, new_result_dir, provenance, session, write_csv
+from .spark_common import (
+    add_uri,
+    drive,
+    failure,
+    new_result_dir,
+    provenance,
+    session,
+    write_csv,
+)
 
 __all__ = ["TARGETS_S", "aggregate", "arguments", "execute", "main"]
 
@@ -60,7 +69,13 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
         default="link",
         help="which failure experiment the job runs",
     )
-    p.add_argument("--runs", type=integer(1, 10_000), default=5, help="runs per kind and rate")
+    p.add_argument(
+        "--repeats",
+        type=integer(1, 10_000),
+        default=5,
+        help="repetitions: faults per kind and rate (recovery: kills; link: cuts; leave: removals)",
+    )
+    renamed(p, "--runs", "--repeats")
     p.add_argument("--rates", type=str, default="200", help="events/s, comma list")
     p.add_argument(
         "--kinds",
@@ -88,6 +103,7 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     p.add_argument("--work-dir", type=path, help="executors' deployment state and logs")
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
     p.add_argument("--config", type=path, help="qosmq TOML settings")
+    add_uri(p)
     return p
 
 
@@ -112,7 +128,7 @@ def _tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"experiment": args.experiment, "kind": kind, "rate": rate, "run": i}
         for rate in rates
         for kind in kinds
-        for i in range(args.runs)
+        for i in range(args.repeats)
     ]
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from middleware import runtime
+from middleware.cli_help import renamed
 from middleware.cliargs import Parser, integer, integers, path
 from middleware.errors import ConfigurationError
 from middleware.settings import Settings
@@ -50,6 +51,7 @@ from .phoenix_timeliness import (
     timeliness_arguments,
 )
 from .spark_common import (
+    add_uri,
     drive,
     failure,
     hms,
@@ -181,9 +183,9 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     )
     p.add_argument("--master", default=None, help="Spark master (spark-submit sets it)")
     p.add_argument("--config", type=path, help="qosmq TOML settings")
-    p.add_argument(
-        "--no-progress", action="store_true", help="no progress lines while the job runs"
-    )
+    add_uri(p)
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the job runs")
+    renamed(p, "--no-progress", "--quiet")
     return p
 
 
@@ -282,7 +284,7 @@ def run(args: argparse.Namespace) -> Path:
     ]
 
     def progress(i: int, task: dict[str, Any], result: dict[str, Any]) -> None:
-        if not args.no_progress:
+        if not args.quiet:
             state = result.get("error") or f"{len(result['rows'])} cells"
             print(
                 f"[{i}/{len(tasks)}] {task['subscriptions'][0]} subscriptions: {state}",

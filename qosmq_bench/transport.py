@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, cast
 
 import aio_pika
@@ -34,6 +35,8 @@ from middleware.transport import (
     QueueSpec,
     SyncClient,
 )
+
+from .live import Live
 
 __all__ = [
     "CLIENTS",
@@ -58,9 +61,10 @@ def split_client(client: str) -> tuple[str, str | None]:
 
 
 async def transport_cell(
-    settings: Settings, client: str, *, messages: int, size: int
+    settings: Settings, client: str, *, messages: int, size: int, live: Live | None = None
 ) -> dict[str, Any]:
     """Publish and consume ``messages`` through one connection of ``client``."""
+    live = live or Live(client)
     if client not in ASYNC_CLIENTS:
         raise ValueError(f"client must be one of {', '.join(ASYNC_CLIENTS)}, got {client!r}")
     queue = f"bench-transport-{uuid.uuid4().hex[:8]}"
@@ -71,6 +75,7 @@ async def transport_cell(
     def on_handled() -> None:
         nonlocal handled
         handled += 1
+        live.consumed += 1
         if handled == messages:
             done.set()
 
@@ -94,9 +99,12 @@ async def transport_cell(
 
             async def send() -> None:
                 async with window:
+                    begun = time.perf_counter()
+                    live.sent += 1
                     await publish_channel.default_exchange.publish(
                         aio_pika.Message(body), routing_key=queue
                     )
+                    live.confirmed_since(begun)
 
             started, cpu = time.perf_counter(), time.process_time()
             await asyncio.gather(*(send() for _ in range(messages)))
@@ -115,10 +123,15 @@ async def transport_cell(
 
             await layer.consume(queue, handle)
             before = layer.socket_writes or (0, 0)
+
+            async def publish() -> None:
+                begun = time.perf_counter()
+                live.sent += 1
+                await layer.publish(OutgoingMessage(body, "", queue))
+                live.confirmed_since(begun)
+
             started, cpu = time.perf_counter(), time.process_time()
-            await asyncio.gather(
-                *(layer.publish(OutgoingMessage(body, "", queue)) for _ in range(messages))
-            )
+            await asyncio.gather(*(publish() for _ in range(messages)))
             await asyncio.wait_for(done.wait(), 120)
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
             after = layer.socket_writes
@@ -129,10 +142,11 @@ async def transport_cell(
 
 
 def sync_transport_cell(
-    settings: Settings, client: str, *, messages: int, size: int
+    settings: Settings, client: str, *, messages: int, size: int, live: Live | None = None
 ) -> dict[str, Any]:
     """The sync face's cell: publish ``messages`` confirmed one by one (a blocking
     channel's confirms), then consume them back with acks, on one connection."""
+    live = live or Live(client)
     if client not in SYNC_CLIENTS:
         raise ValueError(f"client must be one of {', '.join(SYNC_CLIENTS)}, got {client!r}")
     queue = f"bench-transport-{uuid.uuid4().hex[:8]}"
@@ -155,11 +169,15 @@ def sync_transport_cell(
             def on_message(ch: Any, method: Any, _props: Any, _body: bytes) -> None:
                 nonlocal handled
                 handled += 1
+                live.consumed += 1
                 ch.basic_ack(method.delivery_tag)
 
             started, cpu = time.perf_counter(), time.process_time()
             for _ in range(messages):
+                begun = time.perf_counter()
+                live.sent += 1
                 channel.basic_publish("", queue, body, mandatory=True)
+                live.confirmed_since(begun)
             channel.basic_consume(queue, on_message)
             while handled < messages and time.perf_counter() - started < 120:
                 connection.process_data_events(time_limit=0.1)
@@ -174,10 +192,14 @@ def sync_transport_cell(
             def handle(_: Delivery) -> None:
                 nonlocal handled
                 handled += 1
+                live.consumed += 1
 
             started, cpu = time.perf_counter(), time.process_time()
             for _ in range(messages):
+                begun = time.perf_counter()
+                live.sent += 1
                 layer.publish(OutgoingMessage(body, "", queue))
+                live.confirmed_since(begun)
             layer.consume(queue, handle)
             layer.run(120, until=lambda: handled >= messages)
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -213,8 +235,11 @@ def run_transport(
     size: int,
     repeats: int,
     report: Any = print,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """Every client once per repeat (order rotated per repeat); one record per cell."""
+    """Every client once per repeat (order rotated per repeat); one record per cell.
+    ``progress``: told a live line every ``interval_s`` inside each cell."""
     rows = []
     for repeat in range(repeats):
         shift = repeat % len(clients)
@@ -223,7 +248,10 @@ def run_transport(
             if name in SYNC_CLIENTS:
                 if loop is not None:
                     raise ValueError(f"{name} runs no event loop: drop @{loop}")
-                row = sync_transport_cell(settings, name, messages=messages, size=size)
+                with Live(client, progress, interval_s).running() as live:
+                    row = sync_transport_cell(
+                        settings, name, messages=messages, size=size, live=live
+                    )
                 row.update(event_loop=None)
                 rows.append({"repeat": repeat, **row})
                 report(rows[-1])
@@ -231,10 +259,11 @@ def run_transport(
             if loop is not None and loop not in LOOPS:
                 raise ValueError(f"event loop must be one of {', '.join(LOOPS)}, got {loop!r}")
             event_loop = settings.event_loop if loop is None else cast(EventLoopName, loop)
-            row = runtime.run(
-                transport_cell(settings, name, messages=messages, size=size),
-                event_loop=event_loop,
-            )
+            with Live(client, progress, interval_s).running() as live:
+                row = runtime.run(
+                    transport_cell(settings, name, messages=messages, size=size, live=live),
+                    event_loop=event_loop,
+                )
             row.update(client=client, event_loop=runtime.loop_name(event_loop))
             rows.append({"repeat": repeat, **row})
             report(rows[-1])

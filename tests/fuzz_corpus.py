@@ -341,7 +341,7 @@ def cli_argv(r: random.Random, tmp: str) -> list[str]:
         ["bench", "confirms", "--modes", r.choice(["", "fast", "e2e,,", "\udcff"])],
         ["bench", "confirms", "--duration", r.choice(CLI_BAD_FLOAT)],
         ["bench", "balance", "--replicas", r.choice(CLI_BAD_INT)],
-        ["bench", "balance", "--rate", r.choice(["", "x", "-1", "nan"])],
+        ["bench", "balance", "--rates", r.choice(["", "x", "-1", "nan"])],
         ["bench", "phoenix", "--experiment", r.choice(["", "nope"])],
         ["bench", "phoenix", "--events", r.choice(CLI_BAD_INT)],
         ["bench", "transport", "--messages", r.choice(CLI_BAD_INT)],

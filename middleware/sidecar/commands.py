@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import runtime
 from ..balancer import BalancerSidecar, declare_replicated_topic
+from ..cli_help import renamed
 from ..cliargs import integer, number
 from ..observability import start_metrics_server
 
@@ -27,16 +28,24 @@ def register(sub: Any) -> None:
         "--replicas", type=integer(1, 64), default=2, help="queue replicas of the topic"
     )
     bal.add_argument(
-        "--i1", type=number(0, 3600, above=True), default=0.5, help="sample interval, seconds"
+        "--sample-interval",
+        type=number(0, 3600, above=True),
+        default=0.5,
+        help="seconds between samples of the replicas' load (the paper's I1)",
     )
     bal.add_argument(
-        "--i2", type=number(0, 3600, above=True), default=2.0, help="report interval, seconds"
+        "--report-interval",
+        type=number(0, 3600, above=True),
+        default=2.0,
+        help="seconds between load reports to the publishers (the paper's I2)",
     )
     bal.add_argument(
         "--declare",
         action="store_true",
         help="declare the replica queues first (leaders spread over nodes)",
     )
+    renamed(bal, "--i1", "--sample-interval")
+    renamed(bal, "--i2", "--report-interval")
     bal.set_defaults(run=_run_balancer)
     from .phoenix import register as phoenix
 
@@ -61,8 +70,8 @@ def _run_balancer(args: argparse.Namespace) -> int:
             settings=settings,
             topic=args.topic,
             replicas=args.replicas,
-            sample_interval=args.i1,
-            report_interval=args.i2,
+            sample_interval=args.sample_interval,
+            report_interval=args.report_interval,
         )
         await sidecar.run(stop=stop)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
-from ..cliargs import integer, number, path
+from ..cliargs import ERROR_PREFIX, integer, number, path
 
 __all__ = ["register"]
 
@@ -173,7 +173,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         _started(deployment, deployment.up())
     except DeploymentError as exc:
-        print(f"phoenix: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1 if "already" in str(exc) else 2
     return 0
 
@@ -187,7 +187,7 @@ def _join(args: argparse.Namespace) -> int:
     try:
         _started(deployment, deployment.join(joiner.id))
     except DeploymentError as exc:
-        print(f"phoenix: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1 if "already" in str(exc) else 2
     print(f"{joiner.id} joined the ring of {', '.join(deployment.running_clusters())}")
     return 0
@@ -205,7 +205,7 @@ def _configure(args: argparse.Namespace) -> int:
     }
     if all(a is None for a in asked.values()):
         print(
-            "phoenix configure: give --outer on|off, --inner on|off, "
+            f"{ERROR_PREFIX} give --outer on|off, --inner on|off, "
             "--blind-dispatch round_robin|master and/or --batch-max N",
             file=sys.stderr,
         )
@@ -213,7 +213,7 @@ def _configure(args: argparse.Namespace) -> int:
     try:
         confirmed = _deployment(args).reconfigure(timeout_s=args.timeout, **asked)
     except MiddlewareError as exc:
-        print(f"phoenix configure: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1
     print(f"configured live ({len(confirmed)} masters): {', '.join(confirmed)}")
     return 0
@@ -228,12 +228,12 @@ def _takeover(args: argparse.Namespace) -> int:
     try:
         slave = RoleId.from_key(args.role)
     except ValueError as exc:
-        print(f"phoenix takeover: --role {exc} (e.g. B/matcher-0-slave-0)", file=sys.stderr)
+        print(f"{ERROR_PREFIX} --role {exc} (e.g. B/matcher-0-slave-0)", file=sys.stderr)
         return 2
     try:
         master = _deployment(args).take_over(slave, timeout_s=args.timeout)
     except MiddlewareError as exc:
-        print(f"phoenix takeover: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1
     print(f"{slave.key} now serves {master.key}")
     return 0

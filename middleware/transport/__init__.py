@@ -1,7 +1,8 @@
 """AMQP transport: the asyncio core (aio-pika), the sync face (pika), and the logic they share."""
 
 from .aio import REPLY_TO, AsyncClient, AsyncHandler
-from .delivery import DEAD_LETTER_QUEUE, Action, Delivery, Outcome
+from .delivery import DEAD_LETTER_EXCHANGE, DEAD_LETTER_QUEUE, Action, Delivery, Outcome
+from .management import management_get, vhost_path
 from .message import OutgoingMessage
 from .sync import SyncClient, SyncHandler
 from .topology import (
@@ -15,6 +16,7 @@ from .topology import (
 )
 
 __all__ = [
+    "DEAD_LETTER_EXCHANGE",
     "DEAD_LETTER_QUEUE",
     "REPLY_TO",
     "Action",
@@ -32,4 +34,6 @@ __all__ = [
     "SyncClient",
     "SyncHandler",
     "TopologyRecord",
+    "management_get",
+    "vhost_path",
 ]

@@ -2,9 +2,9 @@
 modes, the subscribers' own counts checked against their filters
 (``qosmq_bench/phoenix_chaos.py``; the same run as ``qosmq bench phoenix --experiment
 chaos``).  Short here: each fault once, in the order ``QOSMQ_CHAOS_SEED`` picks (default
-1); ``QOSMQ_CHAOS_ROUNDS=N`` runs the list N times (a soak).  The link faults run as a
-matrix of their own (every inter-cluster link through a proxy, subscribers homed at A and
-C)."""
+1); ``QOSMQ_CHAOS_ROUNDS=N`` runs the list N times (a soak).  The link faults and a
+cluster's leave and rejoin run as a matrix of their own (four clusters, every
+inter-cluster link through a proxy, subscribers homed at every cluster)."""
 
 from __future__ import annotations
 
@@ -37,18 +37,26 @@ def test_no_subscriber_loses_or_gets_what_it_did_not_ask_for_under_any_fault(
 
 
 def test_no_subscriber_loses_copies_across_a_faulted_link(settings, tmp_path) -> None:
-    """The link faults of the matrix: B's link to C cut, blackholed, cut both ways, with
-    subscribers homed at A and C on both faces and both confirm modes (copies from B's
-    match broker cross the faulted link; events for C's type are routed around it)."""
+    """The link faults of the matrix over four clusters at 120 events/s: B's link to C
+    cut, blackholed, cut both ways, and D leaving and joining again, with subscribers of
+    both faces and both confirm modes homed at every cluster (copies from B's match
+    broker cross the faulted link; events for C's type are routed around it; D's arc is
+    taken over and handed back).  Copies for D's own subscribers while D is away are
+    dead-lettered with the reason, never lost; none of those is also delivered."""
     seed = int(os.environ.get("QOSMQ_CHAOS_SEED", "1"))
     rows = run_chaos(
         settings,
         directory=tmp_path,
         seed=seed,
         faults=list(LINK_FAULTS),
-        rate=80.0,
+        rate=120.0,
         window_s=7.0,
+        clusters="ABCD",
     )
     print(f"\nseed {seed}\n{summarize(rows)}")
     assert {r["fault"] for r in rows} >= set(LINK_FAULTS), "a fault kind did not run"
+    homes = {r["subscriber"].rsplit("@", 1)[1] for r in rows if "@" in r["subscriber"]}
+    assert homes == set("ABCD"), homes
+    # D's subscribers lost their copies to the leave (dead-lettered), not to nothing
+    assert any(r.get("dead_lettered") for r in rows if r["fault"] == "leave"), summarize(rows)
     assert not problems(rows), problems(rows)

@@ -20,10 +20,10 @@ pytestmark = [pytest.mark.spark, pytest.mark.rabbit, pytest.mark.slow]
 @pytest.mark.parametrize(
     ("experiment", "options"),
     [
-        ("link", ("--faults", "cut", "--runs", "2")),
+        ("link", ("--faults", "cut", "--repeats", "2")),
         # the departed cluster has two match masters, its successor one: the successor
         # adds one (the capacity plan) within the run
-        ("leave", ("--subscriptions", "500", "--departed-masters", "2", "--runs", "1")),
+        ("leave", ("--subscriptions", "500", "--departed-masters", "2", "--repeats", "1")),
     ],
 )
 def test_fault_runs_are_aggregated_by_spark(

@@ -37,7 +37,7 @@ def test_two_cell_grid_outputs_exist_and_agree(brokers, tmp_path, monkeypatch, c
             "local[2]",
             "--tasks-per-cell",
             "1",  # one process per cell: its CPU per message is the cell's
-            "--no-progress",
+            "--quiet",
         ]
     )
     assert execute(args) == 0
@@ -111,7 +111,7 @@ def test_a_cell_spread_over_two_tasks_of_a_barrier_stage(brokers, tmp_path, monk
             str(tmp_path),
             "--master",
             "local[2]",
-            "--no-progress",
+            "--quiet",
         ]
     )
     assert execute(args) == 0
@@ -215,7 +215,7 @@ def test_ctrl_c_keeps_the_finished_cells(brokers, tmp_path) -> None:
             "1",
             "--out",
             str(tmp_path),
-            "--no-progress",
+            "--quiet",
         ],
         env=env,
         cwd=Path(__file__).resolve().parents[2],

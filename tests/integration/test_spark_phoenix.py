@@ -27,7 +27,7 @@ def test_a_small_grid_runs_on_real_roles_and_spark_agrees(
             *("--experiment", "rate", "--subscriptions", "300", "--rates", "30,60"),
             *("--mechanisms", "none,inner", "--duration", "2", "--repeats", "1"),
             *("--warmup", "0", "--out", str(tmp_path / "out"), "--master", "local[2]"),
-            *("--work-dir", str(tmp_path / "work"), "--no-progress"),
+            *("--work-dir", str(tmp_path / "work"), "--quiet"),
             *("--tasks-per-cell", str(tasks)),
         ]
     )
@@ -116,5 +116,5 @@ def test_invalid_grids_are_refused_before_anything_starts(bad, tmp_path, capsys)
     except SystemExit as exit_:
         code = exit_.code
     assert code == 2
-    assert "phoenix_job: error" in capsys.readouterr().err
+    assert "qosmq: error:" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -142,9 +142,62 @@ def test_a_benchmark_refuses_an_output_folder_that_does_not_exist_before_running
     tmp_path, capsys
 ) -> None:
     missing = tmp_path / "no" / "x.json"
-    assert main(["bench", "confirms", "--json", str(missing)]) == 2  # no cell ran
+    for command in (["bench", "confirms"], ["bench", "transport"], ["bench", "phoenix"]):
+        assert main([*command, "--out", str(missing)]) == 2  # refused when parsed
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("qosmq: error:"), err
+        assert "folder" in err and "does not exist" in err and "[1/" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, dest, value",
+    [
+        (["bench", "confirms", "--json", "x.json"], "out", "x.json"),
+        (["bench", "phoenix", "--kills", "3"], "repeats", 3),
+        (["bench", "phoenix", "--cuts", "2"], "repeats", 2),
+        (["bench", "balance", "--rate", "100,200"], "rates", "100,200"),
+        (["bench", "node-loss", "--rate", "20"], "rates", "20"),
+        (["spark", "faults", "--runs", "4"], "repeats", 4),
+        (["spark", "confirms", "--no-progress"], "quiet", True),
+        (["sidecar", "balancer", "--topic", "t", "--i1", "0.2"], "sample_interval", 0.2),
+    ],
+)
+def test_a_renamed_option_still_works_and_names_its_new_name(argv, dest, value, capsys) -> None:
+    """One name per concept: an option's former name is taken as the new one, with one
+    line saying the new name (the closing notes list old -> new)."""
+    from pathlib import Path
+
+    from middleware.cli import _parser
+
+    args = _parser().parse_args(argv)
+    got = getattr(args, dest)
+    assert (str(got) if isinstance(got, Path) else got) == value
     err = capsys.readouterr().err
-    assert "folder" in err and "does not exist" in err and "[1/" not in err
+    assert err.startswith("qosmq: note: ") and " is now --" in err, err
+
+
+def test_an_option_of_another_experiment_is_refused_in_one_line(capsys, tmp_path) -> None:
+    work = tmp_path / "work"
+    argv = ["bench", "phoenix", "--experiment", "recovery", "--hogs", "3"]
+    assert main([*argv, "--work-dir", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "qosmq: error: --hogs is for --experiment busy, not recovery", err
+    assert not work.exists()  # refused before anything started
+
+
+def test_a_benchmark_names_an_unreachable_broker_before_it_preloads(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """``--uri`` (after the command too) is what the benchmark connects to; nobody answers
+    there: one line naming it, nothing preloaded, no work folder made."""
+    monkeypatch.setenv("QOSMQ_AMQP_URLS", "amqp://127.0.0.1:2/")  # restored after the test
+    work = tmp_path / "work"
+    argv = ["bench", "phoenix", "--experiment", "rate", "--work-dir", str(work)]
+    assert main([*argv, "--uri", "amqp://127.0.0.1:1/"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qosmq: error: no RabbitMQ answers at amqp://127.0.0.1:1/"), err
+    assert len(err.splitlines()) == 1 and not work.exists()
 
 
 def test_the_live_progress_line_has_rates_and_confirm_latency() -> None:
@@ -159,3 +212,28 @@ def test_the_live_progress_line_has_rates_and_confirm_latency() -> None:
     line = progress_line(tally, 2.0, (50, 40, 40), 0.5)
     assert "sent     100/s" in line and "confirmed      80/s" in line
     assert "consumed      80/s" in line and "p50 39.0 ms p99 78.0 ms" in line
+
+
+def test_the_transport_and_queue_cells_print_live_lines_while_they_run() -> None:
+    """``Live`` (bench transport, bench queues): a line per interval while the cell runs,
+    rates over the interval and confirm latency so far; none with --quiet."""
+    import time
+
+    from qosmq_bench.live import Live
+
+    lines: list[str] = []
+    with Live("layer", lines.append, 0.05).running() as live:
+        for _ in range(50):
+            begun = time.perf_counter()
+            live.sent += 1
+            live.confirmed_since(begun - 0.002)
+            live.consumed += 1
+            time.sleep(0.004)
+    assert len(lines) >= 2, lines
+    assert lines[0].startswith("  layer ") and "sent" in lines[0] and "consumed" in lines[0]
+    assert "confirm p50 2." in lines[-1], lines[-1]
+    quiet = Live("layer", None, 0.01)
+    with quiet.running():
+        quiet.sent += 1
+        time.sleep(0.05)
+    assert quiet.sent == 1  # counted, nothing printed

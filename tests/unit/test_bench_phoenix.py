@@ -55,3 +55,35 @@ def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup
     with deployment.running():
         pass
     assert "queues of px not deleted: connection refused" in capsys.readouterr().err
+
+
+def test_the_throughput_steps_name_each_queue_s_hop_and_group_cpu_by_kind(tmp_path) -> None:
+    """Every role queue of the deployment maps to the hop of its role kind (its control
+    queue to ``control``), the subscribers' queues to ``subscriber``, other queues of the
+    prefix to ``other``, queues of anybody else to nothing; CPU sums by kind."""
+    from middleware.routing import RoleId
+    from qosmq_bench.phoenix_throughput import _cpu_by_group, hop_of
+    from qosmq_bench.phoenix_timeliness import Deployment, subscriber_queue
+
+    deployment = Deployment(tmp_path, prefix="thr", amqp_urls=["amqp://127.0.0.1:1/"])
+    hop = hop_of(deployment)
+    assert hop(RoleId.router("A").inbox("thr")) == "router"
+    assert hop(RoleId.router_slave("B", 1).inbox("thr")) == "router_slave"
+    assert hop(RoleId.match("C", 0).inbox("thr")) == "match"
+    assert hop(RoleId.match_slave("C", 0, 1).inbox("thr")) == "match_slave"
+    assert hop(RoleId.match_slave("C", 0, 1).control("thr")) == "control"
+    assert hop(subscriber_queue("thr", "A")) == "subscriber"
+    assert hop("thr.process.0123") == "other"
+    assert hop("thrx.A.router") is None and hop("somebody.else") is None
+    groups = _cpu_by_group(
+        {
+            "A/router": 10.0,
+            "B/router": 5.5,
+            "A/router-slave-0": 1.0,
+            "broker-7": 30.0,
+            "broker-8": 20.0,
+            "client": 40.0,
+            "C/router": None,
+        }
+    )
+    assert groups == {"router": 15.5, "router_slave": 1.0, "brokers": 50.0, "client": 40.0}
