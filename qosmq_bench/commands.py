@@ -228,8 +228,8 @@ def register(sub: Any) -> None:
         "--stream",
         type=number(3, 3600),
         default=5.0,
-        help="recovery: seconds of events per kill (the kill at a random moment from 1 s "
-        "to 2 s before the end)",
+        help="recovery, link, leave: seconds of events around each fault (a kill at a "
+        "random moment from 1 s to 2 s before the end)",
     )
     phoenix.add_argument(
         "--subscriptions",

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from middleware.cli_help import renamed
+from middleware.cli_help import not_for, renamed
 from middleware.cliargs import Parser, integer, names, number, path
 from middleware.settings import Settings
 
@@ -96,7 +96,12 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
         help="leave: subscriptions in the departed cluster's arc",
     )
     add_departed_masters(p)
-    p.add_argument("--stream", type=number(3, 3600), default=6.0, help="seconds per run")
+    p.add_argument(
+        "--stream",
+        type=number(3, 3600),
+        default=6.0,
+        help="seconds of events around each fault (the fault inside them)",
+    )
     p.add_argument(
         "--out", type=path, default=Path("results"), help="parent folder of the run's folder"
     )
@@ -107,7 +112,19 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     return p
 
 
+#: the options only some experiments use (any other refuses them)
+OPTIONS = {
+    "kinds": ("recovery",),
+    "faults": ("link",),
+    "subscriptions": ("leave",),
+    "departed_masters": ("leave",),
+}
+
+
 def _validate(args: argparse.Namespace) -> None:
+    reason = not_for(args, vars(arguments().parse_args([])), OPTIONS, args.experiment)
+    if reason is not None:
+        raise ValueError(reason)
     try:
         rates = [float(x) for x in args.rates.split(",")]
     except ValueError:

@@ -237,3 +237,9 @@ def test_the_transport_and_queue_cells_print_live_lines_while_they_run() -> None
         quiet.sent += 1
         time.sleep(0.05)
     assert quiet.sent == 1  # counted, nothing printed
+
+
+def test_a_spark_job_refuses_an_option_of_another_experiment(capsys) -> None:
+    assert main(["spark", "faults", "--experiment", "link", "--kinds", "router"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "qosmq: error: --kinds is for --experiment recovery, not link", err
