@@ -119,6 +119,9 @@ from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
 from .router import Forward, KeptEvents, RouterLogic
 from .store import StateStore, open_store, ring_owner
+from .supervision import After, Note, Provision, Supervision
+from .supervision import Effect as SupervisionEffect
+from .supervision import Retire as RetireProcess
 from .timeliness import Dispatch, QueuePredictor
 
 __all__ = [
@@ -314,10 +317,10 @@ class _Role:
         self.live = FailureDetector[int](
             topology.heartbeat_interval_s, topology.heartbeat_misses, topology.suspect_ceiling_s
         )
-        self.replacing: dict[int, float] = {}  # slave -> when a replacement was asked for
-        self.slave_processes: dict[int, str] = {}  # slave -> the process queue serving it
-        self._retired: dict[str, float] = {}  # a second process's queue -> when told to stop
-        self._process_gone: set[int] = set()  # slaves whose known process is taken for gone
+        #: which process serves each slave, second processes, replacements (pure)
+        self.supervision = Supervision(
+            topology.replace_after_s, topology.replace_retry_s, provisioner is not None
+        )
         #: each slave's lease as this master watches it (beats.py)
         self.slave_watches: dict[int, LeaseWatch] = {}
         self.side_tasks: set[asyncio.Future[None]] = set()  # not awaited by anyone
@@ -788,8 +791,9 @@ class _Role:
         watch = self._slave_watch(slave)
         if watch.stale(message.lease):
             return  # sent before its connection closed: no sign of life
-        if not self._the_process_of(slave, message.reply_to):
-            await self._retire(slave, message.reply_to)
+        serving, effects = self.supervision.beat(slave.slave, message.reply_to, time.monotonic())
+        await self._supervise(effects)
+        if not serving:
             return  # a second process: no sign of life of the one serving the role
         if slave not in replicas.replicas:
             await replicas.admit(slave, message.version)
@@ -805,45 +809,61 @@ class _Role:
         if message.lease is not None:
             await watch.named(message.lease)
 
-    def _the_process_of(self, slave: RoleId, process: str | None) -> bool:
-        """Whether ``process`` (a beat's process queue) serves ``slave``: the first one
-        heard does, and once the one it knew is taken for gone (its lease came back, or
-        a replacement was asked for after its silence) the next one heard does; any
-        other is a second process serving the role (a scheduler's replacement of a
-        process that was frozen, not dead)."""
-        if process is None:
-            return True  # beats without a process queue: nothing to tell apart
-        known = self.slave_processes.get(slave.slave)
-        if known == process:
-            self._process_gone.discard(slave.slave)  # it was only slow
-            return True
-        if known is None or slave.slave in self._process_gone:
-            if known is not None:
-                log.warning("%s: %s served by another process now", self.id, slave)
-            self._process_gone.discard(slave.slave)
-            self.slave_processes[slave.slave] = process
-            return True
-        return False
+    async def _supervise(self, effects: list[SupervisionEffect]) -> None:
+        """Perform what the supervision machine returned (supervision.py)."""
+        for effect in effects:
+            if isinstance(effect, Note):
+                log.warning("%s: %s", self.id, effect.text.format(slave=self._slave(effect.slave)))
+            elif isinstance(effect, RetireProcess):
+                self.count("retires_sent")
+                retire = Retire(
+                    broker=self.id.owner,
+                    slave=self._slave(effect.slave).owner,
+                    epoch=self.reign.epoch,
+                    by=self.reign.by,
+                )
+                await self.tell(effect.process, retire)
+            elif isinstance(effect, After):
+                self._after(effect)
+            else:
+                self._background_side(self._replacement(effect))
 
-    def _forget_process(self, slave: RoleId) -> None:
-        """The process serving ``slave`` is taken for gone: the next one beating as
-        ``slave`` serves it (a load report or a late beat does not bring it back)."""
-        if slave.slave in self.slave_processes:
-            self._process_gone.add(slave.slave)
-
-    async def _retire(self, slave: RoleId, process: str | None) -> None:
-        """Tell a second process beating as ``slave`` to stop (once a second at most)."""
-        assert process is not None
-        now = time.monotonic()
-        if now - self._retired.get(process, -1.0) < 1.0:
-            return
-        self._retired[process] = now
-        self.count("retires_sent")
-        log.warning("%s: a second process beats as %s: told to stop", self.id, slave)
-        retire = Retire(
-            broker=self.id.owner, slave=slave.owner, epoch=self.reign.epoch, by=self.reign.by
+    def _slave(self, number: int) -> RoleId:
+        return next(
+            r for r in self.id.slaves(self.topology.cluster(self.cluster)) if r.slave == number
         )
-        await self.tell(process, retire)
+
+    def _after(self, effect: After) -> None:
+        def fire() -> None:
+            now = time.monotonic()
+            alive = effect.slave in self.live.alive(now)
+            self._background_side(self._supervise(self.supervision.timer(effect.slave, alive, now)))
+
+        asyncio.get_running_loop().call_later(effect.delay_s, fire)
+
+    def _background_side(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self.side_tasks.add(task)
+        task.add_done_callback(self.side_tasks.discard)
+
+    async def _replacement(self, effect: Provision) -> None:
+        """Ask the provisioner for a process serving the slave; tell the machine."""
+        slave = self._slave(effect.slave)
+        started = None
+        assert self.provisioner is not None  # the machine asks only where one is
+        try:
+            started = await asyncio.to_thread(self.provisioner.start, slave)
+        except Exception as exc:  # a provisioner's failure is not the master's
+            log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
+        else:
+            if started is None:
+                log.info("%s: %s %s; nothing to start", self.id, slave, effect.why)
+            else:
+                self.count("replacements")
+                log.warning(
+                    "%s: %s %s: replacement started (%s)", self.id, slave, effect.why, started
+                )
+        await self._supervise(self.supervision.provisioned(effect.slave, started is not None))
 
     def _slave_watch(self, slave: RoleId) -> LeaseWatch:
         watch = self.slave_watches.get(slave.slave)
@@ -863,26 +883,9 @@ class _Role:
     async def _slave_lease_returned(self, slave: RoleId) -> None:
         """A slave's process died: no more dispatch to it, and a replacement now."""
         self.live.lost(slave.slave)
-        self._forget_process(slave)
         self.count("slave_lease_returned")
         log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
-        task = asyncio.ensure_future(self._replace_dead(slave))
-        self.side_tasks.add(task)
-        task.add_done_callback(self.side_tasks.discard)
-
-    async def _replace_dead(self, slave: RoleId) -> None:
-        """Replace a slave whose lease came back.  The broker sees its connection close
-        while the process is still exiting, so a provisioner that checks the process
-        may find it alive for a few milliseconds more: asked again briefly, then left to
-        the silence rule."""
-        for pause in (0.0, 0.05, 0.1, 0.2, 0.4):
-            await asyncio.sleep(pause)
-            if slave.slave in self.live.alive(time.monotonic()):
-                return  # served again (a fenced master stepped down into it)
-            self.replacing.pop(slave.slave, None)
-            if await self.replace(slave, time.monotonic(), why="whose lease came back"):
-                return
-        self.replacing.pop(slave.slave, None)  # the silence rule asks again
+        await self._supervise(self.supervision.lease_returned(slave.slave))
 
     @property
     def replica_set(self) -> _ReplicaSet | None:
@@ -895,41 +898,15 @@ class _Role:
         now = time.monotonic()
         self.live.watch([slave], now)
         self.live.heard(slave, now)
-        self.replacing.pop(slave, None)
+        self.supervision.heard(slave)
 
     async def replace_silent(self, now: float) -> None:
-        """Ask the provisioner for a replacement of every slave silent past
-        ``replace_after_s`` (and the detection timeout), once per ``replace_retry_s``."""
-        if self.provisioner is None:
-            return
-        topology = self.topology
-        after = max(topology.replace_after_s, self.live.timeout_s)
-        for slave in self.id.slaves(topology.cluster(self.cluster)):
-            silent = self.live.silent_for(slave.slave, now)
-            if silent is not None and silent > after:
-                self._forget_process(slave)
-                await self.replace(slave, now, why=f"silent for {silent:.1f} s")
-
-    async def replace(self, slave: RoleId, now: float, *, why: str) -> bool:
-        """Ask the provisioner for a process serving ``slave``, once per
-        ``replace_retry_s``; whether one was started."""
-        asked = self.replacing.get(slave.slave)
-        if self.provisioner is None or (
-            asked is not None and now - asked < self.topology.replace_retry_s
-        ):
-            return False
-        self.replacing[slave.slave] = now
-        try:
-            started = await asyncio.to_thread(self.provisioner.start, slave)
-        except Exception as exc:  # a provisioner's failure is not the master's
-            log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
-            return False
-        if started is None:
-            log.info("%s: %s %s; nothing to start", self.id, slave, why)
-            return False
-        self.count("replacements")
-        log.warning("%s: %s %s: replacement started (%s)", self.id, slave, why, started)
-        return True
+        """Every beat interval: a replacement for every slave silent past the rule."""
+        silences = {
+            slave.slave: self.live.silent_for(slave.slave, now)
+            for slave in self.id.slaves(self.topology.cluster(self.cluster))
+        }
+        await self._supervise(self.supervision.silences(silences, self.live.timeout_s, now))
 
     async def _on_late_vote(self, message: Vote) -> None:
         """A slave still electing after this master took over: tell it who won."""
@@ -2590,7 +2567,7 @@ class MatchMaster(_MatchBroker):
     async def _on_heartbeat(self, message: Heartbeat) -> None:
         """A slave's load report (finite and not negative: the message's model says so)."""
         j = self.replicas.slave(message)
-        if j in self._process_gone:
+        if self.supervision.is_gone(j):
             # sent before its process died (it was in flight): only a beat of the
             # process serving the role now brings the role back into the live set
             self.count("stale_load_reports")
