@@ -17,7 +17,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Reign", "Trust", "Verdict"]
+__all__ = [
+    "Refused",
+    "Reign",
+    "RivalOutcome",
+    "SendFence",
+    "Stale",
+    "StepDown",
+    "Trust",
+    "Verdict",
+    "fenced",
+    "rival_beat",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -60,3 +71,72 @@ class Trust:
     def successor(self, slave: int) -> Reign:
         """The reign this slave serves under when it wins an election."""
         return Reign.of_winner(self.reign.epoch + 1, slave)
+
+
+# ------------------------------------------------------------- a master's side
+@dataclass(frozen=True)
+class SendFence:
+    """Tell the process at ``to`` (an older reign serving this master role) to step down:
+    a FENCE carrying this master's ``reign``."""
+
+    to: str
+    reign: Reign
+
+
+@dataclass(frozen=True)
+class StepDown:
+    """Step down to the slave role ``slave`` (its number) under the newer ``reign``."""
+
+    slave: int
+    reign: Reign
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A fence of a reign not newer than this master's: nothing changes (counted)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A fence no slave of this master can have sent: dead-lettered with ``why``."""
+
+    why: str
+
+
+RivalOutcome = SendFence | StepDown | Stale | Refused | None
+
+
+def rival_beat(
+    own: Reign,
+    theirs: Reign,
+    reply_to: str | None,
+    *,
+    promoted_from: int | None,
+    slaves: frozenset[int] | None,
+) -> RivalOutcome:
+    """A beat of another process serving this master role reached this master: the older
+    reign steps down — the other one is fenced (if it said where), or this one, as if
+    a slave had fenced it with the other's reign (:func:`fenced`)."""
+    if theirs < own:
+        return SendFence(reply_to, own) if reply_to else None
+    if theirs > own:
+        return fenced(own, theirs, promoted_from=promoted_from, slaves=slaves)
+    return None
+
+
+def fenced(
+    own: Reign, told: Reign, *, promoted_from: int | None, slaves: frozenset[int] | None
+) -> RivalOutcome:
+    """A FENCE of reign ``told``: a slave trusts a newer reign than ``own``.  Step down to
+    the slave role this process left when it took over (``promoted_from``), or — the
+    master as started — to the one the newer master left (which must be one of
+    ``slaves``; None: not checked here).  A reign no slave can have (epoch 0, or not
+    won by a slave) is refused; an older or equal one is stale."""
+    if told.slave is None or told.epoch == 0:
+        return Refused(f"fence of {told}")
+    if told <= own:
+        return Stale()
+    back = promoted_from if promoted_from is not None else told.slave
+    if promoted_from is None and slaves is not None and back not in slaves:
+        return Refused(f"fence of {told}: no slave-{told.slave}")
+    return StepDown(back, told)

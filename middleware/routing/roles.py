@@ -56,7 +56,18 @@ from .. import heap, tracing
 from ..errors import DeadLetter, LinkDown, MiddlewareError, RetryableError, Unroutable
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
-from ..recovery.fencing import Reign, Trust, Verdict
+from ..recovery.fencing import (
+    Refused,
+    Reign,
+    RivalOutcome,
+    SendFence,
+    Stale,
+    StepDown,
+    Trust,
+    Verdict,
+    fenced,
+    rival_beat,
+)
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
@@ -766,12 +777,8 @@ class _Role:
             await self._on_slave_beat(message)
             return
         theirs = Reign(message.epoch, message.by)
-        if theirs < self.reign and message.reply_to:
-            self.count("fences_sent")
-            fence = Fence(broker=self.id.owner, epoch=self.reign.epoch, by=self.reign.by)
-            await self.tell(message.reply_to, fence)
-        elif theirs > self.reign:
-            await self._on_fence(Fence(broker=self.id.owner, epoch=theirs.epoch, by=theirs.by))
+        outcome = rival_beat(self.reign, theirs, message.reply_to, **self._lineage())
+        await self._rival(outcome, message.broker)
 
     async def _on_slave_beat(self, message: Beat) -> None:
         """A slave's beat: it is alive (the live set that dispatch and replication use);
@@ -929,34 +936,46 @@ class _Role:
     async def _on_fence(self, message: Fence) -> None:
         """A slave trusts a newer reign than this master's: step down to the slave role
         this process left when it took over, or (the master as started) the one the newer
-        master left.  An older or equal reign, or one no slave can have, changes nothing."""
+        master left.  An older or equal reign, or one no slave can have, changes nothing
+        (``fencing.fenced`` decides)."""
         reign = Reign(message.epoch, message.by)
-        if self.id.is_slave or reign.slave is None or reign.epoch == 0:
+        if self.id.is_slave:
             raise DeadLetter(f"fence from {message.broker!r} of {reign}: not for {self.id}")
-        if reign <= self.reign:
-            self.count("stale_fences")
-            return
+        await self._rival(fenced(self.reign, reign, **self._lineage()), message.broker)
+
+    def _lineage(self) -> dict[str, Any]:
+        """What the fencing decisions need of this master: the slave it was, its slaves."""
         spec = self.topology.cluster(self.cluster)
-        back = self.promoted_from or next(
-            (r for r in self.id.slaves(spec) if r.slave == reign.slave), None
-        )
-        if back is None:
-            raise DeadLetter(f"fence of {reign}: {self.id} has no slave-{reign.slave}")
-        if self.switch_to is not None:
-            return  # told twice
-        log.warning(
-            "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
-            self.id,
-            self.reign,
-            message.broker,
-            reign,
-            back,
-        )
-        self.count("fenced")
-        self.fenced = True
-        self.switch_to, self.reign = back, reign  # the slave trusts the newer reign
-        if self._stop is not None:
-            self._stop.set()
+        return {
+            "promoted_from": None if self.promoted_from is None else self.promoted_from.slave,
+            "slaves": frozenset(r.slave for r in self.id.slaves(spec)),
+        }
+
+    async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
+        """Perform a fencing decision (recovery/fencing.py)."""
+        if isinstance(outcome, SendFence):
+            self.count("fences_sent")
+            fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
+            await self.tell(outcome.to, fence)
+        elif isinstance(outcome, Refused):
+            raise DeadLetter(f"{outcome.why} from {sender!r}: not for {self.id}")
+        elif isinstance(outcome, Stale):
+            self.count("stale_fences")
+        elif isinstance(outcome, StepDown) and self.switch_to is None:  # else told twice
+            back = self.promoted_from or self._slave(outcome.slave)
+            log.warning(
+                "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
+                self.id,
+                self.reign,
+                sender,
+                outcome.reign,
+                back,
+            )
+            self.count("fenced")
+            self.fenced = True
+            self.switch_to, self.reign = back, outcome.reign  # the slave trusts it
+            if self._stop is not None:
+                self._stop.set()
 
     async def _configure(self, message: Configure, control: str) -> None:
         """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters)

@@ -20,3 +20,32 @@ def test_a_slave_trusts_the_newest_reign_and_fences_older_ones() -> None:
     assert trust.judge(Reign.of_winner(1, 0)) is Verdict.TRUST
     assert trust.judge(won) is Verdict.FENCE
     assert trust.successor(2) == Reign(2, -3)
+
+
+def test_a_master_s_rival_reign_decisions() -> None:
+    """A master meeting another reign of its role: the older steps down (the other one
+    fenced if it said where, or this one); a fence no slave can have is refused, an older
+    or equal one is stale; stepping down goes to the slave it was, or the one the newer
+    master left."""
+    from middleware.recovery.fencing import (
+        Refused,
+        SendFence,
+        Stale,
+        StepDown,
+        fenced,
+        rival_beat,
+    )
+
+    started, won_by_1, later = Reign(), Reign.of_winner(1, 1), Reign.of_winner(2, 0)
+    lineage = {"promoted_from": None, "slaves": frozenset({0, 1})}
+    assert rival_beat(won_by_1, started, "p-old", **lineage) == SendFence("p-old", won_by_1)
+    assert rival_beat(won_by_1, started, None, **lineage) is None  # nowhere to send it
+    assert rival_beat(won_by_1, won_by_1, "p", **lineage) is None
+    assert rival_beat(started, won_by_1, "p", **lineage) == StepDown(1, won_by_1)
+    assert fenced(won_by_1, later, promoted_from=1, slaves=frozenset({0})) == StepDown(1, later)
+    assert fenced(later, won_by_1, **lineage) == Stale()
+    assert isinstance(fenced(started, Reign(), **lineage), Refused)  # epoch 0
+    assert isinstance(fenced(started, Reign(3, 0), **lineage), Refused)  # not a slave's
+    assert fenced(started, Reign.of_winner(1, 5), **lineage) == Refused(
+        "fence of epoch 1 (slave-5): no slave-5"
+    )
