@@ -1,0 +1,92 @@
+"""The Phoenix decision modules stay without I/O: read from their source (AST), none
+imports asyncio, threading, time, prometheus_client, an AMQP client, a store or the
+layer's drivers, and none has an ``async def`` or an ``await``.  A decision that needs
+any of those belongs in a driver, fed back to the machine as an input."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2] / "middleware"
+#: the pure modules of routing/ and recovery/ (docs/phoenix-roles.md, "Role logic
+#: without I/O"); a new machine is added here
+PURE = [
+    "routing/router.py",
+    "routing/replicas.py",
+    "routing/registry.py",
+    "routing/timeliness.py",
+    "routing/ring.py",
+    "routing/matching.py",
+    "routing/supervision.py",
+    "routing/records.py",
+    "routing/messages.py",
+    "routing/ids.py",
+    "routing/protocol.py",
+    "recovery/capacity.py",
+    "recovery/detector.py",
+    "recovery/election.py",
+    "recovery/fencing.py",
+    "recovery/flood.py",
+    "recovery/links.py",
+]
+BANNED = {
+    "asyncio",
+    "threading",
+    "time",
+    "prometheus_client",
+    "aio_pika",
+    "aiormq",
+    "pika",
+    "pymongo",
+    "sqlite3",
+    "socket",
+    "subprocess",
+}
+#: modules of the layer that do I/O (a pure module imports none of them)
+DRIVERS = {
+    "transport",
+    "store",
+    "confirms",
+    "roles",
+    "beats",
+    "deployment",
+    "node",
+    "zygote",
+    "client",
+    "delivery",
+    "detours",
+    "observability",
+}
+
+
+def _impure(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in BANNED]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            parts = module.split(".")
+            if node.level == 0 and parts[0] in BANNED:
+                found.append(module)
+            elif (node.level > 0 or parts[0] == "middleware") and set(parts) & DRIVERS:
+                found.append("." * node.level + module)
+            elif node.level > 0 and not module:
+                found += [a.name for a in node.names if a.name in DRIVERS]
+        elif isinstance(node, ast.AsyncFunctionDef | ast.Await):
+            found.append(f"async at line {node.lineno}")
+    return found
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_a_decision_module_does_no_io(module: str) -> None:
+    assert _impure(ROOT / module) == []
+
+
+def test_the_check_finds_io_where_there_is_some() -> None:
+    """The rule itself: the drivers it names fail it."""
+    assert _impure(ROOT / "routing" / "roles.py")
+    assert _impure(ROOT / "routing" / "batching.py")  # the batcher's flush is a driver
