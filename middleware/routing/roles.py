@@ -54,7 +54,7 @@ from pydantic import ValidationError
 
 from .. import heap, tracing
 from ..errors import DeadLetter, LinkDown, MiddlewareError, RetryableError, Unroutable
-from ..recovery import Become, Bully, BullyState, FailureDetector, Send
+from ..recovery import FailureDetector
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
 from ..recovery.fencing import (
     Refused,
@@ -64,7 +64,6 @@ from ..recovery.fencing import (
     Stale,
     StepDown,
     Trust,
-    Verdict,
     fenced,
     rival_beat,
 )
@@ -76,6 +75,18 @@ from .batching import Batcher, PriorityGate, split
 from .beats import Beater, LeaseWatch
 from .delivery import CopySender, Outcome
 from .detours import LINK_ERRORS, Detours
+from .follower import (
+    Counted,
+    Elected,
+    FenceMaster,
+    Follower,
+    Leader,
+    NameLease,
+    Promote,
+    SignalVote,
+    Suspected,
+)
+from .follower import Effect as FollowerEffect
 from .ids import RoleId, RoleKind
 from .matching import FilterError
 from .messages import (
@@ -1212,8 +1223,8 @@ class _ReplicaHolder(_Role):
     replica_owner = ""
     master_control = ""
     store: StateStore
-    detector: FailureDetector[RoleId] | None = None
-    bully: Bully | None = None
+    #: the master watched and elected against (follower.py), from the first look on
+    follower: Follower | None = None
 
     @functools.cached_property
     def trust(self) -> Trust:
@@ -1282,92 +1293,97 @@ class _ReplicaHolder(_Role):
 
     async def _master_lost(self) -> None:
         """The master's connection closed: it is gone (a frozen master keeps it)."""
-        if self.detector is None or self.bully is None:
-            return
-        master, now = self.id.master, time.monotonic()
-        self.detector.lost(master)
-        if self.bully.state is not BullyState.IDLE:
-            return
-        silent = self.detector.silent_for(master, now) or 0.0
-        log.warning("%s: lease of %s returned (its connection closed): electing", self.id, master)
-        self.count("master_lease_returned")
-        self.failed_at, self.electing_since = now - silent, now
-        RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(silent)
-        await self._enact(self.bully.master_suspected(now))
+        if self.follower is not None:
+            await self._follow(self.follower.lease_returned(time.monotonic()))
 
     async def _watch_master(self, stop: asyncio.Event) -> None:
         topology, master = self.topology, self.id.master
         interval = topology.heartbeat_interval_s
-        # the master is watched from its first beat on: a slave that starts before its
-        # master (they start together) must not elect against a master still starting
-        self.detector = FailureDetector(
-            interval, topology.heartbeat_misses, topology.suspect_ceiling_s
+        self.follower = Follower(
+            self.id,
+            master.slaves(topology.cluster(self.cluster)),
+            interval_s=interval,
+            misses=topology.heartbeat_misses,
+            ceiling_s=topology.suspect_ceiling_s,
+            trust=self.trust,
+            failed_at=self.failed_at,
         )
-        self.bully = Bully(
-            me=self.id,
-            peers=master.slaves(topology.cluster(self.cluster)),
-            answer_s=2 * interval,
-            coordinator_s=topology.heartbeat_misses * interval,
-        )
-        step, first_seen = interval / 2, None
+        step = interval / 2
         woke = time.monotonic()
         while not stop.is_set():
             await asyncio.sleep(step)
             now = time.monotonic()
             late, woke = now - woke - step, now
-            effects = []
-            suspected = master in self.detector.suspects(now)
-            if not suspected or late > interval:
-                # a slave that was itself paused looks again once the beats waiting in
-                # its socket had their turn: one late look is no proof of a death
-                first_seen = None
-            elif first_seen is None:
-                first_seen = now
-            elif self.bully.state is BullyState.IDLE:
-                silent = self.detector.silent_for(master, now) or 0.0
-                log.warning("%s: no beat from %s for %.2f s: electing", self.id, master, silent)
-                self.count("master_suspected")
-                self.failed_at = now - silent  # handed to the master it may become
-                self.electing_since = now
-                RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(silent)
-                effects += self.bully.master_suspected(now)
-            effects += self.bully.tick(now)
-            await self._enact(effects)
+            await self._follow(self.follower.look(now, late))
+
+    async def _follow(self, effects: list[FollowerEffect]) -> None:
+        """Perform what the follower machine returned (follower.py)."""
+        assert self.follower is not None
+        master = self.id.master
+        self.failed_at = self.follower.failed_at  # handed to the master it may become
+        for effect in effects:
+            if isinstance(effect, SignalVote):
+                await self.signal(effect.to, self._vote(effect.kind, effect.reign))
+            elif isinstance(effect, Suspected):
+                if effect.by == "lease":
+                    log.warning(
+                        "%s: lease of %s returned (its connection closed): electing",
+                        self.id,
+                        master,
+                    )
+                    self.count("master_lease_returned")
+                else:
+                    log.warning(
+                        "%s: no beat from %s for %.2f s: electing", self.id, master, effect.silent_s
+                    )
+                    self.count("master_suspected")
+                RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(
+                    effect.silent_s
+                )
+            elif isinstance(effect, Elected):
+                RECOVERY_S.labels(self.cluster, master.kind.value, "election").observe(
+                    effect.took_s
+                )
+            elif isinstance(effect, Promote):
+                self.next_reign = effect.reign
+                self._promote(effect.why)
+            elif isinstance(effect, FenceMaster):
+                fence = Fence(broker=self.id.owner, epoch=effect.reign.epoch, by=effect.reign.by)
+                await self.tell(effect.to, fence)
+            elif isinstance(effect, Counted):
+                self.count(effect.name)
+            elif isinstance(effect, Leader):
+                log.warning("%s: %s serves %s now", self.id, effect.slave, master)
+            elif isinstance(effect, NameLease):
+                await self.master_watch.named(effect.lease)
+            else:
+                raise DeadLetter(effect.why)
 
     async def _take_over(self, message: Takeover) -> None:
         """The operator's take-over: as an election's winner, tell the other slaves
         first, so none of them elects against this one once the old master is silent."""
         await super()._take_over(message)
-        if self.switch_to is not None:
+        if self.switch_to is None:
+            return
+        if self.follower is None:
             self._winning_reign()
-        if self.switch_to is not None and self.bully is not None:
-            self.bully.state = BullyState.WON
-            for peer in self.bully.peers:
-                await self.signal(peer, self._vote(Kind.COORDINATOR))
+            return
+        effects = self.follower.take_over()
+        self.next_reign = self.follower.next_reign
+        await self._follow(effects)
 
     def _winning_reign(self) -> Reign:
-        if self.next_reign is None:
+        if self.follower is not None:
+            self.next_reign = self.follower.winning_reign()
+        elif self.next_reign is None:
             self.next_reign = self.trust.successor(self.id.slave)
         return self.next_reign
 
-    def _vote(self, kind: Kind) -> Vote:
+    def _vote(self, kind: Kind, reign: Reign | None = None) -> Vote:
         if kind is not Kind.COORDINATOR:
             return Vote(kind=kind, broker=self.id.owner)
-        reign = self._winning_reign()
+        reign = reign or self._winning_reign()
         return Vote(kind=kind, broker=self.id.owner, epoch=reign.epoch, by=reign.by)
-
-    async def _enact(self, effects: list[Send | Become]) -> None:
-        kinds = {"election": Kind.ELECTION, "answer": Kind.ELECTION_ANSWER}
-        for effect in effects:
-            if isinstance(effect, Become):
-                if self.electing_since is not None:  # the election: its start to this win
-                    took = time.monotonic() - self.electing_since
-                    RECOVERY_S.labels(self.cluster, self.id.master.kind.value, "election").observe(
-                        took
-                    )
-                self._promote("elected: its master went silent")
-                continue
-            await self.signal(effect.to, self._vote(kinds.get(effect.what, Kind.COORDINATOR)))
 
     def _promote(self, why: str) -> None:
         if self.switch_to is not None:
@@ -1380,65 +1396,25 @@ class _ReplicaHolder(_Role):
             self._stop.set()
 
     async def _on_beat(self, message: Beat) -> None:
-        if self.detector is None or self.bully is None:
+        if self.follower is None:
             return
-        if message.broker != self.id.master.owner:
-            raise DeadLetter(f"beat from {message.broker!r}, not {self.id}'s master")
-        if self.trust.judge(Reign(message.epoch, message.by)) is Verdict.FENCE:
-            # a master of an older reign is serving (it was frozen past the timeout, or
-            # came back): its beat is not heard, and it is told to step down
-            self.count("fences_sent")
-            if message.reply_to:
-                fence = Fence(
-                    broker=self.id.owner, epoch=self.trust.reign.epoch, by=self.trust.reign.by
-                )
-                await self.tell(message.reply_to, fence)
-            return
-        if self.master_watch.stale(message.lease):
-            return  # sent before its connection closed: no sign of life
-        now = time.monotonic()
-        self.detector.watch([self.id.master], now)
-        self.detector.heard(self.id.master, now)
-        self.bully.master_heard()
-        if message.lease is not None:
-            await self.master_watch.named(message.lease)
+        effects = self.follower.beat(
+            message.broker,
+            Reign(message.epoch, message.by),
+            message.reply_to,
+            message.lease,
+            stale=self.master_watch.stale(message.lease),
+            now=time.monotonic(),
+        )
+        await self._follow(effects)
 
     async def _on_vote(self, message: Vote) -> None:
-        if self.detector is None or self.bully is None:
+        if self.follower is None:
             return
-        try:
-            sender = RoleId.from_owner(message.broker)
-        except ValueError:
-            sender = None
-        if sender is None or sender not in self.bully.peers:
-            raise DeadLetter(
-                f"{message.kind.value} from {message.broker!r}, not a peer of {self.id}"
-            )
-        now = time.monotonic()
-        if message.kind is Kind.ELECTION:
-            if self.electing_since is None:  # an election another slave began: its phases
-                self.electing_since = now  # are timed here too, should this one win
-                silent = self.detector.silent_for(self.id.master, now)
-                if self.failed_at is None and silent is not None:
-                    self.failed_at = now - silent
-            await self._enact(self.bully.on_election(sender, now))
-        elif message.kind is Kind.ELECTION_ANSWER:
-            await self._enact(self.bully.on_answer(sender, now))
-        else:
-            reign = Reign(message.epoch, message.by)
-            if reign.slave != sender.slave or reign.epoch == 0:
-                raise DeadLetter(f"coordinator from {sender} claims {reign}, not its own win")
-            if self.trust.judge(reign) is Verdict.FENCE:
-                self.count("stale_coordinators")
-                raise DeadLetter(
-                    f"coordinator from {sender} of {reign}, older than {self.trust.reign}"
-                )
-            self.bully.on_coordinator(sender, now)
-            self.electing_since = None  # the election is over: another slave won it
-            # the new master beats once it switched role, then reads its tables back and
-            # collects its heap (every thread held, its beats too): time for all of it
-            self.detector.grace(self.id.master, now + max(2 * self.detector.timeout_s, 2.0))
-            log.warning("%s: %s serves %s now", self.id, sender, self.id.master)
+        effects = self.follower.vote(
+            message.broker, message.kind, Reign(message.epoch, message.by), time.monotonic()
+        )
+        await self._follow(effects)
 
     def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover
         raise NotImplementedError

@@ -16,9 +16,12 @@ from middleware.recovery import (
     Reign,
     Send,
     Trust,
-    Verdict,
 )
+from middleware.recovery.fencing import SendFence, StepDown, rival_beat
+from middleware.routing.follower import Effect as FollowerEffect
+from middleware.routing.follower import FenceMaster, Follower, Promote, SignalVote
 from middleware.routing.ids import RoleId
+from middleware.routing.protocol import Kind
 
 MASTER = RoleId.match("B", 0)
 
@@ -96,57 +99,55 @@ def test_a_lower_slave_waits_for_the_coordinator_and_trusts_a_beating_master() -
 # ------------------------------------------------------------------ fencing
 
 
+def _follower(me: RoleId, trust: Trust) -> Follower:
+    """The slave's real machine (routing/follower.py): answer 0.2 s, COORDINATOR 0.5 s."""
+    return Follower(me, SLAVES, interval_s=0.1, misses=5, ceiling_s=0.0, trust=trust)
+
+
 class _Process:
-    """One slave process of the simulation: its election, its trust, and whether it
-    serves the master (under which reign)."""
+    """One slave process of the simulation: the follower machine the slaves run, and
+    whether it serves the master (under which reign)."""
 
     def __init__(self, me: RoleId) -> None:
         self.me = me
-        self.bully = Bully(me=me, peers=SLAVES, answer_s=0.2, coordinator_s=0.5)
-        self.trust = Trust()
+        self.follower = _follower(me, Trust())
         self.reign: Reign | None = None  # serving the master under it
         self.dead = False
 
     def step_down(self, newer: Reign) -> None:
         self.reign = None
-        self.bully = Bully(me=self.me, peers=SLAVES, answer_s=0.2, coordinator_s=0.5)
-        self.trust = Trust(newer)
+        self.follower = _follower(self.me, Trust(newer))
 
 
 class _Cluster:
     """The slaves of one master whose master died, with a network that delivers what
-    the machines return in whatever order a test picks."""
+    the machines return in whatever order a test picks.  What the drivers do is done
+    here by the same pure code: the follower's effects, and a master's judgement of
+    another reign's beat (``fencing.rival_beat``)."""
 
     def __init__(self) -> None:
         self.procs = {s: _Process(s) for s in SLAVES}
-        self.net: list[tuple[RoleId, RoleId, str, Reign]] = []  # to, from, what, reign
+        self.net: list[tuple[RoleId, RoleId, Kind, Reign]] = []  # to, from, kind, reign
         self.now = 0.0
         self.thawed = False  # the old master was frozen, not dead, and runs again
 
-    def enact(self, proc: _Process, effects: list[Send | Become]) -> None:
+    def enact(self, proc: _Process, effects: list[FollowerEffect]) -> None:
         for effect in effects:
-            if isinstance(effect, Become):
-                proc.reign = proc.trust.successor(proc.me.slave)
-                continue
-            reign = proc.trust.successor(proc.me.slave)  # what a COORDINATOR carries
-            self.net.append((effect.to, proc.me, effect.what, reign))
+            if isinstance(effect, Promote):
+                proc.reign = effect.reign
+            elif isinstance(effect, SignalVote):
+                self.net.append((effect.to, proc.me, effect.kind, effect.reign or Reign()))
 
     def deliver(self, i: int) -> None:
-        to, sender, what, reign = self.net.pop(i % len(self.net))
+        to, sender, kind, reign = self.net.pop(i % len(self.net))
         proc = self.procs[to]
         if proc.dead:
             return
-        if proc.reign is not None:  # a master at its former control queue
-            if what == "election":
-                self.net.append((sender, to, "coordinator", proc.reign))
+        if proc.reign is not None:  # a master at its former control queue: a late vote
+            if kind is Kind.ELECTION:
+                self.net.append((sender, to, Kind.COORDINATOR, proc.reign))
             return
-        if what == "coordinator":
-            if proc.trust.judge(reign) is Verdict.FENCE:
-                return  # stale: dead-lettered
-            proc.bully.on_coordinator(sender, self.now)
-            return
-        handle = proc.bully.on_election if what == "election" else proc.bully.on_answer
-        self.enact(proc, handle(sender, self.now))
+        self.enact(proc, proc.follower.vote(sender.owner, kind, reign, self.now))
 
     def masters(self) -> list[_Process]:
         return [p for p in self.procs.values() if p.reign is not None and not p.dead]
@@ -155,40 +156,42 @@ class _Cluster:
         """The reigns served now: the promoted masters', the thawed old master's."""
         return [p.reign for p in self.masters() if p.reign] + [Reign()] * self.thawed
 
+    def _beat_to(self, other: _Process, reign: Reign) -> bool:
+        """A master of ``reign`` beats to ``other``: whether it must step down."""
+        if other.reign is not None:  # another master: the older reign steps down
+            lineage = {"promoted_from": other.me.slave, "slaves": frozenset(range(3))}
+            outcome = rival_beat(other.reign, reign, "its process", **lineage)
+            if isinstance(outcome, StepDown):
+                other.step_down(outcome.reign)
+            return isinstance(outcome, SendFence)
+        effects = other.follower.beat(
+            MASTER.owner, reign, "its process", None, stale=False, now=self.now
+        )
+        return any(isinstance(e, FenceMaster) for e in effects)
+
     def beat(self) -> None:
         """Every master beats; slaves judge the beats; masters judge each other's (a
         promoted master still reads the control queue it had as a slave)."""
-        if self.thawed:  # the master as started beats to every slave's control queue
-            for other in self.procs.values():
-                if other.dead or not self.thawed:
-                    continue
-                if other.reign is not None or other.trust.judge(Reign()) is Verdict.FENCE:
-                    self.thawed = False  # fenced: it steps down
-                else:
-                    other.bully.master_heard()
+        for other in self.procs.values():
+            if self.thawed and not other.dead and self._beat_to(other, Reign()):
+                self.thawed = False  # fenced: the master as started steps down
         for master in self.masters():
             for other in self.procs.values():
                 if other is master or other.dead or master.reign is None:
                     continue
-                if other.reign is not None:  # two masters: the older reign steps down
-                    if other.reign < master.reign:
-                        other.step_down(master.reign)
-                    elif master.reign < other.reign:
-                        master.step_down(other.reign)
-                elif other.trust.judge(master.reign) is Verdict.FENCE:
-                    master.step_down(other.trust.reign)
-                else:
-                    other.bully.master_heard()
+                if self._beat_to(other, master.reign):
+                    assert master.reign is not None
+                    master.step_down(other.reign or other.follower.trust.reign)
 
     def suspect(self, proc: _Process) -> None:
         if not proc.dead and proc.reign is None:
-            self.enact(proc, proc.bully.master_suspected(self.now))
+            self.enact(proc, proc.follower.lease_returned(self.now))
 
     def tick(self, dt: float) -> None:
         self.now += dt
         for proc in self.procs.values():
             if not proc.dead and proc.reign is None:
-                self.enact(proc, proc.bully.tick(self.now))
+                self.enact(proc, proc.follower.look(self.now, 0.0))
 
     def settle(self) -> None:
         """Messages stop being reordered: FIFO delivery, beats, the detector's verdict
@@ -199,7 +202,7 @@ class _Cluster:
             self.beat()
             served = self.serving()
             for proc in self.procs.values():
-                if proc.trust.reign not in served:
+                if proc.follower.trust.reign not in served:
                     self.suspect(proc)
             self.tick(0.05)
             served = self.serving()
@@ -207,7 +210,7 @@ class _Cluster:
             if (
                 not self.net
                 and len(served) == 1
-                and all(p.trust.reign == served[0] for p in slaves)
+                and all(p.follower.trust.reign == served[0] for p in slaves)
             ):
                 return
 
@@ -250,7 +253,9 @@ def test_any_crash_set_and_message_order_leaves_exactly_one_master(ops, dead_at_
     served = cluster.serving()
     assert len(served) == 1
     assert all(
-        p.trust.reign == served[0] for p in cluster.procs.values() if not p.dead and p.reign is None
+        p.follower.trust.reign == served[0]
+        for p in cluster.procs.values()
+        if not p.dead and p.reign is None
     )
     masters = cluster.masters()
     if cluster.thawed:  # no election was won meanwhile: the old master serves on
@@ -258,7 +263,7 @@ def test_any_crash_set_and_message_order_leaves_exactly_one_master(ops, dead_at_
         return
     assert len(masters) == 1
     assert all(
-        p.trust.reign == masters[0].reign
+        p.follower.trust.reign == masters[0].reign
         for p in cluster.procs.values()
         if not p.dead and p.reign is None
     )

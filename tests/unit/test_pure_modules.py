@@ -21,6 +21,7 @@ PURE = [
     "routing/ring.py",
     "routing/matching.py",
     "routing/supervision.py",
+    "routing/follower.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",

@@ -1,0 +1,103 @@
+"""A slave following its master (routing/follower.py), driven with plain numbers: the
+rule of two looks, the lease, fencing an older reign, the election's votes."""
+
+from __future__ import annotations
+
+from middleware.recovery.fencing import Reign, Trust
+from middleware.routing.follower import (
+    Counted,
+    Elected,
+    FenceMaster,
+    Follower,
+    Leader,
+    NameLease,
+    Promote,
+    Refused,
+    SignalVote,
+    Suspected,
+)
+from middleware.routing.ids import RoleId
+from middleware.routing.protocol import Kind
+
+SLAVES = [RoleId.router_slave("A", j) for j in range(2)]
+MASTER = SLAVES[0].master
+
+
+def follower(slave: int = 0, trust: Trust | None = None) -> Follower:
+    return Follower(
+        SLAVES[slave],
+        SLAVES,
+        interval_s=0.1,
+        misses=5,
+        ceiling_s=0.0,
+        trust=trust or Trust(),
+    )
+
+
+def heard(f: Follower, now: float, lease: str | None = None) -> list:
+    return f.beat(MASTER.owner, Reign(), "p-master", lease, stale=False, now=now)
+
+
+def test_a_master_is_taken_for_failed_at_the_second_look_that_finds_it_silent() -> None:
+    f = follower(0)
+    assert heard(f, 0.0, "lease-1") == [NameLease("lease-1")]
+    assert f.look(0.3, 0.0) == []  # under the floor (5 x 0.1 s)
+    assert f.look(0.6, 0.0) == []  # first look that suspects
+    effects = f.look(0.65, 0.0)  # second: slave-0 outranks the others: it wins at once
+    assert effects[0] == Suspected(0.65, "beats")
+    assert SignalVote(SLAVES[1], Kind.COORDINATOR, Reign.of_winner(1, 0)) in effects
+    assert Promote("elected: its master went silent", Reign.of_winner(1, 0)) in effects
+    assert any(isinstance(e, Elected) for e in effects)
+    assert f.failed_at == 0.0 and f.look(0.7, 0.0) == []  # promoted once
+
+
+def test_a_late_look_is_no_proof_of_a_death() -> None:
+    f = follower(1)
+    heard(f, 0.0)
+    assert f.look(0.6, 0.0) == []  # first look that suspects
+    assert f.look(1.0, 0.35) == []  # this slave was paused itself: looks again
+    assert f.look(1.05, 0.0) == []  # first look again
+    effects = f.look(1.1, 0.0)
+    assert Suspected(1.1, "beats") in effects
+    assert SignalVote(SLAVES[0], Kind.ELECTION) in effects  # asks the higher slave
+
+
+def test_the_master_s_lease_returned_elects_at_once_and_once() -> None:
+    f = follower(0)
+    heard(f, 0.0)
+    effects = f.lease_returned(0.05)
+    assert effects[0] == Suspected(0.05, "lease") and any(isinstance(e, Promote) for e in effects)
+    assert f.lease_returned(0.06) == []
+
+
+def test_an_older_reign_s_beat_is_fenced_and_not_heard() -> None:
+    f = follower(1, Trust(Reign.of_winner(1, 0)))
+    effects = f.beat(MASTER.owner, Reign(), "p-old", "lease-old", stale=False, now=0.0)
+    assert effects == [Counted("fences_sent"), FenceMaster("p-old", Reign.of_winner(1, 0))]
+    assert f.beat(MASTER.owner, Reign(), None, None, stale=False, now=0.0) == [
+        Counted("fences_sent")
+    ]
+    stranger = f.beat("A/router/slave-7", Reign(), None, None, stale=False, now=0.0)
+    assert isinstance(stranger[0], Refused) and "not A/" in stranger[0].why, stranger
+    # a stale beat (sent before its lease's connection closed) is no sign of life
+    assert f.beat(MASTER.owner, Reign.of_winner(1, 0), None, "l", stale=True, now=0.0) == []
+
+
+def test_votes_from_strangers_and_false_coordinators_are_refused() -> None:
+    f = follower(1)
+    assert isinstance(f.vote("B/router/slave-0", Kind.ELECTION, Reign(), 0.0)[0], Refused)
+    claim = Reign.of_winner(1, 1)  # slave-0 claiming slave-1's win
+    assert isinstance(f.vote(SLAVES[0].owner, Kind.COORDINATOR, claim, 0.0)[0], Refused)
+    won = Reign.of_winner(1, 0)
+    assert f.vote(SLAVES[0].owner, Kind.COORDINATOR, won, 0.0) == [Leader(SLAVES[0])]
+    assert f.trust.reign == won
+    stale = f.vote(SLAVES[0].owner, Kind.COORDINATOR, Reign.of_winner(0, 0), 0.0)
+    assert isinstance(stale[-1], Refused)  # epoch 0: no win
+
+
+def test_the_operator_s_take_over_tells_the_other_slaves_first() -> None:
+    f = follower(1)
+    assert f.take_over() == [SignalVote(SLAVES[0], Kind.COORDINATOR, Reign.of_winner(1, 1))]
+    assert f.winning_reign() == Reign.of_winner(1, 1)
+    heard(f, 0.0)
+    assert f.lease_returned(0.1) == []  # it won already: no election
