@@ -339,6 +339,7 @@ class _Chaos:
         async def on_dead(delivery: Any) -> None:
             with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
                 body = json.loads(delivery.body)
+                body = body.get("publish", body)  # a copy carried toward its home
                 event = body.get("event", body)
                 eid = str(event["attributes"]["id"])
                 reason = str(delivery.headers.get("x-qosmq-reason"))
@@ -528,6 +529,7 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                 "expected": len(expected),
                 "delivered": len(delivered),
                 "lost": len(expected - delivered - dead_lettered),
+                "lost_ids": sorted(expected - delivered - dead_lettered)[:50],
                 "dead_lettered": len(dead_lettered),
                 "dead_but_delivered": len(dead_but_delivered),
                 "duplicated": sum(

@@ -1701,7 +1701,9 @@ class RouterMaster(_Role):
             self.detours.reported_down(message.home)
         onward = message.model_copy(update={"hops": [self.cluster]})
         if not await self.detours.forward(message.home, onward, message.priority):
-            raise DeadLetter(f"subscriber home cluster left the ring: {message.home}")
+            raise DeadLetter(
+                f"subscriber home cluster left the ring: {message.queue} (cluster {message.home})"
+            )
 
     async def _relay(self, message: RoutedMessage | Copy) -> None:
         step = self.logic.relay(message)
