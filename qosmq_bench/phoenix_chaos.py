@@ -60,7 +60,13 @@ from typing import Any
 from middleware import runtime
 from middleware.errors import MiddlewareError
 from middleware.localcluster import FaultProxy, LocalCluster
-from middleware.routing import PhoenixClient, RoleId, SyncPhoenixClient
+from middleware.routing import (
+    HOME_LEFT,
+    MAYBE_DELIVERED,
+    PhoenixClient,
+    RoleId,
+    SyncPhoenixClient,
+)
 from middleware.settings import Settings
 from middleware.transport import (
     DEAD_LETTER_EXCHANGE,
@@ -85,8 +91,6 @@ LINK_HOMES = ("C", "A", "A", "C")
 LINK_DOWN_S = 3.0
 #: how long the leaving cluster stays away before it joins again (past ``leave_after_s``)
 AWAY_S = 6.0
-#: what a copy for a departed cluster's subscriber is dead-lettered with
-HOME_LEFT = "subscriber home cluster left the ring"
 CELLS = (("async", "broker"), ("async", "e2e"), ("sync", "broker"), ("sync", "e2e"))
 TEXTS = ("AB", "AC", "BD", "CE")
 Condition = tuple[str, str, Any]
@@ -484,15 +488,21 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
         delivered = {eid for eid in expected if arrivals[eid]}
         named = f"{sub.queue} (cluster {sub.home})"
 
-        def home_left(eid: str, named: str = named) -> bool:
-            return any(HOME_LEFT in why and named in why for why in chaos.dead.get(eid, ()))
+        def home_left(eid: str, named: str = named, surely: bool = False) -> bool:
+            return any(
+                HOME_LEFT in why and named in why and not (surely and MAYBE_DELIVERED in why)
+                for why in chaos.dead.get(eid, ())
+            )
 
         # a copy for a subscriber whose home left the ring: dead-lettered with the reason
         dead_lettered = {eid for eid in expected - delivered if home_left(eid)}
+        # ... and one that the reason does not say may have reached it, which did
         dead_but_delivered = [
             eid
             for eid in arrivals
-            if eid in chaos.published and begin <= chaos.published[eid][2] < end and home_left(eid)
+            if eid in chaos.published
+            and begin <= chaos.published[eid][2] < end
+            and home_left(eid, surely=True)
         ]
         first_arrival: dict[str, float] = {}
         for eid, t in sub.got:
@@ -532,6 +542,7 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                 "lost_ids": sorted(expected - delivered - dead_lettered)[:50],
                 "dead_lettered": len(dead_lettered),
                 "dead_but_delivered": len(dead_but_delivered),
+                "dead_but_delivered_ids": dead_but_delivered[:20],
                 "duplicated": sum(
                     n - 1
                     for eid, n in arrivals.items()

@@ -33,6 +33,7 @@ from .timeliness import (
 if TYPE_CHECKING:
     from .client import PhoenixClient, SubscriptionUnconfirmed, SyncPhoenixClient
     from .deployment import DeploymentError, PhoenixDeployment, RoleStatus
+    from .messages import HOME_LEFT, MAYBE_DELIVERED
     from .protocol import PhoenixTopology
     from .records import RecordError, SubscriptionRecord
 
@@ -44,6 +45,8 @@ _LAZY = {
     "DeploymentError": "deployment",
     "RoleStatus": "deployment",
     "PhoenixTopology": "protocol",
+    "HOME_LEFT": "messages",
+    "MAYBE_DELIVERED": "messages",
     "RecordError": "records",
     "SubscriptionRecord": "records",
 }
@@ -59,6 +62,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "HOME_LEFT",
+    "MAYBE_DELIVERED",
     "ChordRing",
     "DeploymentError",
     "Event",

@@ -120,6 +120,17 @@ class Publish(Routed):
     #: back drops what its inbox held from before its departure that entered elsewhere
     #: (the entry routers routed those again to its successor, which matched them)
     entered_at: float | None = Field(None, ge=0, allow_inf_nan=False)
+    #: routed again after a cluster it had reached left the ring: that cluster may have
+    #: matched and delivered it before it went (its MATCHED went with it)
+    again: bool = False
+
+
+#: how a dead letter for a copy whose subscriber's home cluster left the ring begins (then
+#: ``<queue> (cluster <X>)``, one per queue)
+HOME_LEFT = "subscriber home cluster left the ring"
+#: what a dead letter for a departed home adds when the subscriber may have the event
+#: already: the copy's outcome went with the link, or with the departed cluster
+MAYBE_DELIVERED = "an earlier copy may have reached it"
 
 
 class Copy(Routed):

@@ -90,6 +90,8 @@ from .follower import Effect as FollowerEffect
 from .ids import RoleId, RoleKind
 from .matching import FilterError
 from .messages import (
+    HOME_LEFT,
+    MAYBE_DELIVERED,
     Ack,
     Advertise,
     Answer,
@@ -1701,8 +1703,10 @@ class RouterMaster(_Role):
             self.detours.reported_down(message.home)
         onward = message.model_copy(update={"hops": [self.cluster]})
         if not await self.detours.forward(message.home, onward, message.priority):
+            maybe = message.unreachable or message.publish.again
             raise DeadLetter(
-                f"subscriber home cluster left the ring: {message.queue} (cluster {message.home})"
+                f"{HOME_LEFT}: {message.queue} (cluster {message.home})"
+                + (f"; {MAYBE_DELIVERED}" if maybe else "")
             )
 
     async def _relay(self, message: RoutedMessage | Copy) -> None:
@@ -2287,7 +2291,9 @@ class _MatchBroker(_Role):
             if result.outcome in (Outcome.DELIVERED, Outcome.TAKEN):
                 self.count("delivered")
         refusals = [r.reason for r in outcomes if r.outcome is Outcome.REFUSED]
-        why = [f"subscriber home cluster left the ring: {', '.join(gone)}"] if gone else []
+        why = [f"{HOME_LEFT}: {', '.join(gone)}"] if gone else []
+        if gone and message.again:  # the departed cluster may have delivered it first
+            why[0] += f"; {MAYBE_DELIVERED}"
         if gone:
             self.count("home_departed", len(gone))
         if why or refusals:  # after the others' copies went out: kept with why

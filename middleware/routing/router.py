@@ -226,4 +226,4 @@ class KeptEvents:
         for message in again:
             assert message.id is not None
             del self._kept[message.id]
-        return [m.model_copy(update={"hops": [], "via": []}) for m in again]
+        return [m.model_copy(update={"hops": [], "via": [], "again": True}) for m in again]
