@@ -539,7 +539,10 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                 "expected": len(expected),
                 "delivered": len(delivered),
                 "lost": len(expected - delivered - dead_lettered),
-                "lost_ids": sorted(expected - delivered - dead_lettered)[:50],
+                "lost_ids": [
+                    (eid, chaos.published[eid][0], round(chaos.published[eid][2] - begin, 3))
+                    for eid in sorted(expected - delivered - dead_lettered)[:50]
+                ],
                 "dead_lettered": len(dead_lettered),
                 "dead_but_delivered": len(dead_but_delivered),
                 "dead_but_delivered_ids": dead_but_delivered[:20],

@@ -139,6 +139,7 @@ class AsyncConfirmPublisher:
         routing_key: str = "",
         message_id: str | None = None,
         expect: Iterable[str] | None = None,
+        headers: Mapping[str, Any] | None = None,
     ) -> bool:
         """An e2e publish whose receipts are waited for ``hold_s`` at most (``pace.py``):
         True when every expected queue answered in time; False when the time passed and
@@ -153,7 +154,7 @@ class AsyncConfirmPublisher:
                 body,
                 exchange=exchange,
                 routing_key=routing_key,
-                headers=None,
+                headers=headers,
                 message_id=message_id,
                 expect=expect,
                 priority=None,

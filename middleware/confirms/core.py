@@ -29,7 +29,7 @@ from .tracking import (
     Receipt,
     ReceiptBatcher,
     Resolution,
-    body_digest,
+    content_digest,
     decode_receipts,
     encode_receipts,
     published_age,
@@ -226,7 +226,7 @@ class ConsumerCore:
         if not wants_receipt(delivery.headers, delivery.reply_to, delivery.message_id):
             return True
         key = (delivery.queue, str(delivery.message_id))
-        digest = body_digest(delivery.body)
+        digest = content_digest(delivery.headers, delivery.body)
         earlier = self.dedup.get(*key)
         first = earlier.digest if earlier is not None else self._in_progress.get(key)
         if first is None:

@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "CONTENT_HEADER",
     "RECEIPT_HEADER",
     "RECEIPT_TYPE",
     "ConfirmTracker",
@@ -32,6 +33,7 @@ __all__ = [
     "Receipt",
     "ReceiptBatcher",
     "Resolution",
+    "content_digest",
     "decode_receipts",
     "encode_receipts",
     "published_age",
@@ -41,6 +43,11 @@ __all__ = [
 #: Header on a data message: "send receipts to my reply_to"; its value is the publish
 #: time in milliseconds since the epoch (``1`` from earlier publishers: age unknown).
 RECEIPT_HEADER = "x-qosmq-receipt"
+#: Header on a data message: the publisher's name for what the message says.  Two
+#: messages with one id and one content name are one message to the consumer's duplicate
+#: check, whatever else their bodies differ in (a Phoenix event matched by two match
+#: brokers is stamped with each's name); without it the body itself is compared.
+CONTENT_HEADER = "x-qosmq-content"
 #: AMQP ``type`` property of a receipt batch.
 RECEIPT_TYPE = "qosmq.receipts.v1"
 
@@ -59,6 +66,17 @@ def body_digest(body: bytes) -> bytes:
     """Tells a resend (same id, same body: answered with the first receipt) from another
     message reusing the id (same id, other body: refused, never confirmed as handled)."""
     return hashlib.blake2b(body, digest_size=8).digest()
+
+
+def content_digest(headers: Mapping[str, Any], body: bytes) -> bytes:
+    """What the duplicate check compares: the ``CONTENT_HEADER`` when the publisher named
+    the content (text or bytes), else the body (``body_digest``)."""
+    named = headers.get(CONTENT_HEADER)
+    if isinstance(named, str):
+        named = named.encode()
+    if isinstance(named, bytes | bytearray) and named:
+        return hashlib.blake2b(b"content:" + bytes(named), digest_size=8).digest()
+    return body_digest(body)
 
 
 def wants_receipt(headers: Mapping[str, Any], reply_to: str | None, message_id: str | None) -> bool:

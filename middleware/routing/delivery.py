@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
+from ..confirms.tracking import CONTENT_HEADER
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..transport import AsyncClient, OutgoingMessage
 from .protocol import PhoenixTopology
@@ -50,6 +52,12 @@ class Outcome(enum.Enum):
 class CopyOutcome:
     outcome: Outcome
     reason: str = ""
+
+
+def event_content(event_json: str) -> str:
+    """An event's name for an e2e subscriber's duplicate check (``CONTENT_HEADER``):
+    the same for every copy of one event, whichever match broker stamped it."""
+    return hashlib.blake2b(event_json.encode(), digest_size=8).hexdigest()
 
 
 class CopySender:
@@ -82,11 +90,14 @@ class CopySender:
         copy_id: str | None,
         *,
         local: bool = False,
+        content: str | None = None,
     ) -> CopyOutcome:
         """Send one copy and say how it ended (never raises for its home's faults).
         ``local``: the home is this role's own cluster (a routing master putting a copy
         the ring carried to it): no link bound, the transport's own retries, and a
-        failure raises (the copy's delivery stays unacked)."""
+        failure raises (the copy's delivery stays unacked).  ``content``: the event's
+        name (``event_content``): an e2e subscriber takes two copies of one event as one
+        message however each was stamped (matched again elsewhere after a cluster left)."""
         bound = None if local else self.topology.link_timeout_s
         if not local and not self._may_try(home, time.monotonic()):
             return CopyOutcome(Outcome.UNREACHABLE, f"cluster {home} unreachable a moment ago")
@@ -95,7 +106,7 @@ class CopySender:
             if not local and not client.ready:
                 raise LinkDown(f"no connection to cluster {home}'s RabbitMQ (failing over)")
             if confirm == "e2e":
-                return await self._e2e_copy(client, home, queue, body, copy_id, bound)
+                return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
             message = OutgoingMessage(body, "", queue, content_type="application/json")
             await asyncio.wait_for(client.publish(message), bound)
             self._down.pop(home, None)
@@ -129,6 +140,7 @@ class CopySender:
         body: bytes,
         copy_id: str | None,
         bound: float | None,
+        content: str | None = None,
     ) -> CopyOutcome:
         publisher = await self._publisher(client)
         hold = self.pace.hold(queue, time.monotonic())
@@ -140,6 +152,7 @@ class CopySender:
                 routing_key=queue,
                 expect=[queue],
                 message_id=copy_id,
+                headers={CONTENT_HEADER: content} if content else None,
             )
         finally:
             if hold > 0:

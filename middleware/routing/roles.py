@@ -73,7 +73,7 @@ from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, Queue
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
 from .beats import Beater, LeaseWatch
-from .delivery import CopySender, Outcome
+from .delivery import CopySender, Outcome, event_content
 from .detours import LINK_ERRORS, Detours
 from .follower import (
     Counted,
@@ -1694,7 +1694,13 @@ class RouterMaster(_Role):
         if message.home == self.cluster:
             body = encode(message.publish)
             result = await self.copies.put(
-                message.home, message.queue, message.confirm, body, message.copy_id, local=True
+                message.home,
+                message.queue,
+                message.confirm,
+                body,
+                message.copy_id,
+                local=True,
+                content=event_content(message.publish.event.model_dump_json()),
             )
             self.count(f"carried_copies_{result.outcome.value}")
             return
@@ -2243,6 +2249,7 @@ class _MatchBroker(_Role):
         body = encode(stamped)
         copies = self.registry.copies(matched, self.departed)
         queues, gone = copies.queues, copies.departed
+        content = event_content(message.event.model_dump_json()) if queues else None
 
         def copy_id(queue: str) -> str | None:
             # one id per (event, queue): a copy sent again (the event handled again after
@@ -2259,7 +2266,7 @@ class _MatchBroker(_Role):
         ):
             outcomes = await asyncio.gather(
                 *(
-                    self.copies.put(home, queue, confirm, body, copy_id(queue))
+                    self.copies.put(home, queue, confirm, body, copy_id(queue), content=content)
                     for (home, queue), confirm in queues.items()
                 )
             )

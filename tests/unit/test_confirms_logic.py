@@ -286,3 +286,30 @@ def test_consumer_core_requeue_and_plain_messages_earn_no_receipt() -> None:
     plain = Delivery(b"x", "q", message_id="p")
     assert core.should_handle(plain) and core.settled(plain, Outcome(Action.ACK)) == []
     assert len(core.batcher) == 0
+
+
+def test_a_named_content_makes_two_differently_stamped_copies_one_message() -> None:
+    """``CONTENT_HEADER``: one id, one content name, other bodies (a Phoenix event matched
+    by two match brokers): the second is a resend, answered with the first's receipt; a
+    different content name under the same id is another message, refused."""
+    from middleware.confirms.tracking import CONTENT_HEADER
+
+    def copy(body: bytes, content: str) -> Delivery:
+        headers = {RECEIPT_HEADER: 1, CONTENT_HEADER: content}
+        return Delivery(
+            body, "q", message_id="e1:q", reply_to="amq.rabbitmq.reply-to.X", headers=headers
+        )
+
+    core = ConsumerCore(ConfirmSettings(receipt_batch=100))
+    first = copy(b'{"broker": "D/match-0"}', "ev-1")
+    assert core.should_handle(first)
+    core.settled(first, Outcome(Action.ACK))
+    again = copy(b'{"broker": "A/match-0", "again": true}', "ev-1")
+    assert not core.should_handle(again)
+    core.settled(again, Outcome(Action.ACK))
+    other = copy(b'{"broker": "A/match-0"}', "ev-2")
+    assert not core.should_handle(other)
+    core.settled(other, Outcome(Action.ACK))
+    ((_reply_to, sent),) = core.batcher.drain()
+    assert [r.ok for r in sent] == [True, True, False], sent
+    assert "a different message" in sent[2].reason
