@@ -468,6 +468,21 @@ class _Chaos:
         return lambda: None  # "silent": done by the window itself
 
 
+def _removed_after(sub: _Subscriber, eid: str, chaos: _Chaos) -> float | None:
+    """Seconds from a lost event's publish to the unsubscribe of a matching subscription
+    sent next (None: none was), for the report."""
+    event_type, attributes, at = chaos.published[eid]
+    later = [
+        s.removing - at
+        for s in sub.subscriptions.values()
+        if s.event_type == event_type
+        and holds(s.conditions, attributes)
+        and s.removing is not None
+        and s.removing >= at
+    ]
+    return round(min(later), 3) if later else None
+
+
 def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dict[str, Any]]:
     rows = []
     for sub in chaos.subs:
@@ -540,7 +555,12 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                 "delivered": len(delivered),
                 "lost": len(expected - delivered - dead_lettered),
                 "lost_ids": [
-                    (eid, chaos.published[eid][0], round(chaos.published[eid][2] - begin, 3))
+                    (
+                        eid,
+                        chaos.published[eid][0],
+                        round(chaos.published[eid][2] - begin, 3),
+                        _removed_after(sub, eid, chaos),
+                    )
                     for eid in sorted(expected - delivered - dead_lettered)[:50]
                 ],
                 "dead_lettered": len(dead_lettered),
