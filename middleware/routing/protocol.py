@@ -208,6 +208,26 @@ class PhoenixTopology(BaseModel):
                 f"topology file {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 TOML"
             ) from None
         except ValidationError as exc:
-            raise ConfigurationError(
-                f"topology file {path}: {exc.errors(include_url=False)}"
-            ) from None
+            raise ConfigurationError(f"topology file {path}: {explain(exc)}") from None
+
+
+def explain(exc: ValidationError) -> str:
+    """A topology's validation errors as one line, each ``where: what (got value)``,
+    named as the file has them (``[[cluster]] #2 routing_slaves``); an error of a list
+    that only follows from one of its items' errors is left out."""
+    errors = exc.errors(include_url=False)
+    locs = [tuple(e["loc"]) for e in errors]
+    parts = []
+    for error in errors:
+        loc = tuple(error["loc"])
+        if any(len(other) > len(loc) and other[: len(loc)] == loc for other in locs):
+            continue  # the list's complaint about an item that failed on its own
+        if len(loc) > 1 and loc[0] in ("clusters", "links") and isinstance(loc[1], int):
+            where = f"[[{str(loc[0])[:-1]}]] #{loc[1] + 1}"
+            where += "".join(f" {part}" for part in loc[2:])
+        else:
+            where = ".".join(str(part) for part in loc) or "the file"
+        value = error.get("input")
+        got = "" if isinstance(value, dict | list | tuple) else f" (got {value!r})"
+        parts.append(f"{where}: {error['msg']}{got}")
+    return "; ".join(parts)

@@ -142,3 +142,23 @@ def test_cached_routes_follow_topology_changes() -> None:
     assert r.route("d", "a") == {"q2", "q4"}
     r.forget_exchange("d")
     assert r.route("d", "a") == set()
+
+
+def test_a_bad_topology_file_is_named_in_one_line_as_the_file_has_it(tmp_path) -> None:
+    """Each error as ``where: what (got value)``, with the file's names (``[[cluster]]
+    #1``), and no second error of the list that only follows from its item's."""
+    import pytest
+
+    from middleware.errors import ConfigurationError
+    from middleware.routing import PhoenixTopology
+
+    bad = tmp_path / "phoenix.toml"
+    bad.write_text('prefix = "x"\ninbox_prefetch = 0\n[[cluster]]\nid = "A"\nrouting_slaves = -1\n')
+    with pytest.raises(ConfigurationError) as caught:
+        PhoenixTopology.load(bad)
+    text = str(caught.value)
+    assert (
+        "[[cluster]] #1 routing_slaves: Input should be greater than or equal to 0 (got -1)" in text
+    )
+    assert "inbox_prefetch: Input should be greater than or equal to 1 (got 0)" in text
+    assert "too_short" not in text and "at least 1 item" not in text and "\n" not in text
