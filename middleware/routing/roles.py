@@ -334,8 +334,6 @@ class _Role:
         self.provisioner = provisioner
         #: an elected master: when (monotonic) its slave last heard the failed one
         self.failed_at = failed_at
-        #: when this slave began the election it may win (the election phase's start)
-        self.electing_since: float | None = None
         # a master's slaves, by number, as their beats and load reports say: the one
         # liveness rule for dispatch (match masters) and for replacements
         self.live = FailureDetector[int](
@@ -347,7 +345,7 @@ class _Role:
         )
         #: each slave's lease as this master watches it (beats.py)
         self.slave_watches: dict[int, LeaseWatch] = {}
-        self.side_tasks: set[asyncio.Future[None]] = set()  # not awaited by anyone
+        self.side_tasks: set[asyncio.Future[Any]] = set()  # held, not awaited by anyone
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
         self.takeover_reply: Takeover | None = None  # answered once serving
@@ -846,7 +844,7 @@ class _Role:
             elif isinstance(effect, After):
                 self._after(effect)
             else:
-                self._background_side(self._replacement(effect))
+                self._background(self._replacement(effect))
 
     def _slave(self, number: int) -> RoleId:
         return next(
@@ -857,11 +855,13 @@ class _Role:
         def fire() -> None:
             now = time.monotonic()
             alive = effect.slave in self.live.alive(now)
-            self._background_side(self._supervise(self.supervision.timer(effect.slave, alive, now)))
+            self._background(self._supervise(self.supervision.timer(effect.slave, alive, now)))
 
         asyncio.get_running_loop().call_later(effect.delay_s, fire)
 
-    def _background_side(self, work: Awaitable[None]) -> None:
+    def _background(self, work: Awaitable[Any]) -> None:
+        """Run ``work`` beside serving (stores, recoveries, replacements), held until it
+        ends."""
         task = asyncio.ensure_future(work)
         self.side_tasks.add(task)
         task.add_done_callback(self.side_tasks.discard)
@@ -1495,7 +1495,6 @@ class RouterMaster(_Role):
         self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
         #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
         self._recoveries: dict[str, tuple[set[str], int, asyncio.Future[int]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
         #: events that entered the ring here and went to another cluster, until their
         #: owner says they were matched (routed again if it leaves first)
         self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
@@ -1594,12 +1593,6 @@ class RouterMaster(_Role):
             self.store.save(owner, "ring", cluster, document, version)
 
         self._background(asyncio.to_thread(write))
-
-    def _background(self, work: Awaitable[Any]) -> None:
-        """Run ``work`` beside serving, held until it ends (stores, recoveries, retires)."""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
