@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import queue as queue_module
 import random
@@ -81,6 +82,8 @@ from middleware.transport import (
 
 from .phoenix_recovery import _serving, _wait_all_served
 from .phoenix_timeliness import CLUSTERS, Deployment
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FAULTS", "LINK_FAULTS", "run_chaos"]
 
@@ -179,6 +182,7 @@ class _SyncSide:
                 client.run(0.05)
             client.close()
         except BaseException as exc:  # the run reports it; a sync face must not die
+            log.error("sync subscriber %s died", self.sub.name, exc_info=exc)
             self.error = exc
 
 
@@ -744,7 +748,9 @@ def problems(rows: list[dict[str, Any]]) -> list[str]:
             continue
         where = f"{r['fault']} window, {r['subscriber']}"
         if r["lost"]:
-            out.append(f"{where}: {r['lost']} of {r['expected']} lost")
+            # (id, type, seconds into the window, next unsubscribe after): enough to
+            # find the event in the role logs of a run that failed once
+            out.append(f"{where}: {r['lost']} of {r['expected']} lost: {r['lost_ids'][:5]}")
         if r["unexpected"]:
             out.append(f"{where}: {r['unexpected']} unexpected")
         if r["dead_but_delivered"]:
