@@ -606,7 +606,7 @@ class SyncClient:
             live = _SyncLive(node, connection, confirm, self._open_watched(connection))
             self._start_replies(live)
             for spec in list(self.topology.replay_plan()):
-                self._apply(live, spec)
+                self._replay(live, spec)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 connection.close()
@@ -616,6 +616,27 @@ class SyncClient:
         self.server = BrokerInfo.from_properties(getattr(impl, "server_properties", None))
         metrics.broker_connected(log, self.server)
         log.debug("connected to %s (%s)", node, self.server.describe())
+
+    def _replay(self, live: _SyncLive, spec: Any) -> None:
+        """One step of a failover's replay.  A consumer whose queue is not there (404) does
+        not fail the connection: a queue this client declared is declared again and
+        consumed (it vanished between the two: the broker removing a lost node's exclusive
+        queues while this client declared its own again on another node); a queue someone
+        else declares waits for the watchdog, which subscribes it again once it exists."""
+        try:
+            self._apply(live, spec)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404 or not isinstance(spec, ConsumerSpec):
+                raise
+            queue = self._consumers[spec.tag].spec.queue
+            declared = self.topology.queues.get(queue)
+            if declared is None:
+                log.warning("consumer %s: queue %r not there after failover", spec.tag, queue)
+                self._cancelled[spec.tag] = time.monotonic()
+                return
+            log.info("queue %r vanished during the replay; declared again", queue)
+            self._apply(live, declared)
+            self._apply(live, spec)
 
     def _reopen_channel(self, live: _SyncLive) -> blocking.BlockingChannel:
         channel = live.connection.channel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from middleware.errors import MiddlewareError
 from middleware.localcluster.proxy import FaultProxy
 from middleware.settings import Settings
-from middleware.transport import AsyncClient, OutgoingMessage, QueueSpec, SyncClient
+from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from tests.conftest import Face, LoopThread
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest.mark.slow]
@@ -282,3 +283,80 @@ def test_an_e2e_publisher_whose_first_start_meets_a_cut_link_starts_clean_after_
     finally:
         proxy.close()
     assert handled == 20
+
+
+def test_a_sync_consumer_whose_queue_vanishes_during_the_replay_is_restored(
+    settings, brokers, name
+) -> None:
+    """A sync client fails over; while it replays, its exclusive queue vanishes between
+    the declare and the consume (as when the broker removes a lost node's exclusive queues
+    while the client declares its own again elsewhere: seen in the chaos node window, where
+    ``run()`` then died of a 404).  The deletion is real, on the broker, at that moment;
+    the client declares the queue again and goes on consuming."""
+    ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in brokers.urls]
+    p1, p2 = FaultProxy(ports[0]), FaultProxy(ports[-1])
+    client = SyncClient(settings=_with_urls(settings, p1.url, p2.url)).connect()
+    queue = f"{name}.reply"
+    try:
+        client.declare_queue(
+            QueueSpec(queue, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
+        )
+        got: list[bytes] = []
+        client.consume(queue, lambda d: got.append(d.body))
+        apply, vanished = client._apply, []
+
+        def apply_then_delete(live, spec):
+            result = apply(live, spec)
+            if isinstance(spec, QueueSpec) and spec.name == queue and not vanished:
+                channel = live.connection.channel()
+                channel.queue_delete(queue)  # gone before the consumer is replayed
+                channel.close()
+                vanished.append(True)
+            return result
+
+        client._apply = apply_then_delete
+        p1.cut(refuse=True)
+        client.run(5.0, until=lambda: client.connected_node.endswith(f":{p2.port}"))
+        assert vanished, "the replay did not run"
+        assert client.connected_node.endswith(f":{p2.port}")
+        for i in range(5):
+            client.publish(OutgoingMessage(f"m{i}".encode(), "", queue))
+        client.run(10.0, until=lambda: len(got) >= 5)
+        assert sorted(got) == [f"m{i}".encode() for i in range(5)]
+    finally:
+        client.close()
+        p1.close()
+        p2.close()
+
+
+def test_a_sync_consumer_of_a_queue_gone_while_it_failed_over_waits_for_it(
+    settings, brokers, name
+) -> None:
+    """A queue the client consumes but does not declare (another service owns it) is
+    deleted while the client's link is cut: the failover replays without it (no error
+    out of ``run()``) and the consumer is subscribed again once the queue is back."""
+    ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in brokers.urls]
+    p1, p2 = FaultProxy(ports[0]), FaultProxy(ports[-1])
+    owner = SyncClient(settings=settings).connect()
+    client = SyncClient(settings=_with_urls(settings, p1.url, p2.url)).connect()
+    try:
+        owner.declare_queue(QueueSpec(name))
+        got: list[bytes] = []
+        client.consume(name, lambda d: got.append(d.body))
+        p1.cut(refuse=True)
+        owner.delete_queue(name)
+        client.run(5.0, until=lambda: client.connected_node.endswith(f":{p2.port}"))
+        assert client.connected_node.endswith(f":{p2.port}")
+        client.run(1.0)  # the queue is not there: nothing raised
+        owner.declare_queue(QueueSpec(name))
+        for i in range(5):
+            owner.publish(OutgoingMessage(f"m{i}".encode(), "", name))
+        client.run(30.0, until=lambda: len(got) >= 5)
+        assert sorted(got) == [f"m{i}".encode() for i in range(5)]
+    finally:
+        with contextlib.suppress(MiddlewareError):
+            owner.delete_queue(name)
+        owner.close()
+        client.close()
+        p1.close()
+        p2.close()
