@@ -487,8 +487,31 @@ def _removed_after(sub: _Subscriber, eid: str, chaos: _Chaos) -> float | None:
     return round(min(later), 3) if later else None
 
 
+def _raced_its_unsubscribe(
+    matching: list[_Subscription], at: float, matched_by: float | None
+) -> bool:
+    """An event that entered at one cluster while its subscriber's unsubscribe entered at
+    another has no order with it: the owner may match it after the removal (the promise
+    is for events matched before it).  Said only where the copies tell: every matching
+    subscription's unsubscribe was sent after the publish, and the event's first copy to
+    any subscriber (so its matching, which came before) arrived after that send.  A copy
+    elsewhere before the unsubscribe was even sent proves it was matched in time: lost."""
+    standing = [s for s in matching if s.standing(at)]
+    if not standing or matched_by is None:
+        return False
+    sends = [s.removing for s in standing]
+    return all(t is not None and t >= at for t in sends) and matched_by >= min(
+        t for t in sends if t is not None
+    )
+
+
 def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dict[str, Any]]:
     rows = []
+    first_copy: dict[str, float] = {}  # an event's first copy to any subscriber
+    for other in chaos.subs:
+        for eid, t in other.got:
+            if t < first_copy.get(eid, float("inf")):
+                first_copy[eid] = t
     for sub in chaos.subs:
         arrivals = Counter(eid for eid, _ in sub.got)
         expected, uncertain = set(), set()
@@ -500,7 +523,8 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                 for s in sub.subscriptions.values()
                 if s.event_type == event_type and holds(s.conditions, attributes)
             ]
-            if any(s.changing(at) for s in matching):
+            raced = not arrivals[eid] and _raced_its_unsubscribe(matching, at, first_copy.get(eid))
+            if raced or any(s.changing(at) for s in matching):
                 uncertain.add(eid)
             elif any(s.standing(at) for s in matching):
                 expected.add(eid)
