@@ -487,6 +487,14 @@ def _removed_after(sub: _Subscriber, eid: str, chaos: _Chaos) -> float | None:
     return round(min(later), 3) if later else None
 
 
+def _standing_for(sub: _Subscriber, eid: str, chaos: _Chaos) -> int:
+    event_type, attributes, at = chaos.published[eid]
+    return sum(
+        s.event_type == event_type and holds(s.conditions, attributes) and s.standing(at)
+        for s in sub.subscriptions.values()
+    )
+
+
 def _raced_its_unsubscribe(
     matching: list[_Subscription], at: float, matched_by: float | None
 ) -> bool:
@@ -588,6 +596,12 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                         chaos.published[eid][0],
                         round(chaos.published[eid][2] - begin, 3),
                         _removed_after(sub, eid, chaos),
+                        # its first copy to any subscriber, s after the publish (None:
+                        # none), and how many of this one's subscriptions stood for it
+                        None
+                        if eid not in first_copy
+                        else round(first_copy[eid] - chaos.published[eid][2], 3),
+                        _standing_for(sub, eid, chaos),
                     )
                     for eid in sorted(expected - delivered - dead_lettered)[:50]
                 ],

@@ -32,6 +32,7 @@ __all__ = [
     "Copy",
     "Fence",
     "Found",
+    "HandedOver",
     "Handover",
     "Heartbeat",
     "Join",
@@ -388,6 +389,18 @@ class Recovered(_Message):
     restored: int = Field(ge=0)
 
 
+class HandedOver(_Message):
+    """The previous owner's routing master -> the joining cluster's routing master's
+    control queue: every subscription of the arc it took was sent (``count``, to that
+    control queue, before this): the joiner stops holding the arc's events once it has
+    routed them all."""
+
+    kind: Literal[Kind.HANDED_OVER] = Kind.HANDED_OVER
+    cluster: _Cluster  # the joiner
+    by: _Cluster  # the previous owner
+    count: int = Field(ge=0)
+
+
 class Matched(_Message):
     """The owner cluster's match master or slave -> the entry router's control queue:
     the events of these ids were matched and their copies confirmed; the entry router
@@ -428,6 +441,7 @@ Message = Annotated[
     | Recover
     | Recovered
     | Matched
+    | HandedOver
     | Copy,
     Field(discriminator="kind"),
 ]

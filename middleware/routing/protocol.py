@@ -47,6 +47,7 @@ class Kind(StrEnum):
     RECOVERED = "recovered"  # a match master -> that router: restored (how many)
     MATCHED = "matched"  # the owner's match roles -> the entry router: these events are done
     COPY = "copy"  # a match broker -> routers -> a subscriber's home router: one copy
+    HANDED_OVER = "handed_over"  # previous owner's router -> the joiner's: arc all sent
 
 
 class ClusterSpec(BaseModel):
@@ -92,6 +93,11 @@ class PhoenixTopology(BaseModel):
     blind_dispatch: Literal["round_robin", "master"] = "round_robin"
     persist_interval_s: float = Field(60.0, gt=0)  # masters' periodic table snapshots
     read_timeout_s: float = Field(60.0, gt=0)  # how long a master waits for R replica replies
+    #: a cluster that joins (or rejoins) the ring holds its arc's events at its routing
+    #: master until the previous owner's hand-over of the arc's subscriptions is all
+    #: there, at most this long (0: not at all): an event matched before would miss the
+    #: subscriptions made meanwhile at the previous owner
+    handover_wait_s: float = Field(5.0, ge=0, le=600)
     #: masters beat to their slaves this often; a slave suspects its master after
     #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over
     heartbeat_interval_s: float = Field(0.1, gt=0, le=60)

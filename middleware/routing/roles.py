@@ -101,6 +101,7 @@ from .messages import (
     Copy,
     Fence,
     Found,
+    HandedOver,
     Handover,
     Heartbeat,
     Join,
@@ -1502,6 +1503,12 @@ class RouterMaster(_Role):
         #: told before that (its control queue is consumed first) waits for it, or a
         #: promoted router would take a recorded departure's arc over a second time
         self._ring_applied = asyncio.Event()
+        #: this cluster (re)joins the ring: its own arc, and set once the previous
+        #: owner's hand-over is all routed here (or ``handover_wait_s`` passed)
+        self._joining: tuple[Arc, asyncio.Event] | None = None
+        self._handed = 0  # hand-over subscriptions routed here
+        self._handed_expected: int | None = None  # the previous owner's count
+        self._joined_since = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -1547,6 +1554,7 @@ class RouterMaster(_Role):
         router that starts after a leave, e.g. a promoted slave, must not route to the
         departed cluster again and take its arc over a second time)."""
         records = await asyncio.to_thread(self.store.load, ring_owner(self.topology.prefix), "ring")
+        self._hold_if_joining(live(records).get(self.cluster, (0, None))[1])
         for cluster, (_, record) in sorted(live(records).items()):
             if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
                 continue
@@ -1574,6 +1582,77 @@ class RouterMaster(_Role):
                 adoption.masters,
             )
         self._ring_applied.set()
+
+    def _hold_if_joining(self, record: Any) -> None:
+        """This cluster joins the ring now (listed as joining later and never recorded as
+        joined, or recorded as left): the other routers send it its arc's events as soon
+        as they hear the join, while the previous owner's match masters are still
+        sending the arc's subscriptions (those made while it was away among them).  The
+        arc's events wait here, as a take-over's do, until they are all routed here."""
+        state = record.get("state") if isinstance(record, dict) else None
+        joining = state == "left" or (state is None and not self._spec.joined)
+        bound = self.topology.handover_wait_s
+        if not joining or bound <= 0 or len(self.ring.clusters) < 2:
+            return
+        ring = self.ring
+        arc = Arc(
+            self.cluster,
+            ring.successors(self.cluster, 1)[0],
+            ring_id(ring.predecessor(self.cluster)),
+            ring_id(self.cluster),
+        )
+        released = asyncio.Event()
+        self._joining = (arc, released)
+        started = time.monotonic()
+
+        def give_up() -> None:
+            if not released.is_set():
+                released.set()
+                self.count("handover_wait_expired")
+                log.warning(
+                    "%s: the arc's hand-over not all here after %.1f s (%d of %s routed): "
+                    "its events go on",
+                    self.id,
+                    bound,
+                    self._handed,
+                    "?" if self._handed_expected is None else self._handed_expected,
+                )
+
+        asyncio.get_running_loop().call_later(bound, give_up)
+        self._joined_since = started
+        log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
+
+    async def _on_handed_subscription(self, message: Subscribe) -> None:
+        """One subscription of the arc this cluster joins with, from the previous owner's
+        match master (to this control queue, so that the arc's events held in the inbox
+        do not keep it out): routed to this cluster's match master like any other."""
+        await self._ring_applied.wait()
+        try:
+            await self._route(message, held=False)
+        finally:
+            self._handed += 1
+            self._release_if_handed()
+
+    async def _on_handed_over(self, message: HandedOver) -> None:
+        if message.cluster != self.cluster:
+            raise DeadLetter(f"handed_over: for {message.cluster}, not {self.cluster}")
+        self._handed_expected = message.count
+        self._release_if_handed()
+
+    def _release_if_handed(self) -> None:
+        if self._joining is None or self._handed_expected is None:
+            return
+        _, released = self._joining
+        if self._handed >= self._handed_expected and not released.is_set():
+            released.set()
+            self.count("handovers_received")
+            log.info(
+                "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
+                "%.3f s after the start",
+                self.id,
+                self._handed,
+                time.monotonic() - self._joined_since,
+            )
 
     def _record_ring_change(self, cluster: str, state: str) -> None:
         """Persist that ``cluster`` left or joined (in the state store every cluster's
@@ -1604,6 +1683,8 @@ class RouterMaster(_Role):
             Leave: self._on_leave,
             Recovered: self._on_recovered,
             Matched: self._on_matched,
+            Subscribe: self._on_handed_subscription,
+            HandedOver: self._on_handed_over,
         }
 
     @functools.cached_property
@@ -1620,7 +1701,7 @@ class RouterMaster(_Role):
     async def _on_join(self, message: Join) -> None:
         await self._join(message.cluster)
 
-    async def _route(self, message: RoutedMessage) -> None:
+    async def _route(self, message: RoutedMessage, *, held: bool = True) -> None:
         """``RouterLogic`` decides; this writes the latencyMap entries it names, waits
         for an arc being restored, and sends (again, when a next hop left meanwhile)."""
         if message.via:  # on a detour: pass it on toward the next hop of its path
@@ -1649,7 +1730,7 @@ class RouterMaster(_Role):
                         self.count("kept_until_matched")
                     return
                 self.count("rerouted")  # the next hop left the ring meanwhile: route again
-            elif not await self._taken_over(forwarded.event_type):
+            elif not held or not await self._taken_over(forwarded.event_type):
                 break  # (after waiting for an arc's restore: its plan routes it, ask again)
         self.count("routed")
         match = self.inbox_of(RoleId.match(self.cluster, step.index))
@@ -1729,7 +1810,10 @@ class RouterMaster(_Role):
         """An event type of an arc this router took over from a departed cluster waits
         until its match masters restored that arc's subscriptions (the paper's buffer:
         the waiting handlers and the inbox behind them); whether it waited."""
-        for arc, restored in list(self._recovering.values()):
+        holds = list(self._recovering.values())
+        if self._joining is not None:
+            holds.append(self._joining)
+        for arc, restored in holds:
             if not restored.is_set() and arc.covers(event_type):
                 self.count("held_for_recovery")
                 await restored.wait()
@@ -2045,34 +2129,58 @@ class RouterMaster(_Role):
         log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
         retiring = [RoleId.match(self.cluster, i) for i in range(keep, masters)]
         request = uuid.uuid4().hex
-        for i in range(masters):
-            master = RoleId.match(self.cluster, i)
-            give = Handover(cluster=cluster, arc=(handover.start, handover.end))
-            if master in retiring:  # it answers once handed over: then it is stopped
-                give = give.model_copy(
-                    update={"request": request, "reply_to": self.connections.process_queue}
-                )
-            # priority 0: behind the arc's events routed here before the join (matched
-            # here with the subscriptions still held); none come after it (this router
-            # forwards the arc to the joiner from now on)
-            await self.send(self.cluster, self.inbox_of(master), give, 0)
-        if retiring:
-            self._background(self._retire_added(cluster, retiring, request))
-
-    async def _retire_added(self, cluster: str, masters: list[RoleId], request: str) -> None:
-        """Once the masters a take-over added handed ``cluster``'s arc back, stop them
-        and their slaves (the provisioner's ``retire``)."""
+        giving = [RoleId.match(self.cluster, i) for i in range(masters)]
         answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._recoveries[request] = ({m.owner for m in masters}, 0, answered)
+        self._recoveries[request] = ({m.owner for m in giving}, 0, answered)
+        for master in giving:
+            # each answers how many it sent; priority 0: behind the arc's events routed
+            # here before the join (matched here with the subscriptions still held); none
+            # come after it (this router forwards the arc to the joiner from now on)
+            give = Handover(
+                cluster=cluster,
+                arc=(handover.start, handover.end),
+                request=request,
+                reply_to=self.connections.process_queue,
+            )
+            await self.send(self.cluster, self.inbox_of(master), give, 0)
+        self._background(self._handed_over(cluster, retiring, request, answered))
+
+    async def _handed_over(
+        self, cluster: str, retiring: list[RoleId], request: str, answered: asyncio.Future[int]
+    ) -> None:
+        """Once every match master handed ``cluster``'s arc over, tell the joiner's router
+        how many subscriptions to expect (it holds the arc's events until they are all
+        routed there), then stop the masters a take-over had added, with their slaves
+        (the provisioner's ``retire``)."""
         try:
             moved = await asyncio.wait_for(answered, self.topology.read_timeout_s)
         except TimeoutError:
             log.warning(
-                "%s: the added masters did not hand %s's arc back in time", self.id, cluster
+                "%s: the match masters did not hand %s's arc over in time", self.id, cluster
             )
-            return  # left running: nothing of theirs is lost
+            return  # the added ones left running: nothing of theirs is lost
         finally:
             self._recoveries.pop(request, None)
+        done = HandedOver(cluster=cluster, by=self.cluster, count=moved)
+        queue = self.control_of(RoleId.router(cluster))
+        # the link to a rejoining cluster may still be connecting again: tried until the
+        # joiner's own bound has passed (it lets its events go on then)
+        deadline = time.monotonic() + self.topology.handover_wait_s
+        while True:
+            try:
+                await self.send(cluster, queue, done, 0)
+                break
+            except MiddlewareError as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: hand-over count not told to %s: %s", self.id, cluster, exc)
+                    break
+                await asyncio.sleep(0.1)
+        log.info("%s: %d subscriptions of %s's arc handed over", self.id, moved, cluster)
+        if retiring:
+            await self._retire_added(cluster, retiring, moved)
+
+    async def _retire_added(self, cluster: str, masters: list[RoleId], moved: int) -> None:
+        """Stop the masters a take-over added, once they handed ``cluster``'s arc back."""
         if cluster in self._recovering or cluster in self.logic.adopted:
             log.warning("%s: %s left again before its added roles were retired", self.id, cluster)
             return  # taken over anew: the take-over serves from them again
@@ -2584,7 +2692,9 @@ class MatchMaster(_MatchBroker):
         for sid, record in moving:
             await self.send(
                 joiner,
-                self.inbox_of(RoleId.router(joiner)),
+                # its control queue: the joiner holds the arc's events in its inbox
+                # until these are there (its ``handover_wait_s``)
+                self.control_of(RoleId.router(joiner)),
                 Subscribe(
                     subscription_id=sid,
                     event_type=record.event_type,

@@ -63,16 +63,10 @@ def test_no_subscriber_loses_copies_across_a_faulted_link(settings, tmp_path) ->
     assert not problems(rows), problems(rows)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect: a subscription made while a cluster is away reaches it again by "
-    "its successor's hand-over, and events of its arc routed to it before the hand-over "
-    "arrives are matched without it (1-7 copies lost in 7 of 20 runs at 120 events/s); "
-    "docs/phoenix-ring-failures.md, Known limits",
-)
 def test_a_cluster_that_leaves_and_joins_again_loses_no_copy(settings, tmp_path) -> None:
     """D leaves (roles SIGKILLed, links cut) and joins again under traffic: its arc is
-    taken over and handed back.  Copies for D's own subscribers while D is away are
+    taken over and handed back (D holds its arc's events until the hand-over is there).
+    Copies for D's own subscribers while D is away are
     dead-lettered with the reason, never lost, and none of those (unless the reason says
     it may have reached them) is also delivered."""
     rows = _four_clusters(settings, tmp_path, ["leave"])

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -459,6 +460,58 @@ def test_a_departed_cluster_s_arc_is_taken_over_and_given_back_when_it_rejoins(l
     arrivals, published, _ = asyncio.run(links.stream(3.0, []))
     _check(arrivals, published)
     print(f"after {x} rejoined: {published} events, 0 lost, 0 duplicates")
+
+
+@pytest.mark.parametrize("links", [{"fields": {"leave_after_s": 1.5}}], indirect=True)
+def test_a_subscription_made_while_a_cluster_was_away_misses_nothing_at_its_rejoin(links) -> None:
+    """X goes; a second subscriber subscribes meanwhile (so only X's successor holds it);
+    X joins again while A publishes: the other routers send X its arc's events as soon as
+    they hear the join, while X's successor is still handing the arc's subscriptions over.
+    X's router holds those events until the hand-over is all there, so the new subscriber
+    gets every event published after its subscribe was confirmed."""
+    x = links.x
+    late_queue = f"{links.queue}.late"
+
+    async def subscribe_late() -> None:
+        async with AsyncClient(settings=links.cluster(links.y)) as client:
+            at_y = PhoenixClient(client, topology=links.topology, cluster=links.y)
+            await at_y.subscribe(links.event_type, [("n", ">=", 0)], 1, late_queue, wait_s=60)
+
+    async def take_late() -> list[int]:
+        async with AsyncClient(settings=links.cluster(links.y)) as client:
+            return await _take_all(client, late_queue)
+
+    links.remove(x)
+    asyncio.run(links.stream(3.0, []))  # X found gone, its arc taken over
+    asyncio.run(subscribe_late())
+    before = asyncio.run(take_late())
+    joined: list[float] = []
+
+    def rejoin() -> None:
+        links.restore_links(x)
+        links.deployment.join(x)
+        joined.append(time.time())
+
+    joiner = threading.Thread(target=rejoin)
+    joiner.start()
+    try:
+        arrivals, published, _ = asyncio.run(links.stream(8.0, []))
+    finally:
+        joiner.join(60)
+    assert joined, f"{x} did not join again"
+    _check(arrivals, published)
+    late = asyncio.run(take_late())
+    missing = sorted(set(range(published)) - set(late))
+    assert not missing, (
+        f"{len(missing)} of {published} events published after the late subscribe missed "
+        f"it across {x}'s rejoin: {missing[:20]}"
+    )
+    logs = links.logs()
+    assert f"{x}/router: the arc's hand-over is here" in logs, logs[-3000:]
+    print(
+        f"\nrejoin of {x}: {published} events, every one delivered to the subscriber made "
+        f"during its absence ({len(before)} copies before the rejoin)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from middleware.routing.messages import (
     Copy,
     Fence,
     Found,
+    HandedOver,
     Handover,
     Heartbeat,
     Join,
@@ -83,6 +84,7 @@ ONE_OF_EACH = [
     Recovered(request="r4", broker="C/match-0", restored=3),
     Retire(broker="B/match-0", slave="B/match-0/slave-1", epoch=2, by=-1),
     Matched(by="C", ids=["e1", "e2"]),
+    HandedOver(cluster="D", by="A", count=3),
     Copy(
         event_type="quotes",
         home="A",
