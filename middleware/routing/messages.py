@@ -104,6 +104,9 @@ class Unsubscribe(Routed):
     subscription_id: str = Field(min_length=1)
     home: str | None = None
     reply_to: str | None = None
+    #: part of an arc's hand-over: the previous owner removed it while holding the arc
+    #: (and told the routers then); the joiner forgets its own copy, and tells nobody
+    handed_over: bool = False
 
 
 class Unsubscribed(Routed):

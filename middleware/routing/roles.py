@@ -161,6 +161,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 #: a promoted master warms its provisioner this long after it serves (beats.py, zygote.py)
 WARM_AFTER_PROMOTION_S = 1.0
+#: removals of departed arcs' subscriptions a match master remembers for the hand-over
+MAX_REMOVED_ADOPTED = 100_000
 ROLE_EVENTS = PromCounter(
     "qosmq_phoenix_events_total",
     "Phoenix messages by role and outcome",
@@ -1622,10 +1624,11 @@ class RouterMaster(_Role):
         self._joined_since = started
         log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
 
-    async def _on_handed_subscription(self, message: Subscribe) -> None:
-        """One subscription of the arc this cluster joins with, from the previous owner's
-        match master (to this control queue, so that the arc's events held in the inbox
-        do not keep it out): routed to this cluster's match master like any other."""
+    async def _on_handed_subscription(self, message: Subscribe | Unsubscribe) -> None:
+        """One subscription of the arc this cluster joins with (or one removed while the
+        previous owner held it), from the previous owner's match master (to this control
+        queue, so that the arc's events held in the inbox do not keep it out): routed to
+        this cluster's match master like any other."""
         await self._ring_applied.wait()
         try:
             await self._route(message, held=False)
@@ -1684,6 +1687,7 @@ class RouterMaster(_Role):
             Recovered: self._on_recovered,
             Matched: self._on_matched,
             Subscribe: self._on_handed_subscription,
+            Unsubscribe: self._on_handed_subscription,
             HandedOver: self._on_handed_over,
         }
 
@@ -2510,6 +2514,10 @@ class MatchMaster(_MatchBroker):
         #: departed clusters' subscriptions read ahead (a router suspected the departure),
         #: with the plan they were read for (``_restore_plan``)
         self.standby: dict[str, tuple[tuple[Any, ...], asyncio.Future[Restorable]]] = {}
+        #: subscriptions of a departed cluster's arc removed here (id -> event type):
+        #: its own persisted copy would match again at its rejoin, so the hand-over
+        #: carries the removals too (in memory: a master replaced meanwhile forgets them)
+        self.removed_adopted: dict[str, str] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.replicas.persisting(self._serve_observed(stop), stop)
@@ -2710,8 +2718,18 @@ class MatchMaster(_MatchBroker):
             )
             self.registry.remove(sid)
             await self.replicas.write(sid, None)
+        covers = Arc(joiner, self.cluster, *arc).covers
+        removed = [(sid, t) for sid, t in self.removed_adopted.items() if covers(t)]
+        for sid, event_type in removed:
+            await self.send(
+                joiner,
+                self.control_of(RoleId.router(joiner)),
+                Unsubscribe(event_type=event_type, subscription_id=sid, handed_over=True),
+            )
+            del self.removed_adopted[sid]
         self.count("handed_over", len(moving))
-        return len(moving)
+        self.count("removals_handed_over", len(removed))
+        return len(moving) + len(removed)
 
     async def _on_handover(self, message: Handover) -> None:
         moved = await self._hand_over(message.cluster, message.arc)
@@ -2779,11 +2797,32 @@ class MatchMaster(_MatchBroker):
         written = await self.replicas.write(sid, None)
         await self._replicated(written)
         self.count("unsubscribed")
+        if message.handed_over:  # removed at the previous owner, the routers told then
+            return
+        if record.event_type in self.local_types:
+            self.removed_adopted[sid] = record.event_type
+            while len(self.removed_adopted) > MAX_REMOVED_ADOPTED:
+                del self.removed_adopted[next(iter(self.removed_adopted))]
         taken_out = Unsubscribed(event_type=record.event_type, latency_level=record.latency_level)
         for cluster in dict.fromkeys(record.path):
-            with contextlib.suppress(Unroutable):  # a cluster that left counts nothing
-                await self.send(
-                    cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
+            if cluster in self.departed:  # a cluster that left counts nothing
+                continue
+            try:  # one router out of reach costs its count, not the unsubscribe
+                await asyncio.wait_for(
+                    self.send(
+                        cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
+                    ),
+                    self.topology.link_timeout_s,
+                )
+            except (MiddlewareError, TimeoutError) as exc:
+                self.count("unsubscribed_not_told")
+                log.warning(
+                    "%s: %s's router not told of unsubscribe %s (its latency level stays "
+                    "counted): %s",
+                    self.name,
+                    cluster,
+                    sid,
+                    exc,
                 )
         self._confirm(message, written, {"removed": True})
 

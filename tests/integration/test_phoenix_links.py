@@ -163,7 +163,9 @@ class Links:
         """Subscribe at Y (homed at Y) and wait until an event from A reaches it."""
         async with AsyncClient(settings=self.cluster(self.y)) as at_y_client:
             at_y = PhoenixClient(at_y_client, topology=self.topology, cluster=self.y)
-            await at_y.subscribe(self.event_type, [("n", ">=", -1)], 1, self.queue, wait_s=60)
+            self.subscription_id = await at_y.subscribe(
+                self.event_type, [("n", ">=", -1)], 1, self.queue, wait_s=60
+            )
             async with AsyncClient(settings=self.cluster("A")) as at_a_client:
                 at_a = PhoenixClient(at_a_client, topology=self.topology, cluster="A")
                 deadline = time.monotonic() + 60
@@ -512,6 +514,56 @@ def test_a_subscription_made_while_a_cluster_was_away_misses_nothing_at_its_rejo
         f"\nrejoin of {x}: {published} events, every one delivered to the subscriber made "
         f"during its absence ({len(before)} copies before the rejoin)"
     )
+
+
+@pytest.mark.parametrize("links", [{"fields": {"leave_after_s": 1.5}}], indirect=True)
+def test_an_unsubscribe_made_while_a_cluster_was_away_holds_after_its_rejoin(links) -> None:
+    """X goes; the subscriber unsubscribes meanwhile (X's successor holds the arc and
+    removes it); X joins again: X read that subscription back from its own persisted
+    state, and must not match it again."""
+    x = links.x
+    kept_queue = f"{links.queue}.kept"
+    AFTER = 100_000  # the events published after the rejoin are numbered from here
+
+    async def at_y(action):
+        async with AsyncClient(settings=links.cluster(links.y)) as client:
+            return await action(PhoenixClient(client, topology=links.topology, cluster=links.y))
+
+    async def publish(numbers: range) -> None:
+        async with AsyncClient(settings=links.cluster("A")) as client:
+            at_a = PhoenixClient(client, topology=links.topology, cluster="A")
+            for n in numbers:
+                await at_a.publish({"event_type": links.event_type, "attributes": {"n": n}})
+                await asyncio.sleep(0.01)
+
+    async def drained(queue: str, at_least: int, within: float) -> list[int]:
+        async with AsyncClient(settings=links.cluster(links.y)) as client:
+            got: list[int] = []
+            deadline = time.monotonic() + within
+            while True:
+                got += [n for n in await _take_all(client, queue) if n >= AFTER]
+                if len(got) >= at_least or time.monotonic() >= deadline:
+                    return got
+                await asyncio.sleep(0.2)
+
+    asyncio.run(
+        at_y(lambda c: c.subscribe(links.event_type, [("n", ">=", 0)], 1, kept_queue, wait_s=60))
+    )
+    links.remove(x)
+    asyncio.run(links.stream(3.0, []))  # X found gone, its arc taken over
+    removed = asyncio.run(
+        at_y(lambda c: c.unsubscribe(links.event_type, links.subscription_id, wait_s=60))
+    )
+    assert removed, "the successor did not know the subscription"
+    links.restore_links(x)
+    links.deployment.join(x)
+    numbers = range(AFTER, AFTER + 100)  # apart from the stream's
+    asyncio.run(publish(numbers))
+    kept = asyncio.run(drained(kept_queue, 100, 30))
+    assert sorted(set(kept)) == list(numbers), f"{len(set(kept))} of 100 at the kept queue"
+    time.sleep(1.0)
+    again = asyncio.run(drained(links.queue, 1, 0.5))
+    assert not again, f"{len(again)} events matched the removed subscription after the rejoin"
 
 
 @pytest.mark.parametrize(
