@@ -552,6 +552,11 @@ class SyncClient:
             raise
         except Exception as exc:
             translated = translate_sync(exc)
+            if not isinstance(translated, ConnectionLost) and live.connection.is_closed:
+                # pika's errors on a connection the broker closed under the call are not
+                # always its own (a timer on the closed loop: "Timeout closed before
+                # call", after a 541 closed it as a quorum queue was deleted): lost
+                translated = ConnectionLost(f"connection closed under the call: {exc!r}")
             if isinstance(translated, ConnectionLost):
                 self._drop(live, translated, exc)
             raise translated from exc
