@@ -88,6 +88,8 @@ from .follower import (
 )
 from .follower import Effect as FollowerEffect
 from .ids import RoleId, RoleKind
+from .joining import Effect as JoinEffect
+from .joining import Hold, JoinHold
 from .matching import FilterError
 from .messages import (
     HOME_LEFT,
@@ -1508,9 +1510,7 @@ class RouterMaster(_Role):
         #: this cluster (re)joins the ring: its own arc, and set once the previous
         #: owner's hand-over is all routed here (or ``handover_wait_s`` passed)
         self._joining: tuple[Arc, asyncio.Event] | None = None
-        self._handed = 0  # hand-over subscriptions routed here
-        self._handed_expected: int | None = None  # the previous owner's count
-        self._joined_since = 0.0
+        self.join_hold = JoinHold()  # when to let them go (joining.py)
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -1586,43 +1586,60 @@ class RouterMaster(_Role):
         self._ring_applied.set()
 
     def _hold_if_joining(self, record: Any) -> None:
-        """This cluster joins the ring now (listed as joining later and never recorded as
-        joined, or recorded as left): the other routers send it its arc's events as soon
-        as they hear the join, while the previous owner's match masters are still
-        sending the arc's subscriptions (those made while it was away among them).  The
-        arc's events wait here, as a take-over's do, until they are all routed here."""
+        """This cluster joins the ring now: its arc's events wait here, as a take-over's
+        do, until the previous owner's hand-over is all routed here (joining.py)."""
         state = record.get("state") if isinstance(record, dict) else None
-        joining = state == "left" or (state is None and not self._spec.joined)
-        bound = self.topology.handover_wait_s
-        if not joining or bound <= 0 or len(self.ring.clusters) < 2:
-            return
         ring = self.ring
-        arc = Arc(
-            self.cluster,
-            ring.successors(self.cluster, 1)[0],
-            ring_id(ring.predecessor(self.cluster)),
-            ring_id(self.cluster),
+        self._join_effects(
+            self.join_hold.start(
+                recorded=state if isinstance(state, str) else None,
+                listed_as_joined=self._spec.joined,
+                bound_s=self.topology.handover_wait_s,
+                clusters=len(ring.clusters),
+                now=time.monotonic(),
+            )
         )
-        released = asyncio.Event()
-        self._joining = (arc, released)
-        started = time.monotonic()
 
-        def give_up() -> None:
-            if not released.is_set():
-                released.set()
+    def _join_effects(self, effects: list[JoinEffect]) -> None:
+        """Perform what the join hold returned (joining.py)."""
+        for effect in effects:
+            if isinstance(effect, Hold):
+                ring = self.ring
+                arc = Arc(
+                    self.cluster,
+                    ring.successors(self.cluster, 1)[0],
+                    ring_id(ring.predecessor(self.cluster)),
+                    ring_id(self.cluster),
+                )
+                self._joining = (arc, asyncio.Event())
+                asyncio.get_running_loop().call_later(
+                    effect.bound_s,
+                    lambda: self._join_effects(self.join_hold.expired(time.monotonic())),
+                )
+                log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
+                continue
+            if self._joining is not None:
+                self._joining[1].set()
+            expected = "?" if effect.expected is None else effect.expected
+            if effect.timed_out:
                 self.count("handover_wait_expired")
                 log.warning(
                     "%s: the arc's hand-over not all here after %.1f s (%d of %s routed): "
                     "its events go on",
                     self.id,
-                    bound,
-                    self._handed,
-                    "?" if self._handed_expected is None else self._handed_expected,
+                    effect.took_s,
+                    effect.handed,
+                    expected,
                 )
-
-        asyncio.get_running_loop().call_later(bound, give_up)
-        self._joined_since = started
-        log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
+            else:
+                self.count("handovers_received")
+                log.info(
+                    "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
+                    "%.3f s after the start",
+                    self.id,
+                    effect.handed,
+                    effect.took_s,
+                )
 
     async def _on_handed_subscription(self, message: Subscribe | Unsubscribe) -> None:
         """One subscription of the arc this cluster joins with (or one removed while the
@@ -1633,29 +1650,12 @@ class RouterMaster(_Role):
         try:
             await self._route(message, held=False)
         finally:
-            self._handed += 1
-            self._release_if_handed()
+            self._join_effects(self.join_hold.routed(time.monotonic()))
 
     async def _on_handed_over(self, message: HandedOver) -> None:
         if message.cluster != self.cluster:
             raise DeadLetter(f"handed_over: for {message.cluster}, not {self.cluster}")
-        self._handed_expected = message.count
-        self._release_if_handed()
-
-    def _release_if_handed(self) -> None:
-        if self._joining is None or self._handed_expected is None:
-            return
-        _, released = self._joining
-        if self._handed >= self._handed_expected and not released.is_set():
-            released.set()
-            self.count("handovers_received")
-            log.info(
-                "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
-                "%.3f s after the start",
-                self.id,
-                self._handed,
-                time.monotonic() - self._joined_since,
-            )
+        self._join_effects(self.join_hold.told(message.count, time.monotonic()))
 
     def _record_ring_change(self, cluster: str, state: str) -> None:
         """Persist that ``cluster`` left or joined (in the state store every cluster's

@@ -22,6 +22,7 @@ PURE = [
     "routing/matching.py",
     "routing/supervision.py",
     "routing/follower.py",
+    "routing/joining.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",
