@@ -256,6 +256,25 @@ class Settings(BaseSettings):
         description="without management_urls: management API port = AMQP port + this "
         "(the local cluster's; a default RabbitMQ listens on 15672 for AMQP 5672: 10000)",
     )
+    prometheus_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="the rabbitmq_prometheus endpoint of every node (all are read and "
+        "summed): comma-separated http(s)://[user:password@]host:port[/path-prefix] URLs; "
+        "empty: each AMQP node's host at its port + prometheus_port_offset",
+    )
+    prometheus_port_offset: int = Field(
+        10020,
+        ge=0,
+        description="without prometheus_urls: rabbitmq_prometheus port = AMQP port + this "
+        "(a default RabbitMQ serves it on 15692 for AMQP 5672: 10020, as the local cluster)",
+    )
+    balancer_rates: Literal["auto", "management", "prometheus", "none"] = Field(
+        "auto",
+        description="where the balancer sidecar reads replicas' arrival and service rates: "
+        "management (message_stats, deprecated from RabbitMQ 4.0), prometheus (the "
+        "rabbitmq_prometheus plugin's per-queue counters on every node), none (rates 0); "
+        "auto: management before 4.0, prometheus from 4.0, by the version the broker reports",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="the qosmq processes' log level (the library sets none)"
     )
@@ -285,14 +304,14 @@ class Settings(BaseSettings):
             value = [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("management_urls", mode="before")
+    @field_validator("management_urls", "prometheus_urls", mode="before")
     @classmethod
     def _split_management_urls(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("management_urls")
+    @field_validator("management_urls", "prometheus_urls")
     @classmethod
     def _check_management_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
         for url in urls:

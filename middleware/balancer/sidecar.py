@@ -4,9 +4,11 @@ Sampling uses a passive ``queue.declare`` over AMQP, not the management API: the
 passive declare answers with the queue's current ready count from its leader,
 while the management API's figures refresh only every
 ``collect_statistics_interval`` (5 s by default), longer than useful i1 values.
-Arrival and service rates, which change slowly, come from the management API
-when it answers (rates 0 otherwise: the predictive algorithm then leans on the
-publisher's own counts).
+Arrival and service rates, which change slowly, come from the management API's
+``message_stats`` on brokers before 4.0 and from the rabbitmq_prometheus counters of
+every node from 4.0 (management metrics are deprecated there; ``balancer_rates``
+chooses otherwise; :mod:`.rates` computes them).  When the source does not answer the
+rates are 0: the predictive algorithm then leans on the publisher's own counts.
 
 Reports go to the direct exchange ``qosmq.balancer.reports`` with the topic as
 routing key.  Each publisher binds its own exclusive queue with
@@ -28,8 +30,9 @@ from prometheus_client import Counter, Gauge
 from ..errors import EntityNotFound
 from ..settings import Settings
 from ..transport import AsyncClient, ExchangeSpec, ExchangeType, OutgoingMessage
-from ..transport.management import management_get, vhost_path
+from ..transport.management import management_get, prometheus_scrape, vhost_path
 from .factors import inverse_factors, paper_factors
+from .rates import RateWindow, parse_scrape, scrape_path
 from .reports import REPORT_EXCHANGE, LoadReport, ReplicaLoad, Sampler, replica_names
 
 __all__ = ["BalancerSidecar"]
@@ -39,7 +42,8 @@ LENGTH = Gauge("qosmq_balancer_replica_length", "average waiting messages", ["to
 FACTOR = Gauge("qosmq_balancer_factor", "load factor", ["topic", "replica", "algorithm"])
 ROUTED = Gauge(
     "qosmq_balancer_routed",
-    "messages published to the replica (management API)",
+    "messages published to the replica (management API; rabbitmq_prometheus: by the "
+    "channels open now)",
     ["topic", "replica"],
 )
 REPORTS = Counter("qosmq_balancer_reports_total", "load reports published", ["topic"])
@@ -66,6 +70,8 @@ class BalancerSidecar:
         self.samplers = {q: Sampler() for q in self.queues}
         self.missing: set[str] = set()  # replicas whose last sample found no queue
         self.last_report: LoadReport | None = None
+        self.window = RateWindow()
+        self._silent_nodes: frozenset[str] = frozenset()  # prometheus nodes that did not answer
 
     async def run(self, *, stop: asyncio.Event | None = None) -> None:
         """Sample and report until ``stop`` is set."""
@@ -77,6 +83,7 @@ class BalancerSidecar:
             await self.client.close()
             raise
         await self.client.declare_exchange(ExchangeSpec(REPORT_EXCHANGE, ExchangeType.DIRECT))
+        log.info("topic %s: replica rates from %s", self.topic, self.rates_source())
         next_report = time.monotonic() + self.i2
         try:
             while not stop.is_set():
@@ -121,7 +128,12 @@ class BalancerSidecar:
                 log.info("no sample of %s: %s", queue, exc)
 
     async def report(self) -> LoadReport:
-        rates = await asyncio.get_running_loop().run_in_executor(None, self._rates)
+        source = self.rates_source()
+        read = self._prometheus_rates if source == "prometheus" else self._rates
+        if source == "none":
+            rates: dict[str, tuple[float, float, float | None]] = {}
+        else:
+            rates = await asyncio.get_running_loop().run_in_executor(None, read)
         loads = []
         for queue in self.queues:
             arrival, service, published = rates.get(queue, (0.0, 0.0, None))
@@ -157,6 +169,38 @@ class BalancerSidecar:
                 FACTOR.labels(self.topic, r.queue, algorithm).set(f)
         for r in report.replicas:
             LENGTH.labels(self.topic, r.queue).set(r.length)
+
+    def rates_source(self) -> str:
+        """management, prometheus or none: the setting, or by the broker's version."""
+        chosen = self.settings.balancer_rates
+        if chosen != "auto":
+            return chosen
+        server = self.client.server
+        if server is not None and not server.management_message_stats:
+            return "prometheus"
+        return "management"
+
+    def _prometheus_rates(self) -> dict[str, tuple[float, float, float | None]]:
+        """(arrival, service, published count) per queue from every node's counters."""
+        texts = prometheus_scrape(self.settings, scrape_path(self.settings.vhost))
+        scrape = parse_scrape(time.monotonic(), texts, self.queues, self.settings.vhost)
+        silent = frozenset(texts) - scrape.nodes
+        if silent != self._silent_nodes:
+            for node in sorted(silent - self._silent_nodes):
+                why = texts[node]
+                log.warning(
+                    "rabbitmq_prometheus at %s did not answer (%s): its channels' messages "
+                    "are left out of the rates (set prometheus_urls, or enable the plugin)",
+                    node,
+                    why if isinstance(why, Exception) else "not the exposition format",
+                )
+            self._silent_nodes = silent
+        self.window.add(scrape)
+        rates = self.window.rates()
+        published = self.window.published()
+        return {
+            q: (*rates.get(q, (0.0, 0.0)), published.get(q)) for q in self.queues if scrape.nodes
+        }
 
     def _rates(self) -> dict[str, tuple[float, float, float | None]]:
         """(arrival, service, published count) per queue from the management API, if any."""

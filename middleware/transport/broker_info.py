@@ -101,8 +101,8 @@ class BrokerInfo:
         if not self.management_message_stats:
             out.append(
                 f"{self.product} {self.raw_version}: management message rates are deprecated "
-                "(4.0): the balancer reads queue lengths by passive declare and rates only "
-                "where the API still serves them"
+                "(4.0): the balancer reads queue lengths by passive declare and rates from "
+                "rabbitmq_prometheus (balancer_rates)"
             )
         return out
 

@@ -8,6 +8,10 @@ else from ``username``/``password``; a path prefix (a reverse proxy's ``/rabbitm
 put before every API path.  A call goes to the first node that answers; when none does
 it raises :class:`ManagementUnavailable` naming each node's error (an ``OSError``, as
 the callers that read the API optionally expect).
+
+The rabbitmq_prometheus endpoints (``prometheus_urls``, or the AMQP port plus
+``prometheus_port_offset``) are built the same way, but :func:`prometheus_scrape` reads
+every node, because each counts only what its own channels did.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ __all__ = [
     "management_endpoints",
     "management_get",
     "management_put",
+    "prometheus_endpoints",
+    "prometheus_scrape",
     "put_json",
     "vhost_path",
 ]
@@ -53,18 +59,27 @@ class Endpoint:
 
 def management_endpoints(settings: Settings) -> list[Endpoint]:
     """Every node's management API, in the settings' order."""
+    return _endpoints(settings, settings.management_urls, settings.management_port_offset)
+
+
+def prometheus_endpoints(settings: Settings) -> list[Endpoint]:
+    """Every node's rabbitmq_prometheus endpoint, in the settings' order."""
+    return _endpoints(settings, settings.prometheus_urls, settings.prometheus_port_offset)
+
+
+def _endpoints(settings: Settings, urls: tuple[str, ...], offset: int) -> list[Endpoint]:
     password = settings.password.get_secret_value()
-    if not settings.management_urls:
+    if not urls:
         return [
             Endpoint(
-                f"{'https' if tls else 'http'}://{host}:{port + settings.management_port_offset}",
+                f"{'https' if tls else 'http'}://{host}:{port + offset}",
                 settings.username,
                 password,
             )
             for host, port, tls in settings.nodes
         ]
     out = []
-    for url in settings.management_urls:
+    for url in urls:
         parts = urllib.parse.urlsplit(url)
         host = parts.hostname or ""
         host = f"[{host}]" if ":" in host else host
@@ -184,6 +199,31 @@ def management_put(settings: Settings, path: str, body: Any, *, timeout: float =
 
     result: int = _each_node(settings, path, put)
     return result
+
+
+def prometheus_scrape(
+    settings: Settings, path: str, *, timeout: float = 3.0
+) -> dict[str, str | Exception]:
+    """GET ``path`` (text) from *every* node's rabbitmq_prometheus endpoint: each node
+    counts only what its own channels did, so a reader sums them.  Per node, the text or
+    the error that node gave (an unreachable node is a value here, not a raise)."""
+    out: dict[str, str | Exception] = {}
+    context: ssl.SSLContext | None = None
+    for endpoint in prometheus_endpoints(settings):
+        if endpoint.base.startswith("https:") and context is None:
+            context = tls_context(settings)
+        try:
+            with _request(
+                endpoint.url(path),
+                username=endpoint.username,
+                password=endpoint.password,
+                timeout=timeout,
+                context=context if endpoint.base.startswith("https:") else None,
+            ) as response:
+                out[endpoint.shown()] = response.read().decode("utf-8", "replace")
+        except (OSError, ValueError) as exc:
+            out[endpoint.shown()] = exc
+    return out
 
 
 def vhost_path(settings: Settings) -> str:
