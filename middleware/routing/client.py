@@ -34,7 +34,7 @@ from .messages import (
     parse,
 )
 from .protocol import PhoenixTopology
-from .roles import cluster_settings, inbox_spec, outgoing
+from .roles import cluster_settings, outgoing, role_inbox_spec
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
 
@@ -223,7 +223,9 @@ class PhoenixClient:
 
     async def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
-            await self.client.declare_queue(inbox_spec(self.core.inbox, self.topology.role_queues))
+            await self.client.declare_queue(
+                role_inbox_spec(self.core.inbox, self.topology, self.client)
+            )
         body = encode(message)
         await self._batcher.send(self.cluster, self.core.inbox, body, 0)
 
@@ -361,7 +363,7 @@ class SyncPhoenixClient:
 
     def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
-            self.client.declare_queue(inbox_spec(self.core.inbox, self.topology.role_queues))
+            self.client.declare_queue(role_inbox_spec(self.core.inbox, self.topology, self.client))
         self.client.publish(outgoing(message, self.core.inbox))
 
     def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:

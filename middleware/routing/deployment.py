@@ -38,7 +38,7 @@ from .node import take_over
 from .protocol import MAX_PRIORITY, PhoenixTopology
 from .records import LatencyEntry, SubscriptionRecord
 from .ring import ChordRing, ring_id
-from .roles import cluster_settings, inbox_spec, reconfigure
+from .roles import cluster_settings, reconfigure, role_inbox_spec
 from .store import open_store, ring_owner
 from .timeliness import LatencyMap
 from .zygote import Zygote
@@ -198,7 +198,7 @@ class PhoenixDeployment:
                 _, conf = cluster_settings(self.settings, self.topology, other)  # its RabbitMQ
                 async with AsyncClient(settings=conf) as client:
                     inbox = RoleId.router(other).inbox(self.topology.prefix)
-                    await client.declare_queue(inbox_spec(inbox, self.topology.role_queues))
+                    await client.declare_queue(role_inbox_spec(inbox, self.topology, client))
                     await client.publish(OutgoingMessage(message, "", inbox, priority=MAX_PRIORITY))
 
         runtime.run(announce(), event_loop=self.settings.event_loop)
@@ -519,11 +519,19 @@ class PhoenixDeployment:
             try:
                 server = (version_of or _broker_version)(conf)
                 if not server.classic_mirroring:
-                    problems.append(
-                        f"cluster {cluster!r}: {server.describe()} has no classic queue "
-                        "mirroring (removed in 4.0): inbox_mirrors not applied; the role "
-                        "queues live on one RabbitMQ node each"
-                    )
+                    if self.topology.role_queue_kind(False) == "quorum":
+                        problems.append(
+                            f"cluster {cluster!r}: {server.describe()} has no classic queue "
+                            "mirroring (removed in 4.0): the role queues there are quorum "
+                            "queues (role_queues = auto), replicated by RabbitMQ"
+                        )
+                    else:
+                        problems.append(
+                            f"cluster {cluster!r}: {server.describe()} has no classic queue "
+                            "mirroring (removed in 4.0): inbox_mirrors not applied; the role "
+                            "queues live on one RabbitMQ node each (role_queues = quorum, or "
+                            "auto, replicates them)"
+                        )
                     continue
                 management_put(conf, path, policy)
             except OSError as exc:

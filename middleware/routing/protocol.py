@@ -126,8 +126,10 @@ class PhoenixTopology(BaseModel):
     #: ``x-max-priority`` 9; replicated only by ``inbox_mirrors``, which RabbitMQ 4.0
     #: removed) or ``quorum`` (replicated by RabbitMQ itself on every version, with no
     #: broker priorities on 3.x and two levels from 4.0: the latency levels then order only
-    #: what a role holds, by its priority gate).  docs/compatibility.md
-    role_queues: Literal["classic", "quorum"] = "classic"
+    #: what a role holds, by its priority gate); ``auto`` (default): classic, except
+    #: where ``inbox_mirrors`` asks for replicas on a broker without classic mirroring
+    #: (4.0 and later): quorum there, so the asked-for HA holds.  docs/compatibility.md
+    role_queues: Literal["auto", "classic", "quorum"] = "auto"
     #: directed links with addresses of their own (``[[link]]`` tables)
     links: tuple[LinkSpec, ...] = ()
     #: ring failures (docs/phoenix-ring-failures.md): a forward to another cluster not
@@ -173,6 +175,16 @@ class PhoenixTopology(BaseModel):
                 if end not in ids:
                     raise ValueError(f"link {link.source}->{link.target}: no cluster {end!r}")
         return self
+
+    def role_queue_kind(self, classic_mirroring: bool | None) -> Literal["classic", "quorum"]:
+        """The role queues' type on a broker that has (``True``), lacks (``False``) or has
+        not reported (``None``) classic mirroring: ``auto`` takes quorum only where
+        ``inbox_mirrors`` asks for replicas that classic mirroring cannot give."""
+        if self.role_queues != "auto":
+            return self.role_queues
+        if self.inbox_mirrors >= 2 and classic_mirroring is False:
+            return "quorum"
+        return "classic"
 
     def link(self, source: str | None, target: str) -> LinkSpec | None:
         """The link ``source`` -> ``target`` when it has addresses of its own."""

@@ -238,6 +238,14 @@ def inbox_spec(name: str, kind: str = "classic") -> QueueSpec:
     return QueueSpec(name, kind=QueueKind.CLASSIC, max_priority=9)
 
 
+def role_inbox_spec(name: str, topology: PhoenixTopology, client: Any) -> QueueSpec:
+    """A role inbox or control queue as ``client``'s broker takes it (the topology's
+    ``role_queues``; ``auto`` by what the broker reported at connect)."""
+    server = getattr(client, "server", None)
+    mirroring = None if server is None else server.classic_mirroring
+    return inbox_spec(name, topology.role_queue_kind(mirroring))
+
+
 def process_queue_spec(name: str) -> QueueSpec:
     """A process's own queue: it lives exactly as long as the process's connection."""
     return QueueSpec(name, kind=QueueKind.CLASSIC, durable=False, exclusive=True, auto_delete=True)
@@ -384,7 +392,7 @@ class _Role:
         if inbox not in client.topology.queues and not self._is_process_queue(inbox):
             if cluster != self.cluster and not client.ready:  # fail fast, as a send would:
                 raise LinkDown(f"no connection to cluster {cluster}'s RabbitMQ")  # (detours)
-            await client.declare_queue(inbox_spec(inbox, self.topology.role_queues))
+            await client.declare_queue(role_inbox_spec(inbox, self.topology, client))
         # with the others sent to the same inbox and priority in this loop turn
         self.count("sent")
         await self.batcher.send(cluster, inbox, encode(message), priority)
@@ -418,7 +426,7 @@ class _Role:
         client = await self.client_for(self.cluster)
         inbox = self.inbox_of(self.id)
         control = self.control_of(self.id)
-        await client.declare_queue(inbox_spec(control, self.topology.role_queues))
+        await client.declare_queue(role_inbox_spec(control, self.topology, client))
         tags = [await client.consume(control, self._on_control)]
         # where a FENCE (masters) or a RETIRE (slaves) finds this process
         await client.declare_queue(process_queue_spec(self.connections.process_queue))
@@ -427,7 +435,7 @@ class _Role:
             # the control queue it had as a slave: a master of another reign beats there
             # (it is judged like the slaves judge it), a late ELECTION is answered
             old = self.control_of(self.promoted_from)
-            await client.declare_queue(inbox_spec(old, self.topology.role_queues))
+            await client.declare_queue(role_inbox_spec(old, self.topology, client))
             self._former_control = await client.consume(old, self._on_control)
             tags.append(self._former_control)
         recovery = asyncio.create_task(self.recovery(stop))
@@ -576,7 +584,7 @@ class _Role:
         inboxes.append((inbox, self._on_message))
         with heap.FullCollections() as collections:
             for name, on_message in inboxes:
-                await client.declare_queue(inbox_spec(name, self.topology.role_queues))
+                await client.declare_queue(role_inbox_spec(name, self.topology, client))
                 tags.append(
                     await client.consume(name, on_message, prefetch=self.topology.inbox_prefetch)
                 )

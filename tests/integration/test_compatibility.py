@@ -52,6 +52,7 @@ def test_inbox_mirroring_by_the_brokers_version(settings, brokers, tmp_path, nam
             ["A"], version_of=lambda _: BrokerInfo.from_version("4.0.5")
         )
         assert len(forced) == 1 and "no classic queue mirroring" in forced[0]
+        assert "quorum queues (role_queues = auto)" in forced[0]  # the asked-for HA holds
         assert management(settings, "GET", policy) == 404  # the 4.x branch set none
         real = BrokerInfo.from_version(
             management_get(settings, "/api/overview")["rabbitmq_version"]
@@ -62,6 +63,44 @@ def test_inbox_mirroring_by_the_brokers_version(settings, brokers, tmp_path, nam
         assert management(settings, "GET", policy) == 200  # the 3.x branch: ha-mode policy
     finally:
         management(settings, "DELETE", policy)
+
+
+@pytest.mark.parametrize(
+    ("role_queues", "mirrors", "version", "kind"),
+    [
+        ("auto", 2, None, "classic"),  # this broker (3.10): classic, mirrored by policy
+        ("auto", 2, "4.0.5", "quorum"),  # 4.x asked for replicas: quorum
+        ("auto", 0, "4.0.5", "classic"),  # 4.x, no replicas asked for
+        ("classic", 2, "4.3.0", "classic"),  # as named
+        ("quorum", 0, None, "quorum"),
+    ],
+)
+def test_role_queues_by_the_brokers_version(
+    settings, tmp_path, name, role_queues, mirrors, version, kind
+) -> None:
+    """A role queue declared through a real client whose broker facts are this broker's
+    or forced to a 4.x one: the type the topology's ``role_queues`` asks for there, as the
+    broker holds it (RabbitMQ 3.10 serves quorum role queues, without priorities)."""
+    from middleware.routing.roles import role_inbox_spec
+
+    _, topology = write_topology(
+        tmp_path, name, {"A": {}}, {"inbox_mirrors": mirrors, "role_queues": role_queues}
+    )
+    queue = f"{topology.prefix}.A.router.inbox"
+
+    async def declare() -> None:
+        async with AsyncClient(settings=settings) as client:
+            if version is not None:
+                client.server = BrokerInfo.from_version(version)
+            await client.declare_queue(role_inbox_spec(queue, topology, client))
+
+    asyncio.run(declare())
+    try:
+        held = management_get(settings, f"/api/queues/%2F/{queue}")
+        assert held["type"] == kind
+        assert ("x-max-priority" in held["arguments"]) == (kind == "classic")
+    finally:
+        management(settings, "DELETE", f"/api/queues/%2F/{queue}")
 
 
 def test_the_lease_queue_is_one_rabbitmq_4_3_accepts() -> None:
