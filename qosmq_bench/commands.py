@@ -88,6 +88,13 @@ def register(sub: Any) -> None:
         "(a consumer process SIGKILLed, restarted 12 s later), delete (a replica's queue)",
     )
     balance.add_argument(
+        "--rate-sources",
+        action="store_true",
+        help="the replicas' arrival and service rates as the management API and "
+        "rabbitmq_prometheus read them, beside the publisher's own rate (the first of "
+        "--rates, for --duration s)",
+    )
+    balance.add_argument(
         "--phase-seconds", type=number(1, 3600), default=30.0, help="--phases: each phase, s"
     )
     balance.add_argument(
@@ -574,6 +581,8 @@ def _run_balance(args: argparse.Namespace) -> int:
 
     if args.phases:
         return _run_balance_phases(args)
+    if args.rate_sources:
+        return _run_rate_sources(args)
     try:
         cells = [
             BalanceCell(
@@ -614,6 +623,20 @@ def _run_balance(args: argparse.Namespace) -> int:
             f"{r['p99_first_third_ms']:>9.1f} {r['p99_last_third_ms']:>9.1f} "
             f"{r['max_queue_length']:>7} {r['backlog']:>7} {r['routed']}"
         )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _run_rate_sources(args: argparse.Namespace) -> int:
+    from .balance_rates import format_rate_sources, run_rate_sources
+
+    rate = float(args.rates.split(",")[0])
+    rows = runtime.run(
+        run_rate_sources(args.settings, rate=rate, duration_s=args.duration),
+        event_loop=args.settings.event_loop,
+    )
+    print(format_rate_sources(rows))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

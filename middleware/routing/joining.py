@@ -13,13 +13,37 @@ the ring record it read of itself, each hand-over message routed, the count told
 bound passed — and performs what it returns: :class:`Hold` (hold the arc's events, and
 call :meth:`JoinHold.expired` after ``bound_s``) and :class:`Release` (let them go on,
 with what to log).
+
+The previous owner's side is :class:`HandBack`: its routing master asks each of its match
+masters to hand the arc over (:class:`AskMasters`), counts their answers within a bound
+(:class:`Expire`), tells the joiner's router how many (:class:`Tell`, tried again until
+``handover_wait_s`` has passed: the link to a rejoining cluster may still be connecting),
+then retires the match masters a take-over of the arc had added (:class:`Retire`).  What
+each master sends is :func:`handover_plan`'s choice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-__all__ = ["Effect", "Hold", "JoinHold", "Release"]
+T = TypeVar("T")
+
+__all__ = [
+    "AskMasters",
+    "Effect",
+    "Expire",
+    "HandBack",
+    "HandBackEffect",
+    "Hold",
+    "JoinHold",
+    "NotHandedOver",
+    "Release",
+    "Retire",
+    "Tell",
+    "handover_plan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +120,160 @@ class JoinHold:
             return []
         self.holding = False
         return [Release(self.handed, self.expected, now - self._since, timed_out=False)]
+
+
+# ------------------------------------------------------------- the previous owner's side
+
+
+@dataclass(frozen=True, slots=True)
+class AskMasters:
+    """Ask each of ``masters`` (owner names) to hand ``cluster``'s ``arc`` over and answer
+    ``request`` with how many they sent."""
+
+    request: str
+    cluster: str
+    arc: tuple[int, int]
+    masters: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """Call :meth:`HandBack.expired` for ``request`` after ``after_s``."""
+
+    request: str
+    after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """Tell ``cluster``'s router that ``count`` were handed over, after ``after_s``; then
+    :meth:`HandBack.told` or :meth:`HandBack.tell_failed`."""
+
+    request: str
+    cluster: str
+    count: int
+    after_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NotHandedOver:
+    """The masters did not all answer within the bound (``told``: False) or the count
+    could not be told (``told``: True, ``error`` why); what was sent stays sent."""
+
+    cluster: str
+    count: int
+    told: bool
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """The hand-over is done (``moved`` subscriptions): stop ``masters`` (owner names),
+    the ones a take-over of ``cluster``'s arc had added, with their slaves."""
+
+    cluster: str
+    masters: tuple[str, ...]
+    moved: int
+
+
+HandBackEffect = AskMasters | Expire | Tell | NotHandedOver | Retire
+
+
+@dataclass
+class _Round:
+    cluster: str
+    waiting: set[str]
+    retiring: tuple[str, ...]
+    count: int = 0
+    tell_until: float | None = None  # set once the count is being told
+
+
+@dataclass
+class HandBack:
+    """A previous owner's routing master handing a joiner's arc back.
+
+    ``answer_s``: how long its match masters may take to answer (``read_timeout_s``);
+    ``tell_s``: how long the count is tried on the joiner (``handover_wait_s``, the
+    joiner's own hold); ``retry_s``: between tries."""
+
+    answer_s: float
+    tell_s: float
+    retry_s: float = 0.1
+    rounds: dict[str, _Round] = field(default_factory=dict)
+
+    def start(
+        self,
+        request: str,
+        cluster: str,
+        arc: tuple[int, int],
+        masters: Iterable[str],
+        retiring: Iterable[str] = (),
+    ) -> list[HandBackEffect]:
+        """``cluster`` joined with ``arc``, which was this router's: every one of
+        ``masters`` hands it over; ``retiring`` are stopped once that is done."""
+        asked = tuple(masters)
+        self.rounds[request] = _Round(cluster, set(asked), tuple(retiring))
+        return [AskMasters(request, cluster, arc, asked), Expire(request, self.answer_s)]
+
+    def answered(self, request: str, master: str, count: int, now: float) -> list[HandBackEffect]:
+        """``master`` sent ``count``; the last answer starts telling the joiner."""
+        held = self.rounds.get(request)
+        if held is None or held.tell_until is not None or master not in held.waiting:
+            return []  # late, or twice
+        held.waiting.discard(master)
+        held.count += count
+        if held.waiting:
+            return []
+        held.tell_until = now + self.tell_s
+        return [Tell(request, held.cluster, held.count)]
+
+    def expired(self, request: str) -> list[HandBackEffect]:
+        """The masters' bound passed: if some never answered, the round ends here and the
+        masters a take-over added stay (nothing of theirs is lost)."""
+        held = self.rounds.get(request)
+        if held is None or held.tell_until is not None:
+            return []
+        del self.rounds[request]
+        return [NotHandedOver(held.cluster, held.count, told=False)]
+
+    def told(self, request: str) -> list[HandBackEffect]:
+        held = self.rounds.pop(request, None)
+        return [] if held is None else self._retire(held)
+
+    def tell_failed(self, request: str, error: str, now: float) -> list[HandBackEffect]:
+        """Telling failed: again after ``retry_s`` until ``tell_s`` has passed."""
+        held = self.rounds.get(request)
+        if held is None or held.tell_until is None:
+            return []
+        if now < held.tell_until:
+            return [Tell(request, held.cluster, held.count, self.retry_s)]
+        del self.rounds[request]
+        return [
+            NotHandedOver(held.cluster, held.count, told=True, error=error),
+            *self._retire(held),
+        ]
+
+    @staticmethod
+    def _retire(held: _Round) -> list[HandBackEffect]:
+        return [Retire(held.cluster, held.retiring, held.count)] if held.retiring else []
+
+
+@dataclass(frozen=True)
+class HandoverPlan(Generic[T]):
+    """What one match master sends a joiner: the arc's subscriptions it holds (removed
+    here once sent) and the removals it remembers of the arc (forgotten once sent)."""
+
+    subscriptions: list[tuple[str, T]]
+    removals: list[tuple[str, str]]  # (subscription id, event type)
+
+
+def handover_plan(
+    held: Iterable[tuple[str, T]],
+    removed: Mapping[str, str],
+    covers: Callable[[str], bool],
+) -> HandoverPlan[T]:
+    """The subscriptions (``held``: id and record, already of the arc) and the removals
+    (``removed``: id -> event type) to hand over for an arc whose event types ``covers``."""
+    return HandoverPlan(
+        list(held), [(sid, event_type) for sid, event_type in removed.items() if covers(event_type)]
+    )

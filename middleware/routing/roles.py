@@ -88,8 +88,18 @@ from .follower import (
 )
 from .follower import Effect as FollowerEffect
 from .ids import RoleId, RoleKind
+from .joining import (
+    AskMasters,
+    Expire,
+    HandBack,
+    HandBackEffect,
+    Hold,
+    JoinHold,
+    NotHandedOver,
+    Tell,
+    handover_plan,
+)
 from .joining import Effect as JoinEffect
-from .joining import Hold, JoinHold
 from .matching import FilterError
 from .messages import (
     HOME_LEFT,
@@ -1519,6 +1529,8 @@ class RouterMaster(_Role):
         #: owner's hand-over is all routed here (or ``handover_wait_s`` passed)
         self._joining: tuple[Arc, asyncio.Event] | None = None
         self.join_hold = JoinHold()  # when to let them go (joining.py)
+        # an arc handed back to a cluster that joined (joining.py)
+        self.hand_back = HandBack(self.topology.read_timeout_s, self.topology.handover_wait_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -2110,6 +2122,13 @@ class RouterMaster(_Role):
         )
 
     async def _on_recovered(self, message: Recovered) -> None:
+        if message.request in self.hand_back.rounds:  # a master handed an arc back
+            await self._hand_back(
+                self.hand_back.answered(
+                    message.request, message.broker, message.restored, time.monotonic()
+                )
+            )
+            return
         entry = self._recoveries.get(message.request)
         if entry is None:
             return  # late: the recovery went on without it
@@ -2139,57 +2158,80 @@ class RouterMaster(_Role):
         if handover is None or handover.previous_owner != self.cluster:
             return
         log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
-        retiring = [RoleId.match(self.cluster, i) for i in range(keep, masters)]
-        request = uuid.uuid4().hex
-        giving = [RoleId.match(self.cluster, i) for i in range(masters)]
-        answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._recoveries[request] = ({m.owner for m in giving}, 0, answered)
-        for master in giving:
-            # each answers how many it sent; priority 0: behind the arc's events routed
-            # here before the join (matched here with the subscriptions still held); none
-            # come after it (this router forwards the arc to the joiner from now on)
-            give = Handover(
-                cluster=cluster,
-                arc=(handover.start, handover.end),
-                request=request,
-                reply_to=self.connections.process_queue,
+        await self._hand_back(
+            self.hand_back.start(
+                uuid.uuid4().hex,
+                cluster,
+                (handover.start, handover.end),
+                [RoleId.match(self.cluster, i).owner for i in range(masters)],
+                [RoleId.match(self.cluster, i).owner for i in range(keep, masters)],
             )
-            await self.send(self.cluster, self.inbox_of(master), give, 0)
-        self._background(self._handed_over(cluster, retiring, request, answered))
+        )
 
-    async def _handed_over(
-        self, cluster: str, retiring: list[RoleId], request: str, answered: asyncio.Future[int]
-    ) -> None:
-        """Once every match master handed ``cluster``'s arc over, tell the joiner's router
-        how many subscriptions to expect (it holds the arc's events until they are all
-        routed there), then stop the masters a take-over had added, with their slaves
-        (the provisioner's ``retire``)."""
-        try:
-            moved = await asyncio.wait_for(answered, self.topology.read_timeout_s)
-        except TimeoutError:
-            log.warning(
-                "%s: the match masters did not hand %s's arc over in time", self.id, cluster
-            )
-            return  # the added ones left running: nothing of theirs is lost
-        finally:
-            self._recoveries.pop(request, None)
-        done = HandedOver(cluster=cluster, by=self.cluster, count=moved)
-        queue = self.control_of(RoleId.router(cluster))
-        # the link to a rejoining cluster may still be connecting again: tried until the
-        # joiner's own bound has passed (it lets its events go on then)
-        deadline = time.monotonic() + self.topology.handover_wait_s
-        while True:
-            try:
-                await self.send(cluster, queue, done, 0)
-                break
-            except MiddlewareError as exc:
-                if time.monotonic() >= deadline:
-                    log.warning("%s: hand-over count not told to %s: %s", self.id, cluster, exc)
-                    break
-                await asyncio.sleep(0.1)
-        log.info("%s: %d subscriptions of %s's arc handed over", self.id, moved, cluster)
-        if retiring:
-            await self._retire_added(cluster, retiring, moved)
+    async def _hand_back(self, effects: list[HandBackEffect]) -> None:
+        """Perform what the hand-back returned (joining.HandBack)."""
+        for effect in effects:
+            if isinstance(effect, AskMasters):
+                for owner in effect.masters:
+                    # each answers how many it sent; priority 0: behind the arc's events
+                    # routed here before the join (matched here with the subscriptions
+                    # still held); none come after it (forwarded to the joiner from now)
+                    give = Handover(
+                        cluster=effect.cluster,
+                        arc=effect.arc,
+                        request=effect.request,
+                        reply_to=self.connections.process_queue,
+                    )
+                    await self.send(self.cluster, self.inbox_of(RoleId.from_owner(owner)), give)
+            elif isinstance(effect, Expire):
+                self._after_hand_back(
+                    effect.after_s, functools.partial(self.hand_back.expired, effect.request)
+                )
+            elif isinstance(effect, Tell):
+                if effect.after_s:
+                    again: list[HandBackEffect] = [dataclasses.replace(effect, after_s=0.0)]
+                    self._after_hand_back(effect.after_s, functools.partial(list, again))
+                    continue
+                done = HandedOver(cluster=effect.cluster, by=self.cluster, count=effect.count)
+                try:
+                    await self.send(
+                        effect.cluster, self.control_of(RoleId.router(effect.cluster)), done
+                    )
+                except MiddlewareError as exc:
+                    await self._hand_back(
+                        self.hand_back.tell_failed(effect.request, str(exc), time.monotonic())
+                    )
+                    continue
+                log.info(
+                    "%s: %d subscriptions of %s's arc handed over",
+                    self.id,
+                    effect.count,
+                    effect.cluster,
+                )
+                await self._hand_back(self.hand_back.told(effect.request))
+            elif isinstance(effect, NotHandedOver):
+                if effect.told:
+                    log.warning(
+                        "%s: hand-over count (%d) not told to %s: %s",
+                        self.id,
+                        effect.count,
+                        effect.cluster,
+                        effect.error,
+                    )
+                else:  # the added masters left running: nothing of theirs is lost
+                    log.warning(
+                        "%s: the match masters did not hand %s's arc over in time",
+                        self.id,
+                        effect.cluster,
+                    )
+            else:
+                masters = [RoleId.from_owner(owner) for owner in effect.masters]
+                await self._retire_added(effect.cluster, masters, effect.moved)
+
+    def _after_hand_back(self, delay: float, later: Callable[[], list[HandBackEffect]]) -> None:
+        asyncio.get_running_loop().call_later(
+            delay, lambda: self._background(self._hand_back(later()))
+        )
 
     async def _retire_added(self, cluster: str, masters: list[RoleId], moved: int) -> None:
         """Stop the masters a take-over added, once they handed ``cluster``'s arc back."""
@@ -2703,41 +2745,36 @@ class MatchMaster(_MatchBroker):
         self.dispatch.reported(j, message.queue, message.service_rate, time.monotonic())
 
     async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> int:
-        """Send the subscriptions of the arc's event types to the joining cluster."""
-        moving = self.registry.in_arc(Arc(joiner, self.cluster, *arc).covers)
-        for sid, record in moving:
-            await self.send(
-                joiner,
-                # its control queue: the joiner holds the arc's events in its inbox
-                # until these are there (its ``handover_wait_s``)
-                self.control_of(RoleId.router(joiner)),
-                Subscribe(
-                    subscription_id=sid,
-                    event_type=record.event_type,
-                    filter=record.filter,
-                    queue=record.queue,
-                    latency_level=record.latency_level,
-                    confirm=record.confirm,
-                    # deliveries still go home; the routers that counted its level so far
-                    # stay on its path, so an unsubscribe reaches them too
-                    home=record.homed(self.cluster),
-                    hops=record.path,
-                ),
+        """Send the subscriptions of the arc's event types to the joining cluster, and the
+        removals of the arc this master remembers (joining.handover_plan)."""
+        covers = Arc(joiner, self.cluster, *arc).covers
+        plan = handover_plan(self.registry.in_arc(covers), self.removed_adopted, covers)
+        # to its control queue: the joiner holds the arc's events in its inbox until
+        # these are there (its ``handover_wait_s``)
+        control = self.control_of(RoleId.router(joiner))
+        for sid, record in plan.subscriptions:
+            subscribe = Subscribe(
+                subscription_id=sid,
+                event_type=record.event_type,
+                filter=record.filter,
+                queue=record.queue,
+                latency_level=record.latency_level,
+                confirm=record.confirm,
+                # deliveries still go home; the routers that counted its level so far
+                # stay on its path, so an unsubscribe reaches them too
+                home=record.homed(self.cluster),
+                hops=record.path,
             )
+            await self.send(joiner, control, subscribe)
             self.registry.remove(sid)
             await self.replicas.write(sid, None)
-        covers = Arc(joiner, self.cluster, *arc).covers
-        removed = [(sid, t) for sid, t in self.removed_adopted.items() if covers(t)]
-        for sid, event_type in removed:
-            await self.send(
-                joiner,
-                self.control_of(RoleId.router(joiner)),
-                Unsubscribe(event_type=event_type, subscription_id=sid, handed_over=True),
-            )
+        for sid, event_type in plan.removals:
+            removal = Unsubscribe(event_type=event_type, subscription_id=sid, handed_over=True)
+            await self.send(joiner, control, removal)
             del self.removed_adopted[sid]
-        self.count("handed_over", len(moving))
-        self.count("removals_handed_over", len(removed))
-        return len(moving) + len(removed)
+        self.count("handed_over", len(plan.subscriptions))
+        self.count("removals_handed_over", len(plan.removals))
+        return len(plan.subscriptions) + len(plan.removals)
 
     async def _on_handover(self, message: Handover) -> None:
         moved = await self._hand_over(message.cluster, message.arc)

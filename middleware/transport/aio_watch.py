@@ -183,13 +183,9 @@ class WatchedReplies:
     def _act(self, holder: _Channel, answer: Answer) -> None:
         if answer.retire_channel:
             self._retire(holder)
-        for message in answer.given_up:
+        for message, why in answer.reasons():
             metrics.UNCONFIRMED_GIVEN_UP.inc()
-            log.warning(
-                "unconfirmed publish %s refused by the broker %d times; not sent again",
-                message.message_id,
-                self.policy.attempts,
-            )
+            log.warning("unconfirmed publish %s %s: not sent again", message.message_id, why)
         for resend in answer.resend:
             metrics.UNCONFIRMED_RESENT.inc()
             self._spawn(self._resend_later(resend.message, resend.attempt, resend.delay))

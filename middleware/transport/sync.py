@@ -469,11 +469,9 @@ class SyncClient:
 
     def _act(self, live: _SyncLive, answer: Answer) -> None:
         now = time.monotonic()
-        for message in answer.given_up:
+        for message, why in answer.reasons():
             metrics.UNCONFIRMED_GIVEN_UP.inc()
-            log.warning(
-                "unconfirmed publish %s refused by the broker; not sent again", message.message_id
-            )
+            log.warning("unconfirmed publish %s %s: not sent again", message.message_id, why)
         for resend in answer.resend:
             metrics.UNCONFIRMED_RESENT.inc()
             self._resends.append((now + resend.delay, resend.message, resend.attempt))

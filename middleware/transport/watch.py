@@ -41,11 +41,19 @@ class Resend:
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What the broker's answer calls for: sends to repeat, whether the channel must be
-    replaced (it refused a publish), and messages given up (every attempt refused)."""
+    replaced (it refused a publish), and messages given up (every attempt refused, or
+    ``no_exchange``: sent to an exchange that does not exist, never sent again)."""
 
     resend: tuple[Resend, ...] = ()
     retire_channel: bool = False
     given_up: tuple[OutgoingMessage, ...] = ()
+    no_exchange: tuple[OutgoingMessage, ...] = ()
+
+    def reasons(self) -> list[tuple[OutgoingMessage, str]]:
+        """Each message given up, with why, for one log line each."""
+        return [(m, "refused by the broker on every attempt") for m in self.given_up] + [
+            (m, f"sent to exchange {m.exchange!r}, which does not exist") for m in self.no_exchange
+        ]
 
 
 NOTHING = Answer()
@@ -99,7 +107,7 @@ class WatchedChannel:
         answer = self._again(
             [(m, a) for m, a in settled if m.exchange != missing_exchange], retire=False
         )
-        return Answer(answer.resend, False, answer.given_up + doomed) if doomed else answer
+        return Answer(answer.resend, False, answer.given_up, doomed) if doomed else answer
 
     def forget(self) -> list[OutgoingMessage]:
         """The connection is gone: hand back what was owed (the caller's to resend)."""

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from middleware.routing.joining import Hold, JoinHold, Release
+from middleware.routing.joining import (
+    AskMasters,
+    Expire,
+    HandBack,
+    Hold,
+    JoinHold,
+    NotHandedOver,
+    Release,
+    Retire,
+    Tell,
+    handover_plan,
+)
 
 
 def started(recorded: str | None = "left", listed: bool = True) -> tuple[JoinHold, list]:
@@ -46,3 +57,61 @@ def test_who_joins() -> None:
     no_bound = hold.start(recorded="left", listed_as_joined=True, bound_s=0, clusters=4, now=0)
     alone = hold.start(recorded="left", listed_as_joined=True, bound_s=5, clusters=1, now=0)
     assert no_bound == [] and alone == []
+
+
+# ------------------------------------------------------- the previous owner's hand-back
+
+
+def _round(retiring: tuple[str, ...] = ("S.match.1",)) -> tuple[HandBack, list]:
+    back = HandBack(answer_s=10.0, tell_s=5.0, retry_s=0.25)
+    return back, back.start("r1", "D", (1, 2), ["S.match.0", "S.match.1"], retiring)
+
+
+def test_the_hand_back_asks_every_master_then_tells_the_sum_then_retires() -> None:
+    back, effects = _round()
+    assert effects == [
+        AskMasters("r1", "D", (1, 2), ("S.match.0", "S.match.1")),
+        Expire("r1", 10.0),
+    ]
+    assert back.answered("r1", "S.match.0", 3, now=1.0) == []
+    assert back.answered("r1", "S.match.0", 3, now=1.0) == []  # twice: counted once
+    assert back.answered("r1", "S.match.1", 4, now=1.5) == [Tell("r1", "D", 7)]
+    assert back.answered("r1", "S.match.1", 4, now=1.6) == []  # late: the count is told
+    assert back.expired("r1") == []  # answered in time: the bound does nothing
+    assert back.told("r1") == [Retire("D", ("S.match.1",), 7)]
+    assert back.rounds == {}
+
+
+def test_a_count_that_cannot_be_told_is_tried_until_the_joiners_bound() -> None:
+    back, _ = _round(retiring=())
+    back.answered("r1", "S.match.0", 1, now=0.0)
+    assert back.answered("r1", "S.match.1", 1, now=0.0) == [Tell("r1", "D", 2)]
+    assert back.tell_failed("r1", "link down", now=1.0) == [Tell("r1", "D", 2, 0.25)]
+    assert back.tell_failed("r1", "link down", now=4.9) == [Tell("r1", "D", 2, 0.25)]
+    assert back.tell_failed("r1", "link down", now=5.0) == [
+        NotHandedOver("D", 2, told=True, error="link down")
+    ]  # nothing to retire: none added
+    assert back.rounds == {} and back.told("r1") == []
+
+
+def test_masters_that_do_not_answer_in_time_keep_the_added_ones_running() -> None:
+    back, _ = _round()
+    back.answered("r1", "S.match.0", 5, now=0.0)
+    assert back.expired("r1") == [NotHandedOver("D", 5, told=False)]  # no Retire
+    assert back.answered("r1", "S.match.1", 1, now=11.0) == []  # too late
+    assert back.rounds == {}
+
+
+def test_answers_of_an_unknown_master_or_round_are_ignored() -> None:
+    back, _ = _round()
+    assert back.answered("r1", "T.match.0", 9, now=0.0) == []
+    assert back.answered("other", "S.match.0", 9, now=0.0) == []
+    assert back.tell_failed("r1", "x", now=0.0) == []  # not telling yet
+    assert back.rounds["r1"].waiting == {"S.match.0", "S.match.1"}
+
+
+def test_the_plan_hands_over_the_arcs_subscriptions_and_removals_only() -> None:
+    plan = handover_plan(
+        [("s1", "record-1")], {"s2": "in-arc", "s3": "elsewhere"}, lambda t: t == "in-arc"
+    )
+    assert plan.subscriptions == [("s1", "record-1")] and plan.removals == [("s2", "in-arc")]

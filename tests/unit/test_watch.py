@@ -57,7 +57,10 @@ def test_a_closed_channel_sends_its_debt_again_but_not_to_the_missing_exchange()
     ch.sent(2, _msg(2, "here"))
     answer = ch.closed(missing_exchange("NOT_FOUND - no exchange 'gone' in vhost '/'"))
     assert [r.message.message_id for r in answer.resend] == ["m2"]
-    assert [m.message_id for m in answer.given_up] == ["m1"]
+    assert answer.given_up == () and [m.message_id for m in answer.no_exchange] == ["m1"]
+    assert [why for _, why in answer.reasons()] == [
+        "sent to exchange 'gone', which does not exist"
+    ]  # not "refused on every attempt": it was sent once
     assert not answer.retire_channel and not ch.current and ch.owed == 0
 
 
