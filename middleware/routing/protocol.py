@@ -102,6 +102,12 @@ class PhoenixTopology(BaseModel):
     #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over
     heartbeat_interval_s: float = Field(0.1, gt=0, le=60)
     heartbeat_misses: int = Field(5, ge=1, le=100)
+    #: slaves beat to their master this often: the master's view of them (dispatch to a
+    #: match slave, replacing a silent one, admission) suspects a slave after
+    #: ``heartbeat_misses`` of these; slower than the masters' beats, which elections
+    #: hang on: half the deployment's idle control traffic was slave beats, and a slave's
+    #: death is heard at once by its lease either way
+    slave_beat_interval_s: float = Field(0.25, gt=0, le=60)
     #: beats that arrive irregularly (a busy machine) raise the silence a peer may keep
     #: before it is suspected, from ``heartbeat_misses`` intervals up to this many seconds
     #: (recovery/detector.py; a SIGKILLed role is heard at once by its lease either way;

@@ -360,7 +360,7 @@ class _Role:
         # a master's slaves, by number, as their beats and load reports say: the one
         # liveness rule for dispatch (match masters) and for replacements
         self.live = FailureDetector[int](
-            topology.heartbeat_interval_s, topology.heartbeat_misses, topology.suspect_ceiling_s
+            topology.slave_beat_interval_s, topology.heartbeat_misses, topology.suspect_ceiling_s
         )
         #: which process serves each slave, second processes, replacements (pure)
         self.supervision = Supervision(
@@ -506,7 +506,12 @@ class _Role:
                 await self.replace_silent(time.monotonic())
 
         try:
-            await self.beating([self.control_of(r) for r in slaves], lambda: beat, replacing())
+            await self.beating(
+                [self.control_of(r) for r in slaves],
+                lambda: beat,
+                replacing(),
+                self.topology.heartbeat_interval_s,
+            )
         finally:
             for watch in self.slave_watches.values():
                 await watch.stop()
@@ -520,7 +525,11 @@ class _Role:
             log.warning("%s: provisioner not warmed: %s", self.id, exc)
 
     async def beating(
-        self, queues: list[str], beat: Callable[[], Beat], meanwhile: Awaitable[None]
+        self,
+        queues: list[str],
+        beat: Callable[[], Beat],
+        meanwhile: Awaitable[None],
+        interval_s: float,
     ) -> None:
         """Beat to ``queues`` from a thread of its own while ``meanwhile`` runs (``beat``
         is read at each beat); the thread's connection holds this process's lease, which
@@ -533,7 +542,7 @@ class _Role:
             cluster_settings(self.settings, self.topology, self.cluster)[1],
             queues,
             body,
-            interval_s=self.topology.heartbeat_interval_s,
+            interval_s=interval_s,
             ttl_ms=self._signal_ttl_ms(),
             priority=MAX_PRIORITY,
             name=str(self.id),
@@ -1312,7 +1321,12 @@ class _ReplicaHolder(_Role):
 
     async def recovery(self, stop: asyncio.Event) -> None:
         try:
-            await self.beating([self.master_control], self._beat, self._watch_master(stop))
+            await self.beating(
+                [self.master_control],
+                self._beat,
+                self._watch_master(stop),
+                self.topology.slave_beat_interval_s,
+            )
         finally:
             await self.master_watch.stop()
 
