@@ -159,6 +159,8 @@ from .store import StateStore, open_store, ring_owner
 from .supervision import After, Note, Provision, Supervision
 from .supervision import Effect as SupervisionEffect
 from .supervision import Retire as RetireProcess
+from .takeover import Adopt, ArcTakeover, AskRestore, MakePlan, ReadTable, Released, RestoreBound
+from .takeover import Effect as TakeoverEffect
 from .timeliness import Dispatch, QueuePredictor
 
 __all__ = [
@@ -1531,7 +1533,8 @@ class RouterMaster(_Role):
         #: departed clusters whose arc this router took over: (arc, restored)
         self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
         #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
-        self._recoveries: dict[str, tuple[set[str], int, asyncio.Future[int]]] = {}
+        # departed arcs being taken over here (takeover.py)
+        self.takeover = ArcTakeover(self.topology.read_timeout_s)
         #: events that entered the ring here and went to another cluster, until their
         #: owner says they were matched (routed again if it leaves first)
         self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
@@ -2035,9 +2038,9 @@ class RouterMaster(_Role):
         successor = self.ring.leave(cluster)
         self._record_ring_change(cluster, "left")
         if successor == self.cluster:  # before anything awaits: the arc's events wait
-            restored = asyncio.Event()
-            self._recovering[cluster] = (arc, restored)
-            self._background(self._recover(cluster, arc, restored))
+            self._recovering[cluster] = (arc, asyncio.Event())
+            started = self.takeover.left(cluster, uuid.uuid4().hex, time.monotonic())
+            self._background(self._take_over_arc(started))
         self.detours.left(cluster)
         self._route_kept(cluster)
         self.count("leaves")
@@ -2073,14 +2076,54 @@ class RouterMaster(_Role):
         for event_type, document in entries.items():
             await self.replicas.write(event_type, document)
 
-    async def _recover(self, cluster: str, arc: Arc, restored: asyncio.Event) -> None:
-        """The capacity plan (``recovery/capacity.py``: match masters added when the
-        departed cluster had more), then RECOVERY to each master it names; the arc's
-        events wait until every one answered (or ``read_timeout_s``)."""
-        started = time.monotonic()
-        routing_table = asyncio.create_task(self._restore_routing_table(cluster, arc))
-        request = uuid.uuid4().hex
-        answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    async def _take_over_arc(self, effects: list[TakeoverEffect]) -> None:
+        """Perform what the arc take-over returned (takeover.ArcTakeover): the capacity
+        plan (``recovery/capacity.py``: match masters added when the departed cluster had
+        more), RECOVERY to each master it names; the arc's events wait until every one
+        answered (or ``read_timeout_s``) and the departed router's table was read."""
+        for effect in effects:
+            if isinstance(effect, ReadTable):
+                self._background(self._read_departed_table(effect.cluster))
+            elif isinstance(effect, MakePlan):
+                self._background(self._make_plan(effect.cluster))
+            elif isinstance(effect, Adopt):
+                plan: CapacityPlan = effect.plan
+                arc = self._recovering[effect.cluster][0]
+                self.logic.adopted[effect.cluster] = (arc, plan.masters)
+                self._record_adoption(effect.cluster, arc, plan)
+                if plan.match_broker_map:
+                    log.info(
+                        "%s: matchBrokerMap for %s: %s",
+                        self.id,
+                        effect.cluster,
+                        plan.match_broker_map,
+                    )
+            elif isinstance(effect, AskRestore):
+                await self._ask_restore(effect)
+            elif isinstance(effect, RestoreBound):
+                asyncio.get_running_loop().call_later(
+                    effect.after_s, self._restore_bound_passed, effect.request
+                )
+            else:
+                self._released(effect)
+
+    def _restore_bound_passed(self, request: str) -> None:
+        self._background(self._take_over_arc(self.takeover.expired(request, time.monotonic())))
+
+    async def _read_departed_table(self, cluster: str) -> None:
+        held = self._recovering.get(cluster)
+        if held is None:  # joined again already
+            return
+        arc = held[0]
+        try:
+            entries, error = await self._restore_routing_table(cluster, arc), None
+        except Exception as exc:  # priorities fall back to defaults; matching goes on
+            entries, error = None, str(exc)
+        await self._take_over_arc(
+            self.takeover.table_read(cluster, entries, error, time.monotonic())
+        )
+
+    async def _make_plan(self, cluster: str) -> None:
         try:
             plan = await self._provision(await self._plan(cluster, self.cluster))
         except Exception as exc:  # the store unreadable: the topology's masters share it
@@ -2093,46 +2136,45 @@ class RouterMaster(_Role):
                 departed_plain=False,
                 can_add=False,
             )
-        self.logic.adopted[cluster] = (arc, plan.masters)
-        self._record_adoption(cluster, arc, plan)
-        if plan.match_broker_map:
-            log.info("%s: matchBrokerMap for %s: %s", self.id, cluster, plan.match_broker_map)
-        self._recoveries[request] = ({r.master.owner for r in plan.restores}, 0, answered)
-        try:
-            for restore in plan.restores:
-                ask = Recover(
-                    cluster=cluster,
-                    arc=(arc.start, arc.end),
-                    masters=plan.departed_masters,
-                    request=request,
-                    reply_to=self.connections.process_queue,
-                    owners=list(restore.owners),
-                    routed_over=plan.masters,
-                )
-                await self.send(self.cluster, self.control_of(restore.master), ask, MAX_PRIORITY)
-            count = await asyncio.wait_for(answered, self.topology.read_timeout_s)
-        except TimeoutError:
-            count = self._recoveries[request][1]
+        masters = [r.master.owner for r in plan.restores]
+        await self._take_over_arc(self.takeover.planned(cluster, plan, masters, time.monotonic()))
+
+    async def _ask_restore(self, effect: AskRestore) -> None:
+        plan: CapacityPlan = effect.plan
+        arc = self._recovering[effect.cluster][0]
+        for restore in plan.restores:
+            ask = Recover(
+                cluster=effect.cluster,
+                arc=(arc.start, arc.end),
+                masters=plan.departed_masters,
+                request=effect.request,
+                reply_to=self.connections.process_queue,
+                owners=list(restore.owners),
+                routed_over=plan.masters,
+            )
+            await self.send(self.cluster, self.control_of(restore.master), ask, MAX_PRIORITY)
+
+    def _released(self, effect: Released) -> None:
+        cluster = effect.cluster
+        if not effect.complete:
             log.warning("%s: not every match master restored %s's arc in time", self.id, cluster)
-        finally:
-            self._recoveries.pop(request, None)
-            try:  # beside the match masters' restore: the held events get its priorities
-                entries = await routing_table
-            except Exception as exc:  # priorities fall back to defaults; matching goes on
-                log.warning("%s: %s's routing table not restored: %s", self.id, cluster, exc)
-                entries = {}
-            restored.set()
-            if entries:  # persisted and replicated as this router's own, after
-                self._background(self._write_entries(entries))
-        took = time.monotonic() - started
-        LEAVE_S.labels(self.cluster).observe(took)
+        if effect.table_error is not None:
+            log.warning(
+                "%s: %s's routing table not restored: %s", self.id, cluster, effect.table_error
+            )
+        holding = self._recovering.get(cluster)
+        if holding is not None:
+            holding[1].set()
+        if effect.entries:  # persisted and replicated as this router's own, after
+            self._background(self._write_entries(dict(effect.entries)))
+        LEAVE_S.labels(self.cluster).observe(effect.took_s)
         self.count("leaves_recovered")
         log.warning(
             "%s took over the arc of %s: %d subscriptions restored in %.3f s",
             self.cluster,
             cluster,
-            count,
-            took,
+            effect.restored,
+            effect.took_s,
         )
 
     async def _on_recovered(self, message: Recovered) -> None:
@@ -2143,14 +2185,12 @@ class RouterMaster(_Role):
                 )
             )
             return
-        entry = self._recoveries.get(message.request)
-        if entry is None:
-            return  # late: the recovery went on without it
-        waiting, count, answered = entry
-        waiting.discard(message.broker)
-        self._recoveries[message.request] = (waiting, count + message.restored, answered)
-        if not waiting and not answered.done():
-            answered.set_result(count + message.restored)
+        # a master restored its share of a departed arc (late: the take-over went on)
+        await self._take_over_arc(
+            self.takeover.answered(
+                message.request, message.broker, message.restored, time.monotonic()
+            )
+        )
 
     async def _join(self, cluster: str) -> None:
         """A cluster joined: if it took our arc, our match masters hand its subscriptions
@@ -2161,7 +2201,10 @@ class RouterMaster(_Role):
         handover = self.ring.join(cluster)
         self.detours.joined(cluster)
         self._record_ring_change(cluster, "joined")
-        self._recovering.pop(cluster, None)
+        held = self._recovering.pop(cluster, None)
+        self.takeover.joined(cluster)
+        if held is not None:  # back before its arc was restored here: its events go on
+            held[1].set()
         if self.logic.adopted.pop(cluster, None) is not None:
             self._record_adoption(cluster, Arc(cluster, self.cluster, 0, 0), None)
         keep = self._running_masters()

@@ -23,6 +23,7 @@ PURE = [
     "routing/supervision.py",
     "routing/follower.py",
     "routing/joining.py",
+    "routing/takeover.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",
