@@ -602,6 +602,8 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                         if eid not in first_copy
                         else round(first_copy[eid] - chaos.published[eid][2], 3),
                         _standing_for(sub, eid, chaos),
+                        # the event's dead letters, whatever their reason (first two)
+                        [why[:160] for why in chaos.dead.get(eid, ())][:2],
                     )
                     for eid in sorted(expected - delivered - dead_lettered)[:50]
                 ],
@@ -786,8 +788,9 @@ def problems(rows: list[dict[str, Any]]) -> list[str]:
             continue
         where = f"{r['fault']} window, {r['subscriber']}"
         if r["lost"]:
-            # (id, type, seconds into the window, next unsubscribe after): enough to
-            # find the event in the role logs of a run that failed once
+            # (id, type, seconds into the window, next unsubscribe after, first copy
+            # elsewhere, subscriptions standing, dead letters): enough to find the event
+            # in the role logs of a run that failed once
             out.append(f"{where}: {r['lost']} of {r['expected']} lost: {r['lost_ids'][:5]}")
         if r["unexpected"]:
             out.append(f"{where}: {r['unexpected']} unexpected")
