@@ -40,7 +40,9 @@ def test_the_bound_lets_the_events_go_with_what_was_restored() -> None:
     machine.table_read("D", None, "store unreadable", now=10.1)
     machine.planned("D", "plan", ["S.match.0", "S.match.1"], now=10.2)
     machine.answered("r1", "S.match.0", 3, now=11.0)
-    assert machine.expired("r1", now=15.25) == [Released("D", 3, False, {}, "store unreadable", 5.25)]
+    assert machine.expired("r1", now=15.25) == [
+        Released("D", 3, False, {}, "store unreadable", 5.25)
+    ]
     assert machine.answered("r1", "S.match.1", 9, now=16.0) == []  # late
 
 
