@@ -22,6 +22,7 @@ import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,18 +151,26 @@ def put_json(
         return int(response.status)
 
 
-def _each_node(settings: Settings, path: str, call: Any) -> Any:
-    attempts: dict[str, str] = {}
+def _with_tls(
+    settings: Settings, endpoints: list[Endpoint]
+) -> Iterator[tuple[Endpoint, ssl.SSLContext | None]]:
+    """Each endpoint with the TLS context it needs (https: the settings', made once)."""
     context: ssl.SSLContext | None = None
-    for endpoint in management_endpoints(settings):
+    for endpoint in endpoints:
         if endpoint.base.startswith("https:") and context is None:
             context = tls_context(settings)
+        yield endpoint, context if endpoint.base.startswith("https:") else None
+
+
+def _each_node(settings: Settings, path: str, call: Any) -> Any:
+    attempts: dict[str, str] = {}
+    for endpoint, context in _with_tls(settings, management_endpoints(settings)):
         try:
             return call(
                 endpoint.url(path),
                 username=endpoint.username,
                 password=endpoint.password,
-                context=context if endpoint.base.startswith("https:") else None,
+                context=context,
             )
         except urllib.error.HTTPError as exc:
             if exc.code in (401, 403):  # refused here: the next node would refuse too
@@ -208,17 +217,14 @@ def prometheus_scrape(
     counts only what its own channels did, so a reader sums them.  Per node, the text or
     the error that node gave (an unreachable node is a value here, not a raise)."""
     out: dict[str, str | Exception] = {}
-    context: ssl.SSLContext | None = None
-    for endpoint in prometheus_endpoints(settings):
-        if endpoint.base.startswith("https:") and context is None:
-            context = tls_context(settings)
+    for endpoint, context in _with_tls(settings, prometheus_endpoints(settings)):
         try:
             with _request(
                 endpoint.url(path),
                 username=endpoint.username,
                 password=endpoint.password,
                 timeout=timeout,
-                context=context if endpoint.base.startswith("https:") else None,
+                context=context,
             ) as response:
                 out[endpoint.shown()] = response.read().decode("utf-8", "replace")
         except (OSError, ValueError) as exc:
