@@ -214,6 +214,9 @@ class _Chaos:
             _Subscriber(f, c, f"{prefix}.{f}-{c}-{home.lower()}", home)
             for (f, c), home in self.homes(deployment.clusters)
         ]
+        #: every event's witness (not a row): its copy bounds when the event was matched,
+        #: also where no subscriber's filter took it (see ``_raced_its_unsubscribe``)
+        self.witness = _Subscriber("async", "broker", f"{prefix}.witness", "B")
         #: dead letters of events (event id -> reasons), from the harness's own queue
         self.dead: dict[str, list[str]] = {}
         self.sync_sides: dict[str, _SyncSide] = {}
@@ -297,6 +300,18 @@ class _Chaos:
         self.sync_sides[sub.name].todo.put(call)
         if wait:
             await asyncio.to_thread(finished.wait, 90)
+
+    async def witness_all(self) -> None:
+        """The witness takes every event of every type (``x >= 0`` always holds)."""
+        client = self._at(self.witness.home)
+        for event_type in self.types:
+            conditions: list[Condition] = [("x", ">=", 0)]
+            record = _Subscription(event_type, conditions, sent=time.time())
+            sid = await client.subscribe(
+                event_type, [list(c) for c in conditions], 1, self.witness.queue, wait_s=60
+            )
+            record.confirmed = time.time()
+            self.witness.subscriptions[sid] = record
 
     async def unsubscribe(self, sub: _Subscriber) -> None:
         standing = [
@@ -503,7 +518,9 @@ def _raced_its_unsubscribe(
     is for events matched before it).  Said only where the copies tell: every matching
     subscription's unsubscribe was sent after the publish, and the event's first copy to
     any subscriber (so its matching, which came before) arrived after that send.  A copy
-    elsewhere before the unsubscribe was even sent proves it was matched in time: lost."""
+    elsewhere before the unsubscribe was even sent proves it was matched in time: lost.
+    The witness (a subscriber of every event, homed at B) gives every event a copy, so an
+    event no other filter took is judged by evidence too, never by a guess."""
     standing = [s for s in matching if s.standing(at)]
     if not standing or matched_by is None:
         return False
@@ -516,7 +533,7 @@ def _raced_its_unsubscribe(
 def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dict[str, Any]]:
     rows = []
     first_copy: dict[str, float] = {}  # an event's first copy to any subscriber
-    for other in chaos.subs:
+    for other in (*chaos.subs, chaos.witness):
         for eid, t in other.got:
             if t < first_copy.get(eid, float("inf")):
                 first_copy[eid] = t
@@ -640,7 +657,8 @@ async def _run(
     for sub in chaos.subs:
         for _ in range(2):
             await chaos.subscribe(sub)
-    for sub in chaos.subs:
+    await chaos.witness_all()
+    for sub in (*chaos.subs, chaos.witness):
         await chaos.consume(sub)
     await chaos.publish(rate, 3.0)  # a warm-up window, counted as "none"
     bounds = [("none", 0.0, time.time())]
