@@ -21,7 +21,7 @@ masters (its topology's, or more while X itself held an arc it had taken over), 
   here: the latencyMap lives in routing masters, so every match master that takes part
   restores subscriptions.
 
-Nothing here does I/O: the router's driver (``routing.roles.RouterMaster``) provisions,
+Nothing here does I/O: the router's driver (``routing.router_roles.RouterMaster``) provisions,
 persists the plan (state kind ``adopted``) and sends the RECOVER messages it names.
 """
 

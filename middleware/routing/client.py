@@ -34,7 +34,7 @@ from .messages import (
     parse,
 )
 from .protocol import PhoenixTopology
-from .roles import cluster_settings, outgoing, role_inbox_spec
+from .wiring import cluster_settings, outgoing, role_inbox_spec
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
 

@@ -35,12 +35,13 @@ from ..transport.management import management_get, management_put, vhost_path
 from .ids import RoleId, RoleKind
 from .messages import Join, encode
 from .node import take_over
+from .operator import reconfigure
 from .protocol import MAX_PRIORITY, PhoenixTopology
 from .records import LatencyEntry, SubscriptionRecord
 from .ring import ChordRing, ring_id
-from .roles import cluster_settings, reconfigure, role_inbox_spec
 from .store import open_store, ring_owner
 from .timeliness import LatencyMap
+from .wiring import cluster_settings, role_inbox_spec
 from .zygote import Zygote
 
 __all__ = ["DeploymentError", "LocalProvisioner", "PhoenixDeployment", "RoleStatus"]

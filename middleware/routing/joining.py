@@ -8,7 +8,7 @@ So the joining cluster's routing master holds its arc's events from its start un
 previous owner's routing master has said how many it sent (``handed_over``) and that many
 were routed here, or until a bound passes (``handover_wait_s``).
 
-The router's driver (``roles.py``) feeds it what happened with the time — its start with
+The router's driver (``router_roles.py``) feeds it what happened with the time — its start with
 the ring record it read of itself, each hand-over message routed, the count told, the
 bound passed — and performs what it returns: :class:`Hold` (hold the arc's events, and
 call :meth:`JoinHold.expired` after ``bound_s``) and :class:`Release` (let them go on,

@@ -27,19 +27,12 @@ from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .ids import RoleId, RoleKind
+from .match_roles import MatchMaster, MatchSlave
 from .messages import Answer, Takeover, parse
 from .protocol import MAX_PRIORITY, PhoenixTopology
-from .roles import (
-    Connections,
-    MatchMaster,
-    MatchSlave,
-    RouterMaster,
-    RouterSlave,
-    _Role,
-    cluster_settings,
-    inbox_spec,
-    outgoing,
-)
+from .roles import Role
+from .router_roles import RouterMaster, RouterSlave
+from .wiring import Connections, cluster_settings, inbox_spec, outgoing
 
 __all__ = ["RoleNode", "take_over"]
 
@@ -64,7 +57,7 @@ class RoleNode:
         self.started_as = self.current = role
         self.status_file = status_file
         self.provisioner = provisioner  # for the masters it serves
-        self.role: _Role | None = None
+        self.role: Role | None = None
         self.switches = 0
 
     def build(
@@ -74,7 +67,7 @@ class RoleNode:
         connections: Connections,
         reign: Reign | None = None,
         failed_at: float | None = None,
-    ) -> _Role:
+    ) -> Role:
         common: dict[str, Any] = {
             "settings": self.settings,
             "topology": self.topology,
@@ -130,7 +123,7 @@ class RoleNode:
         finally:
             await connections.close()
 
-    async def _answer(self, role: _Role, request: Takeover) -> None:
+    async def _answer(self, role: Role, request: Takeover) -> None:
         """Tell whoever asked for the take-over that the master's role is being served."""
         await role.serving.wait()
         assert request.reply_to

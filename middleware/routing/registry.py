@@ -7,7 +7,7 @@ asked so), which records an arc handed to a joining cluster carries, and subscri
 restored from a departed cluster, indexed lazily (one type when its first event comes,
 or when the driver's background pass reaches it).
 
-The role's driver (``roles._MatchBroker``) persists, replicates, sends and logs; the
+The role's driver (``match_roles``) persists, replicates, sends and logs; the
 registry only says what is held and where things go.
 """
 

@@ -7,7 +7,7 @@ so a read always sees the latest acknowledged write.
 :class:`ReplicaLog` is a master's side of one replicated table as a state machine: it
 takes writes, acks, snapshot pages and admissions and returns what to do (``Persist``
 an entry, send a message ``ToReplica``, resolve a version as ``Written`` or ``GaveUp``
-on it).  The role's driver (``roles._ReplicaSet``) does the I/O and keeps the futures.
+on it).  The role's driver (``replica_set.ReplicaSet``) does the I/O and keeps the futures.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ priority.  :meth:`RouterLogic.step` then says where it goes: ``Forward`` to the 
 cluster on the ring (fingers), or ``ToMatch`` the match master the routing table names
 at the owner.  :meth:`RouterLogic.relay` follows a detour's path.
 
-The driver (``roles.RouterMaster``) persists and replicates entries, sends, waits for
+The driver (``router_roles.RouterMaster``) persists and replicates entries, sends, waits for
 an arc being restored, and asks ``step`` again when a next hop left the ring meanwhile.
 """
 

@@ -16,7 +16,7 @@ When a cluster leaves the ring, its successor's routing master holds the arc's e
    router's own, and what it took is said.
 
 The RECOVER round is a record here (who has not answered yet, the count so far), not a
-future: the driver (``roles.py``) performs the effects and feeds the results back.
+future: the driver (``router_roles.py``) performs the effects and feeds the results back.
 """
 
 from __future__ import annotations

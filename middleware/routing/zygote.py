@@ -44,6 +44,8 @@ PRELOAD = (
     "middleware.sidecar.phoenix",
     "middleware.routing.node",
     "middleware.routing.roles",
+    "middleware.routing.router_roles",
+    "middleware.routing.match_roles",
     "middleware.routing.deployment",
 )
 

@@ -81,7 +81,7 @@ def test_role_queues_by_the_brokers_version(
     """A role queue declared through a real client whose broker facts are this broker's
     or forced to a 4.x one: the type the topology's ``role_queues`` asks for there, as the
     broker holds it (RabbitMQ 3.10 serves quorum role queues, without priorities)."""
-    from middleware.routing.roles import role_inbox_spec
+    from middleware.routing.wiring import role_inbox_spec
 
     _, topology = write_topology(
         tmp_path, name, {"A": {}}, {"inbox_mirrors": mirrors, "role_queues": role_queues}

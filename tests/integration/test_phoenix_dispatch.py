@@ -14,8 +14,8 @@ import pytest
 from middleware.errors import MiddlewareError
 from middleware.routing.client import PhoenixClient
 from middleware.routing.ids import RoleId
+from middleware.routing.operator import reconfigure
 from middleware.routing.protocol import PhoenixTopology
-from middleware.routing.roles import reconfigure
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import attribute, cli, event, eventually_async, running, take
 

@@ -19,7 +19,7 @@ from middleware.routing.batching import encode
 from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
 from middleware.routing.ids import RoleId
 from middleware.routing.messages import Publish, Subscribe
-from middleware.routing.roles import outgoing
+from middleware.routing.wiring import outgoing
 from middleware.transport import DEAD_LETTER_QUEUE, OutgoingMessage
 from tests.integration.phoenix_support import eventually, owned_by, running
 

@@ -21,7 +21,7 @@ def test_masters_snapshot_their_table_periodically(tmp_path) -> None:
     import asyncio
 
     from middleware.routing.replicas import TOMBSTONE
-    from middleware.routing.roles import RouterMaster
+    from middleware.routing.router_roles import RouterMaster
 
     async def scenario() -> None:
         router = _role(RouterMaster, {"id": "B"}, str(tmp_path / "s.sqlite3"))
@@ -52,7 +52,7 @@ def test_a_replica_write_does_not_stall_the_loop_while_the_store_is_busy(tmp_pat
     import threading
     import time
 
-    from middleware.routing.roles import RouterMaster
+    from middleware.routing.router_roles import RouterMaster
 
     async def scenario() -> None:
         router = _role(RouterMaster, {"id": "B"}, str(tmp_path / "s.sqlite3"))
@@ -90,7 +90,7 @@ def test_a_replica_write_does_not_stall_the_loop_while_the_store_is_busy(tmp_pat
 
 def test_clusters_on_one_rabbitmq_share_a_connection_key() -> None:
     from middleware.routing.protocol import PhoenixTopology
-    from middleware.routing.roles import cluster_settings
+    from middleware.routing.wiring import cluster_settings
     from middleware.settings import Settings
 
     own = ["amqp://127.0.0.1:6001/"]

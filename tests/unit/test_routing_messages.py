@@ -187,7 +187,8 @@ def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
     """The handler tables: a routing master takes routed kinds in its inbox and replica
     answers on its control queue; a heartbeat in its inbox, or a take-over told to a
     master, is dead-lettered with the reason."""
-    from middleware.routing.roles import MatchSlave, RouterMaster
+    from middleware.routing.match_roles import MatchSlave
+    from middleware.routing.router_roles import RouterMaster
     from middleware.settings import Settings
 
     topology = PhoenixTopology.model_validate(

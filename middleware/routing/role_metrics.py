@@ -1,0 +1,44 @@
+"""The Prometheus metrics of Phoenix roles (one definition each, per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge, Histogram
+
+__all__ = ["HOPS", "INBOX_LENGTH", "LEAVE_S", "PREDICTED_T", "RECOVERY_S", "ROLE_EVENTS"]
+
+ROLE_EVENTS = PromCounter(
+    "qosmq_phoenix_events_total",
+    "Phoenix messages by role and outcome",
+    ["cluster", "role", "outcome"],
+)
+INBOX_LENGTH = Gauge(
+    "qosmq_phoenix_inbox_length",
+    "AMQP messages waiting in a role's inbox, as the broker counts them (a batch is one)",
+    ["cluster", "role", "inbox"],
+)
+PREDICTED_T = Gauge(
+    "qosmq_phoenix_predicted_seconds",
+    "a match broker's predicted mean processing time T = (q + 1) / (2 mu)",
+    ["cluster", "broker"],
+)
+RECOVERY_S = Histogram(
+    "qosmq_phoenix_recovery_seconds",
+    "A failed master's recovery: detection (from the last beat its slaves heard to the "
+    "election's start), election (its start to the winner's win, observed by the winner) "
+    "and recovery (from the last beat heard to the winner serving the master's role)",
+    ["cluster", "kind", "phase"],
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0),
+)
+LEAVE_S = Histogram(
+    "qosmq_phoenix_leave_recovery_seconds",
+    "a departed cluster's arc taken over: from the leave to every match master restored",
+    ["cluster"],
+    buckets=(0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
+)
+HOPS = Histogram(
+    "qosmq_phoenix_hops",
+    "ring hops of delivered events",
+    ["cluster"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+)

@@ -1,0 +1,931 @@
+"""The routing master and its slaves (drivers): the ring, latencyMap, the arc take-over
+and hand-back, performed from the machines of ``router.py``, ``takeover.py`` and
+``joining.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import DeadLetter, MiddlewareError
+from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
+from ..transport import OutgoingMessage
+from .delivery import CopySender, event_content
+from .detours import LINK_ERRORS, Detours
+from .ids import RoleId, RoleKind
+from .joining import (
+    AskMasters,
+    Expire,
+    HandBack,
+    HandBackEffect,
+    Hold,
+    JoinHold,
+    NotHandedOver,
+    Tell,
+)
+from .joining import Effect as JoinEffect
+from .messages import (
+    HOME_LEFT,
+    MAYBE_DELIVERED,
+    Advertise,
+    Copy,
+    Found,
+    HandedOver,
+    Handover,
+    Join,
+    Leave,
+    Matched,
+    Message,
+    Probe,
+    Publish,
+    Recover,
+    Recovered,
+    Routed,
+    RoutedMessage,
+    Subscribe,
+    Unsubscribe,
+    Unsubscribed,
+    encode,
+)
+from .protocol import MAX_PRIORITY
+from .records import LatencyEntry, RecordError
+from .replica_set import ReplicaSet
+from .replicas import (
+    TOMBSTONE,
+    live,
+)
+from .ring import ChordRing, ring_id
+from .ring import Handover as Arc
+from .role_metrics import LEAVE_S
+from .roles import WARM_AFTER_PROMOTION_S, ReplicaHolder, Role
+from .router import Forward, KeptEvents, RouterLogic
+from .store import open_store, ring_owner
+from .takeover import Adopt, ArcTakeover, AskRestore, MakePlan, ReadTable, Released, RestoreBound
+from .takeover import Effect as TakeoverEffect
+from .wiring import (
+    Handler,
+    cluster_settings,
+)
+
+__all__ = ["RouterMaster", "RouterSlave"]
+
+log = logging.getLogger(__name__)
+
+
+class RouterMaster(Role):
+    """Forwards along the ring; at the owner, hands over to a match master.
+
+    Its routing table (latencyMap entries) is replicated to the routing slaves
+    (W of N acks) and read back from R of N replicas when it starts.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.id = RoleId.router(self.cluster)
+        self.store = open_store(self.topology.state_store)
+        self.replicas = ReplicaSet(self, self.store, "routing_table")
+        self.ring = ChordRing(
+            c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
+        )
+        self.logic = RouterLogic(self.cluster, self.topology, self.ring)
+        self.latency = self.logic.latency
+        self.detours = Detours(
+            cluster=self.cluster,
+            ring=self.ring,
+            topology=self.topology,
+            send=self.send,
+            tell=self.tell,
+            client_for=self.client_for,
+            count=self.count,
+            prefix=self.topology.prefix,
+            shared=self._shares_connection,
+            on_left=self._announce_leave,
+            on_unreachable=self._suspect,
+        )
+        self._spec = self.topology.cluster(self.cluster)
+        #: when this router saw each departed cluster leave (its join record names it)
+        self._left_at: dict[str, float] = {}
+        #: copies carried here for this cluster's subscribers (``_on_copy``)
+        self.copies = CopySender(topology=self.topology, client_for=self.client_for)
+        #: departed clusters whose arc this router took over: (arc, restored)
+        self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
+        #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
+        # departed arcs being taken over here (takeover.py)
+        self.takeover = ArcTakeover(self.topology.read_timeout_s)
+        #: events that entered the ring here and went to another cluster, until their
+        #: owner says they were matched (routed again if it leaves first)
+        self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
+        #: set once the recorded leaves and joins are applied (``prepare``): a leave
+        #: told before that (its control queue is consumed first) waits for it, or a
+        #: promoted router would take a recorded departure's arc over a second time
+        self._ring_applied = asyncio.Event()
+        #: this cluster (re)joins the ring: its own arc, and set once the previous
+        #: owner's hand-over is all routed here (or ``handover_wait_s`` passed)
+        self._joining: tuple[Arc, asyncio.Event] | None = None
+        self.join_hold = JoinHold()  # when to let them go (joining.py)
+        # an arc handed back to a cluster that joined (joining.py)
+        self.hand_back = HandBack(self.topology.read_timeout_s, self.topology.handover_wait_s)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        watch = asyncio.create_task(self.detours.watch(stop))
+        try:
+            await self.replicas.persisting(self.serve(stop), stop)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    @functools.cache  # noqa: B019 - one role object per process role, a few clusters
+    def _shares_connection(self, cluster: str) -> bool:
+        """True when ``cluster`` is reached over this cluster's own connection."""
+        own = cluster_settings(self.settings, self.topology, self.cluster)[0]
+        return cluster_settings(self.settings, self.topology, cluster, self.cluster)[0] == own
+
+    async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
+        if self._shares_connection(cluster):
+            await super()._publish_body(cluster, inbox, body, priority)
+            return
+        self.count("amqp_sent")
+        client = await self.client_for(cluster)
+        message = OutgoingMessage(
+            body, "", inbox, content_type="application/json", priority=priority
+        )
+        await self.detours.publish(client, lambda: client.publish(message, retry=False))
+
+    async def finish(self) -> None:
+        await self.copies.close()
+
+    async def prepare(self) -> None:
+        table = await self.replicas.read(self.topology.read_timeout_s)
+        for refused in self.logic.load(table):
+            log.warning("%s: routing-table entry left out: %s", self.id, refused)
+        await self._apply_ring_changes()
+        if self.topology.most_match_masters > self._spec.match_masters:
+            # a take-over of a larger cluster's arc adds match roles: warm now, so that
+            # starting them is a fork (zygote.py), not an interpreter start, in the leave
+            asyncio.get_running_loop().call_later(WARM_AFTER_PROMOTION_S, self._warm)
+
+    async def _apply_ring_changes(self) -> None:
+        """The leaves and joins the routers recorded since the topology was written (a
+        router that starts after a leave, e.g. a promoted slave, must not route to the
+        departed cluster again and take its arc over a second time)."""
+        records = await asyncio.to_thread(self.store.load, ring_owner(self.topology.prefix), "ring")
+        self._hold_if_joining(live(records).get(self.cluster, (0, None))[1])
+        for cluster, (_, record) in sorted(live(records).items()):
+            if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
+                continue
+            if record.get("state") == "left" and cluster in self.ring.clusters:
+                self.ring.leave(cluster)
+                self.detours.left(cluster)
+                log.info(
+                    "%s: %s left the ring before this router started (recorded)", self.id, cluster
+                )
+            elif record.get("state") == "joined" and cluster not in self.ring.clusters:
+                self.ring.join(cluster)
+                self.detours.joined(cluster)
+                log.info(
+                    "%s: %s joined the ring before this router started (recorded)", self.id, cluster
+                )
+        for cluster, adoption in (await asyncio.to_thread(self._adoptions)).items():
+            if adoption.by != self.cluster or cluster in self.ring.clusters:
+                continue
+            arc = Arc(cluster, self.cluster, *adoption.arc)
+            self.logic.adopted[cluster] = (arc, adoption.masters)
+            log.info(
+                "%s: routes %s's arc over %d match masters (recorded take-over)",
+                self.id,
+                cluster,
+                adoption.masters,
+            )
+        self._ring_applied.set()
+
+    def _hold_if_joining(self, record: Any) -> None:
+        """This cluster joins the ring now: its arc's events wait here, as a take-over's
+        do, until the previous owner's hand-over is all routed here (joining.py)."""
+        state = record.get("state") if isinstance(record, dict) else None
+        ring = self.ring
+        self._join_effects(
+            self.join_hold.start(
+                recorded=state if isinstance(state, str) else None,
+                listed_as_joined=self._spec.joined,
+                bound_s=self.topology.handover_wait_s,
+                clusters=len(ring.clusters),
+                now=time.monotonic(),
+            )
+        )
+
+    def _join_effects(self, effects: list[JoinEffect]) -> None:
+        """Perform what the join hold returned (joining.py)."""
+        for effect in effects:
+            if isinstance(effect, Hold):
+                ring = self.ring
+                arc = Arc(
+                    self.cluster,
+                    ring.successors(self.cluster, 1)[0],
+                    ring_id(ring.predecessor(self.cluster)),
+                    ring_id(self.cluster),
+                )
+                self._joining = (arc, asyncio.Event())
+                asyncio.get_running_loop().call_later(
+                    effect.bound_s,
+                    lambda: self._join_effects(self.join_hold.expired(time.monotonic())),
+                )
+                log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
+                continue
+            if self._joining is not None:
+                self._joining[1].set()
+            expected = "?" if effect.expected is None else effect.expected
+            if effect.timed_out:
+                self.count("handover_wait_expired")
+                log.warning(
+                    "%s: the arc's hand-over not all here after %.1f s (%d of %s routed): "
+                    "its events go on",
+                    self.id,
+                    effect.took_s,
+                    effect.handed,
+                    expected,
+                )
+            else:
+                self.count("handovers_received")
+                log.info(
+                    "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
+                    "%.3f s after the start",
+                    self.id,
+                    effect.handed,
+                    effect.took_s,
+                )
+
+    async def _on_handed_subscription(self, message: Subscribe | Unsubscribe) -> None:
+        """One subscription of the arc this cluster joins with (or one removed while the
+        previous owner held it), from the previous owner's match master (to this control
+        queue, so that the arc's events held in the inbox do not keep it out): routed to
+        this cluster's match master like any other."""
+        await self._ring_applied.wait()
+        try:
+            await self._route(message, held=False)
+        finally:
+            self._join_effects(self.join_hold.routed(time.monotonic()))
+
+    async def _on_handed_over(self, message: HandedOver) -> None:
+        if message.cluster != self.cluster:
+            raise DeadLetter(f"handed_over: for {message.cluster}, not {self.cluster}")
+        self._join_effects(self.join_hold.told(message.count, time.monotonic()))
+
+    def _record_ring_change(self, cluster: str, state: str) -> None:
+        """Persist that ``cluster`` left or joined (in the state store every cluster's
+        router reads; each router records what it handled, the newest record wins)."""
+        document: dict[str, Any] = {"state": state, "at": time.time()}
+        if state == "left":
+            self._left_at[cluster] = document["at"]
+        elif cluster in self._left_at:  # what the returning cluster's roles must know
+            document["left_at"] = self._left_at[cluster]
+        owner, version = ring_owner(self.topology.prefix), time.time_ns()
+
+        def write() -> None:
+            if state == "joined" and "left_at" not in document:  # a router started since
+                _, before = self.store.load(owner, "ring").get(cluster, (0, {}))
+                if isinstance(before, dict) and before.get("state") == "left":
+                    document["left_at"] = before.get("at")
+            self.store.save(owner, "ring", cluster, document, version)
+
+        self._background(asyncio.to_thread(write))
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {
+            **super().control_handlers,
+            **self.replicas.handlers(),
+            Probe: self.detours.on_probe,
+            Found: self.detours.on_found,
+            Leave: self._on_leave,
+            Recovered: self._on_recovered,
+            Matched: self._on_matched,
+            Subscribe: self._on_handed_subscription,
+            Unsubscribe: self._on_handed_subscription,
+            HandedOver: self._on_handed_over,
+        }
+
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        routed = (Advertise, Subscribe, Unsubscribe, Unsubscribed, Publish)
+        return {Join: self._on_join, Copy: self._on_copy, **dict.fromkeys(routed, self._route)}
+
+    def urgency(self, message: Message) -> int:
+        return self.logic.priority(message) if isinstance(message, Routed) else 0
+
+    def reconfigured(self) -> None:
+        self.logic.topology = self.topology  # ``outer`` switched live
+
+    async def _on_join(self, message: Join) -> None:
+        await self._join(message.cluster)
+
+    async def _route(self, message: RoutedMessage, *, held: bool = True) -> None:
+        """``RouterLogic`` decides; this writes the latencyMap entries it names, waits
+        for an arc being restored, and sends (again, when a next hop left meanwhile)."""
+        if message.via:  # on a detour: pass it on toward the next hop of its path
+            await self._relay(message)
+            return
+        if isinstance(message, Publish) and message.entered_at is None:
+            message = message.model_copy(update={"entered_at": time.time()})  # its entry
+        writes, forwarded = self.logic.accept(message)
+        for write in writes:
+            entry = None if write.entry is None else write.entry.to_document()
+            await self.replicas.write(write.event_type, entry)
+        if forwarded is None:
+            if not writes:
+                self.count("duplicates_dropped")
+            return
+        while True:
+            step = self.logic.step(forwarded)
+            if isinstance(step, Forward):
+                self.count("forwarded")
+                path = await self.detours.forward(step.cluster, step.message, step.priority)
+                if path:
+                    # the clusters it passes: if one leaves, so may the event (in its inbox)
+                    through = {*path, *self.ring.route(step.cluster, forwarded.event_type)}
+                    owner = self.ring.owner(forwarded.event_type)
+                    if self.kept.keep(forwarded, owner, time.monotonic(), through=through):
+                        self.count("kept_until_matched")
+                    return
+                self.count("rerouted")  # the next hop left the ring meanwhile: route again
+            elif not held or not await self._taken_over(forwarded.event_type):
+                break  # (after waiting for an arc's restore: its plan routes it, ask again)
+        self.count("routed")
+        match = self.inbox_of(RoleId.match(self.cluster, step.index))
+        await self.send(self.cluster, match, step.message, step.priority)
+
+    async def _on_matched(self, message: Matched) -> None:
+        if message.by not in {c.id for c in self.topology.clusters}:
+            raise DeadLetter(f"matched: cluster {message.by!r} is not in the topology")
+        self.kept.matched(message.ids)
+
+    def _route_kept(self, cluster: str) -> None:
+        """``cluster`` left: what this router kept for it is routed again (``KeptEvents``)."""
+        again = self.kept.left(cluster)
+        if not again:
+            return
+        self.count("rerouted_after_leave", len(again))
+        log.warning("%s: %d events kept for %s routed again", self.id, len(again), cluster)
+
+        async def route_again() -> None:
+            for message in again:
+                try:
+                    await self._route(message)
+                except Exception as exc:  # one that cannot go is said, the others go on
+                    log.warning("%s: event %s not routed again: %s", self.id, message.id, exc)
+
+        self._background(route_again())
+
+    async def _on_copy(self, message: Copy) -> None:
+        """A copy for a subscriber queue: put it in the queue when its home is this
+        cluster, else carry it toward the home's routing master (over a detour when the
+        direct link failed, as routed events are).  Acked only once it is on."""
+        if message.via:
+            await self._relay(message)
+            return
+        if message.home == self.cluster:
+            body = encode(message.publish)
+            result = await self.copies.put(
+                message.home,
+                message.queue,
+                message.confirm,
+                body,
+                message.copy_id,
+                local=True,
+                content=event_content(message.publish.event.model_dump_json()),
+            )
+            self.count(f"carried_copies_{result.outcome.value}")
+            return
+        self.count("copies_carried")
+        if message.unreachable and not message.hops:  # from a match broker of this cluster
+            self.detours.reported_down(message.home)
+        onward = message.model_copy(update={"hops": [self.cluster]})
+        if not await self.detours.forward(message.home, onward, message.priority):
+            maybe = message.unreachable or message.publish.again
+            raise DeadLetter(
+                f"{HOME_LEFT}: {message.queue} (cluster {message.home})"
+                + (f"; {MAYBE_DELIVERED}" if maybe else "")
+            )
+
+    async def _relay(self, message: RoutedMessage | Copy) -> None:
+        step = self.logic.relay(message)
+        if not isinstance(step, Forward):  # a path naming this cluster again: on from here
+            if isinstance(step, Copy):
+                await self._on_copy(step)
+            else:
+                await self._route(step)
+            return
+        self.count("relayed")
+        if not await self.detours.forward(step.cluster, step.message, step.priority):
+            self.count("rerouted")  # the hop left the ring: the ring goes on from here
+            again = message.model_copy(update={"via": []})
+            if isinstance(again, Copy):
+                await self._on_copy(again)
+            else:
+                await self._route(again)
+
+    async def _taken_over(self, event_type: str) -> bool:
+        """An event type of an arc this router took over from a departed cluster waits
+        until its match masters restored that arc's subscriptions (the paper's buffer:
+        the waiting handlers and the inbox behind them); whether it waited."""
+        holds = list(self._recovering.values())
+        if self._joining is not None:
+            holds.append(self._joining)
+        for arc, restored in holds:
+            if not restored.is_set() and arc.covers(event_type):
+                self.count("held_for_recovery")
+                await restored.wait()
+                return True
+        return False
+
+    # ------------------------------------------------------------ capacity plan
+    def _running_masters(self) -> int:
+        """This cluster's match masters now: the topology's and the ones take-overs added."""
+        return running_masters(
+            self.topology, self.cluster, (p for _, p in self.logic.adopted.values())
+        )
+
+    def _match_roles(self) -> list[RoleId]:
+        """This cluster's match masters and slaves, the added ones included."""
+        roles = [
+            r
+            for r in RoleId.of_cluster(self._spec)
+            if r.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE)
+        ]
+        for i in range(self._spec.match_masters, self._running_masters()):
+            master = RoleId.match(self.cluster, i)
+            roles += [master, *master.slaves(self._spec)]
+        return roles
+
+    def _adoptions(self) -> dict[str, Adoption]:
+        """(In a thread) every router's take-overs still in force, by departed cluster
+        (a record no version wrote is logged and left out)."""
+        recorded = self.store.load(ring_owner(self.topology.prefix), "adopted")
+        adoptions = {}
+        for cluster, (_, doc) in live(recorded).items():
+            try:
+                adoptions[cluster] = Adoption.from_document(doc)
+            except ValueError as exc:
+                log.warning("%s: %s left out", self.id, exc)
+        return adoptions
+
+    async def _plan(self, cluster: str, successor: str) -> CapacityPlan:
+        """The capacity plan for ``successor`` taking over ``cluster``'s arc: N is what
+        ``cluster`` ran (its topology's masters, or more while it held adopted arcs)."""
+        adoptions = await asyncio.to_thread(self._adoptions)
+        held = [a.masters for a in adoptions.values() if a.by == cluster]
+        return plan_takeover(
+            self.topology,
+            cluster,
+            successor,
+            departed_masters=running_masters(self.topology, cluster, held),
+            departed_plain=not held,
+            can_add=self.provisioner is not None,
+        )
+
+    async def _provision(self, plan: CapacityPlan) -> CapacityPlan:
+        """Start the match roles ``plan`` adds that do not run yet (their stored state
+        wiped first: nothing of an earlier take-over is read back); the plan without
+        additions when they could not be started (S's own masters share the arc)."""
+        running = self._running_masters()
+        fresh = [r for r in plan.added if r.index >= running]
+        if not fresh:
+            return plan
+        assert self.provisioner is not None
+
+        def wipe() -> None:
+            for role in fresh:
+                for kind in ("subscription", "advertisement"):
+                    self.store.snapshot(role.owner, kind, {})
+
+        began = time.monotonic()
+        try:
+            await asyncio.to_thread(wipe)
+            started = await asyncio.wait_for(
+                asyncio.to_thread(self.provisioner.add, fresh), self.topology.read_timeout_s
+            )
+        except Exception as exc:  # no capacity added: S's own masters share the arc
+            log.warning(
+                "%s: %d match roles for %s's arc not started (%s); its %d masters share it",
+                self.id,
+                len(fresh),
+                plan.departed,
+                exc,
+                self._spec.match_masters,
+            )
+            self.count("provision_failed")
+            return plan_takeover(
+                self.topology,
+                plan.departed,
+                plan.successor,
+                departed_masters=plan.departed_masters,
+                departed_plain=plan.departed_plain,
+                can_add=False,
+            )
+        self.count("match_roles_added", len(fresh))
+        log.warning(
+            "%s: added %d match roles for %s's arc (%d masters, as it had) in %.3f s: %s",
+            self.id,
+            len(fresh),
+            plan.departed,
+            plan.masters,
+            time.monotonic() - began,
+            started,
+        )
+        return plan
+
+    def _record_adoption(self, cluster: str, arc: Arc, plan: CapacityPlan | None) -> None:
+        """Persist (or, ``plan`` None, drop) the plan in force for ``cluster``'s arc, so a
+        routing master that starts later routes it the same and a later take-over of
+        this cluster knows how many masters it ran."""
+        owner = ring_owner(self.topology.prefix)
+        if plan is None:
+            write = asyncio.to_thread(self.store.delete, owner, "adopted", cluster)
+        else:
+            document = plan.to_document((arc.start, arc.end))
+            write = asyncio.to_thread(
+                self.store.save, owner, "adopted", cluster, document, time.time_ns()
+            )
+        self._background(write)
+
+    async def _announce_leave(self, cluster: str) -> None:
+        """No flood reached ``cluster`` for ``leave_after_s``: tell every other routing
+        master (one bounded try each: one that misses it finds out by itself), then act."""
+        message = Leave(cluster=cluster, by=self.cluster)
+        for other in self.ring.clusters:
+            if other in (cluster, self.cluster):
+                continue
+            try:
+                await asyncio.wait_for(
+                    self.send(other, self.control_of(RoleId.router(other)), message, MAX_PRIORITY),
+                    2 * self.topology.link_timeout_s,
+                )
+            except LINK_ERRORS as exc:
+                log.warning("%s: could not tell %s that %s left: %s", self.id, other, cluster, exc)
+        await self._leave(cluster, self.cluster)
+
+    async def _on_leave(self, message: Leave) -> None:
+        await self._leave(message.cluster, message.by)
+
+    def _departure(self, cluster: str) -> tuple[Arc, str]:
+        """The arc ``cluster`` owns and who would take it over."""
+        start = ring_id(self.ring.predecessor(cluster))
+        return Arc(cluster, cluster, start, ring_id(cluster)), self.ring.successors(cluster, 1)[0]
+
+    async def _suspect(self, cluster: str) -> None:
+        """A flood for ``cluster`` found no way: its successor's match masters read its
+        subscriptions now (prepare), so that a leave declared ``leave_after_s`` later
+        finds them read.  One bounded try each; a miss only costs the leave that time."""
+        if cluster not in self.ring.clusters or len(self.ring) < 3:
+            return
+        arc, successor = self._departure(cluster)
+        plan = await self._plan(cluster, successor)
+        for restore in plan.restores:
+            if restore.master.is_added(self.topology):
+                continue  # not started yet: it reads when the leave's RECOVER comes
+            ask = Recover(
+                cluster=cluster,
+                arc=(arc.start, arc.end),
+                masters=plan.departed_masters,
+                request=f"prepare-{uuid.uuid4().hex}",
+                reply_to=self.connections.process_queue,
+                prepare=True,
+                owners=list(restore.owners),
+                routed_over=plan.masters,
+            )
+            queue = self.control_of(restore.master)
+            try:
+                await asyncio.wait_for(
+                    self.send(successor, queue, ask, MAX_PRIORITY), 2 * self.topology.link_timeout_s
+                )
+            except LINK_ERRORS as exc:
+                log.info("%s: prepare for %s not sent to %s: %s", self.id, cluster, queue, exc)
+        self.count("suspected")
+
+    async def _leave(self, cluster: str, by: str) -> None:
+        """``cluster`` left: drop it from the ring; this cluster's match roles stop
+        delivering to its subscribers (dead-lettered with why); the successor's match
+        masters restore its arc from the persisted state."""
+        if not self._ring_applied.is_set():
+            self._background(self._leave_when_ring_applied(cluster, by))
+            return
+        if cluster == self.cluster or cluster not in self.ring.clusters or len(self.ring) < 2:
+            return
+        arc, _ = self._departure(cluster)
+        successor = self.ring.leave(cluster)
+        self._record_ring_change(cluster, "left")
+        if successor == self.cluster:  # before anything awaits: the arc's events wait
+            self._recovering[cluster] = (arc, asyncio.Event())
+            started = self.takeover.left(cluster, uuid.uuid4().hex, time.monotonic())
+            self._background(self._take_over_arc(started))
+        self.detours.left(cluster)
+        self._route_kept(cluster)
+        self.count("leaves")
+        log.warning("%s left the ring (found by %s); its arc goes to %s", cluster, by, successor)
+        told = Leave(cluster=cluster, by=by)
+        for role in self._match_roles():
+            await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+
+    async def _leave_when_ring_applied(self, cluster: str, by: str) -> None:
+        await self._ring_applied.wait()
+        await self._leave(cluster, by)
+
+    async def _restore_routing_table(self, cluster: str, arc: Arc) -> dict[str, dict[str, Any]]:
+        """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
+        persisted state.  As the owner it had counted every subscription of those types
+        (each passed it last), so its entry replaces whatever this router counted."""
+        owner = RoleId.router(cluster).owner
+        table = await asyncio.to_thread(self.replicas.store.load, owner, "routing_table")
+        taken: dict[str, dict[str, Any]] = {}
+        for event_type, (_, doc) in live(table).items():
+            try:
+                entry = LatencyEntry.from_document(doc)
+            except RecordError:
+                continue  # an entry an older version kept: its subscriptions still match
+            if arc.covers(event_type) and entry.count > 0:
+                self.latency.entries[event_type] = (entry.level_sum, entry.count)
+                taken[event_type] = entry.to_document()
+        self.count("routing_entries_restored", len(taken))
+        log.info("%s: %d routing-table entries of %s restored", self.cluster, len(taken), cluster)
+        return taken
+
+    async def _write_entries(self, entries: dict[str, dict[str, Any]]) -> None:
+        for event_type, document in entries.items():
+            await self.replicas.write(event_type, document)
+
+    async def _take_over_arc(self, effects: list[TakeoverEffect]) -> None:
+        """Perform what the arc take-over returned (takeover.ArcTakeover): the capacity
+        plan (``recovery/capacity.py``: match masters added when the departed cluster had
+        more), RECOVERY to each master it names; the arc's events wait until every one
+        answered (or ``read_timeout_s``) and the departed router's table was read."""
+        for effect in effects:
+            if isinstance(effect, ReadTable):
+                self._background(self._read_departed_table(effect.cluster))
+            elif isinstance(effect, MakePlan):
+                self._background(self._make_plan(effect.cluster))
+            elif isinstance(effect, Adopt):
+                plan: CapacityPlan = effect.plan
+                arc = self._recovering[effect.cluster][0]
+                self.logic.adopted[effect.cluster] = (arc, plan.masters)
+                self._record_adoption(effect.cluster, arc, plan)
+                if plan.match_broker_map:
+                    log.info(
+                        "%s: matchBrokerMap for %s: %s",
+                        self.id,
+                        effect.cluster,
+                        plan.match_broker_map,
+                    )
+            elif isinstance(effect, AskRestore):
+                await self._ask_restore(effect)
+            elif isinstance(effect, RestoreBound):
+                asyncio.get_running_loop().call_later(
+                    effect.after_s, self._restore_bound_passed, effect.request
+                )
+            else:
+                self._released(effect)
+
+    def _restore_bound_passed(self, request: str) -> None:
+        self._background(self._take_over_arc(self.takeover.expired(request, time.monotonic())))
+
+    async def _read_departed_table(self, cluster: str) -> None:
+        held = self._recovering.get(cluster)
+        if held is None:  # joined again already
+            return
+        arc = held[0]
+        try:
+            entries, error = await self._restore_routing_table(cluster, arc), None
+        except Exception as exc:  # priorities fall back to defaults; matching goes on
+            entries, error = None, str(exc)
+        await self._take_over_arc(
+            self.takeover.table_read(cluster, entries, error, time.monotonic())
+        )
+
+    async def _make_plan(self, cluster: str) -> None:
+        try:
+            plan = await self._provision(await self._plan(cluster, self.cluster))
+        except Exception as exc:  # the store unreadable: the topology's masters share it
+            log.warning("%s: no capacity plan for %s's arc: %s", self.id, cluster, exc)
+            plan = plan_takeover(
+                self.topology,
+                cluster,
+                self.cluster,
+                departed_masters=self.topology.cluster(cluster).match_masters,
+                departed_plain=False,
+                can_add=False,
+            )
+        masters = [r.master.owner for r in plan.restores]
+        await self._take_over_arc(self.takeover.planned(cluster, plan, masters, time.monotonic()))
+
+    async def _ask_restore(self, effect: AskRestore) -> None:
+        plan: CapacityPlan = effect.plan
+        arc = self._recovering[effect.cluster][0]
+        for restore in plan.restores:
+            ask = Recover(
+                cluster=effect.cluster,
+                arc=(arc.start, arc.end),
+                masters=plan.departed_masters,
+                request=effect.request,
+                reply_to=self.connections.process_queue,
+                owners=list(restore.owners),
+                routed_over=plan.masters,
+            )
+            await self.send(self.cluster, self.control_of(restore.master), ask, MAX_PRIORITY)
+
+    def _released(self, effect: Released) -> None:
+        cluster = effect.cluster
+        if not effect.complete:
+            log.warning("%s: not every match master restored %s's arc in time", self.id, cluster)
+        if effect.table_error is not None:
+            log.warning(
+                "%s: %s's routing table not restored: %s", self.id, cluster, effect.table_error
+            )
+        holding = self._recovering.get(cluster)
+        if holding is not None:
+            holding[1].set()
+        if effect.entries:  # persisted and replicated as this router's own, after
+            self._background(self._write_entries(dict(effect.entries)))
+        LEAVE_S.labels(self.cluster).observe(effect.took_s)
+        self.count("leaves_recovered")
+        log.warning(
+            "%s took over the arc of %s: %d subscriptions restored in %.3f s",
+            self.cluster,
+            cluster,
+            effect.restored,
+            effect.took_s,
+        )
+
+    async def _on_recovered(self, message: Recovered) -> None:
+        if message.request in self.hand_back.rounds:  # a master handed an arc back
+            await self._hand_back(
+                self.hand_back.answered(
+                    message.request, message.broker, message.restored, time.monotonic()
+                )
+            )
+            return
+        # a master restored its share of a departed arc (late: the take-over went on)
+        await self._take_over_arc(
+            self.takeover.answered(
+                message.request, message.broker, message.restored, time.monotonic()
+            )
+        )
+
+    async def _join(self, cluster: str) -> None:
+        """A cluster joined: if it took our arc, our match masters hand its subscriptions
+        over; the ones a take-over of its arc had added are retired after theirs."""
+        self.topology.cluster(cluster)
+        roles = self._match_roles()  # before the arc it rejoins with stops being ours
+        masters = self._running_masters()
+        handover = self.ring.join(cluster)
+        self.detours.joined(cluster)
+        self._record_ring_change(cluster, "joined")
+        held = self._recovering.pop(cluster, None)
+        self.takeover.joined(cluster)
+        if held is not None:  # back before its arc was restored here: its events go on
+            held[1].set()
+        if self.logic.adopted.pop(cluster, None) is not None:
+            self._record_adoption(cluster, Arc(cluster, self.cluster, 0, 0), None)
+        keep = self._running_masters()
+        self.count("joins")
+        back = Join(cluster=cluster)  # a cluster that left and came back: deliver to it again
+        for role in roles:
+            await self.send(self.cluster, self.control_of(role), back, MAX_PRIORITY)
+        if handover is None or handover.previous_owner != self.cluster:
+            return
+        log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
+        await self._hand_back(
+            self.hand_back.start(
+                uuid.uuid4().hex,
+                cluster,
+                (handover.start, handover.end),
+                [RoleId.match(self.cluster, i).owner for i in range(masters)],
+                [RoleId.match(self.cluster, i).owner for i in range(keep, masters)],
+            )
+        )
+
+    async def _hand_back(self, effects: list[HandBackEffect]) -> None:
+        """Perform what the hand-back returned (joining.HandBack)."""
+        for effect in effects:
+            if isinstance(effect, AskMasters):
+                for owner in effect.masters:
+                    # each answers how many it sent; priority 0: behind the arc's events
+                    # routed here before the join (matched here with the subscriptions
+                    # still held); none come after it (forwarded to the joiner from now)
+                    give = Handover(
+                        cluster=effect.cluster,
+                        arc=effect.arc,
+                        request=effect.request,
+                        reply_to=self.connections.process_queue,
+                    )
+                    await self.send(self.cluster, self.inbox_of(RoleId.from_owner(owner)), give)
+            elif isinstance(effect, Expire):
+                self._after_hand_back(
+                    effect.after_s, functools.partial(self.hand_back.expired, effect.request)
+                )
+            elif isinstance(effect, Tell):
+                if effect.after_s:
+                    again: list[HandBackEffect] = [dataclasses.replace(effect, after_s=0.0)]
+                    self._after_hand_back(effect.after_s, functools.partial(list, again))
+                    continue
+                done = HandedOver(cluster=effect.cluster, by=self.cluster, count=effect.count)
+                try:
+                    await self.send(
+                        effect.cluster, self.control_of(RoleId.router(effect.cluster)), done
+                    )
+                except MiddlewareError as exc:
+                    await self._hand_back(
+                        self.hand_back.tell_failed(effect.request, str(exc), time.monotonic())
+                    )
+                    continue
+                log.info(
+                    "%s: %d subscriptions of %s's arc handed over",
+                    self.id,
+                    effect.count,
+                    effect.cluster,
+                )
+                await self._hand_back(self.hand_back.told(effect.request))
+            elif isinstance(effect, NotHandedOver):
+                if effect.told:
+                    log.warning(
+                        "%s: hand-over count (%d) not told to %s: %s",
+                        self.id,
+                        effect.count,
+                        effect.cluster,
+                        effect.error,
+                    )
+                else:  # the added masters left running: nothing of theirs is lost
+                    log.warning(
+                        "%s: the match masters did not hand %s's arc over in time",
+                        self.id,
+                        effect.cluster,
+                    )
+            else:
+                masters = [RoleId.from_owner(owner) for owner in effect.masters]
+                await self._retire_added(effect.cluster, masters, effect.moved)
+
+    def _after_hand_back(self, delay: float, later: Callable[[], list[HandBackEffect]]) -> None:
+        asyncio.get_running_loop().call_later(
+            delay, lambda: self._background(self._hand_back(later()))
+        )
+
+    async def _retire_added(self, cluster: str, masters: list[RoleId], moved: int) -> None:
+        """Stop the masters a take-over added, once they handed ``cluster``'s arc back."""
+        if cluster in self._recovering or cluster in self.logic.adopted:
+            log.warning("%s: %s left again before its added roles were retired", self.id, cluster)
+            return  # taken over anew: the take-over serves from them again
+        needed = self._running_masters()  # other adoptions may need some of them
+        masters = [m for m in masters if m.index >= needed]
+        roles = [r for m in masters for r in (m, *m.slaves(self._spec))]
+        if self.provisioner is None:  # a router started by hand: they stay
+            log.warning("%s: no provisioner: %s go on running", self.id, roles)
+            return
+        try:
+            stopped = await asyncio.to_thread(self.provisioner.retire, roles)
+        except Exception as exc:
+            log.warning("%s: added match roles not retired: %s", self.id, exc)
+            return
+        self.count("match_roles_retired", len(roles))
+        log.warning(
+            "%s: %d match roles added for %s's arc retired (%d subscriptions handed back): %s",
+            self.id,
+            len(roles),
+            cluster,
+            moved,
+            stopped,
+        )
+
+
+class RouterSlave(ReplicaHolder):
+    """Holds a replica of its routing master's table (persisted) and acknowledges each entry."""
+
+    def __init__(self, *, slave: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slave = slave
+        self.id = RoleId.router_slave(self.cluster, slave)
+        self.replica_owner = self.id.owner
+        self.master_control = self.control_of(self.id.master)
+        self.table: dict[str, dict[str, Any]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.store = open_store(self.topology.state_store)
+        try:
+            held = self.store.load(self.replica_owner, "routing_table")
+            self.held_version = max((v for v, _ in held.values()), default=0)
+            for key, (_, doc) in live(held).items():
+                self.table[key] = doc
+            await self.serve(stop)
+        finally:
+            self.store.close()
+
+    def apply(self, key: str, document: dict[str, Any]) -> None:
+        if document == TOMBSTONE:
+            self.table.pop(key, None)
+        else:
+            self.table[key] = document
