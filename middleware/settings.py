@@ -62,6 +62,7 @@ OTHER_VARIABLES = frozenset(
         "QOSMQ_CHAOS_SEED",
         "QOSMQ_CHAOS_ROUNDS",
         "QOSMQ_FUZZ_SEED",
+        "QOSMQ_BUSY_TEST",
     }
 )
 log = logging.getLogger(__name__)

@@ -281,3 +281,9 @@ def contract_face(request: pytest.FixtureRequest, settings: Settings) -> Iterato
     f.call("connect")
     yield f
     f.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``last`` (they load the whole machine) run after every other test,
+    so none of them sets the scene for a timing-sensitive one."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)

@@ -5,9 +5,9 @@ in the roles' own logs counted as false; then, still under the hogs, a frozen ma
 master and a killed routing master are found and taken over.  The same run as ``qosmq
 bench phoenix --experiment busy`` (five minutes there, half a minute here).
 
-Opt-in (``QOSMQ_BUSY_TEST=1``): it passed alone, but in the one full run that had it the
-chaos tests right after it failed, not yet understood; held out of ``make test`` until
-that is."""
+It runs last (marked ``last``): in one full run of two the timing-sensitive chaos tests
+that ran right after it failed (not reproduced since), and a test that loads the whole
+machine should not set the scene for the next one.  ``QOSMQ_BUSY_TEST=0`` leaves it out."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from qosmq_bench.phoenix_busy import run_busy
 pytestmark = [
     pytest.mark.rabbit,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("QOSMQ_BUSY_TEST") != "1", reason="opt-in: QOSMQ_BUSY_TEST=1"
-    ),
+    pytest.mark.last,
+    pytest.mark.skipif(os.environ.get("QOSMQ_BUSY_TEST") == "0", reason="QOSMQ_BUSY_TEST=0"),
 ]
 
 
