@@ -22,6 +22,7 @@ from middleware.routing.records import LatencyEntry
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store
 from middleware.transport import DEAD_LETTER_QUEUE, AsyncClient
+from middleware.transport.delivery import DEAD_LETTER_TOPOLOGY
 from tests.integration.phoenix_support import (
     attribute,
     collect,
@@ -82,6 +83,12 @@ def e2e(brokers, module_settings, module_name, tmp_path_factory) -> E2E:
             await eventually_async(probe, "probe handled", 60, interval=0)
             for n in ("ok1", "bad", "ok2"):
                 await at_c.publish(event(event_type, n=n))
+
+            # declared as the role's first dead letter declares it (a fresh broker: the
+            # polling would otherwise meet no queue at all)
+            await client.declare_exchange(DEAD_LETTER_TOPOLOGY[0])
+            await client.declare_queue(DEAD_LETTER_TOPOLOGY[1])
+            await client.bind(DEAD_LETTER_TOPOLOGY[2])
 
             async def dead_lettered() -> bool:
                 while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
