@@ -38,7 +38,7 @@ from .node import take_over
 from .operator import reconfigure
 from .protocol import MAX_PRIORITY, PhoenixTopology
 from .records import LatencyEntry, SubscriptionRecord
-from .ring import ChordRing, ring_id
+from .ring import ChordRing, master_index
 from .store import open_store, ring_owner
 from .timeliness import LatencyMap
 from .wiring import cluster_settings, role_inbox_spec
@@ -377,7 +377,7 @@ class PhoenixDeployment:
             for router in path:  # every routing master on the path saw the subscription
                 tables[router].add(et, record.latency_level)
             owner = self.topology.cluster(path[-1])
-            master = RoleId.match(owner.id, ring_id(et) % owner.match_masters)  # as routed
+            master = RoleId.match(owner.id, master_index(et, owner.match_masters))  # as routed
             per_master[master][sid] = (1, replace(record, path=path).to_document())
             written += 1
         store = open_store(self.topology.state_store)

@@ -48,7 +48,7 @@ from .replicas import (
     live,
 )
 from .ring import Handover as Arc
-from .ring import ring_id
+from .ring import master_index
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
 from .roles import ReplicaHolder, Role
 from .store import StateStore, open_store, ring_owner
@@ -304,7 +304,9 @@ def _restorable(
             if not isinstance(event_type, str):
                 continue
             if event_type not in mine:
-                mine[event_type] = arc.covers(event_type) and ring_id(event_type) % masters == index
+                mine[event_type] = (
+                    arc.covers(event_type) and master_index(event_type, masters) == index
+                )
             if mine[event_type]:
                 by_type.setdefault(event_type, {})[sid] = doc
     return by_type
@@ -448,7 +450,7 @@ class MatchMaster(_MatchBroker):
         for owner in owners:
             for event_type, (version, doc) in live(self.store.load(owner, "advertisement")).items():
                 if event_type in types or (
-                    arc.covers(event_type) and ring_id(event_type) % masters == self.index
+                    arc.covers(event_type) and master_index(event_type, masters) == self.index
                 ):
                     self.store.save(self.owner, "advertisement", event_type, doc, version)
 

@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["BITS", "ChordRing", "Handover", "ring_id"]
+__all__ = ["BITS", "ChordRing", "Handover", "master_index", "ring_id"]
 
 BITS = 160
 SIZE = 1 << BITS
@@ -26,6 +26,13 @@ SIZE = 1 << BITS
 def ring_id(key: str) -> int:
     """Position of ``key`` on the ring: SHA-1 as a 160-bit integer."""
     return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest(), "big")
+
+
+def master_index(event_type: str, masters: int) -> int:
+    """The match master of an owner's ``masters`` that holds ``event_type``'s
+    subscriptions (and is routed its events): SHA-1(type) mod P, the one place it is
+    written."""
+    return ring_id(event_type) % masters
 
 
 def _between(x: int, a: int, b: int) -> bool:

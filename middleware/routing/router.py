@@ -26,7 +26,7 @@ from ..errors import DeadLetter
 from .messages import Copy, Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
 from .protocol import PhoenixTopology
 from .records import LatencyEntry, RecordError
-from .ring import ChordRing, Handover, ring_id
+from .ring import ChordRing, Handover, master_index
 from .timeliness import LatencyMap
 
 __all__ = ["Forward", "KeptEvents", "RouterLogic", "ToMatch", "WriteEntry"]
@@ -138,7 +138,7 @@ class RouterLogic:
             return Forward(self.ring.route(self.cluster, et)[1], message, message.priority)
         # the routing table: SHA-1 of the event type over the cluster's match masters
         # (over a take-over's P for an adopted arc's types)
-        return ToMatch(ring_id(et) % self.masters_for(et), message, message.priority)
+        return ToMatch(master_index(et, self.masters_for(et)), message, message.priority)
 
     def relay(self, message: RoutedMessage | Copy) -> Forward | RoutedMessage | Copy:
         """A message on a detour: ``Forward`` to the next hop of its path, or the message

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from .protocol import MAX_PRIORITY
+
 __all__ = [
     "Dispatch",
     "LatencyMap",
@@ -38,7 +40,6 @@ __all__ = [
     "round_robin",
 ]
 
-MAX_PRIORITY = 9  # x-max-priority of the routing inboxes
 T_ = TypeVar("T_")
 
 
