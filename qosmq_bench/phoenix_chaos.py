@@ -502,6 +502,30 @@ def _removed_after(sub: _Subscriber, eid: str, chaos: _Chaos) -> float | None:
     return round(min(later), 3) if later else None
 
 
+def _changes_of(
+    sub: _Subscriber, eid: str, chaos: _Chaos, begin: float
+) -> list[tuple[bool, float | None, float | None, float | None, float | None]]:
+    """The queue's subscriptions of a delivered event's type, for the report: whether
+    each matches it, and when it was sent, confirmed, removed (sent) and removal
+    confirmed, in seconds into the window (None: never)."""
+    event_type, attributes, _ = chaos.published[eid]
+
+    def at(t: float | None) -> float | None:
+        return None if t is None else round(t - begin, 3)
+
+    return [
+        (
+            holds(s.conditions, attributes),
+            at(s.sent),
+            at(s.confirmed),
+            at(s.removing),
+            at(s.removed),
+        )
+        for s in sub.subscriptions.values()
+        if s.event_type == event_type
+    ]
+
+
 def _standing_for(sub: _Subscriber, eid: str, chaos: _Chaos) -> int:
     event_type, attributes, at = chaos.published[eid]
     return sum(
@@ -633,6 +657,19 @@ def _window_rows(chaos: _Chaos, kind: str, begin: float, end: float) -> list[dic
                     if n > 1 and eid in chaos.published and begin <= chaos.published[eid][2] < end
                 ),
                 "unexpected": len(unexpected),
+                # (id, type, s into the window published, s after it arrived, the
+                # queue's subscriptions of that type: (matches, sent, confirmed, removing,
+                # removed), s into the window; None: never)
+                "unexpected_ids": [
+                    (
+                        eid,
+                        chaos.published[eid][0],
+                        round(chaos.published[eid][2] - begin, 3),
+                        round(first_arrival[eid] - chaos.published[eid][2], 3),
+                        _changes_of(sub, eid, chaos, begin),
+                    )
+                    for eid in unexpected[:10]
+                ],
                 "uncertain": len(uncertain),
             }
         )
@@ -811,7 +848,7 @@ def problems(rows: list[dict[str, Any]]) -> list[str]:
             # in the role logs of a run that failed once
             out.append(f"{where}: {r['lost']} of {r['expected']} lost: {r['lost_ids'][:5]}")
         if r["unexpected"]:
-            out.append(f"{where}: {r['unexpected']} unexpected")
+            out.append(f"{where}: {r['unexpected']} unexpected: {r['unexpected_ids'][:5]}")
         if r["dead_but_delivered"]:
             out.append(
                 f"{where}: {r['dead_but_delivered']} dead-lettered as if its home had left, "

@@ -1,63 +1,29 @@
 """Putting one matched event's copy into one subscriber queue: the driver both a match
 broker (directly) and a subscriber's home routing master (a copy carried over the ring)
-use.
-
-Each copy has an outcome of its own, so one subscriber never costs another its copy:
-
-- ``DELIVERED``: the broker confirmed it (broker-confirmed subscriptions) or the
-  subscriber's handler took it in time (e2e);
-- ``TAKEN``: e2e, the receipt did not come within the hold, the subscriber's broker
-  holds the copy (``confirms/pace.py``: that queue lags, its next copies wait only for
-  its broker);
-- ``GONE``: the queue does not exist (the subscriber deleted it);
-- ``REFUSED``: the subscriber's handler rejected it (it dead-lettered it itself);
-- ``UNREACHABLE``: the home's RabbitMQ did not take it within ``link_timeout_s`` (a cut
-  or silent link, a failover): the caller hands the copy on (a match broker to its own
-  routing master, which carries it around the failed link).
+use.  Each copy has an outcome of its own (``copies.Outcome``: delivered, taken, gone,
+refused, unreachable); what each outcome takes is decided in ``copies.settle``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
 from ..confirms.tracking import CONTENT_HEADER
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..transport import AsyncClient, OutgoingMessage
+from .copies import CopyOutcome, Outcome, event_content
 from .protocol import PhoenixTopology
 
-__all__ = ["CopyOutcome", "CopySender", "Outcome"]
+__all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
 
 log = logging.getLogger(__name__)
 #: what a copy's send raises when its home, not the copy, is at fault
 HOME_ERRORS = (RetryableError, NotConnected, TimeoutError)
-
-
-class Outcome(enum.Enum):
-    DELIVERED = "delivered"
-    TAKEN = "taken"
-    GONE = "gone"
-    REFUSED = "refused"
-    UNREACHABLE = "unreachable"
-
-
-@dataclass(frozen=True, slots=True)
-class CopyOutcome:
-    outcome: Outcome
-    reason: str = ""
-
-
-def event_content(event_json: str) -> str:
-    """An event's name for an e2e subscriber's duplicate check (``CONTENT_HEADER``):
-    the same for every copy of one event, whichever match broker stamped it."""
-    return hashlib.blake2b(event_json.encode(), digest_size=8).hexdigest()
 
 
 class CopySender:

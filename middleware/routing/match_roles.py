@@ -7,22 +7,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import time
 from typing import Any
 
 from .. import heap, tracing
 from ..errors import DeadLetter, MiddlewareError, Unroutable
+from . import copies as copies_plan
 from . import subscribing
-from .delivery import CopySender, Outcome, event_content
+from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
+from .delivery import CopySender
 from .ids import RoleId, RoleKind
 from .joining import (
     handover_plan,
 )
 from .messages import (
-    HOME_LEFT,
-    MAYBE_DELIVERED,
     Advertise,
     Confirmation,
     Copy,
@@ -64,15 +63,11 @@ __all__ = ["MatchMaster", "MatchSlave"]
 log = logging.getLogger(__name__)
 
 
-def _short(name: str) -> str:
-    """A queue name in 16 characters (a copy's message id must stay within 255)."""
-    return hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
-
-
 class _MatchBroker(Role):
     """Matching and delivery shared by match masters and match slaves."""
 
     HEARTBEAT_S = 0.5
+    MATCHED_EVERY_S = 0.02
     observes_inbox = True
 
     def __init__(self, *, index: int = 0, **kwargs: Any) -> None:
@@ -86,8 +81,9 @@ class _MatchBroker(Role):
         #: clusters that left the ring: deliveries to their subscribers are dead-lettered
         self.departed: set[str] = set()
         #: ids of events matched here, by the cluster they entered the ring at, until
-        #: the next ``Matched`` to that cluster's router goes (every ``MATCHED_EVERY_S``)
-        self._matched: dict[str, list[str]] = {}
+        #: the next ``Matched`` to that cluster's router goes (copies.py; a Matched lost
+        #: with its cluster: its events come twice)
+        self.receipts = MatchedReceipts(self.cluster, every_s=self.MATCHED_EVERY_S)
         self._receipts: set[asyncio.Future[None]] = set()
 
     def index_type(self, event_type: str, limit: int | None = None) -> None:
@@ -124,8 +120,6 @@ class _MatchBroker(Role):
             self.count("refused")
         return refused is None
 
-    MATCHED_EVERY_S = 0.02  # a Matched lost with its cluster: its events come twice
-
     async def _match(self, message: Publish) -> None:
         self.predictor.arrived(now=time.monotonic())
         if message.event_type in self.registry.unindexed:
@@ -146,24 +140,19 @@ class _MatchBroker(Role):
 
     def _done(self, message: Publish) -> None:
         """The event's copies are confirmed: tell the router it entered the ring at
-        (another cluster's; it keeps the event until then), batched."""
-        entry = message.hops[0] if message.hops else self.cluster
-        if entry == self.cluster or message.id is None:
-            return
-        waiting = self._matched.setdefault(entry, [])
-        waiting.append(message.id)
-        if len(waiting) == 1:
-            asyncio.get_running_loop().call_later(self.MATCHED_EVERY_S, self._send_matched, entry)
+        (another cluster's; it keeps the event until then), batched (copies.py)."""
+        for timer in self.receipts.matched(message.hops, message.id):
+            asyncio.get_running_loop().call_later(timer.after_s, self._send_matched, timer.entry)
 
     def _send_matched(self, entry: str) -> None:
-        ids = self._matched.pop(entry, [])
-        if not ids:
+        chunks = self.receipts.due(entry)
+        if not chunks:
             return
 
         async def send() -> None:
             router = self.control_of(RoleId.router(entry))
-            for start in range(0, len(ids), 4096):
-                matched = Matched(by=self.cluster, ids=ids[start : start + 4096])
+            for chunk in chunks:
+                matched = Matched(by=self.cluster, ids=list(chunk.ids))
                 try:
                     await self.send(entry, router, matched, MAX_PRIORITY)
                 except Exception as exc:  # the entry router keeps them a while longer
@@ -177,20 +166,15 @@ class _MatchBroker(Role):
     async def _deliver(self, message: Publish, matched: set[str]) -> None:
         """One copy per subscriber queue, however many of its subscriptions matched, on
         the RabbitMQ of the subscriber's own cluster, each with its own outcome
-        (``delivery.py``): a copy whose home cannot be reached now is handed to this
-        cluster's routing master, which carries it there over the ring; one subscriber
-        never costs another its copy."""
+        (``delivery.py``); what the outcomes take is decided in ``copies.settle``: a copy
+        whose home cannot be reached now is handed to this cluster's routing master,
+        which carries it there over the ring; one subscriber never costs another its
+        copy."""
         stamped = message.model_copy(update={"broker": self.name})
         body = encode(stamped)
         copies = self.registry.copies(matched, self.departed)
-        queues, gone = copies.queues, copies.departed
+        queues = copies.queues
         content = event_content(message.event.model_dump_json()) if queues else None
-
-        def copy_id(queue: str) -> str | None:
-            # one id per (event, queue): a copy sent again (the event handled again after
-            # a match master's death) is suppressed by the subscriber's filter
-            return None if message.id is None else f"{message.id}:{_short(queue)}"
-
         with tracing.span(
             f"{message.event_type} match",
             {
@@ -201,45 +185,47 @@ class _MatchBroker(Role):
         ):
             outcomes = await asyncio.gather(
                 *(
-                    self.copies.put(home, queue, confirm, body, copy_id(queue), content=content)
+                    self.copies.put(
+                        home, queue, confirm, body, copy_id(message.id, queue), content=content
+                    )
                     for (home, queue), confirm in queues.items()
                 )
             )
-        for ((home, queue), confirm), result in zip(queues.items(), outcomes, strict=True):
-            self.count(f"copies_{result.outcome.value}")
-            if result.outcome is Outcome.GONE:
-                log.warning("subscriber queue %s of cluster %s is gone", queue, home)
-            elif result.outcome is Outcome.UNREACHABLE:
-                carried = Copy(
-                    event_type=message.event_type,
-                    home=home,
-                    queue=queue,
-                    confirm="e2e" if confirm == "e2e" else "broker",
-                    copy_id=copy_id(queue),
-                    publish=stamped,
-                    priority=message.priority,
-                    unreachable=True,
-                )
-                # this cluster's own RabbitMQ: a failure here leaves the event unacked
-                router = self.inbox_of(RoleId.router(self.cluster))
-                await self.send(self.cluster, router, carried, message.priority)
-                log.info(
-                    "%s: copy for %s at %s carried by the ring (%s)",
-                    self.name,
-                    queue,
-                    home,
-                    result.reason,
-                )
-            if result.outcome in (Outcome.DELIVERED, Outcome.TAKEN):
-                self.count("delivered")
-        refusals = [r.reason for r in outcomes if r.outcome is Outcome.REFUSED]
-        why = [f"{HOME_LEFT}: {', '.join(gone)}"] if gone else []
-        if gone and message.again:  # the departed cluster may have delivered it first
-            why[0] += f"; {MAYBE_DELIVERED}"
-        if gone:
-            self.count("home_departed", len(gone))
-        if why or refusals:  # after the others' copies went out: kept with why
-            raise DeadLetter("; ".join(why + refusals))
+        settled = [
+            (key, confirm, result)
+            for (key, confirm), result in zip(queues.items(), outcomes, strict=True)
+        ]
+        for effect in settle(settled, copies.departed, message.again):
+            if isinstance(effect, copies_plan.Count):
+                self.count(effect.name, effect.n)
+            elif isinstance(effect, Gone):
+                log.warning("subscriber queue %s of cluster %s is gone", effect.queue, effect.home)
+            elif isinstance(effect, Carry):
+                await self._carry(stamped, effect)
+            else:  # after the others' copies went out: kept with why
+                raise DeadLetter(effect.reason)
+
+    async def _carry(self, stamped: Publish, effect: Carry) -> None:
+        carried = Copy(
+            event_type=stamped.event_type,
+            home=effect.home,
+            queue=effect.queue,
+            confirm="e2e" if effect.confirm == "e2e" else "broker",
+            copy_id=copy_id(stamped.id, effect.queue),
+            publish=stamped,
+            priority=stamped.priority,
+            unreachable=True,
+        )
+        # this cluster's own RabbitMQ: a failure here leaves the event unacked
+        router = self.inbox_of(RoleId.router(self.cluster))
+        await self.send(self.cluster, router, carried, stamped.priority)
+        log.info(
+            "%s: copy for %s at %s carried by the ring (%s)",
+            self.name,
+            effect.queue,
+            effect.home,
+            effect.reason,
+        )
 
     @property
     def name(self) -> str:

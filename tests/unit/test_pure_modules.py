@@ -25,6 +25,7 @@ PURE = [
     "routing/joining.py",
     "routing/takeover.py",
     "routing/subscribing.py",
+    "routing/copies.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",

@@ -1,0 +1,182 @@
+"""A matched event's copies, without I/O: what each copy's outcome takes, and the
+receipts a match broker owes the router an event entered at.
+
+A match broker puts one copy per subscriber queue (``delivery.CopySender`` does the
+I/O); each copy has an outcome of its own, so one subscriber never costs another its
+copy:
+
+- ``DELIVERED``: the broker confirmed it (broker-confirmed subscriptions) or the
+  subscriber's handler took it in time (e2e);
+- ``TAKEN``: e2e, the receipt did not come within the hold, the subscriber's broker
+  holds the copy (``confirms/pace.py``: that queue lags);
+- ``GONE``: the queue does not exist (the subscriber deleted it): said, nothing more;
+- ``REFUSED``: the subscriber's handler rejected it: the event is dead-lettered with the
+  reason, after the other copies went out;
+- ``UNREACHABLE``: the home's RabbitMQ did not take it in time: the copy is carried by
+  this cluster's routing master around the failed link (:class:`Carry`).
+
+:func:`settle` turns the outcomes into effects in that order; a copy for a subscriber
+whose home cluster left the ring is dead-lettered with ``HOME_LEFT`` (and, for an event
+handled again, ``MAYBE_DELIVERED``: the departed cluster may have delivered it first).
+
+:class:`MatchedReceipts`: an event that entered the ring at another cluster is kept by
+that cluster's router until the match broker says it was matched; the ids are batched
+per entry cluster and sent every ``every_s`` (a timer), in chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .messages import HOME_LEFT, MAYBE_DELIVERED
+
+__all__ = [
+    "Carry",
+    "CopyOutcome",
+    "Count",
+    "Gone",
+    "MatchedReceipts",
+    "Outcome",
+    "Refuse",
+    "SendMatched",
+    "StartTimer",
+    "copy_id",
+    "event_content",
+    "settle",
+]
+
+
+class Outcome(enum.Enum):
+    DELIVERED = "delivered"
+    TAKEN = "taken"
+    GONE = "gone"
+    REFUSED = "refused"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOutcome:
+    outcome: Outcome
+    reason: str = ""
+
+
+def event_content(event_json: str) -> str:
+    """An event's name for an e2e subscriber's duplicate check (``CONTENT_HEADER``):
+    the same for every copy of one event, whichever match broker stamped it."""
+    return hashlib.blake2b(event_json.encode(), digest_size=8).hexdigest()
+
+
+def copy_id(event_id: str | None, queue: str) -> str | None:
+    """One id per (event, queue), within 255 characters: a copy sent again (the event
+    handled again after a match master's death) is suppressed by the subscriber's filter."""
+    if event_id is None:
+        return None
+    return f"{event_id}:{hashlib.blake2b(queue.encode(), digest_size=8).hexdigest()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    name: str
+    n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """The subscriber's queue does not exist: say so."""
+
+    home: str
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """Hand the copy to this cluster's routing master, which carries it to ``home``."""
+
+    home: str
+    queue: str
+    confirm: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Dead-letter the event with ``reason``, once the effects before it were done."""
+
+    reason: str
+
+
+Effect = Count | Gone | Carry | Refuse
+
+
+def settle(
+    outcomes: Sequence[tuple[tuple[str, str], str, CopyOutcome]],
+    departed: Sequence[str],
+    again: bool,
+) -> list[Effect]:
+    """What the copies' outcomes take: ``outcomes`` as ((home, queue), confirm,
+    outcome) in the order the copies went, ``departed`` the queues whose home left the
+    ring (no copy went), ``again``: the event is handled again."""
+    effects: list[Effect] = []
+    for (home, queue), confirm, result in outcomes:
+        effects.append(Count(f"copies_{result.outcome.value}"))
+        if result.outcome is Outcome.GONE:
+            effects.append(Gone(home, queue))
+        elif result.outcome is Outcome.UNREACHABLE:
+            effects.append(Carry(home, queue, confirm, result.reason))
+        if result.outcome in (Outcome.DELIVERED, Outcome.TAKEN):
+            effects.append(Count("delivered"))
+    why = [f"{HOME_LEFT}: {', '.join(departed)}"] if departed else []
+    if departed and again:
+        why[0] += f"; {MAYBE_DELIVERED}"
+    if departed:
+        effects.append(Count("home_departed", len(departed)))
+    why += [r.reason for _, _, r in outcomes if r.outcome is Outcome.REFUSED]
+    if why:
+        effects.append(Refuse("; ".join(why)))
+    return effects
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    """Call :meth:`MatchedReceipts.due` for ``entry`` after ``after_s``."""
+
+    entry: str
+    after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SendMatched:
+    """Tell ``entry``'s router that ``ids`` were matched (one message per chunk)."""
+
+    entry: str
+    ids: tuple[str, ...]
+
+
+@dataclass
+class MatchedReceipts:
+    """The ids of events matched here that entered at another cluster, per that
+    cluster, until the next :class:`SendMatched` to its router."""
+
+    cluster: str  # this match broker's: an event that entered here owes nobody
+    every_s: float = 0.02
+    chunk: int = 4096
+    waiting: dict[str, list[str]] = field(default_factory=dict)
+
+    def matched(self, hops: Sequence[str], event_id: str | None) -> list[StartTimer]:
+        entry = hops[0] if hops else self.cluster
+        if entry == self.cluster or event_id is None:
+            return []
+        waiting = self.waiting.setdefault(entry, [])
+        waiting.append(event_id)
+        return [StartTimer(entry, self.every_s)] if len(waiting) == 1 else []
+
+    def due(self, entry: str) -> list[SendMatched]:
+        ids: Iterable[str] = self.waiting.pop(entry, [])
+        ids = list(ids)
+        return [
+            SendMatched(entry, tuple(ids[start : start + self.chunk]))
+            for start in range(0, len(ids), self.chunk)
+        ]

@@ -1,0 +1,70 @@
+"""A matched event's copies (routing/copies.py): outcomes to effects, receipts batched."""
+
+from __future__ import annotations
+
+from middleware.routing.copies import (
+    Carry,
+    CopyOutcome,
+    Count,
+    Gone,
+    MatchedReceipts,
+    Outcome,
+    Refuse,
+    SendMatched,
+    StartTimer,
+    copy_id,
+    settle,
+)
+from middleware.routing.messages import HOME_LEFT, MAYBE_DELIVERED
+
+
+def test_each_outcome_takes_its_own_effect_and_one_subscriber_never_costs_another() -> None:
+    outcomes = [
+        (("A", "q1"), "broker", CopyOutcome(Outcome.DELIVERED)),
+        (("A", "q2"), "e2e", CopyOutcome(Outcome.TAKEN)),
+        (("C", "q3"), "e2e", CopyOutcome(Outcome.UNREACHABLE, "link down")),
+        (("A", "q4"), "broker", CopyOutcome(Outcome.GONE)),
+    ]
+    assert settle(outcomes, [], again=False) == [
+        Count("copies_delivered"),
+        Count("delivered"),
+        Count("copies_taken"),
+        Count("delivered"),
+        Count("copies_unreachable"),
+        Carry("C", "q3", "e2e", "link down"),
+        Count("copies_gone"),
+        Gone("A", "q4"),
+    ]
+
+
+def test_a_refusal_and_a_departed_home_dead_letter_the_event_last_with_every_reason() -> None:
+    outcomes = [
+        (("A", "q1"), "e2e", CopyOutcome(Outcome.REFUSED, "q1: rejected")),
+        (("A", "q2"), "broker", CopyOutcome(Outcome.DELIVERED)),
+    ]
+    effects = settle(outcomes, ["q9 (cluster D)"], again=True)
+    assert effects[-2:] == [
+        Count("home_departed", 1),
+        Refuse(f"{HOME_LEFT}: q9 (cluster D); {MAYBE_DELIVERED}; q1: rejected"),
+    ]
+    assert Count("delivered") in effects  # the other copy went
+    assert settle([], ["q9 (cluster D)"], again=False)[-1] == Refuse(f"{HOME_LEFT}: q9 (cluster D)")
+
+
+def test_a_copy_id_is_one_per_event_and_queue_and_short() -> None:
+    assert copy_id(None, "q") is None
+    assert copy_id("e1", "q") == copy_id("e1", "q") != copy_id("e1", "r")
+    assert len(copy_id("e1", "x" * 300) or "") == len("e1:") + 16
+
+
+def test_receipts_are_owed_only_to_another_entry_cluster_batched_by_one_timer() -> None:
+    receipts = MatchedReceipts("B", every_s=0.02, chunk=2)
+    assert receipts.matched([], "e0") == []  # entered here
+    assert receipts.matched(["B", "C"], "e0") == []
+    assert receipts.matched(["A", "B"], None) == []  # no id: nothing to say
+    assert receipts.matched(["A", "B"], "e1") == [StartTimer("A", 0.02)]
+    assert receipts.matched(["A"], "e2") == []  # the timer runs already
+    assert receipts.matched(["A"], "e3") == []
+    assert receipts.due("A") == [SendMatched("A", ("e1", "e2")), SendMatched("A", ("e3",))]
+    assert receipts.due("A") == []
+    assert receipts.matched(["A"], "e4") == [StartTimer("A", 0.02)]  # a new batch
