@@ -31,6 +31,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .effects import Count, Refuse
 from .messages import HOME_LEFT, MAYBE_DELIVERED
 
 __all__ = [
@@ -78,12 +79,6 @@ def copy_id(event_id: str | None, queue: str) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Count:
-    name: str
-    n: int = 1
-
-
-@dataclass(frozen=True, slots=True)
 class Gone:
     """The subscriber's queue does not exist: say so."""
 
@@ -98,13 +93,6 @@ class Carry:
     home: str
     queue: str
     confirm: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Dead-letter the event with ``reason``, once the effects before it were done."""
-
     reason: str
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .effects import Count, Refuse
 from .matching import FilterError
 from .messages import Subscribe, Unsubscribe
 from .records import SubscriptionRecord
@@ -71,19 +72,6 @@ class TellRouters:
     event_type: str
     latency_level: int
     subscription_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Count:
-    name: str
-    n: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Dead-letter the message with ``reason`` (after the effects before it)."""
-
-    reason: str
 
 
 Effect = Persist | Confirm | TellRouters | Count | Refuse

@@ -26,6 +26,7 @@ PURE = [
     "routing/takeover.py",
     "routing/subscribing.py",
     "routing/copies.py",
+    "routing/effects.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",
