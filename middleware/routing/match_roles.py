@@ -17,7 +17,7 @@ from . import copies as copies_plan
 from . import subscribing
 from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
 from .delivery import CopySender
-from .ids import RoleId, RoleKind
+from .ids import RoleId
 from .joining import (
     handover_plan,
 )
@@ -46,6 +46,7 @@ from .replicas import (
     TOMBSTONE,
     live,
 )
+from .restoring import ForgetAfter, Read, ReadAhead, Restore, RestorePlan, restore_plan
 from .ring import Handover as Arc
 from .ring import master_index
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
@@ -99,9 +100,9 @@ class _MatchBroker(Role):
 
     async def _on_join_back(self, message: Join) -> None:
         self.departed.discard(message.cluster)
-        standby = getattr(self, "standby", None)
-        if standby is not None:
-            standby.pop(message.cluster, None)
+        read_ahead = getattr(self, "read_ahead", None)
+        if read_ahead is not None:
+            read_ahead.joined(message.cluster)
 
     async def _on_leave(self, message: Leave) -> None:
         self.departed.add(message.cluster)
@@ -319,8 +320,9 @@ class MatchMaster(_MatchBroker):
         #: when this cluster last left the ring (``prepare``): see ``_matched_elsewhere``
         self.left_at: float | None = None
         #: departed clusters' subscriptions read ahead (a router suspected the departure),
-        #: with the plan they were read for (``_restore_plan``)
-        self.standby: dict[str, tuple[tuple[Any, ...], asyncio.Future[Restorable]]] = {}
+        #: kept by the reads they were read by (restoring.py): read number -> result
+        self.read_ahead = ReadAhead(self.STANDBY_S)
+        self._readings: dict[int, asyncio.Future[Restorable]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.replicas.persisting(self._serve_observed(stop), stop)
@@ -376,18 +378,32 @@ class MatchMaster(_MatchBroker):
         indexer, type after type, whichever is first); then they are written as this
         master's own."""
         plan = self._restore_plan(message)
-        ready = self.standby.pop(message.cluster, None)
-        reading = ready[1] if ready is not None and ready[0] == plan else None
-        if reading is None:  # not read ahead, or for another plan (the ring changed)
-            reading = self._read_departed(message)
-        if message.prepare:  # keep it ready for the leave; forget it if none comes
-            self.standby[message.cluster] = (plan, reading)
-            loop = asyncio.get_running_loop()
-            loop.call_later(self.STANDBY_S, self._forget_standby, message.cluster, reading)
-            self.count("prepared")
-            return
-        with heap.paused():  # no cycles among them; the index task keeps it so (heap.py)
-            await self._restore(message, reading)
+        effects = self.read_ahead.recover(message.cluster, plan, prepare=message.prepare)
+        restore: asyncio.Future[Restorable] | None = None
+        for effect in effects:
+            if isinstance(effect, Read):
+                self._readings[effect.reading] = self._read_departed(message)
+            elif isinstance(effect, ForgetAfter):
+                loop = asyncio.get_running_loop()
+                loop.call_later(effect.after_s, self._forget_read, effect.cluster, effect.reading)
+            elif isinstance(effect, Restore):
+                restore = self._readings.pop(effect.reading)
+            else:
+                self.count(effect.name, effect.n)
+        self._drop_unused_reads()
+        if restore is not None:
+            with heap.paused():  # no cycles among them; the index task keeps it so (heap.py)
+                await self._restore(message, restore)
+
+    def _forget_read(self, cluster: str, reading: int) -> None:
+        for effect in self.read_ahead.forget(cluster, reading):
+            self.count(effect.name, effect.n)
+        self._drop_unused_reads()
+
+    def _drop_unused_reads(self) -> None:
+        kept = self.read_ahead.in_use()
+        for reading in [r for r in self._readings if r not in kept]:
+            del self._readings[reading]
 
     async def _restore(self, message: Recover, reading: asyncio.Future[Restorable]) -> None:
         try:
@@ -410,29 +426,21 @@ class MatchMaster(_MatchBroker):
         self._confirming.add(task)
         task.add_done_callback(self._confirming.discard)
 
-    def _restore_plan(self, message: Recover) -> tuple[tuple[str, ...], int, tuple[int, int]]:
-        """What to read (the departed masters' store owners), over how many masters the
-        arc is routed here, the arc; ``DeadLetter`` for owners not of the departed cluster."""
-        owners = tuple(message.owners) or tuple(
-            RoleId.match(message.cluster, i).owner for i in range(message.masters)
+    def _restore_plan(self, message: Recover) -> RestorePlan:
+        """restoring.restore_plan for this master (``DeadLetter`` for a RECOVER it
+        cannot take)."""
+        return restore_plan(
+            message,
+            cluster_masters=self.topology.cluster(self.cluster).match_masters,
+            index=self.index,
         )
-        for owner in owners:
-            try:
-                role = RoleId.from_owner(owner)
-            except ValueError:
-                role = None
-            if role is None or role.kind is not RoleKind.MATCH or role.cluster != message.cluster:
-                raise DeadLetter(f"recover: {owner!r} is no match master of {message.cluster}")
-        masters = message.routed_over or self.topology.cluster(self.cluster).match_masters
-        if self.index >= masters:
-            raise DeadLetter(f"recover: arc routed over {masters} masters, this is {self.index}")
-        return owners, masters, message.arc
 
     def _take_advertisements(self, message: Recover, types: set[str]) -> None:
         """(In a thread) the departed match masters' advertisements of the arc's types
         this master now holds, kept as its own."""
         arc = Arc(message.cluster, message.cluster, *message.arc)
-        owners, masters, _ = self._restore_plan(message)
+        plan = self._restore_plan(message)
+        owners, masters = plan.owners, plan.masters
         for owner in owners:
             for event_type, (version, doc) in live(self.store.load(owner, "advertisement")).items():
                 if event_type in types or (
@@ -442,7 +450,8 @@ class MatchMaster(_MatchBroker):
 
     def _read_departed(self, message: Recover) -> asyncio.Future[Restorable]:
         arc = Arc(message.cluster, message.cluster, *message.arc)
-        owners, masters, _ = self._restore_plan(message)
+        plan = self._restore_plan(message)
+        owners, masters = plan.owners, plan.masters
 
         async def read() -> Restorable:
             # 200 000 documents, no cycles: without the pause, full collections of the
@@ -453,11 +462,6 @@ class MatchMaster(_MatchBroker):
                 )
 
         return asyncio.ensure_future(read())
-
-    def _forget_standby(self, cluster: str, reading: asyncio.Future[Restorable]) -> None:
-        if self.standby.get(cluster, (None, None))[1] is reading:
-            del self.standby[cluster]
-            self.count("prepared_unused")
 
     async def _index_restored(self, found: dict[str, dict[str, Any]]) -> None:
         """Index the restored types one by one between other work, then adopt them.

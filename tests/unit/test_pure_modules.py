@@ -27,6 +27,7 @@ PURE = [
     "routing/subscribing.py",
     "routing/copies.py",
     "routing/effects.py",
+    "routing/restoring.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",
