@@ -6,6 +6,7 @@ and hand-back, performed from the machines of ``router.py``, ``takeover.py`` and
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -20,6 +21,20 @@ from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_m
 from ..transport import OutgoingMessage
 from .delivery import CopySender, event_content
 from .detours import LINK_ERRORS, Detours
+from .forwarding import (
+    JOINING,
+    Count,
+    Forwarding,
+    LinkReported,
+    Now,
+    PutHere,
+    RouteAgain,
+    SendOn,
+    ToMatch,
+    WaitRestored,
+    WriteEntry,
+)
+from .forwarding import Effect as ForwardingEffect
 from .ids import RoleId, RoleKind
 from .joining import (
     AskMasters,
@@ -33,8 +48,6 @@ from .joining import (
 )
 from .joining import Effect as JoinEffect
 from .messages import (
-    HOME_LEFT,
-    MAYBE_DELIVERED,
     Advertise,
     Copy,
     Found,
@@ -66,7 +79,7 @@ from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
 from .role_metrics import LEAVE_S
 from .roles import WARM_AFTER_PROMOTION_S, ReplicaHolder, Role
-from .router import Forward, KeptEvents, RouterLogic
+from .router import KeptEvents, RouterLogic
 from .store import open_store, ring_owner
 from .takeover import Adopt, ArcTakeover, AskRestore, MakePlan, ReadTable, Released, RestoreBound
 from .takeover import Effect as TakeoverEffect
@@ -123,6 +136,7 @@ class RouterMaster(Role):
         #: events that entered the ring here and went to another cluster, until their
         #: owner says they were matched (routed again if it leaves first)
         self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
+        self.forwarding = Forwarding(self.logic, self.kept)  # route, relay, carry
         #: set once the recorded leaves and joins are applied (``prepare``): a leave
         #: told before that (its control queue is consumed first) waits for it, or a
         #: promoted router would take a recorded departure's arc over a second time
@@ -328,123 +342,96 @@ class RouterMaster(Role):
         await self._join(message.cluster)
 
     async def _route(self, message: RoutedMessage, *, held: bool = True) -> None:
-        """``RouterLogic`` decides; this writes the latencyMap entries it names, waits
-        for an arc being restored, and sends (again, when a next hop left meanwhile)."""
-        if message.via:  # on a detour: pass it on toward the next hop of its path
-            await self._relay(message)
-            return
-        if isinstance(message, Publish) and message.entered_at is None:
-            message = message.model_copy(update={"entered_at": time.time()})  # its entry
-        writes, forwarded = self.logic.accept(message)
-        for write in writes:
-            entry = None if write.entry is None else write.entry.to_document()
-            await self.replicas.write(write.event_type, entry)
-        if forwarded is None:
-            if not writes:
-                self.count("duplicates_dropped")
-            return
-        while True:
-            step = self.logic.step(forwarded)
-            if isinstance(step, Forward):
-                self.count("forwarded")
-                path = await self.detours.forward(step.cluster, step.message, step.priority)
-                if path:
-                    # the clusters it passes: if one leaves, so may the event (in its inbox)
-                    through = {*path, *self.ring.route(step.cluster, forwarded.event_type)}
-                    owner = self.ring.owner(forwarded.event_type)
-                    if self.kept.keep(forwarded, owner, time.monotonic(), through=through):
-                        self.count("kept_until_matched")
-                    return
-                self.count("rerouted")  # the next hop left the ring meanwhile: route again
-            elif not held or not await self._taken_over(forwarded.event_type):
-                break  # (after waiting for an arc's restore: its plan routes it, ask again)
-        self.count("routed")
-        match = self.inbox_of(RoleId.match(self.cluster, step.index))
-        await self.send(self.cluster, match, step.message, step.priority)
+        """``Forwarding`` decides (``forwarding.py``); this performs what it returns."""
+        await self._forward(self.forwarding.route(message, self._now(), self._holds(), held=held))
+
+    async def _on_copy(self, message: Copy) -> None:
+        """A copy for a subscriber queue: put into the queue when its home is this
+        cluster, else carried toward the home's routing master (over a detour when the
+        direct link failed, as routed events are).  Acked only once it is on."""
+        await self._forward(self.forwarding.copy(message, self._now(), self._holds()))
 
     async def _on_matched(self, message: Matched) -> None:
-        if message.by not in {c.id for c in self.topology.clusters}:
-            raise DeadLetter(f"matched: cluster {message.by!r} is not in the topology")
-        self.kept.matched(message.ids)
+        clusters = [c.id for c in self.topology.clusters]
+        await self._forward(self.forwarding.matched(message, clusters))
 
     def _route_kept(self, cluster: str) -> None:
         """``cluster`` left: what this router kept for it is routed again (``KeptEvents``)."""
-        again = self.kept.left(cluster)
-        if not again:
-            return
-        self.count("rerouted_after_leave", len(again))
-        log.warning("%s: %d events kept for %s routed again", self.id, len(again), cluster)
+        self._background(self._forward(self.forwarding.left(cluster)))
 
-        async def route_again() -> None:
-            for message in again:
-                try:
-                    await self._route(message)
-                except Exception as exc:  # one that cannot go is said, the others go on
-                    log.warning("%s: event %s not routed again: %s", self.id, message.id, exc)
+    @staticmethod
+    def _now() -> Now:
+        return Now(time.time(), time.monotonic())
 
-        self._background(route_again())
+    def _holds(self) -> list[tuple[str, Arc]]:
+        """The arcs whose events wait now: taken over from a departed cluster until
+        restored, this cluster's own while it joins until handed over."""
+        holds = [(c, arc) for c, (arc, done) in self._recovering.items() if not done.is_set()]
+        if self._joining is not None and not self._joining[1].is_set():
+            holds.append((JOINING, self._joining[0]))
+        return holds
 
-    async def _on_copy(self, message: Copy) -> None:
-        """A copy for a subscriber queue: put it in the queue when its home is this
-        cluster, else carry it toward the home's routing master (over a detour when the
-        direct link failed, as routed events are).  Acked only once it is on."""
-        if message.via:
-            await self._relay(message)
-            return
-        if message.home == self.cluster:
-            body = encode(message.publish)
-            result = await self.copies.put(
-                message.home,
-                message.queue,
-                message.confirm,
-                body,
-                message.copy_id,
-                local=True,
-                content=event_content(message.publish.event.model_dump_json()),
-            )
-            self.count(f"carried_copies_{result.outcome.value}")
-            return
-        self.count("copies_carried")
-        if message.unreachable and not message.hops:  # from a match broker of this cluster
-            self.detours.reported_down(message.home)
-        onward = message.model_copy(update={"hops": [self.cluster]})
-        if not await self.detours.forward(message.home, onward, message.priority):
-            maybe = message.unreachable or message.publish.again
-            raise DeadLetter(
-                f"{HOME_LEFT}: {message.queue} (cluster {message.home})"
-                + (f"; {MAYBE_DELIVERED}" if maybe else "")
-            )
+    def _restored_event(self, key: str) -> asyncio.Event | None:
+        held = self._joining if key == JOINING else self._recovering.get(key)
+        return None if held is None else held[1]
 
-    async def _relay(self, message: RoutedMessage | Copy) -> None:
-        step = self.logic.relay(message)
-        if not isinstance(step, Forward):  # a path naming this cluster again: on from here
-            if isinstance(step, Copy):
-                await self._on_copy(step)
+    async def _forward(self, effects: list[ForwardingEffect]) -> None:
+        """Perform the route/relay/carry effects in order; what a send or a wait gives
+        back goes to the machine, and what it returns is performed next."""
+        pending = collections.deque(effects)
+        while pending:
+            effect = pending.popleft()
+            after: list[ForwardingEffect] = []
+            if isinstance(effect, Count):
+                self.count(effect.name, effect.n)
+            elif isinstance(effect, WriteEntry):
+                entry = None if effect.entry is None else effect.entry.to_document()
+                await self.replicas.write(effect.event_type, entry)
+            elif isinstance(effect, SendOn):
+                path = await self.detours.forward(effect.cluster, effect.message, effect.priority)
+                after = self.forwarding.sent(effect, path, self._now(), self._holds())
+            elif isinstance(effect, ToMatch):
+                match = self.inbox_of(RoleId.match(self.cluster, effect.index))
+                await self.send(self.cluster, match, effect.message, effect.priority)
+            elif isinstance(effect, WaitRestored):
+                restored = self._restored_event(effect.key)
+                if restored is not None:
+                    await restored.wait()
+                after = self.forwarding.restored(effect.message, self._holds())
+            elif isinstance(effect, PutHere):
+                await self._put_here(effect.copy)
+            elif isinstance(effect, LinkReported):
+                self.detours.reported_down(effect.cluster)
+            elif isinstance(effect, RouteAgain):
+                log.warning(
+                    "%s: %d events kept for %s routed again",
+                    self.id,
+                    len(effect.events),
+                    effect.departed,
+                )
+                self._background(self._route_again(effect.events))
             else:
-                await self._route(step)
-            return
-        self.count("relayed")
-        if not await self.detours.forward(step.cluster, step.message, step.priority):
-            self.count("rerouted")  # the hop left the ring: the ring goes on from here
-            again = message.model_copy(update={"via": []})
-            if isinstance(again, Copy):
-                await self._on_copy(again)
-            else:
-                await self._route(again)
+                raise DeadLetter(effect.reason)
+            pending.extendleft(reversed(after))
 
-    async def _taken_over(self, event_type: str) -> bool:
-        """An event type of an arc this router took over from a departed cluster waits
-        until its match masters restored that arc's subscriptions (the paper's buffer:
-        the waiting handlers and the inbox behind them); whether it waited."""
-        holds = list(self._recovering.values())
-        if self._joining is not None:
-            holds.append(self._joining)
-        for arc, restored in holds:
-            if not restored.is_set() and arc.covers(event_type):
-                self.count("held_for_recovery")
-                await restored.wait()
-                return True
-        return False
+    async def _put_here(self, copy: Copy) -> None:
+        result = await self.copies.put(
+            copy.home,
+            copy.queue,
+            copy.confirm,
+            encode(copy.publish),
+            copy.copy_id,
+            local=True,
+            content=event_content(copy.publish.event.model_dump_json()),
+        )
+        self.count(f"carried_copies_{result.outcome.value}")
+
+    async def _route_again(self, events: list[Publish]) -> None:
+        for message in events:
+            try:
+                await self._route(message)
+            except Exception as exc:  # one that cannot go is said, the others go on
+                log.warning("%s: event %s not routed again: %s", self.id, message.id, exc)
 
     # ------------------------------------------------------------ capacity plan
     def _running_masters(self) -> int:

@@ -28,6 +28,7 @@ PURE = [
     "routing/copies.py",
     "routing/effects.py",
     "routing/restoring.py",
+    "routing/forwarding.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",
