@@ -98,7 +98,8 @@ class LatencyEntry:
         try:
             return cls(int(document["level_sum"]), int(document["count"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise RecordError(f"routing-table document {dict(document)!r}: {exc}") from None
+            # (not ``dict(document)``: a document that is no mapping would raise here)
+            raise RecordError(f"routing-table document {document!r}: {exc}") from None
 
     @classmethod
     def of(cls, entry: tuple[int, int] | None) -> LatencyEntry | None:

@@ -101,6 +101,12 @@ class RouterLogic:
             self.latency.entries[event_type] = (entry.level_sum, entry.count)
         return refused
 
+    def take_entries(self, entries: Mapping[str, LatencyEntry]) -> None:
+        """A departed owner's entries of its arc, counted here from now (they replace
+        what this router counted: the owner had seen every subscription of its types)."""
+        for event_type, entry in entries.items():
+            self.latency.entries[event_type] = (entry.level_sum, entry.count)
+
     def priority(self, message: RoutedMessage | Copy) -> int:
         """The latency level's priority: the highest any router on the path knows."""
         if not self.topology.outer:

@@ -20,6 +20,20 @@ from ..errors import DeadLetter, MiddlewareError
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
 from ..transport import OutgoingMessage
 from .delivery import CopySender, event_content
+from .departures import (
+    AfterRingApplied,
+    AskMaster,
+    Departures,
+    LeaveHere,
+    PlanPrepare,
+    RecordLeft,
+    RouteKept,
+    TakeOverArc,
+    TellRouter,
+    entries_of_arc,
+    recover_asks,
+)
+from .departures import Effect as DepartureEffect
 from .detours import LINK_ERRORS, Detours
 from .forwarding import (
     JOINING,
@@ -59,7 +73,6 @@ from .messages import (
     Message,
     Probe,
     Publish,
-    Recover,
     Recovered,
     Routed,
     RoutedMessage,
@@ -69,7 +82,6 @@ from .messages import (
     encode,
 )
 from .protocol import MAX_PRIORITY
-from .records import LatencyEntry, RecordError
 from .replica_set import ReplicaSet
 from .replicas import (
     TOMBSTONE,
@@ -137,6 +149,10 @@ class RouterMaster(Role):
         #: owner says they were matched (routed again if it leaves first)
         self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
         self.forwarding = Forwarding(self.logic, self.kept)  # route, relay, carry
+        #: suspect, announce and leave a departed cluster
+        self.departures = Departures(
+            self.cluster, self.ring, self.topology, lambda: uuid.uuid4().hex
+        )
         #: set once the recorded leaves and joins are applied (``prepare``): a leave
         #: told before that (its control queue is consumed first) waits for it, or a
         #: promoted router would take a recorded departure's arc over a second time
@@ -337,6 +353,7 @@ class RouterMaster(Role):
 
     def reconfigured(self) -> None:
         self.logic.topology = self.topology  # ``outer`` switched live
+        self.departures.topology = self.topology
 
     async def _on_join(self, message: Join) -> None:
         await self._join(message.cluster)
@@ -544,82 +561,80 @@ class RouterMaster(Role):
         self._background(write)
 
     async def _announce_leave(self, cluster: str) -> None:
-        """No flood reached ``cluster`` for ``leave_after_s``: tell every other routing
-        master (one bounded try each: one that misses it finds out by itself), then act."""
-        message = Leave(cluster=cluster, by=self.cluster)
-        for other in self.ring.clusters:
-            if other in (cluster, self.cluster):
-                continue
-            try:
-                await asyncio.wait_for(
-                    self.send(other, self.control_of(RoleId.router(other)), message, MAX_PRIORITY),
-                    2 * self.topology.link_timeout_s,
-                )
-            except LINK_ERRORS as exc:
-                log.warning("%s: could not tell %s that %s left: %s", self.id, other, cluster, exc)
-        await self._leave(cluster, self.cluster)
+        """No flood reached ``cluster`` for ``leave_after_s`` (``departures.py``)."""
+        await self._depart(self.departures.announce(cluster))
 
     async def _on_leave(self, message: Leave) -> None:
         await self._leave(message.cluster, message.by)
 
-    def _departure(self, cluster: str) -> tuple[Arc, str]:
-        """The arc ``cluster`` owns and who would take it over."""
-        start = ring_id(self.ring.predecessor(cluster))
-        return Arc(cluster, cluster, start, ring_id(cluster)), self.ring.successors(cluster, 1)[0]
-
     async def _suspect(self, cluster: str) -> None:
-        """A flood for ``cluster`` found no way: its successor's match masters read its
-        subscriptions now (prepare), so that a leave declared ``leave_after_s`` later
-        finds them read.  One bounded try each; a miss only costs the leave that time."""
-        if cluster not in self.ring.clusters or len(self.ring) < 3:
-            return
-        arc, successor = self._departure(cluster)
-        plan = await self._plan(cluster, successor)
-        for restore in plan.restores:
-            if restore.master.is_added(self.topology):
-                continue  # not started yet: it reads when the leave's RECOVER comes
-            ask = Recover(
-                cluster=cluster,
-                arc=(arc.start, arc.end),
-                masters=plan.departed_masters,
-                request=f"prepare-{uuid.uuid4().hex}",
-                reply_to=self.connections.process_queue,
-                prepare=True,
-                owners=list(restore.owners),
-                routed_over=plan.masters,
-            )
-            queue = self.control_of(restore.master)
-            try:
-                await asyncio.wait_for(
-                    self.send(successor, queue, ask, MAX_PRIORITY), 2 * self.topology.link_timeout_s
-                )
-            except LINK_ERRORS as exc:
-                log.info("%s: prepare for %s not sent to %s: %s", self.id, cluster, queue, exc)
-        self.count("suspected")
+        """A flood for ``cluster`` found no way (``departures.py``)."""
+        await self._depart(self.departures.suspect(cluster))
 
     async def _leave(self, cluster: str, by: str) -> None:
-        """``cluster`` left: drop it from the ring; this cluster's match roles stop
-        delivering to its subscribers (dead-lettered with why); the successor's match
-        masters restore its arc from the persisted state."""
-        if not self._ring_applied.is_set():
-            self._background(self._leave_when_ring_applied(cluster, by))
+        """``cluster`` left (``departures.py``)."""
+        await self._depart(self.departures.leave(cluster, by, self._ring_applied.is_set()))
+
+    async def _depart(self, effects: list[DepartureEffect]) -> None:
+        """Perform what ``Departures`` returned, in order."""
+        for effect in effects:
+            if isinstance(effect, Count):
+                self.count(effect.name, effect.n)
+            elif isinstance(effect, TellRouter):
+                queue = self.control_of(RoleId.router(effect.cluster))
+                try:
+                    await asyncio.wait_for(
+                        self.send(effect.cluster, queue, effect.message, MAX_PRIORITY),
+                        2 * self.topology.link_timeout_s,
+                    )
+                except LINK_ERRORS as exc:
+                    log.warning(
+                        "%s: could not tell %s that %s left: %s",
+                        self.id,
+                        effect.cluster,
+                        effect.message.cluster,
+                        exc,
+                    )
+            elif isinstance(effect, LeaveHere):
+                await self._leave(effect.cluster, effect.by)
+            elif isinstance(effect, PlanPrepare):
+                plan = await self._plan(effect.cluster, effect.successor)
+                process = self.connections.process_queue
+                await self._depart(self.departures.prepare(effect, plan, process))
+            elif isinstance(effect, AskMaster):
+                await self._ask_master(effect)
+            elif isinstance(effect, AfterRingApplied):
+                self._background(self._leave_when_ring_applied(effect.cluster, effect.by))
+            elif isinstance(effect, RecordLeft):
+                self._record_ring_change(effect.cluster, "left")
+            elif isinstance(effect, TakeOverArc):
+                self._recovering[effect.cluster] = (effect.arc, asyncio.Event())
+                started = self.takeover.left(effect.cluster, uuid.uuid4().hex, time.monotonic())
+                self._background(self._take_over_arc(started))
+            elif isinstance(effect, RouteKept):
+                self.detours.left(effect.cluster)
+                self._route_kept(effect.cluster)
+            else:
+                told = effect.message
+                log.warning(
+                    "%s left the ring (found by %s); its arc goes to %s",
+                    told.cluster,
+                    told.by,
+                    effect.successor,
+                )
+                for role in self._match_roles():
+                    await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+
+    async def _ask_master(self, effect: AskMaster) -> None:
+        queue = self.control_of(effect.master)
+        send = self.send(effect.cluster, queue, effect.message, MAX_PRIORITY)
+        if not effect.bounded:
+            await send
             return
-        if cluster == self.cluster or cluster not in self.ring.clusters or len(self.ring) < 2:
-            return
-        arc, _ = self._departure(cluster)
-        successor = self.ring.leave(cluster)
-        self._record_ring_change(cluster, "left")
-        if successor == self.cluster:  # before anything awaits: the arc's events wait
-            self._recovering[cluster] = (arc, asyncio.Event())
-            started = self.takeover.left(cluster, uuid.uuid4().hex, time.monotonic())
-            self._background(self._take_over_arc(started))
-        self.detours.left(cluster)
-        self._route_kept(cluster)
-        self.count("leaves")
-        log.warning("%s left the ring (found by %s); its arc goes to %s", cluster, by, successor)
-        told = Leave(cluster=cluster, by=by)
-        for role in self._match_roles():
-            await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+        try:
+            await asyncio.wait_for(send, 2 * self.topology.link_timeout_s)
+        except LINK_ERRORS as exc:
+            log.info("%s: %s not sent to %s: %s", self.id, effect.message.request, queue, exc)
 
     async def _leave_when_ring_applied(self, cluster: str, by: str) -> None:
         await self._ring_applied.wait()
@@ -627,22 +642,14 @@ class RouterMaster(Role):
 
     async def _restore_routing_table(self, cluster: str, arc: Arc) -> dict[str, dict[str, Any]]:
         """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
-        persisted state.  As the owner it had counted every subscription of those types
-        (each passed it last), so its entry replaces whatever this router counted."""
+        persisted state (``departures.entries_of_arc``), counted here from now."""
         owner = RoleId.router(cluster).owner
         table = await asyncio.to_thread(self.replicas.store.load, owner, "routing_table")
-        taken: dict[str, dict[str, Any]] = {}
-        for event_type, (_, doc) in live(table).items():
-            try:
-                entry = LatencyEntry.from_document(doc)
-            except RecordError:
-                continue  # an entry an older version kept: its subscriptions still match
-            if arc.covers(event_type) and entry.count > 0:
-                self.latency.entries[event_type] = (entry.level_sum, entry.count)
-                taken[event_type] = entry.to_document()
+        taken = entries_of_arc(arc, live(table))
+        self.logic.take_entries(taken)
         self.count("routing_entries_restored", len(taken))
         log.info("%s: %d routing-table entries of %s restored", self.cluster, len(taken), cluster)
-        return taken
+        return {event_type: entry.to_document() for event_type, entry in taken.items()}
 
     async def _write_entries(self, entries: dict[str, dict[str, Any]]) -> None:
         for event_type, document in entries.items():
@@ -712,19 +719,10 @@ class RouterMaster(Role):
         await self._take_over_arc(self.takeover.planned(cluster, plan, masters, time.monotonic()))
 
     async def _ask_restore(self, effect: AskRestore) -> None:
-        plan: CapacityPlan = effect.plan
         arc = self._recovering[effect.cluster][0]
-        for restore in plan.restores:
-            ask = Recover(
-                cluster=effect.cluster,
-                arc=(arc.start, arc.end),
-                masters=plan.departed_masters,
-                request=effect.request,
-                reply_to=self.connections.process_queue,
-                owners=list(restore.owners),
-                routed_over=plan.masters,
-            )
-            await self.send(self.cluster, self.control_of(restore.master), ask, MAX_PRIORITY)
+        process = self.connections.process_queue
+        for ask in recover_asks(effect.plan, arc, request=effect.request, reply_to=process):
+            await self._ask_master(ask)
 
     def _released(self, effect: Released) -> None:
         cluster = effect.cluster

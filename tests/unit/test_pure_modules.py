@@ -29,6 +29,7 @@ PURE = [
     "routing/effects.py",
     "routing/restoring.py",
     "routing/forwarding.py",
+    "routing/departures.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/ids.py",
