@@ -17,10 +17,10 @@ from . import copies as copies_plan
 from . import subscribing
 from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
 from .delivery import CopySender
+from .holding import ReplicaHolder
 from .ids import RoleId
-from .joining import (
-    handover_plan,
-)
+from .joining import handover_plan
+from .mastering import Master
 from .messages import (
     Advertise,
     Confirmation,
@@ -42,22 +42,16 @@ from .messages import (
 from .protocol import MAX_PRIORITY
 from .registry import Registry
 from .replica_set import ReplicaSet, ReplicaTimeout
-from .replicas import (
-    TOMBSTONE,
-    live,
-)
+from .replicas import TOMBSTONE, live
 from .restoring import ForgetAfter, Read, ReadAhead, Restore, RestorePlan, restore_plan
 from .ring import Handover as Arc
 from .ring import master_index
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
-from .roles import ReplicaHolder, Role
+from .roles import Role
 from .store import StateStore, open_store, ring_owner
 from .subscribing import SubscriptionBook, TellRouters
 from .timeliness import Dispatch, QueuePredictor
-from .wiring import (
-    Handler,
-    outgoing,
-)
+from .wiring import Handler, outgoing
 
 __all__ = ["MatchMaster", "MatchSlave"]
 
@@ -299,7 +293,7 @@ def _restorable(
     return by_type
 
 
-class MatchMaster(_MatchBroker):
+class MatchMaster(_MatchBroker, Master):
     """Keeps subscriptions (indexed, persisted, replicated to its slaves by quorum) and
     sends each event to the broker with the smallest predicted processing time T,
     itself included."""

@@ -12,17 +12,9 @@ from ..errors import MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .ids import RoleId
-from .messages import (
-    Answer,
-    Configure,
-    parse,
-)
+from .messages import Answer, Configure, parse
 from .protocol import MAX_PRIORITY, PhoenixTopology
-from .wiring import (
-    cluster_settings,
-    inbox_spec,
-    outgoing,
-)
+from .wiring import cluster_settings, inbox_spec, outgoing
 
 __all__ = ["reconfigure"]
 

@@ -14,24 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RetryableError
 from .ids import RoleId
-from .messages import (
-    Ack,
-    Heartbeat,
-    Snapshot,
-)
+from .messages import Ack, Heartbeat, Snapshot
 from .protocol import MAX_PRIORITY
-from .replicas import (
-    Effect,
-    GaveUp,
-    Persist,
-    ReplicaLog,
-    ToReplica,
-    Written,
-)
+from .replicas import Effect, GaveUp, Persist, ReplicaLog, ToReplica, Written
 from .store import StateStore
-from .wiring import (
-    Handler,
-)
+from .wiring import Handler
 
 if TYPE_CHECKING:
     from .roles import Role

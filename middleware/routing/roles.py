@@ -1,6 +1,7 @@
-"""Phoenix roles over RabbitMQ (drivers): what every role does (:class:`Role`) and what a
-slave does (:class:`ReplicaHolder`); the routing roles in ``router_roles.py``, the match
-roles in ``match_roles.py``, the connections and queues in ``wiring.py``.
+"""Phoenix roles over RabbitMQ (drivers): what every role does (:class:`Role`); what a
+master does in ``mastering.py``, what a slave does in ``holding.py``; the routing roles
+in ``router_roles.py``, the match roles in ``match_roles.py``, the connections and
+queues in ``wiring.py``.
 
 Every role has an inbox queue with ``x-max-priority`` (latency levels become
 priorities) and talks to other roles only by publishing to their inboxes.  A
@@ -52,39 +53,15 @@ from pydantic import ValidationError
 
 from .. import heap
 from ..errors import DeadLetter, LinkDown, MiddlewareError, Unroutable
-from ..recovery import FailureDetector
-from ..recovery.fencing import (
-    Refused,
-    Reign,
-    RivalOutcome,
-    SendFence,
-    Stale,
-    StepDown,
-    Trust,
-    fenced,
-    rival_beat,
-)
+from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage
 from ..transport.delivery import outcome_of
 from .batching import Batcher, PriorityGate, split
-from .beats import Beater, LeaseWatch
-from .follower import (
-    Counted,
-    Elected,
-    FenceMaster,
-    Follower,
-    Leader,
-    NameLease,
-    Promote,
-    SignalVote,
-    Suspected,
-)
-from .follower import Effect as FollowerEffect
+from .beats import Beater
 from .ids import RoleId
 from .messages import (
-    Ack,
     Answer,
     Beat,
     Configure,
@@ -92,20 +69,15 @@ from .messages import (
     Message,
     Read,
     Replicate,
-    Retire,
     Routed,
     Snapshot,
     Takeover,
-    Vote,
     encode,
 )
-from .protocol import MAX_PRIORITY, Kind, PhoenixTopology
+from .protocol import MAX_PRIORITY, PhoenixTopology
 from .replica_set import ReplicaSet
 from .role_metrics import INBOX_LENGTH, RECOVERY_S, ROLE_EVENTS
 from .store import StateStore
-from .supervision import After, Note, Provision, Supervision
-from .supervision import Effect as SupervisionEffect
-from .supervision import Retire as RetireProcess
 from .wiring import (
     Connections,
     Handler,
@@ -115,7 +87,7 @@ from .wiring import (
     role_inbox_spec,
 )
 
-__all__ = ["WARM_AFTER_PROMOTION_S", "ReplicaHolder", "Role"]
+__all__ = ["SWITCHES", "WARM_AFTER_PROMOTION_S", "Role"]
 
 log = logging.getLogger(__name__)
 #: a promoted master warms its provisioner this long after it serves (beats.py, zygote.py)
@@ -154,17 +126,6 @@ class Role:
         self.provisioner = provisioner
         #: an elected master: when (monotonic) its slave last heard the failed one
         self.failed_at = failed_at
-        # a master's slaves, by number, as their beats and load reports say: the one
-        # liveness rule for dispatch (match masters) and for replacements
-        self.live = FailureDetector[int](
-            topology.slave_beat_interval_s, topology.heartbeat_misses, topology.suspect_ceiling_s
-        )
-        #: which process serves each slave, second processes, replacements (pure)
-        self.supervision = Supervision(
-            topology.replace_after_s, topology.replace_retry_s, provisioner is not None
-        )
-        #: each slave's lease as this master watches it (beats.py)
-        self.slave_watches: dict[int, LeaseWatch] = {}
         self.side_tasks: set[asyncio.Future[Any]] = set()  # held, not awaited by anyone
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
@@ -267,65 +228,6 @@ class Role:
                     await client.cancel(tag, grace=grace)
             await self.finish()
 
-    async def recovery(self, stop: asyncio.Event) -> None:
-        """Beside serving: a master beats to its slaves every heartbeat interval (its
-        slaves elect a successor when the beats stop); a slave watches its master."""
-        if self.id.is_slave:
-            return
-        every = self.id.slaves(self.topology.cluster(self.cluster))
-        if not every:
-            return
-        # the one a promoted master left beats to it once served again (admitted then)
-        slaves = [r for r in every if r != self.promoted_from]
-        if self.promoted_from is None:
-            # from the first beat on its slaves watch it: a master that starts beating
-            # only once it serves is never suspected for the pauses of loading its tables
-            # (a full collection of a large heap holds every thread for ~0.5 s; a bench
-            # start saw one).  A promoted master beats at once: its slaves watch already.
-            await self.serving.wait()
-        self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
-        if self.provisioner is not None:
-            # a promoted master warms once the switch is behind it: the zygote's imports
-            # (0.7 s of CPU) made the switch itself 0.3 s slower on 2 cores
-            delay = WARM_AFTER_PROMOTION_S if self.promoted_from is not None else 0.0
-            asyncio.get_running_loop().call_later(delay, self._warm)
-        beat = Beat(
-            broker=self.id.owner,
-            epoch=self.reign.epoch,
-            by=self.reign.by,
-            reply_to=self.connections.process_queue,
-        )
-        if self.promoted_from is not None:
-            # its slaves trusted it at its COORDINATOR and wait for its beats from then:
-            # the first goes over the connection it has, before the beat thread connects
-            for slave in slaves:
-                await self.signal(slave, beat)
-
-        async def replacing() -> None:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
-                await self.replace_silent(time.monotonic())
-
-        try:
-            await self.beating(
-                [self.control_of(r) for r in slaves],
-                lambda: beat,
-                replacing(),
-                self.topology.heartbeat_interval_s,
-            )
-        finally:
-            for watch in self.slave_watches.values():
-                await watch.stop()
-
-    def _warm(self) -> None:
-        if self.provisioner is None:
-            return
-        try:
-            self.provisioner.warm()
-        except Exception as exc:  # a provisioner's failure is not the master's
-            log.warning("%s: provisioner not warmed: %s", self.id, exc)
-
     async def beating(
         self,
         queues: list[str],
@@ -413,18 +315,7 @@ class Role:
             if self.on_serving is not None:
                 self.on_serving()
             if self.failed_at is not None:
-                now = time.monotonic()
-                took = now - self.failed_at
-                RECOVERY_S.labels(self.cluster, self.id.kind.value, "recovery").observe(took)
-                log.warning(
-                    "%s served again %.2f s after its last beat (this role began %.3f s, "
-                    "tables read back %.3f s, inboxes consumed %.3f s after it)",
-                    self.id,
-                    took,
-                    self._began - self.failed_at,
-                    prepared - self.failed_at,
-                    now - self.failed_at,
-                )
+                self._served_again(self.failed_at, prepared)
             log.info("%s serving %s as %s", type(self).__name__, inbox, self.id)
             if self.observes_inbox:
                 await stop.wait()
@@ -440,6 +331,35 @@ class Role:
             self.cluster,
             dict(self.counters),
             collections.summary(),
+        )
+
+    async def recovery(self, stop: asyncio.Event) -> None:
+        """Beside serving: a master beats to its slaves (``mastering.Master``), a slave
+        watches its master (``holding.ReplicaHolder``)."""
+
+    @property
+    def replica_set(self) -> ReplicaSet | None:
+        """A master's replicas of the table its slaves hold (None: not a master)."""
+        return None
+
+    async def _on_fence(self, message: Fence) -> None:
+        """A FENCE is for masters (``mastering.Master``)."""
+        reign = Reign(message.epoch, message.by)
+        raise DeadLetter(f"fence from {message.broker!r} of {reign}: not for {self.id}")
+
+    def _served_again(self, failed_at: float, prepared: float) -> None:
+        """An elected master serves: how long after its predecessor's last beat."""
+        now = time.monotonic()
+        took = now - failed_at
+        RECOVERY_S.labels(self.cluster, self.id.kind.value, "recovery").observe(took)
+        log.warning(
+            "%s served again %.2f s after its last beat (this role began %.3f s, "
+            "tables read back %.3f s, inboxes consumed %.3f s after it)",
+            self.id,
+            took,
+            self._began - failed_at,
+            prepared - failed_at,
+            now - failed_at,
         )
 
     async def finish(self) -> None:
@@ -540,8 +460,6 @@ class Role:
         return {
             Takeover: self._take_over,
             Fence: self._on_fence,
-            Beat: self._on_other_beat,
-            Vote: self._on_late_vote,
         }
 
     async def handle(self, message: Message) -> None:
@@ -610,219 +528,12 @@ class Role:
         if self._stop is not None:
             self._stop.set()
 
-    async def _on_other_beat(self, message: Beat) -> None:
-        """A master's beat that reached this master (at the control queue it had as a
-        slave): another process serving the same role.  The older reign steps down: that
-        one is fenced, or this one steps down itself."""
-        if message.reply_to == self.connections.process_queue:
-            return  # its own (sent before it switched role)
-        if self.id.is_slave:
-            raise DeadLetter(f"beat from {message.broker!r} at {self.id}'s master handler")
-        if message.broker != self.id.owner:
-            await self._on_slave_beat(message)
-            return
-        theirs = Reign(message.epoch, message.by)
-        outcome = rival_beat(self.reign, theirs, message.reply_to, **self._lineage())
-        await self._rival(outcome, message.broker)
-
-    async def _on_slave_beat(self, message: Beat) -> None:
-        """A slave's beat: it is alive (the live set that dispatch and replication use);
-        a slave the replica set does not hold (the one a promoted master left, served
-        again by a fenced master or a replacement) is caught up and admitted."""
-        replicas = self.replica_set
-        try:
-            slave = RoleId.from_owner(message.broker)
-        except ValueError:
-            slave = None
-        if (
-            replicas is None
-            or slave is None
-            or slave not in self.id.slaves(self.topology.cluster(self.cluster))
-        ):
-            raise DeadLetter(f"beat from {message.broker!r}, not a slave of {self.id}")
-        watch = self._slave_watch(slave)
-        if watch.stale(message.lease):
-            return  # sent before its connection closed: no sign of life
-        serving, effects = self.supervision.beat(slave.slave, message.reply_to, time.monotonic())
-        await self._supervise(effects)
-        if not serving:
-            return  # a second process: no sign of life of the one serving the role
-        if slave not in replicas.replicas:
-            await replicas.admit(slave, message.version)
-            if self.beater is not None:
-                self.beater.add(self.control_of(slave))
-            if slave == self.promoted_from and self._former_control is not None:
-                # its slave is served again: its control queue is that slave's
-                client = await self.client_for(self.cluster)
-                with contextlib.suppress(Exception):
-                    await client.cancel(self._former_control)
-                self._former_control = None
-        self.slave_heard(slave.slave)
-        if message.lease is not None:
-            await watch.named(message.lease)
-
-    async def _supervise(self, effects: list[SupervisionEffect]) -> None:
-        """Perform what the supervision machine returned (supervision.py)."""
-        for effect in effects:
-            if isinstance(effect, Note):
-                log.warning("%s: %s", self.id, effect.text.format(slave=self._slave(effect.slave)))
-            elif isinstance(effect, RetireProcess):
-                self.count("retires_sent")
-                retire = Retire(
-                    broker=self.id.owner,
-                    slave=self._slave(effect.slave).owner,
-                    epoch=self.reign.epoch,
-                    by=self.reign.by,
-                )
-                await self.tell(effect.process, retire)
-            elif isinstance(effect, After):
-                self._after(effect)
-            else:
-                self._background(self._replacement(effect))
-
-    def _slave(self, number: int) -> RoleId:
-        return next(
-            r for r in self.id.slaves(self.topology.cluster(self.cluster)) if r.slave == number
-        )
-
-    def _after(self, effect: After) -> None:
-        def fire() -> None:
-            now = time.monotonic()
-            alive = effect.slave in self.live.alive(now)
-            self._background(self._supervise(self.supervision.timer(effect.slave, alive, now)))
-
-        asyncio.get_running_loop().call_later(effect.delay_s, fire)
-
     def _background(self, work: Awaitable[Any]) -> None:
         """Run ``work`` beside serving (stores, recoveries, replacements), held until it
         ends."""
         task = asyncio.ensure_future(work)
         self.side_tasks.add(task)
         task.add_done_callback(self.side_tasks.discard)
-
-    async def _replacement(self, effect: Provision) -> None:
-        """Ask the provisioner for a process serving the slave; tell the machine."""
-        slave = self._slave(effect.slave)
-        started = None
-        assert self.provisioner is not None  # the machine asks only where one is
-        try:
-            started = await asyncio.to_thread(self.provisioner.start, slave)
-        except Exception as exc:  # a provisioner's failure is not the master's
-            log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
-        else:
-            if started is None:
-                log.info("%s: %s %s; nothing to start", self.id, slave, effect.why)
-            else:
-                self.count("replacements")
-                log.warning(
-                    "%s: %s %s: replacement started (%s)", self.id, slave, effect.why, started
-                )
-        await self._supervise(self.supervision.provisioned(effect.slave, started is not None))
-
-    def _slave_watch(self, slave: RoleId) -> LeaseWatch:
-        watch = self.slave_watches.get(slave.slave)
-        if watch is None:
-
-            async def lost() -> None:
-                await self._slave_lease_returned(slave)
-
-            watch = self.slave_watches[slave.slave] = LeaseWatch(
-                self.topology.prefix,
-                lambda: self.client_for(self.cluster),
-                lost,
-                name=str(slave),
-            )
-        return watch
-
-    async def _slave_lease_returned(self, slave: RoleId) -> None:
-        """A slave's process died: no more dispatch to it, and a replacement now."""
-        self.live.lost(slave.slave)
-        self.count("slave_lease_returned")
-        log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
-        await self._supervise(self.supervision.lease_returned(slave.slave))
-
-    @property
-    def replica_set(self) -> ReplicaSet | None:
-        """A master's replicas of the table its slaves hold (None for a slave)."""
-        replicas = getattr(self, "replicas", None)
-        return replicas if isinstance(replicas, ReplicaSet) else None
-
-    def slave_heard(self, slave: int) -> None:
-        """A slave's beat or load report arrived."""
-        now = time.monotonic()
-        self.live.watch([slave], now)
-        self.live.heard(slave, now)
-        self.supervision.heard(slave)
-
-    async def replace_silent(self, now: float) -> None:
-        """Every beat interval: a replacement for every slave silent past the rule."""
-        silences = {
-            slave.slave: self.live.silent_for(slave.slave, now)
-            for slave in self.id.slaves(self.topology.cluster(self.cluster))
-        }
-        await self._supervise(self.supervision.silences(silences, self.live.timeout_s, now))
-
-    async def _on_late_vote(self, message: Vote) -> None:
-        """A slave still electing after this master took over: tell it who won."""
-        if self.id.is_slave:  # slaves have their own handler; this is a master's
-            raise DeadLetter(f"vote at master-only handler of {self.id}")
-        if message.kind is not Kind.ELECTION or self.promoted_from is None:
-            self.count("late_votes")
-            return
-        with contextlib.suppress(ValueError):
-            sender = RoleId.from_owner(message.broker)
-            if sender in self.id.slaves(self.topology.cluster(self.cluster)):
-                coordinator = Vote(
-                    kind=Kind.COORDINATOR,
-                    broker=self.promoted_from.owner,
-                    epoch=self.reign.epoch,
-                    by=self.reign.by,
-                )
-                await self.signal(sender, coordinator)
-
-    async def _on_fence(self, message: Fence) -> None:
-        """A slave trusts a newer reign than this master's: step down to the slave role
-        this process left when it took over, or (the master as started) the one the newer
-        master left.  An older or equal reign, or one no slave can have, changes nothing
-        (``fencing.fenced`` decides)."""
-        reign = Reign(message.epoch, message.by)
-        if self.id.is_slave:
-            raise DeadLetter(f"fence from {message.broker!r} of {reign}: not for {self.id}")
-        await self._rival(fenced(self.reign, reign, **self._lineage()), message.broker)
-
-    def _lineage(self) -> dict[str, Any]:
-        """What the fencing decisions need of this master: the slave it was, its slaves."""
-        spec = self.topology.cluster(self.cluster)
-        return {
-            "promoted_from": None if self.promoted_from is None else self.promoted_from.slave,
-            "slaves": frozenset(r.slave for r in self.id.slaves(spec)),
-        }
-
-    async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
-        """Perform a fencing decision (recovery/fencing.py)."""
-        if isinstance(outcome, SendFence):
-            self.count("fences_sent")
-            fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
-            await self.tell(outcome.to, fence)
-        elif isinstance(outcome, Refused):
-            raise DeadLetter(f"{outcome.why} from {sender!r}: not for {self.id}")
-        elif isinstance(outcome, Stale):
-            self.count("stale_fences")
-        elif isinstance(outcome, StepDown) and self.switch_to is None:  # else told twice
-            back = self.promoted_from or self._slave(outcome.slave)
-            log.warning(
-                "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
-                self.id,
-                self.reign,
-                sender,
-                outcome.reign,
-                back,
-            )
-            self.count("fenced")
-            self.fenced = True
-            self.switch_to, self.reign = back, outcome.reign  # the slave trusts it
-            if self._stop is not None:
-                self._stop.set()
 
     async def _configure(self, message: Configure, control: str) -> None:
         """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters)
@@ -852,246 +563,3 @@ class Role:
 
 #: what ``qosmq phoenix configure`` may switch live on the running masters
 SWITCHES = ("outer", "inner", "blind_dispatch", "batch_max")
-
-
-class ReplicaHolder(Role):
-    """A slave's side of a replica set: store entries, acknowledge, answer reads; watch
-    the master's beats and, when they stop, elect with the other slaves who takes over."""
-
-    replica_owner = ""
-    master_control = ""
-    store: StateStore
-    #: the master watched and elected against (follower.py), from the first look on
-    follower: Follower | None = None
-
-    @functools.cached_property
-    def trust(self) -> Trust:
-        """Which reign of its master this slave follows (recovery/fencing.py)."""
-        return Trust(self.reign)
-
-    @functools.cached_property
-    def control_handlers(self) -> dict[type, Handler]:
-        return {
-            **super().control_handlers,
-            Beat: self._on_beat,
-            Vote: self._on_vote,
-            Retire: self._on_retire,
-        }
-
-    async def _on_retire(self, message: Retire) -> None:
-        """Its master hears another process beating as this slave, the one it counts as
-        serving the role: this process stops (a clean stop: its lease is given back, so
-        nobody elects or replaces).  From another sender, for another role or from an
-        older reign than the one it trusts: dead-lettered, nothing stops."""
-        if message.broker != self.id.master.owner or message.slave != self.id.owner:
-            raise DeadLetter(
-                f"retire of {message.slave!r} from {message.broker!r}: not {self.id}'s master"
-            )
-        if Reign(message.epoch, message.by) < self.trust.reign:
-            raise DeadLetter(f"retire from an older reign of {message.broker!r}: stale")
-        if self._stop is None or self.switch_to is not None:
-            return
-        log.warning(
-            "%s: retired by %s: another process serves this role now; stopping",
-            self.id,
-            message.broker,
-        )
-        self.count("retired")
-        self.retired = True
-        self._stop.set()
-
-    held_version = 0  # the newest replica entry it stored
-
-    def _beat(self) -> Beat:
-        """What this slave's beats to its master say (read by the beat thread each time)."""
-        reign = self.trust.reign
-        return Beat(
-            broker=self.id.owner,
-            epoch=reign.epoch,
-            by=reign.by,
-            version=self.held_version,
-            reply_to=self.connections.process_queue,  # who it is: no reply is sent
-        )
-
-    @functools.cached_property
-    def master_watch(self) -> LeaseWatch:
-        """The master's lease as this slave watches it (beats.py)."""
-        return LeaseWatch(
-            self.topology.prefix,
-            lambda: self.client_for(self.cluster),
-            self._master_lost,
-            name=str(self.id.master),
-        )
-
-    async def recovery(self, stop: asyncio.Event) -> None:
-        try:
-            await self.beating(
-                [self.master_control],
-                self._beat,
-                self._watch_master(stop),
-                self.topology.slave_beat_interval_s,
-            )
-        finally:
-            await self.master_watch.stop()
-
-    async def _master_lost(self) -> None:
-        """The master's connection closed: it is gone (a frozen master keeps it)."""
-        if self.follower is not None:
-            await self._follow(self.follower.lease_returned(time.monotonic()))
-
-    async def _watch_master(self, stop: asyncio.Event) -> None:
-        topology, master = self.topology, self.id.master
-        interval = topology.heartbeat_interval_s
-        self.follower = Follower(
-            self.id,
-            master.slaves(topology.cluster(self.cluster)),
-            interval_s=interval,
-            misses=topology.heartbeat_misses,
-            ceiling_s=topology.suspect_ceiling_s,
-            trust=self.trust,
-            failed_at=self.failed_at,
-        )
-        step = interval / 2
-        woke = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(step)
-            now = time.monotonic()
-            late, woke = now - woke - step, now
-            await self._follow(self.follower.look(now, late))
-
-    async def _follow(self, effects: list[FollowerEffect]) -> None:
-        """Perform what the follower machine returned (follower.py)."""
-        assert self.follower is not None
-        master = self.id.master
-        self.failed_at = self.follower.failed_at  # handed to the master it may become
-        for effect in effects:
-            if isinstance(effect, SignalVote):
-                await self.signal(effect.to, self._vote(effect.kind, effect.reign))
-            elif isinstance(effect, Suspected):
-                if effect.by == "lease":
-                    log.warning(
-                        "%s: lease of %s returned (its connection closed): electing",
-                        self.id,
-                        master,
-                    )
-                    self.count("master_lease_returned")
-                else:
-                    log.warning(
-                        "%s: no beat from %s for %.2f s: electing", self.id, master, effect.silent_s
-                    )
-                    self.count("master_suspected")
-                RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(
-                    effect.silent_s
-                )
-            elif isinstance(effect, Elected):
-                RECOVERY_S.labels(self.cluster, master.kind.value, "election").observe(
-                    effect.took_s
-                )
-            elif isinstance(effect, Promote):
-                self.next_reign = effect.reign
-                self._promote(effect.why)
-            elif isinstance(effect, FenceMaster):
-                fence = Fence(broker=self.id.owner, epoch=effect.reign.epoch, by=effect.reign.by)
-                await self.tell(effect.to, fence)
-            elif isinstance(effect, Counted):
-                self.count(effect.name)
-            elif isinstance(effect, Leader):
-                log.warning("%s: %s serves %s now", self.id, effect.slave, master)
-            elif isinstance(effect, NameLease):
-                await self.master_watch.named(effect.lease)
-            else:
-                raise DeadLetter(effect.why)
-
-    async def _take_over(self, message: Takeover) -> None:
-        """The operator's take-over: as an election's winner, tell the other slaves
-        first, so none of them elects against this one once the old master is silent."""
-        await super()._take_over(message)
-        if self.switch_to is None:
-            return
-        if self.follower is None:
-            self._winning_reign()
-            return
-        effects = self.follower.take_over()
-        self.next_reign = self.follower.next_reign
-        await self._follow(effects)
-
-    def _winning_reign(self) -> Reign:
-        if self.follower is not None:
-            self.next_reign = self.follower.winning_reign()
-        elif self.next_reign is None:
-            self.next_reign = self.trust.successor(self.id.slave)
-        return self.next_reign
-
-    def _vote(self, kind: Kind, reign: Reign | None = None) -> Vote:
-        if kind is not Kind.COORDINATOR:
-            return Vote(kind=kind, broker=self.id.owner)
-        reign = reign or self._winning_reign()
-        return Vote(kind=kind, broker=self.id.owner, epoch=reign.epoch, by=reign.by)
-
-    def _promote(self, why: str) -> None:
-        if self.switch_to is not None:
-            return
-        self._winning_reign()
-        self.switch_to = self.id.master
-        self.count("takeovers")
-        log.warning("%s taking over %s (%s)", self.id, self.switch_to, why)
-        if self._stop is not None:
-            self._stop.set()
-
-    async def _on_beat(self, message: Beat) -> None:
-        if self.follower is None:
-            return
-        effects = self.follower.beat(
-            message.broker,
-            Reign(message.epoch, message.by),
-            message.reply_to,
-            message.lease,
-            stale=self.master_watch.stale(message.lease),
-            now=time.monotonic(),
-        )
-        await self._follow(effects)
-
-    async def _on_vote(self, message: Vote) -> None:
-        if self.follower is None:
-            return
-        effects = self.follower.vote(
-            message.broker, message.kind, Reign(message.epoch, message.by), time.monotonic()
-        )
-        await self._follow(effects)
-
-    def apply(self, key: str, document: dict[str, Any]) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    @functools.cached_property
-    def inbox_handlers(self) -> dict[type, Handler]:
-        return self.replica_handlers()
-
-    def replica_handlers(self) -> dict[type, Handler]:
-        """A slave's inbox handlers for its master's replication."""
-        return {Replicate: self._store_entry, Read: self._read}
-
-    async def _store_entry(self, message: Replicate) -> None:
-        await asyncio.to_thread(
-            self.store.save,
-            self.replica_owner,
-            message.state_kind,
-            message.key,
-            message.table,
-            message.version,
-        )
-        self.held_version = max(self.held_version, message.version)
-        self.apply(message.key, message.table)
-        self.count("replicas")
-        await self.send(
-            self.cluster,
-            message.reply_to or self.master_control,  # to the master that wrote it
-            Ack(key=message.key, version=message.version, broker=self.replica_owner),
-        )
-
-    async def _read(self, message: Read) -> None:
-        with heap.paused():  # a second copy of the table, no cycles: heap.py
-            await self._answer_read(message)
-        self.count("reads_answered")
-
-    async def _answer_read(self, message: Read) -> None:
-        await self.answer_read(self.store, self.replica_owner, message)

@@ -49,6 +49,7 @@ from .forwarding import (
     WriteEntry,
 )
 from .forwarding import Effect as ForwardingEffect
+from .holding import ReplicaHolder
 from .ids import RoleId, RoleKind
 from .joining import (
     AskMasters,
@@ -61,6 +62,7 @@ from .joining import (
     Tell,
 )
 from .joining import Effect as JoinEffect
+from .mastering import Master
 from .messages import (
     Advertise,
     Copy,
@@ -83,29 +85,23 @@ from .messages import (
 )
 from .protocol import MAX_PRIORITY
 from .replica_set import ReplicaSet
-from .replicas import (
-    TOMBSTONE,
-    live,
-)
+from .replicas import TOMBSTONE, live
 from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
 from .role_metrics import LEAVE_S
-from .roles import WARM_AFTER_PROMOTION_S, ReplicaHolder, Role
+from .roles import WARM_AFTER_PROMOTION_S
 from .router import KeptEvents, RouterLogic
 from .store import open_store, ring_owner
 from .takeover import Adopt, ArcTakeover, AskRestore, MakePlan, ReadTable, Released, RestoreBound
 from .takeover import Effect as TakeoverEffect
-from .wiring import (
-    Handler,
-    cluster_settings,
-)
+from .wiring import Handler, cluster_settings
 
 __all__ = ["RouterMaster", "RouterSlave"]
 
 log = logging.getLogger(__name__)
 
 
-class RouterMaster(Role):
+class RouterMaster(Master):
     """Forwards along the ring; at the owner, hands over to a match master.
 
     Its routing table (latencyMap entries) is replicated to the routing slaves
@@ -122,19 +118,7 @@ class RouterMaster(Role):
         )
         self.logic = RouterLogic(self.cluster, self.topology, self.ring)
         self.latency = self.logic.latency
-        self.detours = Detours(
-            cluster=self.cluster,
-            ring=self.ring,
-            topology=self.topology,
-            send=self.send,
-            tell=self.tell,
-            client_for=self.client_for,
-            count=self.count,
-            prefix=self.topology.prefix,
-            shared=self._shares_connection,
-            on_left=self._announce_leave,
-            on_unreachable=self._suspect,
-        )
+        self.detours = self._detours()
         self._spec = self.topology.cluster(self.cluster)
         #: when this router saw each departed cluster leave (its join record names it)
         self._left_at: dict[str, float] = {}
@@ -163,6 +147,22 @@ class RouterMaster(Role):
         self.join_hold = JoinHold()  # when to let them go (joining.py)
         # an arc handed back to a cluster that joined (joining.py)
         self.hand_back = HandBack(self.topology.read_timeout_s, self.topology.handover_wait_s)
+
+    def _detours(self) -> Detours:
+        """The links to the other clusters' routers: detours, floods, leaves (detours.py)."""
+        return Detours(
+            cluster=self.cluster,
+            ring=self.ring,
+            topology=self.topology,
+            send=self.send,
+            tell=self.tell,
+            client_for=self.client_for,
+            count=self.count,
+            prefix=self.topology.prefix,
+            shared=self._shares_connection,
+            on_left=self._announce_leave,
+            on_unreachable=self._suspect,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(self.detours.watch(stop))
@@ -815,27 +815,7 @@ class RouterMaster(Role):
                     effect.after_s, functools.partial(self.hand_back.expired, effect.request)
                 )
             elif isinstance(effect, Tell):
-                if effect.after_s:
-                    again: list[HandBackEffect] = [dataclasses.replace(effect, after_s=0.0)]
-                    self._after_hand_back(effect.after_s, functools.partial(list, again))
-                    continue
-                done = HandedOver(cluster=effect.cluster, by=self.cluster, count=effect.count)
-                try:
-                    await self.send(
-                        effect.cluster, self.control_of(RoleId.router(effect.cluster)), done
-                    )
-                except MiddlewareError as exc:
-                    await self._hand_back(
-                        self.hand_back.tell_failed(effect.request, str(exc), time.monotonic())
-                    )
-                    continue
-                log.info(
-                    "%s: %d subscriptions of %s's arc handed over",
-                    self.id,
-                    effect.count,
-                    effect.cluster,
-                )
-                await self._hand_back(self.hand_back.told(effect.request))
+                await self._tell_handed_over(effect)
             elif isinstance(effect, NotHandedOver):
                 if effect.told:
                     log.warning(
@@ -854,6 +834,26 @@ class RouterMaster(Role):
             else:
                 masters = [RoleId.from_owner(owner) for owner in effect.masters]
                 await self._retire_added(effect.cluster, masters, effect.moved)
+
+    async def _tell_handed_over(self, effect: Tell) -> None:
+        """Tell the joiner's router how many subscriptions were handed over (later, when
+        the hand-back says so); a failure goes back to the hand-back."""
+        if effect.after_s:
+            again: list[HandBackEffect] = [dataclasses.replace(effect, after_s=0.0)]
+            self._after_hand_back(effect.after_s, functools.partial(list, again))
+            return
+        done = HandedOver(cluster=effect.cluster, by=self.cluster, count=effect.count)
+        try:
+            await self.send(effect.cluster, self.control_of(RoleId.router(effect.cluster)), done)
+        except MiddlewareError as exc:
+            await self._hand_back(
+                self.hand_back.tell_failed(effect.request, str(exc), time.monotonic())
+            )
+            return
+        log.info(
+            "%s: %d subscriptions of %s's arc handed over", self.id, effect.count, effect.cluster
+        )
+        await self._hand_back(self.hand_back.told(effect.request))
 
     def _after_hand_back(self, delay: float, later: Callable[[], list[HandBackEffect]]) -> None:
         asyncio.get_running_loop().call_later(

@@ -12,10 +12,7 @@ from typing import Any
 from ..errors import RetryableError
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
-from .messages import (
-    Message,
-    encode,
-)
+from .messages import Message, encode
 from .protocol import PhoenixTopology
 
 __all__ = [

@@ -1,0 +1,323 @@
+"""A master's side of its cluster role (driver): it beats to its slaves, admits and
+supervises them (``supervision.py``: silence, second processes, replacements), answers
+late votes, and fences or steps down against a rival reign (``recovery/fencing.py``).
+The routing and match masters are masters (``router_roles.py``, ``match_roles.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from typing import Any
+
+from ..errors import DeadLetter
+from ..recovery import FailureDetector
+from ..recovery.fencing import (
+    Refused,
+    Reign,
+    RivalOutcome,
+    SendFence,
+    Stale,
+    StepDown,
+    fenced,
+    rival_beat,
+)
+from .beats import LeaseWatch
+from .ids import RoleId
+from .messages import Beat, Fence, Retire, Vote
+from .protocol import Kind
+from .replica_set import ReplicaSet
+from .roles import WARM_AFTER_PROMOTION_S, Role
+from .supervision import After, Note, Provision, Supervision
+from .supervision import Effect as SupervisionEffect
+from .supervision import Retire as RetireProcess
+from .wiring import Handler
+
+__all__ = ["Master"]
+
+log = logging.getLogger(__name__)
+
+
+class Master(Role):
+    """What every master does beside its own role: its slaves and its reign."""
+
+    replicas: ReplicaSet  # the table its slaves hold (each master's own)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        topology = self.topology
+        # its slaves, by number, as their beats and load reports say: the one liveness
+        # rule for dispatch (match masters) and for replacements
+        self.live = FailureDetector[int](
+            topology.slave_beat_interval_s, topology.heartbeat_misses, topology.suspect_ceiling_s
+        )
+        #: which process serves each slave, second processes, replacements (pure)
+        self.supervision = Supervision(
+            topology.replace_after_s, topology.replace_retry_s, self.provisioner is not None
+        )
+        #: each slave's lease as this master watches it (beats.py)
+        self.slave_watches: dict[int, LeaseWatch] = {}
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {**super().control_handlers, Beat: self._on_other_beat, Vote: self._on_late_vote}
+
+    async def recovery(self, stop: asyncio.Event) -> None:
+        """Beside serving: a master beats to its slaves every heartbeat interval (its
+        slaves elect a successor when the beats stop)."""
+        every = self.id.slaves(self.topology.cluster(self.cluster))
+        if not every:
+            return
+        # the one a promoted master left beats to it once served again (admitted then)
+        slaves = [r for r in every if r != self.promoted_from]
+        if self.promoted_from is None:
+            # from the first beat on its slaves watch it: a master that starts beating
+            # only once it serves is never suspected for the pauses of loading its tables
+            # (a full collection of a large heap holds every thread for ~0.5 s; a bench
+            # start saw one).  A promoted master beats at once: its slaves watch already.
+            await self.serving.wait()
+        self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
+        if self.provisioner is not None:
+            # a promoted master warms once the switch is behind it: the zygote's imports
+            # (0.7 s of CPU) made the switch itself 0.3 s slower on 2 cores
+            delay = WARM_AFTER_PROMOTION_S if self.promoted_from is not None else 0.0
+            asyncio.get_running_loop().call_later(delay, self._warm)
+        beat = Beat(
+            broker=self.id.owner,
+            epoch=self.reign.epoch,
+            by=self.reign.by,
+            reply_to=self.connections.process_queue,
+        )
+        if self.promoted_from is not None:
+            # its slaves trusted it at its COORDINATOR and wait for its beats from then:
+            # the first goes over the connection it has, before the beat thread connects
+            for slave in slaves:
+                await self.signal(slave, beat)
+
+        async def replacing() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
+                await self.replace_silent(time.monotonic())
+
+        try:
+            await self.beating(
+                [self.control_of(r) for r in slaves],
+                lambda: beat,
+                replacing(),
+                self.topology.heartbeat_interval_s,
+            )
+        finally:
+            for watch in self.slave_watches.values():
+                await watch.stop()
+
+    def _warm(self) -> None:
+        if self.provisioner is None:
+            return
+        try:
+            self.provisioner.warm()
+        except Exception as exc:  # a provisioner's failure is not the master's
+            log.warning("%s: provisioner not warmed: %s", self.id, exc)
+
+    async def _on_other_beat(self, message: Beat) -> None:
+        """A master's beat that reached this master (at the control queue it had as a
+        slave): another process serving the same role.  The older reign steps down: that
+        one is fenced, or this one steps down itself."""
+        if message.reply_to == self.connections.process_queue:
+            return  # its own (sent before it switched role)
+        if message.broker != self.id.owner:
+            await self._on_slave_beat(message)
+            return
+        theirs = Reign(message.epoch, message.by)
+        outcome = rival_beat(self.reign, theirs, message.reply_to, **self._lineage())
+        await self._rival(outcome, message.broker)
+
+    async def _on_slave_beat(self, message: Beat) -> None:
+        """A slave's beat: it is alive (the live set that dispatch and replication use);
+        a slave the replica set does not hold (the one a promoted master left, served
+        again by a fenced master or a replacement) is caught up and admitted."""
+        replicas = self.replica_set
+        try:
+            slave = RoleId.from_owner(message.broker)
+        except ValueError:
+            slave = None
+        if (
+            replicas is None
+            or slave is None
+            or slave not in self.id.slaves(self.topology.cluster(self.cluster))
+        ):
+            raise DeadLetter(f"beat from {message.broker!r}, not a slave of {self.id}")
+        watch = self._slave_watch(slave)
+        if watch.stale(message.lease):
+            return  # sent before its connection closed: no sign of life
+        serving, effects = self.supervision.beat(slave.slave, message.reply_to, time.monotonic())
+        await self._supervise(effects)
+        if not serving:
+            return  # a second process: no sign of life of the one serving the role
+        if slave not in replicas.replicas:
+            await replicas.admit(slave, message.version)
+            if self.beater is not None:
+                self.beater.add(self.control_of(slave))
+            if slave == self.promoted_from and self._former_control is not None:
+                # its slave is served again: its control queue is that slave's
+                client = await self.client_for(self.cluster)
+                with contextlib.suppress(Exception):
+                    await client.cancel(self._former_control)
+                self._former_control = None
+        self.slave_heard(slave.slave)
+        if message.lease is not None:
+            await watch.named(message.lease)
+
+    async def _supervise(self, effects: list[SupervisionEffect]) -> None:
+        """Perform what the supervision machine returned (supervision.py)."""
+        for effect in effects:
+            if isinstance(effect, Note):
+                log.warning("%s: %s", self.id, effect.text.format(slave=self._slave(effect.slave)))
+            elif isinstance(effect, RetireProcess):
+                self.count("retires_sent")
+                retire = Retire(
+                    broker=self.id.owner,
+                    slave=self._slave(effect.slave).owner,
+                    epoch=self.reign.epoch,
+                    by=self.reign.by,
+                )
+                await self.tell(effect.process, retire)
+            elif isinstance(effect, After):
+                self._after(effect)
+            else:
+                self._background(self._replacement(effect))
+
+    def _slave(self, number: int) -> RoleId:
+        return next(
+            r for r in self.id.slaves(self.topology.cluster(self.cluster)) if r.slave == number
+        )
+
+    def _after(self, effect: After) -> None:
+        def fire() -> None:
+            now = time.monotonic()
+            alive = effect.slave in self.live.alive(now)
+            self._background(self._supervise(self.supervision.timer(effect.slave, alive, now)))
+
+        asyncio.get_running_loop().call_later(effect.delay_s, fire)
+
+    async def _replacement(self, effect: Provision) -> None:
+        """Ask the provisioner for a process serving the slave; tell the machine."""
+        slave = self._slave(effect.slave)
+        started = None
+        assert self.provisioner is not None  # the machine asks only where one is
+        try:
+            started = await asyncio.to_thread(self.provisioner.start, slave)
+        except Exception as exc:  # a provisioner's failure is not the master's
+            log.warning("%s: no replacement for %s: %s", self.id, slave, exc)
+        else:
+            if started is None:
+                log.info("%s: %s %s; nothing to start", self.id, slave, effect.why)
+            else:
+                self.count("replacements")
+                log.warning(
+                    "%s: %s %s: replacement started (%s)", self.id, slave, effect.why, started
+                )
+        await self._supervise(self.supervision.provisioned(effect.slave, started is not None))
+
+    def _slave_watch(self, slave: RoleId) -> LeaseWatch:
+        watch = self.slave_watches.get(slave.slave)
+        if watch is None:
+
+            async def lost() -> None:
+                await self._slave_lease_returned(slave)
+
+            watch = self.slave_watches[slave.slave] = LeaseWatch(
+                self.topology.prefix,
+                lambda: self.client_for(self.cluster),
+                lost,
+                name=str(slave),
+            )
+        return watch
+
+    async def _slave_lease_returned(self, slave: RoleId) -> None:
+        """A slave's process died: no more dispatch to it, and a replacement now."""
+        self.live.lost(slave.slave)
+        self.count("slave_lease_returned")
+        log.warning("%s: lease of %s returned (its connection closed)", self.id, slave)
+        await self._supervise(self.supervision.lease_returned(slave.slave))
+
+    @property
+    def replica_set(self) -> ReplicaSet:
+        """The replicas of the table its slaves hold."""
+        return self.replicas
+
+    def slave_heard(self, slave: int) -> None:
+        """A slave's beat or load report arrived."""
+        now = time.monotonic()
+        self.live.watch([slave], now)
+        self.live.heard(slave, now)
+        self.supervision.heard(slave)
+
+    async def replace_silent(self, now: float) -> None:
+        """Every beat interval: a replacement for every slave silent past the rule."""
+        silences = {
+            slave.slave: self.live.silent_for(slave.slave, now)
+            for slave in self.id.slaves(self.topology.cluster(self.cluster))
+        }
+        await self._supervise(self.supervision.silences(silences, self.live.timeout_s, now))
+
+    async def _on_late_vote(self, message: Vote) -> None:
+        """A slave still electing after this master took over: tell it who won."""
+        if message.kind is not Kind.ELECTION or self.promoted_from is None:
+            self.count("late_votes")
+            return
+        with contextlib.suppress(ValueError):
+            sender = RoleId.from_owner(message.broker)
+            if sender in self.id.slaves(self.topology.cluster(self.cluster)):
+                coordinator = Vote(
+                    kind=Kind.COORDINATOR,
+                    broker=self.promoted_from.owner,
+                    epoch=self.reign.epoch,
+                    by=self.reign.by,
+                )
+                await self.signal(sender, coordinator)
+
+    async def _on_fence(self, message: Fence) -> None:
+        """A slave trusts a newer reign than this master's: step down to the slave role
+        this process left when it took over, or (the master as started) the one the newer
+        master left.  An older or equal reign, or one no slave can have, changes nothing
+        (``fencing.fenced`` decides)."""
+        reign = Reign(message.epoch, message.by)
+        await self._rival(fenced(self.reign, reign, **self._lineage()), message.broker)
+
+    def _lineage(self) -> dict[str, Any]:
+        """What the fencing decisions need of this master: the slave it was, its slaves."""
+        spec = self.topology.cluster(self.cluster)
+        return {
+            "promoted_from": None if self.promoted_from is None else self.promoted_from.slave,
+            "slaves": frozenset(r.slave for r in self.id.slaves(spec)),
+        }
+
+    async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
+        """Perform a fencing decision (recovery/fencing.py)."""
+        if isinstance(outcome, SendFence):
+            self.count("fences_sent")
+            fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
+            await self.tell(outcome.to, fence)
+        elif isinstance(outcome, Refused):
+            raise DeadLetter(f"{outcome.why} from {sender!r}: not for {self.id}")
+        elif isinstance(outcome, Stale):
+            self.count("stale_fences")
+        elif isinstance(outcome, StepDown) and self.switch_to is None:  # else told twice
+            back = self.promoted_from or self._slave(outcome.slave)
+            log.warning(
+                "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
+                self.id,
+                self.reign,
+                sender,
+                outcome.reign,
+                back,
+            )
+            self.count("fenced")
+            self.fenced = True
+            self.switch_to, self.reign = back, outcome.reign  # the slave trusts it
+            if self._stop is not None:
+                self._stop.set()
