@@ -1,40 +1,10 @@
-"""Phoenix roles over RabbitMQ (drivers): what every role does (:class:`Role`); what a
-master does in ``mastering.py``, what a slave does in ``holding.py``; the routing roles
-in ``router_roles.py``, the match roles in ``match_roles.py``, the connections and
-queues in ``wiring.py``.
-
-Every role has an inbox queue with ``x-max-priority`` (latency levels become
-priorities) and talks to other roles only by publishing to their inboxes.  A
-routing master forwards along the Chord ring (finger tables) until the owning
-cluster's routing master, which hands the message to the match master its
-routing table names (hash of the event type over the cluster's match masters).
-Match masters keep subscriptions in a :class:`SubscriptionIndex`, persist them to
-the state store on change and reload them at start, and deliver matched events
-to each subscriber's own queue.
-
-Masters replicate their state to their slaves (routing master -> routing
-slaves: the latencyMap table; match master -> match slaves: subscriptions).
-Every write carries a version, is persisted by the master and each slave in
-the state store, and counts as written once W of the N = slaves + 1 replicas
-acknowledged it; a master that starts reads its table back from R of N replicas
-(its own store and R - 1 slaves' snapshots), keeps the newest version per key
-and repairs its own copy (W + R > N: the read meets every acknowledged write).
-Acks, snapshots and heartbeats travel on a master's control queue, never behind
-the data backlog of its inbox.
-
-Match slaves match what the master dispatches to them and report their
-predicted processing time T by heartbeat; the master sends each event to the
-broker with the smallest T (the inner mechanism; ``inner = false``: round robin over
-the master and its live slaves, blind to load, or with ``blind_dispatch = "master"``
-the master matches everything itself).  Inboxes are consumed with a small prefetch so a
-backlog waits in RabbitMQ's priority queue and urgent events overtake it (the
-outer mechanism; ``outer = false``: every event has priority 0).
-
-A cluster that joins at run time is added by every routing master; the one
-whose arc shrank has its match masters hand exactly that arc's subscriptions to
-the joiner.  Masters beat to their slaves; slaves that stop hearing their master
-elect a successor (``middleware/recovery``), whose process then serves the master's
-role (``node.py``).  Names come from ``ids.py``, messages from ``messages.py``.
+"""Phoenix roles over RabbitMQ (drivers): what every role does (:class:`Role`): serve its
+control queue, prepare, then its inbox (priority queue, small prefetch, batches split
+and each message gated by its urgency, a bad one dead-lettered alone), answer a
+take-over and a live configure.  What a role says to others is ``peer.py``; what a
+master does ``mastering.py``, a slave ``holding.py``; the routing roles
+``router_roles.py``, the match roles ``match_roles.py``; connections and queues
+``wiring.py``.  The whole picture: ``docs/phoenix-roles.md``.
 """
 
 from __future__ import annotations
@@ -45,21 +15,18 @@ import dataclasses
 import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
 
 from .. import heap
-from ..errors import DeadLetter, LinkDown, MiddlewareError, Unroutable
+from ..errors import DeadLetter, MiddlewareError, Unroutable
 from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
-from ..settings import Settings
-from ..transport import AsyncClient, Delivery, OutgoingMessage
+from ..transport import AsyncClient, Delivery
 from ..transport.delivery import outcome_of
-from .batching import Batcher, PriorityGate, split
-from .beats import Beater
+from .batching import PriorityGate, split
 from .ids import RoleId
 from .messages import (
     Answer,
@@ -70,18 +37,15 @@ from .messages import (
     Read,
     Replicate,
     Routed,
-    Snapshot,
     Takeover,
     encode,
 )
-from .protocol import MAX_PRIORITY, PhoenixTopology
+from .peer import Peer
+from .protocol import PhoenixTopology
 from .replica_set import ReplicaSet
-from .role_metrics import INBOX_LENGTH, RECOVERY_S, ROLE_EVENTS
-from .store import StateStore
+from .role_metrics import INBOX_LENGTH, RECOVERY_S
 from .wiring import (
-    Connections,
     Handler,
-    cluster_settings,
     outgoing,
     process_queue_spec,
     role_inbox_spec,
@@ -94,27 +58,21 @@ log = logging.getLogger(__name__)
 WARM_AFTER_PROMOTION_S = 1.0
 
 
-class Role:
+class Role(Peer):
     GAUGE_S = 1.0  # how often a role reads its inbox length for the metric
     observes_inbox = False  # match brokers read it every window themselves
-
-    id: RoleId  # set by each role before it serves
 
     def __init__(
         self,
         *,
-        settings: Settings,
-        topology: PhoenixTopology,
-        cluster: str,
-        connections: Connections | None = None,
         promoted_from: RoleId | None = None,
         reign: Reign | None = None,
         provisioner: Provisioner | None = None,
         failed_at: float | None = None,
+        **kwargs: Any,
     ) -> None:
-        self.topology, self.cluster = topology, cluster
-        self.settings = settings
-        self.connections = connections or Connections(settings, topology, cluster)
+        super().__init__(**kwargs)
+        topology = self.topology
         #: the slave this master was until it took over (its tables are read back as one
         #: replica, its old inbox is drained, it is not one of the master's slaves)
         self.promoted_from = promoted_from
@@ -126,7 +84,6 @@ class Role:
         self.provisioner = provisioner
         #: an elected master: when (monotonic) its slave last heard the failed one
         self.failed_at = failed_at
-        self.side_tasks: set[asyncio.Future[Any]] = set()  # held, not awaited by anyone
         #: set when told to take over its master: the driver serves that role next
         self.switch_to: RoleId | None = None
         self.takeover_reply: Takeover | None = None  # answered once serving
@@ -136,60 +93,10 @@ class Role:
         self._began = 0.0  # when serve() began (monotonic), for the recovery log
         self.retired = False  # told by its master that another process serves its role
         self.fenced = False  # a master that learnt of a newer reign: it steps down
-        self.beater: Beater | None = None
         self._former_control: str | None = None  # its consumer tag (a promoted master)
-        self.counters: Counter[str] = Counter()
-        self._counted: dict[str, Any] = {}  # outcome -> its labelled metric child
-        self.role = type(self).__name__
-        self.batcher = Batcher(self._publish_body, max_messages=topology.batch_max)
         self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
         # inbox messages handled at once: the prefetch, however the deliveries are batched
         self.gate = PriorityGate(topology.inbox_prefetch)
-
-    def count(self, outcome: str, n: int = 1) -> None:
-        self.counters[outcome] += n
-        child = self._counted.get(outcome)
-        if child is None:  # the labelled child looked up once per outcome (py-spy: the
-            # lookup was 3-4 % of a loaded router's CPU)
-            child = self._counted[outcome] = ROLE_EVENTS.labels(self.cluster, self.role, outcome)
-        child.inc(n)
-
-    async def client_for(self, cluster: str) -> AsyncClient:
-        """One connection per cluster's RabbitMQ (the process's own when not configured),
-        shared by the clusters on the same RabbitMQ and vhost."""
-        return await self.connections.client_for(cluster)
-
-    async def send(self, cluster: str, inbox: str, message: Message, priority: int = 0) -> None:
-        client = await self.client_for(cluster)
-        # a process queue (a reply: ack, snapshot) is its process's: never declared here
-        if inbox not in client.topology.queues and not self._is_process_queue(inbox):
-            if cluster != self.cluster and not client.ready:  # fail fast, as a send would:
-                raise LinkDown(f"no connection to cluster {cluster}'s RabbitMQ")  # (detours)
-            await client.declare_queue(role_inbox_spec(inbox, self.topology, client))
-        # with the others sent to the same inbox and priority in this loop turn
-        self.count("sent")
-        await self.batcher.send(cluster, inbox, encode(message), priority)
-
-    def _is_process_queue(self, queue: str) -> bool:
-        return queue.startswith(f"{self.topology.prefix}.process.")
-
-    async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
-        self.count("amqp_sent")  # sent / amqp_sent: the mean batch size
-        client = await self.client_for(cluster)
-        try:
-            await client.publish(
-                OutgoingMessage(body, "", inbox, content_type="application/json", priority=priority)
-            )
-        except Unroutable:
-            if not self._is_process_queue(inbox):
-                raise
-            self.count("replies_unroutable")  # its process is gone: nobody waits for it
-
-    def inbox_of(self, role: RoleId) -> str:
-        return role.inbox(self.topology.prefix)
-
-    def control_of(self, role: RoleId) -> str:
-        return role.control(self.topology.prefix)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Consume the control queue, ``prepare``, then the inbox, until ``stop``; then
@@ -227,60 +134,6 @@ class Role:
                 with contextlib.suppress(Exception):
                     await client.cancel(tag, grace=grace)
             await self.finish()
-
-    async def beating(
-        self,
-        queues: list[str],
-        beat: Callable[[], Beat],
-        meanwhile: Awaitable[None],
-        interval_s: float,
-    ) -> None:
-        """Beat to ``queues`` from a thread of its own while ``meanwhile`` runs (``beat``
-        is read at each beat); the thread's connection holds this process's lease, which
-        every beat names (beats.py)."""
-
-        def body() -> bytes:
-            return encode(beat().model_copy(update={"lease": beater.lease}))
-
-        beater = self.beater = Beater(
-            cluster_settings(self.settings, self.topology, self.cluster)[1],
-            queues,
-            body,
-            interval_s=interval_s,
-            ttl_ms=self._signal_ttl_ms(),
-            priority=MAX_PRIORITY,
-            name=str(self.id),
-            lease=f"{self.connections.process_queue}.lease" if self.topology.leases else None,
-        ).start()
-        try:
-            await meanwhile
-        finally:
-            await asyncio.to_thread(beater.stop)
-            self.count("beats", beater.sent)
-
-    def _signal_ttl_ms(self) -> int:
-        """How long a beat or vote stays worth reading: the detection timeout."""
-        topology = self.topology
-        return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
-
-    async def signal(self, role: RoleId, message: Message) -> None:
-        """A control message to ``role``'s control queue (see :meth:`tell`)."""
-        await self.tell(self.control_of(role), message, role.cluster)
-
-    async def tell(self, queue: str, message: Message, cluster: str | None = None) -> None:
-        """A control message to ``queue``, ahead of any backlog, that expires when it
-        would be stale (beats and votes of a dead peer do not pile up); a queue nobody
-        declared yet (a role not started) or gone (a process queue of a process that
-        died) is not an error."""
-        try:
-            client = await self.client_for(cluster or self.cluster)
-            await client.publish(
-                outgoing(message, queue, priority=MAX_PRIORITY, expiration_ms=self._signal_ttl_ms())
-            )
-        except Unroutable:
-            pass
-        except MiddlewareError as exc:
-            log.info("%s to %s not sent: %s", message.kind.value, queue, exc)
 
     async def _serve_inbox(
         self, client: AsyncClient, inbox: str, stop: asyncio.Event, tags: list[str]
@@ -470,27 +323,6 @@ class Role:
             raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s inbox")
         await handler(message)
 
-    async def answer_read(self, store: StateStore, owner: str, message: Read) -> None:
-        """The whole table ``owner`` holds of the kind asked for, in pages, to the
-        reader's queue."""
-        table = await asyncio.to_thread(store.load, owner, message.state_kind)
-        entries = list(table.items())
-        pages = [
-            entries[i : i + ReplicaSet.PAGE] for i in range(0, len(entries), ReplicaSet.PAGE)
-        ] or [[]]
-        for n, page in enumerate(pages):
-            await self.send(
-                self.cluster,
-                message.reply_to,
-                Snapshot(
-                    request=message.request,
-                    state_kind=message.state_kind,
-                    entries=dict(page),
-                    last=n == len(pages) - 1,
-                    broker=owner,
-                ),
-            )
-
     async def _former_inbox(self, message: Message) -> None:
         """What reaches the inbox a promoted master had as a slave and drains: its
         events are handled; a READ (a master of another reign reading its replicas) is
@@ -527,13 +359,6 @@ class Role:
         log.warning("%s taking over %s", self.id, self.switch_to)
         if self._stop is not None:
             self._stop.set()
-
-    def _background(self, work: Awaitable[Any]) -> None:
-        """Run ``work`` beside serving (stores, recoveries, replacements), held until it
-        ends."""
-        task = asyncio.ensure_future(work)
-        self.side_tasks.add(task)
-        task.add_done_callback(self.side_tasks.discard)
 
     async def _configure(self, message: Configure, control: str) -> None:
         """Switch the mechanisms live (``outer`` for routers, ``inner`` for match masters)
