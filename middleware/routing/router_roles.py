@@ -1,13 +1,13 @@
-"""The routing master and its slaves (drivers): the ring, latencyMap, the arc take-over
-and hand-back, performed from the machines of ``router.py``, ``takeover.py`` and
-``joining.py``.
+"""The routing master and its slaves (drivers).  The master is built in layers:
+``ring_router.RingRouter`` (state, links, the route/relay/carry loop),
+``router_leave.LeavingRouter`` (departures and an arc's take-over), and here what a
+join takes: the recorded ring read back, this cluster's own join hold, and the hand-back
+of an arc to a cluster that joined (``joining.py`` decides).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -17,52 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError
-from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
-from ..transport import OutgoingMessage
-from .delivery import CopySender, event_content
-from .departures import (
-    AfterRingApplied,
-    AskMaster,
-    Departures,
-    LeaveHere,
-    PlanPrepare,
-    RecordLeft,
-    RouteKept,
-    TakeOverArc,
-    TellRouter,
-    entries_of_arc,
-    recover_asks,
-)
-from .departures import Effect as DepartureEffect
-from .detours import LINK_ERRORS, Detours
-from .forwarding import (
-    JOINING,
-    Count,
-    Forwarding,
-    LinkReported,
-    Now,
-    PutHere,
-    RouteAgain,
-    SendOn,
-    ToMatch,
-    WaitRestored,
-    WriteEntry,
-)
-from .forwarding import Effect as ForwardingEffect
 from .holding import ReplicaHolder
-from .ids import RoleId, RoleKind
+from .ids import RoleId
 from .joining import (
     AskMasters,
     Expire,
-    HandBack,
     HandBackEffect,
     Hold,
-    JoinHold,
     NotHandedOver,
     Tell,
 )
 from .joining import Effect as JoinEffect
-from .mastering import Master
 from .messages import (
     Advertise,
     Copy,
@@ -72,126 +37,33 @@ from .messages import (
     Join,
     Leave,
     Matched,
-    Message,
     Probe,
     Publish,
     Recovered,
-    Routed,
-    RoutedMessage,
     Subscribe,
     Unsubscribe,
     Unsubscribed,
-    encode,
 )
 from .protocol import MAX_PRIORITY
-from .replica_set import ReplicaSet
 from .replicas import TOMBSTONE, live
-from .ring import ChordRing, ring_id
 from .ring import Handover as Arc
-from .role_metrics import LEAVE_S
+from .ring import ring_id
 from .roles import WARM_AFTER_PROMOTION_S
-from .router import KeptEvents, RouterLogic
+from .router_leave import LeavingRouter
 from .store import open_store, ring_owner
-from .takeover import Adopt, ArcTakeover, AskRestore, MakePlan, ReadTable, Released, RestoreBound
-from .takeover import Effect as TakeoverEffect
-from .wiring import Handler, cluster_settings
+from .wiring import Handler
 
 __all__ = ["RouterMaster", "RouterSlave"]
 
 log = logging.getLogger(__name__)
 
 
-class RouterMaster(Master):
+class RouterMaster(LeavingRouter):
     """Forwards along the ring; at the owner, hands over to a match master.
 
     Its routing table (latencyMap entries) is replicated to the routing slaves
     (W of N acks) and read back from R of N replicas when it starts.
     """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.id = RoleId.router(self.cluster)
-        self.store = open_store(self.topology.state_store)
-        self.replicas = ReplicaSet(self, self.store, "routing_table")
-        self.ring = ChordRing(
-            c.id for c in self.topology.clusters if c.joined or c.id == self.cluster
-        )
-        self.logic = RouterLogic(self.cluster, self.topology, self.ring)
-        self.latency = self.logic.latency
-        self.detours = self._detours()
-        self._spec = self.topology.cluster(self.cluster)
-        #: when this router saw each departed cluster leave (its join record names it)
-        self._left_at: dict[str, float] = {}
-        #: copies carried here for this cluster's subscribers (``_on_copy``)
-        self.copies = CopySender(topology=self.topology, client_for=self.client_for)
-        #: departed clusters whose arc this router took over: (arc, restored)
-        self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
-        #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
-        # departed arcs being taken over here (takeover.py)
-        self.takeover = ArcTakeover(self.topology.read_timeout_s)
-        #: events that entered the ring here and went to another cluster, until their
-        #: owner says they were matched (routed again if it leaves first)
-        self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
-        self.forwarding = Forwarding(self.logic, self.kept)  # route, relay, carry
-        #: suspect, announce and leave a departed cluster
-        self.departures = Departures(
-            self.cluster, self.ring, self.topology, lambda: uuid.uuid4().hex
-        )
-        #: set once the recorded leaves and joins are applied (``prepare``): a leave
-        #: told before that (its control queue is consumed first) waits for it, or a
-        #: promoted router would take a recorded departure's arc over a second time
-        self._ring_applied = asyncio.Event()
-        #: this cluster (re)joins the ring: its own arc, and set once the previous
-        #: owner's hand-over is all routed here (or ``handover_wait_s`` passed)
-        self._joining: tuple[Arc, asyncio.Event] | None = None
-        self.join_hold = JoinHold()  # when to let them go (joining.py)
-        # an arc handed back to a cluster that joined (joining.py)
-        self.hand_back = HandBack(self.topology.read_timeout_s, self.topology.handover_wait_s)
-
-    def _detours(self) -> Detours:
-        """The links to the other clusters' routers: detours, floods, leaves (detours.py)."""
-        return Detours(
-            cluster=self.cluster,
-            ring=self.ring,
-            topology=self.topology,
-            send=self.send,
-            tell=self.tell,
-            client_for=self.client_for,
-            count=self.count,
-            prefix=self.topology.prefix,
-            shared=self._shares_connection,
-            on_left=self._announce_leave,
-            on_unreachable=self._suspect,
-        )
-
-    async def run(self, stop: asyncio.Event) -> None:
-        watch = asyncio.create_task(self.detours.watch(stop))
-        try:
-            await self.replicas.persisting(self.serve(stop), stop)
-        finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-
-    @functools.cache  # noqa: B019 - one role object per process role, a few clusters
-    def _shares_connection(self, cluster: str) -> bool:
-        """True when ``cluster`` is reached over this cluster's own connection."""
-        own = cluster_settings(self.settings, self.topology, self.cluster)[0]
-        return cluster_settings(self.settings, self.topology, cluster, self.cluster)[0] == own
-
-    async def _publish_body(self, cluster: str, inbox: str, body: bytes, priority: int) -> None:
-        if self._shares_connection(cluster):
-            await super()._publish_body(cluster, inbox, body, priority)
-            return
-        self.count("amqp_sent")
-        client = await self.client_for(cluster)
-        message = OutgoingMessage(
-            body, "", inbox, content_type="application/json", priority=priority
-        )
-        await self.detours.publish(client, lambda: client.publish(message, retry=False))
-
-    async def finish(self) -> None:
-        await self.copies.close()
 
     async def prepare(self) -> None:
         table = await self.replicas.read(self.topology.read_timeout_s)
@@ -309,25 +181,6 @@ class RouterMaster(Master):
             raise DeadLetter(f"handed_over: for {message.cluster}, not {self.cluster}")
         self._join_effects(self.join_hold.told(message.count, time.monotonic()))
 
-    def _record_ring_change(self, cluster: str, state: str) -> None:
-        """Persist that ``cluster`` left or joined (in the state store every cluster's
-        router reads; each router records what it handled, the newest record wins)."""
-        document: dict[str, Any] = {"state": state, "at": time.time()}
-        if state == "left":
-            self._left_at[cluster] = document["at"]
-        elif cluster in self._left_at:  # what the returning cluster's roles must know
-            document["left_at"] = self._left_at[cluster]
-        owner, version = ring_owner(self.topology.prefix), time.time_ns()
-
-        def write() -> None:
-            if state == "joined" and "left_at" not in document:  # a router started since
-                _, before = self.store.load(owner, "ring").get(cluster, (0, {}))
-                if isinstance(before, dict) and before.get("state") == "left":
-                    document["left_at"] = before.get("at")
-            self.store.save(owner, "ring", cluster, document, version)
-
-        self._background(asyncio.to_thread(write))
-
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
         return {
@@ -348,404 +201,8 @@ class RouterMaster(Master):
         routed = (Advertise, Subscribe, Unsubscribe, Unsubscribed, Publish)
         return {Join: self._on_join, Copy: self._on_copy, **dict.fromkeys(routed, self._route)}
 
-    def urgency(self, message: Message) -> int:
-        return self.logic.priority(message) if isinstance(message, Routed) else 0
-
-    def reconfigured(self) -> None:
-        self.logic.topology = self.topology  # ``outer`` switched live
-        self.departures.topology = self.topology
-
     async def _on_join(self, message: Join) -> None:
         await self._join(message.cluster)
-
-    async def _route(self, message: RoutedMessage, *, held: bool = True) -> None:
-        """``Forwarding`` decides (``forwarding.py``); this performs what it returns."""
-        await self._forward(self.forwarding.route(message, self._now(), self._holds(), held=held))
-
-    async def _on_copy(self, message: Copy) -> None:
-        """A copy for a subscriber queue: put into the queue when its home is this
-        cluster, else carried toward the home's routing master (over a detour when the
-        direct link failed, as routed events are).  Acked only once it is on."""
-        await self._forward(self.forwarding.copy(message, self._now(), self._holds()))
-
-    async def _on_matched(self, message: Matched) -> None:
-        clusters = [c.id for c in self.topology.clusters]
-        await self._forward(self.forwarding.matched(message, clusters))
-
-    def _route_kept(self, cluster: str) -> None:
-        """``cluster`` left: what this router kept for it is routed again (``KeptEvents``)."""
-        self._background(self._forward(self.forwarding.left(cluster)))
-
-    @staticmethod
-    def _now() -> Now:
-        return Now(time.time(), time.monotonic())
-
-    def _holds(self) -> list[tuple[str, Arc]]:
-        """The arcs whose events wait now: taken over from a departed cluster until
-        restored, this cluster's own while it joins until handed over."""
-        holds = [(c, arc) for c, (arc, done) in self._recovering.items() if not done.is_set()]
-        if self._joining is not None and not self._joining[1].is_set():
-            holds.append((JOINING, self._joining[0]))
-        return holds
-
-    def _restored_event(self, key: str) -> asyncio.Event | None:
-        held = self._joining if key == JOINING else self._recovering.get(key)
-        return None if held is None else held[1]
-
-    async def _forward(self, effects: list[ForwardingEffect]) -> None:
-        """Perform the route/relay/carry effects in order; what a send or a wait gives
-        back goes to the machine, and what it returns is performed next."""
-        pending = collections.deque(effects)
-        while pending:
-            effect = pending.popleft()
-            after: list[ForwardingEffect] = []
-            if isinstance(effect, Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, WriteEntry):
-                entry = None if effect.entry is None else effect.entry.to_document()
-                await self.replicas.write(effect.event_type, entry)
-            elif isinstance(effect, SendOn):
-                path = await self.detours.forward(effect.cluster, effect.message, effect.priority)
-                after = self.forwarding.sent(effect, path, self._now(), self._holds())
-            elif isinstance(effect, ToMatch):
-                match = self.inbox_of(RoleId.match(self.cluster, effect.index))
-                await self.send(self.cluster, match, effect.message, effect.priority)
-            elif isinstance(effect, WaitRestored):
-                restored = self._restored_event(effect.key)
-                if restored is not None:
-                    await restored.wait()
-                after = self.forwarding.restored(effect.message, self._holds())
-            elif isinstance(effect, PutHere):
-                await self._put_here(effect.copy)
-            elif isinstance(effect, LinkReported):
-                self.detours.reported_down(effect.cluster)
-            elif isinstance(effect, RouteAgain):
-                log.warning(
-                    "%s: %d events kept for %s routed again",
-                    self.id,
-                    len(effect.events),
-                    effect.departed,
-                )
-                self._background(self._route_again(effect.events))
-            else:
-                raise DeadLetter(effect.reason)
-            pending.extendleft(reversed(after))
-
-    async def _put_here(self, copy: Copy) -> None:
-        result = await self.copies.put(
-            copy.home,
-            copy.queue,
-            copy.confirm,
-            encode(copy.publish),
-            copy.copy_id,
-            local=True,
-            content=event_content(copy.publish.event.model_dump_json()),
-        )
-        self.count(f"carried_copies_{result.outcome.value}")
-
-    async def _route_again(self, events: list[Publish]) -> None:
-        for message in events:
-            try:
-                await self._route(message)
-            except Exception as exc:  # one that cannot go is said, the others go on
-                log.warning("%s: event %s not routed again: %s", self.id, message.id, exc)
-
-    # ------------------------------------------------------------ capacity plan
-    def _running_masters(self) -> int:
-        """This cluster's match masters now: the topology's and the ones take-overs added."""
-        return running_masters(
-            self.topology, self.cluster, (p for _, p in self.logic.adopted.values())
-        )
-
-    def _match_roles(self) -> list[RoleId]:
-        """This cluster's match masters and slaves, the added ones included."""
-        roles = [
-            r
-            for r in RoleId.of_cluster(self._spec)
-            if r.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE)
-        ]
-        for i in range(self._spec.match_masters, self._running_masters()):
-            master = RoleId.match(self.cluster, i)
-            roles += [master, *master.slaves(self._spec)]
-        return roles
-
-    def _adoptions(self) -> dict[str, Adoption]:
-        """(In a thread) every router's take-overs still in force, by departed cluster
-        (a record no version wrote is logged and left out)."""
-        recorded = self.store.load(ring_owner(self.topology.prefix), "adopted")
-        adoptions = {}
-        for cluster, (_, doc) in live(recorded).items():
-            try:
-                adoptions[cluster] = Adoption.from_document(doc)
-            except ValueError as exc:
-                log.warning("%s: %s left out", self.id, exc)
-        return adoptions
-
-    async def _plan(self, cluster: str, successor: str) -> CapacityPlan:
-        """The capacity plan for ``successor`` taking over ``cluster``'s arc: N is what
-        ``cluster`` ran (its topology's masters, or more while it held adopted arcs)."""
-        adoptions = await asyncio.to_thread(self._adoptions)
-        held = [a.masters for a in adoptions.values() if a.by == cluster]
-        return plan_takeover(
-            self.topology,
-            cluster,
-            successor,
-            departed_masters=running_masters(self.topology, cluster, held),
-            departed_plain=not held,
-            can_add=self.provisioner is not None,
-        )
-
-    async def _provision(self, plan: CapacityPlan) -> CapacityPlan:
-        """Start the match roles ``plan`` adds that do not run yet (their stored state
-        wiped first: nothing of an earlier take-over is read back); the plan without
-        additions when they could not be started (S's own masters share the arc)."""
-        running = self._running_masters()
-        fresh = [r for r in plan.added if r.index >= running]
-        if not fresh:
-            return plan
-        assert self.provisioner is not None
-
-        def wipe() -> None:
-            for role in fresh:
-                for kind in ("subscription", "advertisement"):
-                    self.store.snapshot(role.owner, kind, {})
-
-        began = time.monotonic()
-        try:
-            await asyncio.to_thread(wipe)
-            started = await asyncio.wait_for(
-                asyncio.to_thread(self.provisioner.add, fresh), self.topology.read_timeout_s
-            )
-        except Exception as exc:  # no capacity added: S's own masters share the arc
-            log.warning(
-                "%s: %d match roles for %s's arc not started (%s); its %d masters share it",
-                self.id,
-                len(fresh),
-                plan.departed,
-                exc,
-                self._spec.match_masters,
-            )
-            self.count("provision_failed")
-            return plan_takeover(
-                self.topology,
-                plan.departed,
-                plan.successor,
-                departed_masters=plan.departed_masters,
-                departed_plain=plan.departed_plain,
-                can_add=False,
-            )
-        self.count("match_roles_added", len(fresh))
-        log.warning(
-            "%s: added %d match roles for %s's arc (%d masters, as it had) in %.3f s: %s",
-            self.id,
-            len(fresh),
-            plan.departed,
-            plan.masters,
-            time.monotonic() - began,
-            started,
-        )
-        return plan
-
-    def _record_adoption(self, cluster: str, arc: Arc, plan: CapacityPlan | None) -> None:
-        """Persist (or, ``plan`` None, drop) the plan in force for ``cluster``'s arc, so a
-        routing master that starts later routes it the same and a later take-over of
-        this cluster knows how many masters it ran."""
-        owner = ring_owner(self.topology.prefix)
-        if plan is None:
-            write = asyncio.to_thread(self.store.delete, owner, "adopted", cluster)
-        else:
-            document = plan.to_document((arc.start, arc.end))
-            write = asyncio.to_thread(
-                self.store.save, owner, "adopted", cluster, document, time.time_ns()
-            )
-        self._background(write)
-
-    async def _announce_leave(self, cluster: str) -> None:
-        """No flood reached ``cluster`` for ``leave_after_s`` (``departures.py``)."""
-        await self._depart(self.departures.announce(cluster))
-
-    async def _on_leave(self, message: Leave) -> None:
-        await self._leave(message.cluster, message.by)
-
-    async def _suspect(self, cluster: str) -> None:
-        """A flood for ``cluster`` found no way (``departures.py``)."""
-        await self._depart(self.departures.suspect(cluster))
-
-    async def _leave(self, cluster: str, by: str) -> None:
-        """``cluster`` left (``departures.py``)."""
-        await self._depart(self.departures.leave(cluster, by, self._ring_applied.is_set()))
-
-    async def _depart(self, effects: list[DepartureEffect]) -> None:
-        """Perform what ``Departures`` returned, in order."""
-        for effect in effects:
-            if isinstance(effect, Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, TellRouter):
-                queue = self.control_of(RoleId.router(effect.cluster))
-                try:
-                    await asyncio.wait_for(
-                        self.send(effect.cluster, queue, effect.message, MAX_PRIORITY),
-                        2 * self.topology.link_timeout_s,
-                    )
-                except LINK_ERRORS as exc:
-                    log.warning(
-                        "%s: could not tell %s that %s left: %s",
-                        self.id,
-                        effect.cluster,
-                        effect.message.cluster,
-                        exc,
-                    )
-            elif isinstance(effect, LeaveHere):
-                await self._leave(effect.cluster, effect.by)
-            elif isinstance(effect, PlanPrepare):
-                plan = await self._plan(effect.cluster, effect.successor)
-                process = self.connections.process_queue
-                await self._depart(self.departures.prepare(effect, plan, process))
-            elif isinstance(effect, AskMaster):
-                await self._ask_master(effect)
-            elif isinstance(effect, AfterRingApplied):
-                self._background(self._leave_when_ring_applied(effect.cluster, effect.by))
-            elif isinstance(effect, RecordLeft):
-                self._record_ring_change(effect.cluster, "left")
-            elif isinstance(effect, TakeOverArc):
-                self._recovering[effect.cluster] = (effect.arc, asyncio.Event())
-                started = self.takeover.left(effect.cluster, uuid.uuid4().hex, time.monotonic())
-                self._background(self._take_over_arc(started))
-            elif isinstance(effect, RouteKept):
-                self.detours.left(effect.cluster)
-                self._route_kept(effect.cluster)
-            else:
-                told = effect.message
-                log.warning(
-                    "%s left the ring (found by %s); its arc goes to %s",
-                    told.cluster,
-                    told.by,
-                    effect.successor,
-                )
-                for role in self._match_roles():
-                    await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
-
-    async def _ask_master(self, effect: AskMaster) -> None:
-        queue = self.control_of(effect.master)
-        send = self.send(effect.cluster, queue, effect.message, MAX_PRIORITY)
-        if not effect.bounded:
-            await send
-            return
-        try:
-            await asyncio.wait_for(send, 2 * self.topology.link_timeout_s)
-        except LINK_ERRORS as exc:
-            log.info("%s: %s not sent to %s: %s", self.id, effect.message.request, queue, exc)
-
-    async def _leave_when_ring_applied(self, cluster: str, by: str) -> None:
-        await self._ring_applied.wait()
-        await self._leave(cluster, by)
-
-    async def _restore_routing_table(self, cluster: str, arc: Arc) -> dict[str, dict[str, Any]]:
-        """RECOVERY(RT): the departed router's latencyMap entries of its arc, from the
-        persisted state (``departures.entries_of_arc``), counted here from now."""
-        owner = RoleId.router(cluster).owner
-        table = await asyncio.to_thread(self.replicas.store.load, owner, "routing_table")
-        taken = entries_of_arc(arc, live(table))
-        self.logic.take_entries(taken)
-        self.count("routing_entries_restored", len(taken))
-        log.info("%s: %d routing-table entries of %s restored", self.cluster, len(taken), cluster)
-        return {event_type: entry.to_document() for event_type, entry in taken.items()}
-
-    async def _write_entries(self, entries: dict[str, dict[str, Any]]) -> None:
-        for event_type, document in entries.items():
-            await self.replicas.write(event_type, document)
-
-    async def _take_over_arc(self, effects: list[TakeoverEffect]) -> None:
-        """Perform what the arc take-over returned (takeover.ArcTakeover): the capacity
-        plan (``recovery/capacity.py``: match masters added when the departed cluster had
-        more), RECOVERY to each master it names; the arc's events wait until every one
-        answered (or ``read_timeout_s``) and the departed router's table was read."""
-        for effect in effects:
-            if isinstance(effect, ReadTable):
-                self._background(self._read_departed_table(effect.cluster))
-            elif isinstance(effect, MakePlan):
-                self._background(self._make_plan(effect.cluster))
-            elif isinstance(effect, Adopt):
-                plan: CapacityPlan = effect.plan
-                arc = self._recovering[effect.cluster][0]
-                self.logic.adopted[effect.cluster] = (arc, plan.masters)
-                self._record_adoption(effect.cluster, arc, plan)
-                if plan.match_broker_map:
-                    log.info(
-                        "%s: matchBrokerMap for %s: %s",
-                        self.id,
-                        effect.cluster,
-                        plan.match_broker_map,
-                    )
-            elif isinstance(effect, AskRestore):
-                await self._ask_restore(effect)
-            elif isinstance(effect, RestoreBound):
-                asyncio.get_running_loop().call_later(
-                    effect.after_s, self._restore_bound_passed, effect.request
-                )
-            else:
-                self._released(effect)
-
-    def _restore_bound_passed(self, request: str) -> None:
-        self._background(self._take_over_arc(self.takeover.expired(request, time.monotonic())))
-
-    async def _read_departed_table(self, cluster: str) -> None:
-        held = self._recovering.get(cluster)
-        if held is None:  # joined again already
-            return
-        arc = held[0]
-        try:
-            entries, error = await self._restore_routing_table(cluster, arc), None
-        except Exception as exc:  # priorities fall back to defaults; matching goes on
-            entries, error = None, str(exc)
-        await self._take_over_arc(
-            self.takeover.table_read(cluster, entries, error, time.monotonic())
-        )
-
-    async def _make_plan(self, cluster: str) -> None:
-        try:
-            plan = await self._provision(await self._plan(cluster, self.cluster))
-        except Exception as exc:  # the store unreadable: the topology's masters share it
-            log.warning("%s: no capacity plan for %s's arc: %s", self.id, cluster, exc)
-            plan = plan_takeover(
-                self.topology,
-                cluster,
-                self.cluster,
-                departed_masters=self.topology.cluster(cluster).match_masters,
-                departed_plain=False,
-                can_add=False,
-            )
-        masters = [r.master.owner for r in plan.restores]
-        await self._take_over_arc(self.takeover.planned(cluster, plan, masters, time.monotonic()))
-
-    async def _ask_restore(self, effect: AskRestore) -> None:
-        arc = self._recovering[effect.cluster][0]
-        process = self.connections.process_queue
-        for ask in recover_asks(effect.plan, arc, request=effect.request, reply_to=process):
-            await self._ask_master(ask)
-
-    def _released(self, effect: Released) -> None:
-        cluster = effect.cluster
-        if not effect.complete:
-            log.warning("%s: not every match master restored %s's arc in time", self.id, cluster)
-        if effect.table_error is not None:
-            log.warning(
-                "%s: %s's routing table not restored: %s", self.id, cluster, effect.table_error
-            )
-        holding = self._recovering.get(cluster)
-        if holding is not None:
-            holding[1].set()
-        if effect.entries:  # persisted and replicated as this router's own, after
-            self._background(self._write_entries(dict(effect.entries)))
-        LEAVE_S.labels(self.cluster).observe(effect.took_s)
-        self.count("leaves_recovered")
-        log.warning(
-            "%s took over the arc of %s: %d subscriptions restored in %.3f s",
-            self.cluster,
-            cluster,
-            effect.restored,
-            effect.took_s,
-        )
 
     async def _on_recovered(self, message: Recovered) -> None:
         if message.request in self.hand_back.rounds:  # a master handed an arc back
