@@ -27,7 +27,8 @@ from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .ids import RoleId, RoleKind
-from .match_roles import MatchMaster, MatchSlave
+from .match_master import MatchMaster
+from .match_roles import MatchSlave
 from .messages import Answer, Takeover, parse
 from .protocol import MAX_PRIORITY, PhoenixTopology
 from .roles import Role

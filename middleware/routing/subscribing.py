@@ -1,7 +1,7 @@
 """A match master's book of subscriptions, without I/O.
 
 The owner's match master takes a client's subscribe and unsubscribe here; the book
-decides, the driver (``match_roles.MatchMaster``) performs the effects in the order given:
+decides, the driver (``match_master.MatchMaster``) performs the effects in the order given:
 
 - subscribe: held in the registry (a filter the registry refuses is answered with the
   reason and dead-lettered, :class:`Refuse`), written to the replicas

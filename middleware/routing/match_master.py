@@ -1,0 +1,247 @@
+"""The match master (driver): subscriptions and their confirmation (``subscribing.py``
+decides), dispatch of each event to the broker with the smallest predicted T (or
+blind), and the hand-over of an arc's subscriptions to a cluster that joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from typing import Any
+
+from ..errors import DeadLetter, MiddlewareError, Unroutable
+from . import subscribing
+from .ids import RoleId
+from .joining import handover_plan
+from .match_restore import RestoringMatcher
+from .messages import (
+    Advertise,
+    Confirmation,
+    Handover,
+    Heartbeat,
+    Publish,
+    Recover,
+    Recovered,
+    Subscribe,
+    Unsubscribe,
+    Unsubscribed,
+)
+from .protocol import MAX_PRIORITY
+from .replica_set import ReplicaTimeout
+from .ring import Handover as Arc
+from .subscribing import TellRouters
+from .wiring import Handler, outgoing
+
+__all__ = ["MatchMaster"]
+
+log = logging.getLogger(__name__)
+
+
+class MatchMaster(RestoringMatcher):
+    """Keeps subscriptions (indexed, persisted, replicated to its slaves by quorum) and
+    sends each event to the broker with the smallest predicted processing time T,
+    itself included."""
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        return {
+            **super().control_handlers,
+            **self.replicas.handlers(),
+            Heartbeat: self._on_heartbeat,
+            Recover: self._on_recover,
+        }
+
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        return {
+            Handover: self._on_handover,
+            Subscribe: self._on_subscribe,
+            Unsubscribe: self._unsubscribe,
+            Advertise: self._on_advertise,
+            Publish: self._on_publish,
+        }
+
+    async def _on_heartbeat(self, message: Heartbeat) -> None:
+        """A slave's load report (finite and not negative: the message's model says so)."""
+        j = self.replicas.slave(message)
+        if self.supervision.is_gone(j):
+            # sent before its process died (it was in flight): only a beat of the
+            # process serving the role now brings the role back into the live set
+            self.count("stale_load_reports")
+            return
+        self.slave_heard(j)
+        self.dispatch.reported(j, message.queue, message.service_rate, time.monotonic())
+
+    async def _hand_over(self, joiner: str, arc: tuple[int, int]) -> int:
+        """Send the subscriptions of the arc's event types to the joining cluster, and the
+        removals of the arc this master remembers (joining.handover_plan)."""
+        covers = Arc(joiner, self.cluster, *arc).covers
+        plan = handover_plan(self.registry.in_arc(covers), self.book.removed_adopted, covers)
+        # to its control queue: the joiner holds the arc's events in its inbox until
+        # these are there (its ``handover_wait_s``)
+        control = self.control_of(RoleId.router(joiner))
+        for sid, record in plan.subscriptions:
+            subscribe = Subscribe(
+                subscription_id=sid,
+                event_type=record.event_type,
+                filter=record.filter,
+                queue=record.queue,
+                latency_level=record.latency_level,
+                confirm=record.confirm,
+                # deliveries still go home; the routers that counted its level so far
+                # stay on its path, so an unsubscribe reaches them too
+                home=record.homed(self.cluster),
+                hops=record.path,
+            )
+            await self.send(joiner, control, subscribe)
+            self.registry.remove(sid)
+            await self.replicas.write(sid, None)
+        for sid, event_type in plan.removals:
+            removal = Unsubscribe(event_type=event_type, subscription_id=sid, handed_over=True)
+            await self.send(joiner, control, removal)
+            self.book.removal_handed(sid)
+        self.count("handed_over", len(plan.subscriptions))
+        self.count("removals_handed_over", len(plan.removals))
+        return len(plan.subscriptions) + len(plan.removals)
+
+    async def _on_handover(self, message: Handover) -> None:
+        moved = await self._hand_over(message.cluster, message.arc)
+        if message.reply_to and message.request:  # a router waits to retire this master
+            done = Recovered(request=message.request, broker=self.owner, restored=moved)
+            await self.send(self.cluster, message.reply_to, done, MAX_PRIORITY)
+
+    async def _on_subscribe(self, message: Subscribe) -> None:
+        await self._subscribing(message, self.book.subscribe(message))
+
+    async def _subscribing(
+        self, message: Subscribe | Unsubscribe, effects: list[subscribing.Effect]
+    ) -> None:
+        """Perform the book's effects in order (subscribing.py)."""
+        written: asyncio.Future[None] | None = None
+        for effect in effects:
+            if isinstance(effect, subscribing.Persist):
+                written = await self.replicas.write(effect.key, effect.document)
+                await self._replicated(written)
+            elif isinstance(effect, TellRouters):
+                await self._tell_unsubscribed(effect)
+            elif isinstance(effect, subscribing.Count):
+                self.count(effect.name, effect.n)
+            elif isinstance(effect, subscribing.Confirm):
+                self._confirm(message, written if effect.after_write else None, effect.outcome)
+            else:
+                raise DeadLetter(effect.reason)
+
+    async def _on_advertise(self, message: Advertise) -> None:
+        await asyncio.to_thread(
+            self.store.save, self.owner, "advertisement", message.event_type, {}, 1
+        )
+
+    async def _on_publish(self, message: Publish) -> None:
+        if self._matched_elsewhere(message):
+            if not self.counters["dropped_after_rejoin"]:
+                log.warning(
+                    "%s: dropping events from before the departure (first: %s)",
+                    self.owner,
+                    message.id,
+                )
+            self.count("dropped_after_rejoin")
+            return
+        if message.event_type in self.book.local_types:  # its slaves do not hold them
+            await self._match(message)
+            return
+        now = time.monotonic()
+        live = self.live.alive(now)
+        if self.topology.inner:
+            target = self.dispatch.choose(self.predictor, live, now)
+        else:
+            target = self.dispatch.choose_blind(live, self.topology.blind_dispatch)
+        if target is None:
+            await self._match(message)
+            return
+        self.count("dispatched")
+        started = time.monotonic()
+        await self.send(
+            self.cluster,
+            self.inbox_of(RoleId.match_slave(self.cluster, self.index, target)),
+            message,
+            message.priority,
+        )
+        self.dispatch.dispatched(target, time.monotonic() - started)
+
+    async def _unsubscribe(self, message: Unsubscribe) -> None:
+        """Forget the subscription here and in the replicas (a tombstone), and tell the
+        routing masters that counted its latency level to take it out of latencyMap."""
+        await self._subscribing(message, self.book.unsubscribe(message))
+
+    async def _tell_unsubscribed(self, effect: TellRouters) -> None:
+        taken_out = Unsubscribed(event_type=effect.event_type, latency_level=effect.latency_level)
+        for cluster in effect.clusters:
+            try:  # one router out of reach costs its count, not the unsubscribe
+                await asyncio.wait_for(
+                    self.send(
+                        cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
+                    ),
+                    self.topology.link_timeout_s,
+                )
+            except (MiddlewareError, TimeoutError) as exc:
+                self.count("unsubscribed_not_told")
+                log.warning(
+                    "%s: %s's router not told of unsubscribe %s (its latency level stays "
+                    "counted): %s",
+                    self.name,
+                    cluster,
+                    effect.subscription_id,
+                    exc,
+                )
+
+    @staticmethod
+    async def _replicated(written: asyncio.Future[None]) -> None:
+        """The inbox delivery of an (un)subscribe is acked only once W of N replicas
+        hold it: a master superseded while frozen never reaches W (its slaves follow its
+        successor), steps down with the delivery unacked, and the successor handles it.
+        A write given up below W is the client's to hear (``_confirm``)."""
+        with contextlib.suppress(ReplicaTimeout):
+            await asyncio.shield(written)
+
+    def _confirm(
+        self,
+        message: Subscribe | Unsubscribe,
+        written: asyncio.Future[None] | None,
+        result: dict[str, Any],
+    ) -> None:
+        """Answer a client's (un)subscribe once W of N replicas hold it (``written``;
+        None: nothing was written), if it asked; the inbox goes on meanwhile."""
+        if message.reply_to:
+            task = asyncio.create_task(self._confirm_written(message, written, result))
+            self._confirming.add(task)
+            task.add_done_callback(self._confirming.discard)
+
+    async def _confirm_written(
+        self,
+        message: Subscribe | Unsubscribe,
+        written: asyncio.Future[None] | None,
+        result: dict[str, Any],
+    ) -> None:
+        assert message.reply_to
+        try:
+            if written is not None:
+                await written
+            outcome: dict[str, Any] = result
+        except ReplicaTimeout as exc:
+            outcome = {"error": str(exc)}
+        reply = Confirmation(
+            event_type=message.event_type,
+            subscription_id=message.subscription_id,
+            broker=self.owner,
+            outcome=outcome,
+        )
+        try:
+            client = await self.client_for(message.home or self.cluster)
+            await client.publish(outgoing(reply, message.reply_to))
+        except Unroutable:
+            log.info("subscriber of %s left before its confirmation", message.subscription_id)
+        except MiddlewareError as exc:  # the subscriber times out and says so
+            log.warning("confirmation of %s not sent: %s", message.subscription_id, exc)
