@@ -31,8 +31,8 @@ from .timeliness import (
 )
 
 if TYPE_CHECKING:
+    from ..sidecar.deployment import DeploymentError, PhoenixDeployment, RoleStatus
     from .client import PhoenixClient, SubscriptionUnconfirmed, SyncPhoenixClient
-    from .deployment import DeploymentError, PhoenixDeployment, RoleStatus
     from .messages import HOME_LEFT, MAYBE_DELIVERED
     from .protocol import PhoenixTopology
     from .records import RecordError, SubscriptionRecord
@@ -41,9 +41,11 @@ _LAZY = {
     "PhoenixClient": "client",
     "SyncPhoenixClient": "client",
     "SubscriptionUnconfirmed": "client",
-    "PhoenixDeployment": "deployment",
-    "DeploymentError": "deployment",
-    "RoleStatus": "deployment",
+    # processes are the sidecar's (it wires the drivers into processes); exported here
+    # as the deployment's face, imported only when asked for
+    "PhoenixDeployment": "..sidecar.deployment",
+    "DeploymentError": "..sidecar.deployment",
+    "RoleStatus": "..sidecar.deployment",
     "PhoenixTopology": "protocol",
     "HOME_LEFT": "messages",
     "MAYBE_DELIVERED": "messages",
@@ -56,7 +58,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    relative = module if module.startswith("..") else f".{module}"
+    value = getattr(importlib.import_module(relative, __name__), name)
     globals()[name] = value
     return value
 

@@ -121,7 +121,7 @@ def _run_role(args: argparse.Namespace, role: Any) -> int:
     topology.cluster(args.cluster)
     provisioner = None
     if args.status_file is not None:  # started by a deployment: replace slaves in it
-        from ..routing.deployment import LocalProvisioner, PhoenixDeployment
+        from .deployment import LocalProvisioner, PhoenixDeployment
 
         deployment = PhoenixDeployment(
             args.topology, Path(args.status_file).parent, settings=args.settings
@@ -154,7 +154,7 @@ def _run_matcher(args: argparse.Namespace) -> int:
 
 
 def _deployment(args: argparse.Namespace) -> Any:
-    from ..routing.deployment import PhoenixDeployment
+    from .deployment import PhoenixDeployment
 
     return PhoenixDeployment(
         args.topology, args.state_dir, settings=args.settings, env=dict(os.environ)
@@ -167,7 +167,7 @@ def _started(deployment: Any, pids: dict[Any, int]) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ..routing.deployment import DeploymentError
+    from .deployment import DeploymentError
 
     deployment = _deployment(args)
     try:
@@ -180,7 +180,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     """Start the cluster's roles, then tell every routing master that it joined."""
-    from ..routing.deployment import DeploymentError
+    from .deployment import DeploymentError
 
     deployment = _deployment(args)
     joiner = deployment.topology.cluster(args.cluster)

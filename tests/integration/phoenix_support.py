@@ -22,8 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from middleware.routing import ChordRing
-from middleware.routing.deployment import PhoenixDeployment
+from middleware.routing import ChordRing, PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.settings import Settings

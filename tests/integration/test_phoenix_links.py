@@ -25,9 +25,8 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.proxy import FaultProxy
-from middleware.routing import ChordRing, ring_id
+from middleware.routing import ChordRing, PhoenixDeployment, ring_id
 from middleware.routing.client import PhoenixClient
-from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.store import open_store, ring_owner

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
+from middleware.routing import PhoenixDeployment
 from middleware.routing.client import PhoenixClient
-from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient

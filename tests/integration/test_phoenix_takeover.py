@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
-from middleware.routing import ChordRing
+from middleware.routing import ChordRing, PhoenixDeployment
 from middleware.routing.client import PhoenixClient
-from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store

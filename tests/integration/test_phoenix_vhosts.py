@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from middleware.routing import PhoenixDeployment
 from middleware.routing.client import PhoenixClient, SubscriptionUnconfirmed
-from middleware.routing.deployment import PhoenixDeployment
 from middleware.routing.ids import RoleId
 from tests.integration.phoenix_support import (
     cli,

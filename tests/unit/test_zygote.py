@@ -1,4 +1,4 @@
-"""``routing.zygote``: role processes forked from a warm process, real processes."""
+"""``sidecar.zygote``: role processes forked from a warm process, real processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from middleware.localcluster.manager import pid_alive
-from middleware.routing.zygote import Zygote
+from middleware.sidecar.deployment import ENTRY, PRELOAD
+from middleware.sidecar.zygote import Zygote
 
 
 def _until(check, seconds: float = 30.0) -> bool:
@@ -22,7 +23,7 @@ def _until(check, seconds: float = 30.0) -> bool:
 def test_a_forked_command_runs_in_its_own_session_with_its_output_in_the_log(
     tmp_path: Path,
 ) -> None:
-    zygote = Zygote()
+    zygote = Zygote(ENTRY, PRELOAD)
     zygote.start()
     try:
         log = tmp_path / "role.log"
@@ -36,7 +37,7 @@ def test_a_forked_command_runs_in_its_own_session_with_its_output_in_the_log(
 
 
 def test_the_zygote_ends_with_its_master_and_then_starts_nothing(tmp_path: Path) -> None:
-    zygote = Zygote()
+    zygote = Zygote(ENTRY, PRELOAD)
     zygote.start()
     process = zygote._process
     assert process is not None
@@ -51,8 +52,8 @@ def test_the_zygote_ends_with_its_master_and_then_starts_nothing(tmp_path: Path)
 def test_the_zygote_says_when_it_is_ready_and_still_forks_afterwards(
     tmp_path: Path, caplog
 ) -> None:
-    caplog.set_level("INFO", logger="middleware.routing.zygote")
-    zygote = Zygote()
+    caplog.set_level("INFO", logger="middleware.sidecar.zygote")
+    zygote = Zygote(ENTRY, PRELOAD)
     zygote.start()
     try:
         assert _until(lambda: "zygote ready" in caplog.text)  # its imports are done
@@ -60,5 +61,18 @@ def test_the_zygote_says_when_it_is_ready_and_still_forks_afterwards(
         pid = zygote.spawn(["--help"], dict(os.environ), log)
         assert pid is not None
         assert _until(lambda: "usage: qosmq" in log.read_text() if log.exists() else False)
+    finally:
+        zygote.stop()
+
+
+def test_the_zygote_runs_the_entry_point_it_is_told(tmp_path: Path) -> None:
+    zygote = Zygote("builtins:print")  # any ``module:function`` taking the arguments
+    zygote.start()
+    try:
+        log = tmp_path / "entry.log"
+        pid = zygote.spawn(["told", "this"], dict(os.environ), log)
+        assert pid is not None
+        assert _until(lambda: "['told', 'this']" in log.read_text() if log.exists() else False)
+        assert _until(lambda: not pid_alive(pid))
     finally:
         zygote.stop()

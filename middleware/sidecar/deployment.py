@@ -28,25 +28,39 @@ from .. import runtime
 from ..errors import EntityNotFound, MiddlewareError
 from ..localcluster.manager import pid_alive, spawn_daemon
 from ..recovery.fencing import Reign
+from ..routing.ids import RoleId, RoleKind
+from ..routing.messages import Join, encode
+from ..routing.node import take_over
+from ..routing.operator import reconfigure
+from ..routing.protocol import MAX_PRIORITY, PhoenixTopology
+from ..routing.records import LatencyEntry, SubscriptionRecord
+from ..routing.ring import ChordRing, master_index
+from ..routing.store import open_store, ring_owner
+from ..routing.timeliness import LatencyMap
+from ..routing.wiring import cluster_settings, role_inbox_spec
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
 from ..transport.broker_info import BrokerInfo
 from ..transport.management import management_get, management_put, vhost_path
-from .ids import RoleId, RoleKind
-from .messages import Join, encode
-from .node import take_over
-from .operator import reconfigure
-from .protocol import MAX_PRIORITY, PhoenixTopology
-from .records import LatencyEntry, SubscriptionRecord
-from .ring import ChordRing, master_index
-from .store import open_store, ring_owner
-from .timeliness import LatencyMap
-from .wiring import cluster_settings, role_inbox_spec
 from .zygote import Zygote
 
 __all__ = ["DeploymentError", "LocalProvisioner", "PhoenixDeployment", "RoleStatus"]
 
 log = logging.getLogger(__name__)
+
+#: the program a forked child runs (``module:function``, called with the argument list)
+#: and what it imports, loaded once in the zygote (zygote.py): a role process's
+ENTRY = "middleware.cli:main"
+PRELOAD = (
+    "middleware.cli",
+    "middleware.sidecar.commands",
+    "middleware.sidecar.phoenix",
+    "middleware.sidecar.deployment",
+    "middleware.routing.node",
+    "middleware.routing.router_roles",
+    "middleware.routing.match_master",
+    "middleware.routing.match_roles",
+)
 
 
 def _broker_version(settings: Settings) -> BrokerInfo:
@@ -601,7 +615,7 @@ class LocalProvisioner:
         """Start a zygote that forks replacements with their imports done (zygote.py):
         a replacement then serves in a fraction of a process start."""
         if self.deployment.zygote is None:
-            self.deployment.zygote = Zygote()
+            self.deployment.zygote = Zygote(ENTRY, PRELOAD)
         self.deployment.zygote.start()
 
     def start(self, role: RoleId) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import logging
 import os
@@ -37,23 +38,14 @@ log = logging.getLogger(__name__)
 #: how long a command may wait for its PID (the first also waits for the imports)
 ANSWER_S = 15.0
 
-#: what a role process imports, loaded once in the zygote
-PRELOAD = (
-    "middleware.cli",
-    "middleware.sidecar.commands",
-    "middleware.sidecar.phoenix",
-    "middleware.routing.node",
-    "middleware.routing.roles",
-    "middleware.routing.router_roles",
-    "middleware.routing.match_roles",
-    "middleware.routing.deployment",
-)
-
 
 class Zygote:
     """The master's side: start the zygote, ask it for processes (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, entry: str, preload: tuple[str, ...] = ()) -> None:
+        """``entry``: what a forked child runs (``module:function``); ``preload``: the
+        modules the zygote imports before it forks anything."""
+        self.entry, self.preload = entry, preload
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._pending = b""  # read from the zygote, not yet a whole line
@@ -65,7 +57,7 @@ class Zygote:
             if self._process is not None and self._process.poll() is None:
                 return
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "middleware.routing.zygote"],
+                [sys.executable, "-m", __name__, self.entry, *self.preload],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
@@ -148,11 +140,10 @@ class Zygote:
                         pipe.close()
 
 
-def _serve() -> None:
-    """The zygote: preload, then fork one child per command line until stdin closes."""
-    import importlib
-
-    for module in PRELOAD:
+def _serve(entry: str, preload: list[str]) -> None:
+    """The zygote: preload, then fork one child per command line until stdin closes;
+    each child runs ``entry`` (``module:function``) with the command's arguments."""
+    for module in preload:
         importlib.import_module(module)
     # what the imports made is never freed: frozen here, a child's settle (heap.py) does
     # not traverse it again (0.2-0.3 s of each replacement's start on this machine), and
@@ -169,11 +160,11 @@ def _serve() -> None:
             print(f"error {exc}", flush=True)
             continue
         if pid == 0:
-            _child(command)  # never returns
+            _child(command, entry)  # never returns
         print(pid, flush=True)
 
 
-def _child(command: dict[str, object]) -> None:
+def _child(command: dict[str, object], entry: str) -> None:
     code = 1
     try:
         os.setsid()
@@ -195,9 +186,9 @@ def _child(command: dict[str, object]) -> None:
         argv = command["argv"]
         assert isinstance(argv, list)
         sys.argv = ["qosmq", *argv]
-        from middleware.cli import main
-
-        code = main(argv)
+        module, _, function = entry.partition(":")
+        result = getattr(importlib.import_module(module), function)(argv)
+        code = result if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -212,4 +203,4 @@ def _child(command: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1], sys.argv[2:])
