@@ -10,161 +10,27 @@ They build the same messages and read the same confirmations through
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-import pydantic
-
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
-from ..errors import ConfigurationError, DeadLetter, RetryableError
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from .batching import Batcher
-from .ids import RoleId
-from .matching import Event, Filter, FilterError
+from .client_core import ClientCore, SubscriptionUnconfirmed
+from .matching import Event
 from .messages import (
-    Advertise,
     Confirmation,
     Message,
     Publish,
     Subscribe,
     Unsubscribe,
     encode,
-    parse,
 )
 from .protocol import PhoenixTopology
-from .wiring import cluster_settings, outgoing, role_inbox_spec
+from .wiring import outgoing, role_inbox_spec
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
-
-
-class SubscriptionUnconfirmed(RetryableError, TimeoutError):
-    """The owner's match master did not confirm a subscribe or unsubscribe (W of N
-    replicas) in time, or said why it could not; it may still take effect later."""
-
-
-class ClientCore:
-    """What both faces share, without I/O: the cluster check, the messages, the
-    confirmations."""
-
-    def __init__(self, settings: Settings, topology: PhoenixTopology, cluster: str) -> None:
-        key, wanted = cluster_settings(settings, topology, cluster)
-        if key != "default":  # the inbox and the subscriber queues live on the cluster's
-            raise ConfigurationError(
-                f"cluster {cluster!r} is on {','.join(wanted.amqp_urls)} vhost "
-                f"{wanted.vhost!r}, the client on {','.join(settings.amqp_urls)} vhost "
-                f"{settings.vhost!r}: connect it there (PhoenixClient.connect)"
-            )
-        self.topology, self.cluster = topology, cluster
-        self.inbox = RoleId.router(cluster).inbox(topology.prefix)
-        #: this client's queue for confirmations (exclusive: goes with the connection)
-        self.reply_queue = f"{topology.prefix}.{cluster}.client.{uuid.uuid4().hex}"
-
-    @staticmethod
-    def settings_for(settings: Settings, topology: PhoenixTopology, cluster: str) -> Settings:
-        return cluster_settings(settings, topology, cluster)[1]
-
-    def reply_spec(self) -> QueueSpec:
-        return QueueSpec(self.reply_queue, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
-
-    @staticmethod
-    def check_wait(wait_s: float | None) -> None:
-        if wait_s is not None and wait_s <= 0:
-            raise ConfigurationError(f"wait_s must be > 0 or None, got {wait_s}")
-
-    def advertisement(self, event_type: str) -> Advertise:
-        return Advertise(event_type=event_type)
-
-    def publication(self, event: Event | dict[str, Any]) -> Publish:
-        event = event if isinstance(event, Event) else Event.parse(event)
-        # the id lets the type's owner route it once, however often it is sent again
-        return Publish(event_type=event.event_type, event=event, id=uuid.uuid4().hex[:16])
-
-    def subscription(
-        self,
-        event_type: str,
-        filter: Iterable[Sequence[Any]] | None,
-        latency_level: int,
-        queue: str,
-        confirm: str,
-        wait_s: float | None,
-    ) -> Subscribe:
-        """A validated subscribe (refused before anything is sent), with a new id."""
-        flt = Filter.parse(filter)
-        if not 1 <= latency_level <= 5:
-            raise FilterError(f"latency level must be 1..5, got {latency_level}")
-        if confirm not in ("broker", "e2e"):
-            raise FilterError(f"confirm must be 'broker' or 'e2e', got {confirm!r}")
-        self.check_wait(wait_s)
-        try:
-            return Subscribe(
-                event_type=event_type,
-                home=self.cluster,
-                latency_level=latency_level,
-                queue=queue,
-                subscription_id=uuid.uuid4().hex,
-                confirm="e2e" if confirm == "e2e" else "broker",
-                filter=flt.spec(),
-                reply_to=None if wait_s is None else self.reply_queue,
-            )
-        except pydantic.ValidationError as exc:  # e.g. an empty queue or event type name
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'subscribe'}: {e['msg']}" for e in exc.errors()
-            )
-            raise FilterError(f"subscribe refused: {problems}") from None
-
-    def unsubscription(
-        self, event_type: str, subscription_id: str, wait_s: float | None
-    ) -> Unsubscribe:
-        self.check_wait(wait_s)
-        return Unsubscribe(
-            event_type=event_type,
-            home=self.cluster,
-            subscription_id=subscription_id,
-            reply_to=None if wait_s is None else self.reply_queue,
-        )
-
-    @staticmethod
-    def delivered(delivery: Delivery) -> tuple[Event, Publish]:
-        """A matched event as it lands in a subscriber queue (with its hops and broker)."""
-        message = parse(delivery.body, "Phoenix delivery")
-        if not isinstance(message, Publish):
-            raise DeadLetter(f"not a Phoenix event delivery: {message.kind.value}")
-        return message.event, message
-
-    @staticmethod
-    def reply(delivery: Delivery) -> Confirmation:
-        message = parse(delivery.body, "subscribe confirmation")
-        if not isinstance(message, Confirmation):
-            raise DeadLetter(f"not a subscribe confirmation: {message.kind.value}")
-        return message
-
-    @staticmethod
-    def _what(request: Subscribe | Unsubscribe) -> str:
-        return f"{request.kind.value} {request.subscription_id} of {request.event_type!r}"
-
-    def unconfirmed(
-        self, request: Subscribe | Unsubscribe, wait_s: float
-    ) -> SubscriptionUnconfirmed:
-        return SubscriptionUnconfirmed(
-            f"{self._what(request)}: the owner's match master did not confirm it in "
-            f"{wait_s:g} s (it may still take effect)"
-        )
-
-    def outcome(self, request: Subscribe | Unsubscribe, reply: Confirmation | None) -> bool:
-        """Subscribe: True.  Unsubscribe: whether the owner knew it (True unconfirmed).
-        Raises when the owner said why it could not."""
-        if reply is None:
-            return True
-        table = reply.outcome
-        if table.get("refused") == "filter":
-            raise FilterError(f"{self._what(request)} refused at {reply.broker}: {table['error']}")
-        if table.get("error"):
-            raise SubscriptionUnconfirmed(
-                f"{self._what(request)} at {reply.broker}: {table['error']}"
-            )
-        return isinstance(request, Subscribe) or bool(table.get("removed"))
 
 
 class PhoenixClient:

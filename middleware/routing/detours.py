@@ -22,14 +22,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter as PromCounter
-from prometheus_client import Gauge, Histogram
-
 from ..errors import DeadLetter, LinkDown, MiddlewareError, NotConnected, RetryableError
 from ..recovery import flood
 from ..recovery.links import LinkTable, Started
 from .ids import RoleId
 from .messages import Copy, Found, Message, Probe, RoutedMessage
+from .role_metrics import DETOURS, FLOOD_MESSAGES, LINKS_DOWN, REROUTE_S
 
 if TYPE_CHECKING:
     from ..transport import AsyncClient
@@ -42,24 +40,6 @@ log = logging.getLogger(__name__)
 
 #: what a send to another cluster raises when the link, not the message, is at fault
 LINK_ERRORS = (RetryableError, NotConnected, TimeoutError)
-
-LINKS_DOWN = Gauge(
-    "qosmq_phoenix_links_down", "links to other clusters a routing master found down", ["cluster"]
-)
-DETOURS = Gauge(
-    "qosmq_phoenix_detours", "clusters a routing master reaches over a detour now", ["cluster"]
-)
-FLOOD_MESSAGES = PromCounter(
-    "qosmq_phoenix_flood_messages_total",
-    "PROBE and FOUND messages a routing master sent",
-    ["cluster"],
-)
-REROUTE_S = Histogram(
-    "qosmq_phoenix_reroute_seconds",
-    "from a link's failed send to the detour its flood found",
-    ["cluster"],
-    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0),
-)
 
 
 class Detours:

@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +23,16 @@ from ..errors import MiddlewareError, Unroutable
 from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
-from ..transport import AsyncClient, Delivery
 from .ids import RoleId, RoleKind
 from .match_master import MatchMaster
 from .match_roles import MatchSlave
-from .messages import Answer, Takeover, parse
-from .protocol import MAX_PRIORITY, PhoenixTopology
+from .messages import Answer, Takeover
+from .protocol import PhoenixTopology
 from .roles import Role
 from .router_roles import RouterMaster, RouterSlave
-from .wiring import Connections, cluster_settings, inbox_spec, outgoing
+from .wiring import Connections, outgoing
 
-__all__ = ["RoleNode", "take_over"]
+__all__ = ["RoleNode"]
 
 log = logging.getLogger(__name__)
 
@@ -156,60 +153,3 @@ class RoleNode:
 async def _relay(stop: asyncio.Event, role_stop: asyncio.Event) -> None:
     await stop.wait()
     role_stop.set()
-
-
-async def take_over(
-    settings: Settings,
-    topology: PhoenixTopology,
-    slave: RoleId,
-    *,
-    timeout_s: float = 30.0,
-    served: Callable[[], bool] | None = None,
-) -> str:
-    """Tell ``slave`` to serve its master's role; return once it does (the master's id).
-    ``served``: says whether it serves it already (its slaves' election may win while
-    the message waits in a control queue the switching process no longer reads).
-
-    Raises :class:`MiddlewareError` when ``slave`` is no slave of the topology, or when
-    it did not answer in ``timeout_s`` (it may not be running)."""
-    if not slave.is_slave or not slave.in_topology(topology):
-        raise MiddlewareError(f"{slave} is not a slave in the topology: nothing to take over")
-    request = uuid.uuid4().hex
-    reply_queue = f"{topology.prefix}.takeover.{request}"
-    answered: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-    async def on_reply(delivery: Delivery) -> None:
-        reply = parse(delivery.body, "take-over answer")
-        if isinstance(reply, Answer) and reply.request == request and not answered.done():
-            answered.set_result(str(reply.broker))
-
-    _, conf = cluster_settings(settings, topology, slave.cluster)
-    async with AsyncClient(settings=conf) as client:
-        await client.declare_queue(inbox_spec(reply_queue))
-        tag = await client.consume(reply_queue, on_reply)
-        try:
-            message = Takeover(master=slave.master.owner, request=request, reply_to=reply_queue)
-            control = slave.control(topology.prefix)
-            try:  # not declared: a slave that never ran has no control queue
-                await client.publish(
-                    outgoing(
-                        message, control, priority=MAX_PRIORITY, expiration_ms=int(timeout_s * 1000)
-                    )
-                )
-            except Unroutable:
-                raise MiddlewareError(f"{slave} has no control queue: is it running?") from None
-            try:
-                async with asyncio.timeout(timeout_s):
-                    while served is None or not served():
-                        done, _ = await asyncio.wait([answered], timeout=0.1)
-                        if done:
-                            return answered.result()
-                    return slave.master.owner
-            except TimeoutError:
-                raise MiddlewareError(
-                    f"{slave} did not take over {slave.master} in {timeout_s:.0f} s"
-                ) from None
-        finally:
-            with contextlib.suppress(Exception):
-                await client.cancel(tag)
-                await client.delete_queue(reply_queue)

@@ -5,7 +5,18 @@ from __future__ import annotations
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
-__all__ = ["HOPS", "INBOX_LENGTH", "LEAVE_S", "PREDICTED_T", "RECOVERY_S", "ROLE_EVENTS"]
+__all__ = [
+    "DETOURS",
+    "FLOOD_MESSAGES",
+    "HOPS",
+    "INBOX_LENGTH",
+    "LEAVE_S",
+    "LINKS_DOWN",
+    "PREDICTED_T",
+    "RECOVERY_S",
+    "REROUTE_S",
+    "ROLE_EVENTS",
+]
 
 ROLE_EVENTS = PromCounter(
     "qosmq_phoenix_events_total",
@@ -41,4 +52,23 @@ HOPS = Histogram(
     "ring hops of delivered events",
     ["cluster"],
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+)
+
+# a routing master's links to other clusters (detours.py)
+LINKS_DOWN = Gauge(
+    "qosmq_phoenix_links_down", "links to other clusters a routing master found down", ["cluster"]
+)
+DETOURS = Gauge(
+    "qosmq_phoenix_detours", "clusters a routing master reaches over a detour now", ["cluster"]
+)
+FLOOD_MESSAGES = PromCounter(
+    "qosmq_phoenix_flood_messages_total",
+    "PROBE and FOUND messages a routing master sent",
+    ["cluster"],
+)
+REROUTE_S = Histogram(
+    "qosmq_phoenix_reroute_seconds",
+    "from a link's failed send to the detour its flood found",
+    ["cluster"],
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0),
 )

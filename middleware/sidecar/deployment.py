@@ -30,8 +30,7 @@ from ..localcluster.manager import pid_alive, spawn_daemon
 from ..recovery.fencing import Reign
 from ..routing.ids import RoleId, RoleKind
 from ..routing.messages import Join, encode
-from ..routing.node import take_over
-from ..routing.operator import reconfigure
+from ..routing.operator import reconfigure, take_over
 from ..routing.protocol import MAX_PRIORITY, PhoenixTopology
 from ..routing.records import LatencyEntry, SubscriptionRecord
 from ..routing.ring import ChordRing, master_index

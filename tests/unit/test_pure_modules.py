@@ -32,6 +32,8 @@ PURE = [
     "routing/departures.py",
     "routing/records.py",
     "routing/messages.py",
+    "routing/message_base.py",
+    "routing/control_messages.py",
     "routing/ids.py",
     "routing/protocol.py",
     "recovery/capacity.py",
