@@ -191,23 +191,31 @@ class Deployment:
         self.configure(outer=True, inner=True)
 
     def configure(self, *, outer: bool, inner: bool) -> PhoenixTopology:
-        self.topology_file.write_text(
-            f'prefix = "{self.prefix}"\nstate_store = "{self.store_path}"\n'
-            f"outer = {str(outer).lower()}\ninner = {str(inner).lower()}\n"
-            f"inbox_mirrors = {self.inbox_mirrors}\n"
-            f'role_queues = "{self.role_queues}"\n'
-            + "".join(f"{key} = {value}\n" for key, value in self.fields.items())
-            + "".join(
-                f'[[cluster]]\nid = "{c}"\nrouting_slaves = {self.routing_slaves}\n'
-                f"match_slaves = {self.match_slaves}\n"
-                f"match_masters = {self.match_masters.get(c, 1)}\n"
-                for c in self.clusters
-            )
-            + "".join(
-                f'[[link]]\nfrom = "{a}"\nto = "{b}"\namqp_urls = ["{url}"]\n'
-                for (a, b), url in sorted(self.links.items())
-            )
+        topology = PhoenixTopology.model_validate(
+            {
+                "prefix": self.prefix,
+                "state_store": str(self.store_path),
+                "outer": outer,
+                "inner": inner,
+                "inbox_mirrors": self.inbox_mirrors,
+                "role_queues": self.role_queues,
+                **self.fields,
+                "clusters": [
+                    {
+                        "id": c,
+                        "routing_slaves": self.routing_slaves,
+                        "match_slaves": self.match_slaves,
+                        "match_masters": self.match_masters.get(c, 1),
+                    }
+                    for c in self.clusters
+                ],
+                "links": [
+                    {"from": a, "to": b, "amqp_urls": [url]}
+                    for (a, b), url in sorted(self.links.items())
+                ],
+            }
         )
+        topology.write(self.topology_file)
         self.topology = PhoenixTopology.load(self.topology_file)
         return self.topology
 

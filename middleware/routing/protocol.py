@@ -3,6 +3,7 @@ themselves are in messages.py, role names in ids.py."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from enum import StrEnum
 from pathlib import Path
@@ -214,6 +215,26 @@ class PhoenixTopology(BaseModel):
             f"({', '.join(c.id for c in self.clusters)})"
         )
 
+    def to_toml(self) -> str:
+        """The topology as the file ``load`` reads: top-level fields, then one
+        ``[[cluster]]`` and one ``[[link]]`` table each; defaults left out."""
+        top = self.model_dump(mode="json", exclude_defaults=True, exclude={"clusters", "links"})
+        lines = [f"{key} = {_toml(value)}" for key, value in top.items()]
+        for cluster in self.clusters:
+            own = cluster.model_dump(mode="json", exclude_defaults=True)
+            lines += ["", "[[cluster]]", *(f"{k} = {_toml(v)}" for k, v in own.items())]
+        for link in self.links:
+            own = link.model_dump(mode="json", by_alias=True)
+            lines += ["", "[[link]]", *(f"{k} = {_toml(v)}" for k, v in own.items())]
+        return "\n".join(lines) + "\n"
+
+    def write(self, path: Path | str) -> Path:
+        """Write the topology file (``load`` reads it back equal); its path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_toml())
+        return path
+
     @classmethod
     def load(cls, path: Path | str) -> PhoenixTopology:
         try:
@@ -233,6 +254,20 @@ class PhoenixTopology(BaseModel):
             ) from None
         except ValidationError as exc:
             raise ConfigurationError(f"topology file {path}: {explain(exc)}") from None
+
+
+def _toml(value: object) -> str:
+    """One TOML value of a topology field: a boolean, a number, a string (JSON's escapes
+    are TOML's), or an array of them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"no TOML for {value!r}")
 
 
 def explain(exc: ValidationError) -> str:

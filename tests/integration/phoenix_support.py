@@ -40,21 +40,15 @@ def write_topology(
 ) -> tuple[Path, PhoenixTopology]:
     """The test's topology file (top-level ``fields``, clusters with their own TOML
     fields) and its model; the shared store beside it."""
-
-    def toml(value: object) -> str:
-        if isinstance(value, bool):
-            return str(value).lower()
-        return f'"{value}"' if isinstance(value, str) else str(value)
-
-    directory.mkdir(parents=True, exist_ok=True)
-    text = f'prefix = "{name}"\nstate_store = "{directory / "state.sqlite3"}"\n'
-    text += "".join(f"{key} = {toml(value)}\n" for key, value in (fields or {}).items())
-    for cluster, own in clusters.items():
-        text += f'[[cluster]]\nid = "{cluster}"\n'
-        text += "".join(f"{key} = {toml(value)}\n" for key, value in own.items())
-    path = directory / "phoenix.toml"
-    path.write_text(text)
-    return path, PhoenixTopology.load(path)
+    topology = PhoenixTopology.model_validate(
+        {
+            "prefix": name,
+            "state_store": str(directory / "state.sqlite3"),
+            **(fields or {}),
+            "clusters": [{"id": cluster, **own} for cluster, own in clusters.items()],
+        }
+    )
+    return topology.write(directory / "phoenix.toml"), topology
 
 
 def deployment(

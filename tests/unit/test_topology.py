@@ -162,3 +162,27 @@ def test_a_bad_topology_file_is_named_in_one_line_as_the_file_has_it(tmp_path) -
     )
     assert "inbox_prefetch: Input should be greater than or equal to 1 (got 0)" in text
     assert "too_short" not in text and "at least 1 item" not in text and "\n" not in text
+
+
+def test_a_written_topology_reads_back_equal_with_defaults_left_out(tmp_path) -> None:
+    from middleware.routing import PhoenixTopology
+
+    topology = PhoenixTopology.model_validate(
+        {
+            "prefix": 'a "quoted" prefix',
+            "outer": False,
+            "heartbeat_interval_s": 0.05,
+            "blind_dispatch": "master",
+            "role_queues": "quorum",
+            "clusters": [
+                {"id": "A", "match_slaves": 2, "amqp_urls": ["amqp://127.0.0.1:5682/"]},
+                {"id": "B", "joined": False, "vhost": "b"},
+            ],
+            "links": [{"from": "A", "to": "B", "amqp_urls": ["amqp://127.0.0.1:6000/"]}],
+        }
+    )
+    path = topology.write(tmp_path / "deeper" / "phoenix.toml")
+    assert PhoenixTopology.load(path) == topology
+    text = path.read_text()
+    assert "inbox_prefetch" not in text and "match_masters" not in text  # defaults
+    assert 'from = "A"' in text and "joined = false" in text
