@@ -30,6 +30,7 @@ from .messages import Answer, Takeover
 from .protocol import PhoenixTopology
 from .roles import Role
 from .router_roles import RouterMaster, RouterSlave
+from .switching import become
 from .wiring import Connections, outgoing
 
 __all__ = ["RoleNode"]
@@ -105,19 +106,22 @@ class RoleNode:
                     relay.cancel()
                     if answer is not None:
                         answer.cancel()
-                if role.switch_to is None or stop.is_set():
+                after = become(
+                    self.current,
+                    role.switch_to,
+                    won=role.next_reign,
+                    trusted=role.reign,
+                    failed_at=role.failed_at,
+                    reply=role.takeover_reply,
+                    topology=role.topology,
+                )
+                if after is None or stop.is_set():
                     break
-                log.warning("%s: serving %s from now on", self.current, role.switch_to)
-                # up to a master: the slave it was; down to a slave (fenced): none
-                promoted_from = None if role.switch_to.is_slave else self.current
-                self.current = role.switch_to
-                # a winner's reign; a fenced master's slave trusts the reign that fenced it
-                reign = role.next_reign if not role.switch_to.is_slave else role.reign
-                failed_at = role.failed_at if not role.switch_to.is_slave else None
-                reply = role.takeover_reply
+                log.warning("%s: serving %s from now on", self.current, after.role)
+                self.current, promoted_from = after.role, after.promoted_from
+                reign, failed_at, reply = after.reign, after.failed_at, after.reply
                 self.switches += 1
-                # configure's switches stay with the process, not with the role it served
-                self.topology = role.topology
+                self.topology = after.topology
         finally:
             await connections.close()
 

@@ -30,6 +30,7 @@ PURE = [
     "routing/restoring.py",
     "routing/forwarding.py",
     "routing/departures.py",
+    "routing/switching.py",
     "routing/records.py",
     "routing/messages.py",
     "routing/message_base.py",
