@@ -23,19 +23,19 @@ def test_a_role_that_stopped_for_good_serves_nothing_next() -> None:
 
 
 def test_a_winner_serves_its_masters_role_in_the_reign_it_won_from_the_failure() -> None:
-    won, reply = Reign(3, "x"), Takeover(master=MASTER.owner, request="r", reply_to="q")
+    won, reply = Reign(3, -2), Takeover(master=MASTER.owner, request="r", reply_to="q")
     after = become(
-        SLAVE, MASTER, won=won, trusted=Reign(2, "y"), failed_at=7.5, reply=reply, topology=TOPOLOGY
+        SLAVE, MASTER, won=won, trusted=Reign(2, 0), failed_at=7.5, reply=reply, topology=TOPOLOGY
     )
     assert after == Become(MASTER, SLAVE, won, 7.5, reply, TOPOLOGY)
 
 
 def test_a_fenced_master_serves_a_slave_that_trusts_the_reign_that_fenced_it() -> None:
-    fencing = Reign(4, "z")
+    fencing = Reign(4, -1)
     after = become(
         MASTER,
         SLAVE,
-        won=Reign(9, "w"),
+        won=Reign(9, -3),
         trusted=fencing,
         failed_at=7.5,
         reply=None,
