@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..routing.ids import RoleId
-from ..routing.protocol import PhoenixTopology
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import PhoenixTopology
 
 __all__ = ["Adoption", "CapacityPlan", "Restore", "plan_takeover", "running_masters"]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..routing.ids import RoleId
+from ..phoenix.ids import RoleId
 
 __all__ = ["Become", "Bully", "BullyState", "Send"]
 

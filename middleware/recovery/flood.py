@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..routing.ring import ChordRing
+from ..phoenix.ring import ChordRing
 
 __all__ = [
     "Classification",

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..routing.ring import ChordRing
+from ..phoenix.ring import ChordRing
 from .flood import Classification, FloodNode, Found, Probe, Send, Verdict, answer
 
 __all__ = ["LinkTable", "Started"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..routing.ids import RoleId
+from ..phoenix.ids import RoleId
 
 __all__ = ["Provisioner"]
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .ids import RoleId, RoleKind, role_queues
+from ..phoenix.ids import RoleId, RoleKind, role_queues
+from ..phoenix.ring import ChordRing, Handover, ring_id
 from .matching import Event, Filter, FilterError, Op, Predicate, SubscriptionIndex
 from .replicas import Quorum, Versioned
-from .ring import ChordRing, Handover, ring_id
 from .timeliness import (
     LatencyMap,
     QueuePredictor,
@@ -31,10 +31,10 @@ from .timeliness import (
 )
 
 if TYPE_CHECKING:
+    from ..phoenix.protocol import PhoenixTopology
     from ..sidecar.deployment import DeploymentError, PhoenixDeployment, RoleStatus
     from .client import PhoenixClient, SubscriptionUnconfirmed, SyncPhoenixClient
     from .messages import HOME_LEFT, MAYBE_DELIVERED
-    from .protocol import PhoenixTopology
     from .records import RecordError, SubscriptionRecord
 
 _LAZY = {

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
+from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from .batching import Batcher
@@ -27,7 +28,6 @@ from .messages import (
     Unsubscribe,
     encode,
 )
-from .protocol import PhoenixTopology
 from .wiring import outgoing, role_inbox_spec
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]

@@ -11,9 +11,10 @@ from typing import Any
 import pydantic
 
 from ..errors import ConfigurationError, DeadLetter, RetryableError
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import Delivery, QueueKind, QueueSpec
-from .ids import RoleId
 from .matching import Event, Filter, FilterError
 from .messages import (
     Advertise,
@@ -23,7 +24,6 @@ from .messages import (
     Unsubscribe,
     parse,
 )
-from .protocol import PhoenixTopology
 from .wiring import cluster_settings
 
 __all__ = ["ClientCore", "SubscriptionUnconfirmed"]

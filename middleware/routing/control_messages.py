@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from ..phoenix.protocol import Kind
 from .message_base import Cluster as _Cluster
 from .message_base import Finite as _Finite
 from .message_base import WireMessage as _Message
-from .protocol import Kind
 
 
 class Heartbeat(_Message):

@@ -15,9 +15,9 @@ from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
 from ..confirms.tracking import CONTENT_HEADER
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
+from ..phoenix.protocol import PhoenixTopology
 from ..transport import AsyncClient, OutgoingMessage
 from .copies import CopyOutcome, Outcome, event_content
-from .protocol import PhoenixTopology
 
 __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
 

@@ -25,14 +25,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import PhoenixTopology
+from ..phoenix.ring import ChordRing, ring_id
+from ..phoenix.ring import Handover as Arc
 from ..recovery.capacity import CapacityPlan
 from .effects import Count
-from .ids import RoleId
 from .messages import Leave, Recover
-from .protocol import PhoenixTopology
 from .records import LatencyEntry, RecordError
-from .ring import ChordRing, ring_id
-from .ring import Handover as Arc
 
 __all__ = [
     "AfterRingApplied",

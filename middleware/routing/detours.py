@@ -23,16 +23,16 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DeadLetter, LinkDown, MiddlewareError, NotConnected, RetryableError
+from ..phoenix.ids import RoleId
 from ..recovery import flood
 from ..recovery.links import LinkTable, Started
-from .ids import RoleId
 from .messages import Copy, Found, Message, Probe, RoutedMessage
 from .role_metrics import DETOURS, FLOOD_MESSAGES, LINKS_DOWN, REROUTE_S
 
 if TYPE_CHECKING:
+    from ..phoenix.protocol import PhoenixTopology
+    from ..phoenix.ring import ChordRing
     from ..transport import AsyncClient
-    from .protocol import PhoenixTopology
-    from .ring import ChordRing
 
 __all__ = ["LINK_ERRORS", "Detours"]
 

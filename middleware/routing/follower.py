@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import Kind
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.fencing import Reign, Trust, Verdict
-from .ids import RoleId
-from .protocol import Kind
 
 __all__ = [
     "Counted",

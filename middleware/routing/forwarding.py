@@ -29,9 +29,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..phoenix.ring import Handover as Arc
 from .effects import Count, Refuse
 from .messages import HOME_LEFT, MAYBE_DELIVERED, Copy, Matched, Publish, RoutedMessage
-from .ring import Handover as Arc
 from .router import Forward, KeptEvents, RouterLogic, ToMatch, WriteEntry
 
 __all__ = [

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import heap
 from ..errors import DeadLetter
+from ..phoenix.protocol import Kind
 from ..recovery.fencing import Reign, Trust
 from .beats import LeaseWatch
 from .follower import (
@@ -28,7 +29,6 @@ from .follower import (
 )
 from .follower import Effect as FollowerEffect
 from .messages import Ack, Beat, Fence, Read, Replicate, Retire, Takeover, Vote
-from .protocol import Kind
 from .role_metrics import RECOVERY_S
 from .roles import Role
 from .store import StateStore

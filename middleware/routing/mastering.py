@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
 from ..recovery.fencing import (
     Refused,
@@ -26,9 +28,7 @@ from ..recovery.fencing import (
     rival_beat,
 )
 from .beats import LeaseWatch
-from .ids import RoleId
 from .messages import Beat, Fence, Retire, Vote
-from .protocol import Kind
 from .replica_set import ReplicaSet
 from .roles import WARM_AFTER_PROMOTION_S, Role
 from .supervision import After, Note, Provision, Supervision

@@ -13,8 +13,10 @@ import time
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY
+from ..phoenix.ring import Handover as Arc
 from . import subscribing
-from .ids import RoleId
 from .joining import handover_plan
 from .match_restore import RestoringMatcher
 from .messages import (
@@ -29,9 +31,7 @@ from .messages import (
     Unsubscribe,
     Unsubscribed,
 )
-from .protocol import MAX_PRIORITY
 from .replica_set import ReplicaTimeout
-from .ring import Handover as Arc
 from .subscribing import TellRouters
 from .wiring import Handler, outgoing
 

@@ -12,6 +12,9 @@ import time
 from typing import Any
 
 from .. import heap
+from ..phoenix.protocol import MAX_PRIORITY
+from ..phoenix.ring import Handover as Arc
+from ..phoenix.ring import master_index
 from .mastering import Master
 from .match_roles import MatchBroker
 from .messages import (
@@ -19,12 +22,9 @@ from .messages import (
     Recover,
     Recovered,
 )
-from .protocol import MAX_PRIORITY
 from .replica_set import ReplicaSet
 from .replicas import live
 from .restoring import ForgetAfter, Read, ReadAhead, Restore, RestorePlan, restore_plan
-from .ring import Handover as Arc
-from .ring import master_index
 from .store import StateStore, open_store, ring_owner
 from .subscribing import SubscriptionBook
 from .timeliness import Dispatch

@@ -15,11 +15,12 @@ from typing import Any
 
 from .. import tracing
 from ..errors import DeadLetter
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY
 from . import copies as copies_plan
 from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
 from .delivery import CopySender
 from .holding import ReplicaHolder
-from .ids import RoleId
 from .messages import (
     Copy,
     Heartbeat,
@@ -30,7 +31,6 @@ from .messages import (
     encode,
     heartbeat_value,
 )
-from .protocol import MAX_PRIORITY
 from .registry import Registry
 from .replicas import TOMBSTONE, live
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .protocol import MAX_PRIORITY
+from ..phoenix.protocol import MAX_PRIORITY
 
 __all__ = ["Cluster", "Finite", "Routed", "WireMessage"]
 

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter
 
 from ..errors import DeadLetter
+from ..phoenix.protocol import Kind
 from .control_messages import (
     Ack,
     Answer,
@@ -45,7 +46,6 @@ from .control_messages import (
 )
 from .matching import Event
 from .message_base import Routed
-from .protocol import Kind
 
 __all__ = [
     "Ack",

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MiddlewareError, Unroutable
+from ..phoenix.ids import RoleId, RoleKind
+from ..phoenix.protocol import PhoenixTopology
 from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
-from .ids import RoleId, RoleKind
 from .match_master import MatchMaster
 from .match_roles import MatchSlave
 from .messages import Answer, Takeover
-from .protocol import PhoenixTopology
 from .roles import Role
 from .router_roles import RouterMaster, RouterSlave
 from .switching import become

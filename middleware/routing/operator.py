@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from ..errors import MiddlewareError, Unroutable
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
-from .ids import RoleId
 from .messages import Answer, Configure, Message, Takeover, parse
-from .protocol import MAX_PRIORITY, PhoenixTopology
 from .wiring import cluster_settings, inbox_spec, outgoing
 
 __all__ = ["Requests", "reconfigure", "take_over"]

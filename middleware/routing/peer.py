@@ -12,11 +12,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import LinkDown, MiddlewareError, Unroutable
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
 from .batching import Batcher
 from .beats import Beater
-from .ids import RoleId
 from .messages import (
     Beat,
     Message,
@@ -24,7 +25,6 @@ from .messages import (
     Snapshot,
     encode,
 )
-from .protocol import MAX_PRIORITY, PhoenixTopology
 from .replica_set import ReplicaSet
 from .role_metrics import ROLE_EVENTS
 from .store import StateStore

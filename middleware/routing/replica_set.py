@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RetryableError
-from .ids import RoleId
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY
 from .messages import Ack, Heartbeat, Snapshot
-from .protocol import MAX_PRIORITY
 from .replicas import Effect, GaveUp, Persist, ReplicaLog, ToReplica, Written
 from .store import StateStore
 from .wiring import Handler

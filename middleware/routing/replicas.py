@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DeadLetter
-from .ids import RoleId
+from ..phoenix.ids import RoleId
 from .messages import Ack, Heartbeat, Read, Replicate, Snapshot
 
 __all__ = [

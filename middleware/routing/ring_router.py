@@ -16,6 +16,9 @@ import uuid
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.ids import RoleId, RoleKind
+from ..phoenix.ring import ChordRing
+from ..phoenix.ring import Handover as Arc
 from ..recovery.capacity import running_masters
 from ..transport import OutgoingMessage
 from .delivery import CopySender, event_content
@@ -37,7 +40,6 @@ from .forwarding import (
     WriteEntry,
 )
 from .forwarding import Effect as ForwardingEffect
-from .ids import RoleId, RoleKind
 from .joining import (
     HandBack,
     JoinHold,
@@ -53,8 +55,6 @@ from .messages import (
     encode,
 )
 from .replica_set import ReplicaSet
-from .ring import ChordRing
-from .ring import Handover as Arc
 from .router import KeptEvents, RouterLogic
 from .store import open_store, ring_owner
 from .takeover import ArcTakeover

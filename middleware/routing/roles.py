@@ -22,12 +22,13 @@ from pydantic import ValidationError
 
 from .. import heap
 from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import PhoenixTopology
 from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
 from ..transport import AsyncClient, Delivery
 from ..transport.delivery import outcome_of
 from .batching import PriorityGate, split
-from .ids import RoleId
 from .messages import (
     Answer,
     Beat,
@@ -41,7 +42,6 @@ from .messages import (
     encode,
 )
 from .peer import Peer
-from .protocol import PhoenixTopology
 from .replica_set import ReplicaSet
 from .role_metrics import INBOX_LENGTH, RECOVERY_S
 from .wiring import (

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.protocol import PhoenixTopology
+from ..phoenix.ring import ChordRing, Handover, master_index
 from .messages import Copy, Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
-from .protocol import PhoenixTopology
 from .records import LatencyEntry, RecordError
-from .ring import ChordRing, Handover, master_index
 from .timeliness import LatencyMap
 
 __all__ = ["Forward", "KeptEvents", "RouterLogic", "ToMatch", "WriteEntry"]

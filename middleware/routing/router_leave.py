@@ -12,6 +12,9 @@ import time
 import uuid
 from typing import Any
 
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY
+from ..phoenix.ring import Handover as Arc
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
 from .departures import (
     AfterRingApplied,
@@ -30,13 +33,10 @@ from .detours import LINK_ERRORS
 from .forwarding import (
     Count,
 )
-from .ids import RoleId
 from .messages import (
     Leave,
 )
-from .protocol import MAX_PRIORITY
 from .replicas import live
-from .ring import Handover as Arc
 from .ring_router import RingRouter
 from .role_metrics import LEAVE_S
 from .store import ring_owner

@@ -17,8 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY
+from ..phoenix.ring import Handover as Arc
+from ..phoenix.ring import ring_id
 from .holding import ReplicaHolder
-from .ids import RoleId
 from .joining import (
     AskMasters,
     Expire,
@@ -44,10 +47,7 @@ from .messages import (
     Unsubscribe,
     Unsubscribed,
 )
-from .protocol import MAX_PRIORITY
 from .replicas import TOMBSTONE, live
-from .ring import Handover as Arc
-from .ring import ring_id
 from .roles import WARM_AFTER_PROMOTION_S
 from .router_leave import LeavingRouter
 from .store import open_store, ring_owner

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..phoenix.ids import RoleId
+from ..phoenix.protocol import PhoenixTopology
 from ..recovery.fencing import Reign
-from .ids import RoleId
 from .messages import Takeover
-from .protocol import PhoenixTopology
 
 __all__ = ["Become", "become"]
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .protocol import MAX_PRIORITY
+from ..phoenix.protocol import MAX_PRIORITY
 
 __all__ = [
     "Dispatch",

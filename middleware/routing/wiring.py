@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import RetryableError
+from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
 from .messages import Message, encode
-from .protocol import PhoenixTopology
 
 __all__ = [
     "Connections",

@@ -27,13 +27,13 @@ from typing import Any
 from .. import runtime
 from ..errors import EntityNotFound, MiddlewareError
 from ..localcluster.manager import pid_alive, spawn_daemon
+from ..phoenix.ids import RoleId, RoleKind
+from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
+from ..phoenix.ring import ChordRing, master_index
 from ..recovery.fencing import Reign
-from ..routing.ids import RoleId, RoleKind
 from ..routing.messages import Join, encode
 from ..routing.operator import reconfigure, take_over
-from ..routing.protocol import MAX_PRIORITY, PhoenixTopology
 from ..routing.records import LatencyEntry, SubscriptionRecord
-from ..routing.ring import ChordRing, master_index
 from ..routing.store import open_store, ring_owner
 from ..routing.timeliness import LatencyMap
 from ..routing.wiring import cluster_settings, role_inbox_spec

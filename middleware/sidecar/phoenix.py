@@ -114,8 +114,8 @@ def _serve(role: Any, settings: Any) -> int:
 
 
 def _run_role(args: argparse.Namespace, role: Any) -> int:
+    from ..phoenix.protocol import PhoenixTopology
     from ..routing.node import RoleNode
-    from ..routing.protocol import PhoenixTopology
 
     topology = PhoenixTopology.load(args.topology)
     topology.cluster(args.cluster)
@@ -138,7 +138,7 @@ def _run_role(args: argparse.Namespace, role: Any) -> int:
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from ..routing.ids import RoleId
+    from ..phoenix.ids import RoleId
 
     if args.role == "slave":
         return _run_role(args, RoleId.router_slave(args.cluster, args.slave))
@@ -146,7 +146,7 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_matcher(args: argparse.Namespace) -> int:
-    from ..routing.ids import RoleId
+    from ..phoenix.ids import RoleId
 
     if args.role == "slave":
         return _run_role(args, RoleId.match_slave(args.cluster, args.index, args.slave))
@@ -223,7 +223,7 @@ def _takeover(args: argparse.Namespace) -> int:
     """Tell a running slave to serve its master's role (the master's inbox and control
     queue, with the tables the slave holds); the same process goes on as the master."""
     from ..errors import MiddlewareError
-    from ..routing.ids import RoleId
+    from ..phoenix.ids import RoleId
 
     try:
         slave = RoleId.from_key(args.role)

@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import ChordRing, PhoenixDeployment
-from middleware.routing.ids import RoleId
-from middleware.routing.protocol import PhoenixTopology
 from middleware.settings import Settings
 from middleware.transport import AsyncClient
 from qosmq_bench.phoenix_timeliness import phoenix_cli

@@ -180,9 +180,9 @@ def test_fuzzed_phoenix_messages_leave_roles_alive_and_events_exact(
     import json
     import os
 
+    from middleware.phoenix.ids import RoleId
     from middleware.routing import ChordRing
     from middleware.routing.client import PhoenixClient
-    from middleware.routing.ids import RoleId
     from middleware.transport import (
         AsyncClient,
         BindingSpec,

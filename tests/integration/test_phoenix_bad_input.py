@@ -12,9 +12,9 @@ import time
 import pika
 import pytest
 
+from middleware.phoenix.ids import RoleId
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import ClientCore, PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.routing.messages import (
     Ack,
     Beat,

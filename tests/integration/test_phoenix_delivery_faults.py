@@ -25,8 +25,8 @@ import time
 import pytest
 
 from middleware.errors import EntityNotFound
+from middleware.phoenix.ids import RoleId, RoleKind
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId, RoleKind
 from middleware.transport import DEAD_LETTER_QUEUE, AsyncClient
 from tests.integration.phoenix_support import owned_by, running
 from tests.integration.test_phoenix_links import RATE, links  # noqa: F401 (fixture)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from middleware.localcluster.manager import pid_alive
-from middleware.routing.ids import RoleId
+from middleware.phoenix.ids import RoleId
 from tests.integration.phoenix_support import cli, eventually, running
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 
 from middleware.errors import MiddlewareError
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.routing.operator import reconfigure
-from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import attribute, cli, event, eventually_async, running, take
 

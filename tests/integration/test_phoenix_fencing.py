@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
-from middleware.routing.ids import RoleId
+from middleware.phoenix.ids import RoleId
 from tests.integration.phoenix_support import eventually
 from tests.integration.test_phoenix_recovery import _deployment, _stream, _subscribe
 

@@ -20,8 +20,8 @@ import pytest
 
 from middleware.errors import MiddlewareError
 from middleware.localcluster.manager import pid_alive
+from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import eventually
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe

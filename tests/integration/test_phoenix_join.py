@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from middleware.phoenix.ids import RoleId
 from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.routing.records import LatencyEntry
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.proxy import FaultProxy
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import ChordRing, PhoenixDeployment, ring_id
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
-from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.store import open_store, ring_owner
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import eventually, management, write_topology

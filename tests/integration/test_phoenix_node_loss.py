@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from middleware.errors import MiddlewareError
+from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.transport import AsyncClient, QueueKind, QueueSpec
 from middleware.transport.management import management_get
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe

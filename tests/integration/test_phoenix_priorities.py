@@ -16,8 +16,8 @@ import pytest
 
 from middleware import runtime
 from middleware.errors import EntityNotFound
+from middleware.phoenix.ids import RoleId, role_queues
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId, role_queues
 from middleware.transport import AsyncClient
 from qosmq_bench.phoenix_timeliness import Deployment, phoenix_cli
 from tests.integration.phoenix_support import (

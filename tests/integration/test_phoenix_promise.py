@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
+from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import (
     deployment as phoenix,

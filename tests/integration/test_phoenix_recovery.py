@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import PhoenixDeployment
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
-from middleware.routing.protocol import PhoenixTopology
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import deployment as phoenix
 from tests.integration.phoenix_support import event, owned_by, take, until_delivered, write_topology

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.routing.records import LatencyEntry, SubscriptionRecord
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from middleware.phoenix.ids import RoleId
 from middleware.routing import ChordRing, FilterError
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import (
     attribute,

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from middleware.errors import ConfigurationError
+from middleware.phoenix.ids import RoleId
 from middleware.routing import FilterError
 from middleware.routing.batching import encode
 from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.routing.messages import Publish, Subscribe
 from middleware.routing.wiring import outgoing
 from middleware.transport import DEAD_LETTER_QUEUE, OutgoingMessage

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from middleware.localcluster.manager import pid_alive
+from middleware.phoenix.ids import RoleId
 from middleware.routing import ChordRing, PhoenixDeployment
 from middleware.routing.client import PhoenixClient
-from middleware.routing.ids import RoleId
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store
 from middleware.transport import AsyncClient
@@ -213,7 +213,7 @@ def test_the_deployment_example_in_the_docs_runs_as_printed(
 ) -> None:
     import re
 
-    from middleware.routing.ids import role_queues
+    from middleware.phoenix.ids import role_queues
 
     block = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)[0]
     monkeypatch.chdir(tmp_path)

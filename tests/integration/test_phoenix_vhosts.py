@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from middleware.phoenix.ids import RoleId
 from middleware.routing import PhoenixDeployment
 from middleware.routing.client import PhoenixClient, SubscriptionUnconfirmed
-from middleware.routing.ids import RoleId
 from tests.integration.phoenix_support import (
     cli,
     deployment,

@@ -166,7 +166,7 @@ def test_the_deployment_example_of_the_phoenix_roles_guide_runs_as_printed(
     phoenix.toml (A, and B with one match slave): B's match master is SIGKILLed, its
     slave-0 serves its role, the status it took says so, and ``down`` stops everything."""
     from middleware.localcluster.manager import pid_alive
-    from middleware.routing.ids import RoleId
+    from middleware.phoenix.ids import RoleId
     from tests.integration.phoenix_support import write_topology
 
     guide = README.parent / "docs" / "phoenix-roles.md"

@@ -38,7 +38,7 @@ def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup
 ) -> None:
     """The queues a deployment deletes are exactly its roles' inboxes and control queues;
     a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
-    from middleware.routing.ids import role_queues
+    from middleware.phoenix.ids import role_queues
     from qosmq_bench.phoenix_timeliness import Deployment
 
     deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])

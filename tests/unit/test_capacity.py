@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from middleware.phoenix.ids import RoleId, role_queues
+from middleware.phoenix.protocol import ClusterSpec, PhoenixTopology
+from middleware.phoenix.ring import ChordRing, ring_id
+from middleware.phoenix.ring import Handover as Arc
 from middleware.recovery.capacity import plan_takeover, running_masters
-from middleware.routing.ids import RoleId, role_queues
-from middleware.routing.protocol import ClusterSpec, PhoenixTopology
-from middleware.routing.ring import ChordRing, ring_id
-from middleware.routing.ring import Handover as Arc
 from middleware.routing.router import RouterLogic, ToMatch
 
 

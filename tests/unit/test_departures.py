@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from middleware.phoenix.protocol import PhoenixTopology
+from middleware.phoenix.ring import ChordRing, ring_id
 from middleware.recovery.capacity import plan_takeover
 from middleware.routing.departures import (
     AfterRingApplied,
@@ -21,9 +23,7 @@ from middleware.routing.departures import (
     recover_asks,
 )
 from middleware.routing.messages import Leave
-from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.records import LatencyEntry
-from middleware.routing.ring import ChordRing, ring_id
 
 CLUSTERS = ["A", "B", "C", "D"]
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from middleware.phoenix.ids import RoleId
 from middleware.recovery import (
     FailureDetector,
 )
-from middleware.routing.ids import RoleId
 
 MASTER = RoleId.match("B", 0)
 

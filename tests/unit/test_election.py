@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import Kind
 from middleware.recovery import (
     Become,
     Bully,
@@ -20,8 +22,6 @@ from middleware.recovery import (
 from middleware.recovery.fencing import SendFence, StepDown, rival_beat
 from middleware.routing.follower import Effect as FollowerEffect
 from middleware.routing.follower import FenceMaster, Follower, Promote, SignalVote
-from middleware.routing.ids import RoleId
-from middleware.routing.protocol import Kind
 
 MASTER = RoleId.match("B", 0)
 

@@ -12,6 +12,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from middleware.phoenix.ring import ChordRing
 from middleware.recovery.flood import (
     Classification,
     FloodNode,
@@ -24,7 +25,6 @@ from middleware.recovery.flood import (
     message_bound,
     neighbours,
 )
-from middleware.routing.ring import ChordRing
 
 
 def _world(n: int, seed: int, cut_share: float, dead_share: float, q_state: str):

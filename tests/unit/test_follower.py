@@ -3,6 +3,8 @@ rule of two looks, the lease, fencing an older reign, the election's votes."""
 
 from __future__ import annotations
 
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import Kind
 from middleware.recovery.fencing import Reign, Trust
 from middleware.routing.follower import (
     Counted,
@@ -16,8 +18,6 @@ from middleware.routing.follower import (
     SignalVote,
     Suspected,
 )
-from middleware.routing.ids import RoleId
-from middleware.routing.protocol import Kind
 
 SLAVES = [RoleId.router_slave("A", j) for j in range(2)]
 MASTER = SLAVES[0].master

@@ -7,6 +7,8 @@ import itertools
 import pytest
 
 from middleware.errors import DeadLetter
+from middleware.phoenix.protocol import PhoenixTopology
+from middleware.phoenix.ring import ChordRing, Handover, ring_id
 from middleware.routing.forwarding import (
     JOINING,
     Count,
@@ -31,8 +33,6 @@ from middleware.routing.messages import (
     Publish,
     Subscribe,
 )
-from middleware.routing.protocol import PhoenixTopology
-from middleware.routing.ring import ChordRing, Handover, ring_id
 from middleware.routing.router import KeptEvents, RouterLogic
 
 CLUSTERS = ["A", "B", "C"]

@@ -14,9 +14,9 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from middleware.phoenix.ring import ChordRing
 from middleware.recovery.flood import Classification, Found, Probe, Send, Verdict
 from middleware.recovery.links import LinkTable, Started
-from middleware.routing.ring import ChordRing
 
 
 class World:

@@ -7,8 +7,8 @@ import pytest
 
 def test_a_phoenix_client_refuses_a_connection_to_another_clusters_rabbitmq() -> None:
     from middleware.errors import ConfigurationError
+    from middleware.phoenix.protocol import PhoenixTopology
     from middleware.routing.client import PhoenixClient
-    from middleware.routing.protocol import PhoenixTopology
     from middleware.settings import Settings
     from middleware.transport import AsyncClient
 
@@ -29,9 +29,9 @@ def test_a_subscribe_to_an_empty_queue_name_is_a_filter_error_not_a_validation_e
 ) -> None:
     import asyncio
 
+    from middleware.phoenix.protocol import PhoenixTopology
     from middleware.routing import FilterError
     from middleware.routing.client import PhoenixClient, SyncPhoenixClient
-    from middleware.routing.protocol import PhoenixTopology
     from middleware.settings import Settings
     from middleware.transport import AsyncClient, SyncClient
 

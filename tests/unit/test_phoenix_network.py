@@ -23,15 +23,15 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import PhoenixTopology
+from middleware.phoenix.ring import ChordRing
 from middleware.recovery.election import Become, Bully, BullyState, Send
 from middleware.routing.departures import Departures, LeaveHere, TakeOverArc, TellRouter
-from middleware.routing.ids import RoleId
 from middleware.routing.joining import AskMasters, HandBack, Tell
 from middleware.routing.messages import Ack, Snapshot, Subscribe, Unsubscribe
-from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.registry import Registry
 from middleware.routing.replicas import Persist, ReplicaLog, ToReplica, Written
-from middleware.routing.ring import ChordRing
 from middleware.routing.subscribing import Confirm, SubscriptionBook
 from middleware.routing.subscribing import Persist as PersistSubscription
 from middleware.routing.takeover import Adopt, ArcTakeover, AskRestore, Released

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from middleware.phoenix.ring import ChordRing
+from middleware.phoenix.ring import Handover as Arc
 from middleware.routing.matching import FilterError
 from middleware.routing.records import LatencyEntry, RecordError, SubscriptionRecord
 from middleware.routing.registry import Registry
-from middleware.routing.ring import ChordRing
-from middleware.routing.ring import Handover as Arc
 
 
 def _record(event_type: str = "quotes", queue: str = "q", **kw: object) -> SubscriptionRecord:

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from middleware.errors import DeadLetter
-from middleware.routing.ids import RoleId
+from middleware.phoenix.ids import RoleId
 from middleware.routing.messages import Ack, Read, Replicate, Snapshot
 from middleware.routing.replicas import (
     TOMBSTONE,

@@ -10,7 +10,7 @@ from middleware.routing.records import LatencyEntry
 
 def _role(cls: type, cluster: dict[str, object], state_store: str = ":memory:") -> Any:
     """One Phoenix role of cluster B built in-process (its I/O is not started)."""
-    from middleware.routing.protocol import PhoenixTopology
+    from middleware.phoenix.protocol import PhoenixTopology
     from middleware.settings import Settings
 
     topology = PhoenixTopology.model_validate({"clusters": [cluster], "state_store": state_store})
@@ -89,7 +89,7 @@ def test_a_replica_write_does_not_stall_the_loop_while_the_store_is_busy(tmp_pat
 
 
 def test_clusters_on_one_rabbitmq_share_a_connection_key() -> None:
-    from middleware.routing.protocol import PhoenixTopology
+    from middleware.phoenix.protocol import PhoenixTopology
     from middleware.routing.wiring import cluster_settings
     from middleware.settings import Settings
 

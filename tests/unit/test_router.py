@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from middleware.errors import DeadLetter
+from middleware.phoenix.protocol import PhoenixTopology
+from middleware.phoenix.ring import ChordRing, ring_id
 from middleware.routing.matching import Event
 from middleware.routing.messages import Publish, Subscribe, Unsubscribe, Unsubscribed
-from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.records import LatencyEntry
-from middleware.routing.ring import ChordRing, ring_id
 from middleware.routing.router import Forward, KeptEvents, RouterLogic, ToMatch, WriteEntry
 
 CLUSTERS = ["A", "B", "C", "D", "E"]

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from middleware.routing.ids import RoleId, RoleKind, role_queues
-from middleware.routing.protocol import ClusterSpec, PhoenixTopology
+from middleware.phoenix.ids import RoleId, RoleKind, role_queues
+from middleware.phoenix.protocol import ClusterSpec, PhoenixTopology
 
 clusters = st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True)
 numbers = st.integers(0, 63)

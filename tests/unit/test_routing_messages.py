@@ -10,9 +10,10 @@ import math
 import pytest
 
 from middleware.errors import DeadLetter
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import Kind, PhoenixTopology
 from middleware.routing.batching import encode as batch
 from middleware.routing.batching import split
-from middleware.routing.ids import RoleId
 from middleware.routing.messages import (
     Ack,
     Advertise,
@@ -46,7 +47,6 @@ from middleware.routing.messages import (
     heartbeat_value,
     parse,
 )
-from middleware.routing.protocol import Kind, PhoenixTopology
 
 ONE_OF_EACH = [
     Advertise(event_type="quotes"),

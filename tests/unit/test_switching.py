@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from middleware.phoenix.ids import RoleId
+from middleware.phoenix.protocol import PhoenixTopology
 from middleware.recovery.fencing import Reign
-from middleware.routing.ids import RoleId
 from middleware.routing.messages import Takeover
-from middleware.routing.protocol import PhoenixTopology
 from middleware.routing.switching import Become, become
 
 TOPOLOGY = PhoenixTopology.model_validate({"clusters": [{"id": "A", "match_slaves": 2}]})

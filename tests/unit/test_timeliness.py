@@ -143,7 +143,7 @@ def test_blind_dispatch_is_checked_at_start_up_and_on_a_live_switch(tmp_path) ->
     from pydantic import ValidationError
 
     from middleware.errors import ConfigurationError
-    from middleware.routing.protocol import PhoenixTopology
+    from middleware.phoenix.protocol import PhoenixTopology
 
     path = tmp_path / "phoenix.toml"
     path.write_text('[[cluster]]\nid = "A"\n')
