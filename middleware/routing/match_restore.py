@@ -18,6 +18,7 @@ from ..phoenix.ring import master_index
 from .mastering import Master
 from .match_roles import MatchBroker
 from .messages import (
+    Join,
     Publish,
     Recover,
     Recovered,
@@ -81,6 +82,12 @@ class RestoringMatcher(MatchBroker, Master):
         #: kept by the reads they were read by (restoring.py): read number -> result
         self.read_ahead = ReadAhead(self.STANDBY_S)
         self._readings: dict[int, asyncio.Future[Restorable]] = {}
+
+    async def _on_join_back(self, message: Join) -> None:
+        """A departed cluster is back: deliver to it again; what was read ahead for it
+        is not needed any more."""
+        await super()._on_join_back(message)
+        self.read_ahead.joined(message.cluster)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.replicas.persisting(self._serve_observed(stop), stop)

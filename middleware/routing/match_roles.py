@@ -80,9 +80,6 @@ class MatchBroker(Role):
 
     async def _on_join_back(self, message: Join) -> None:
         self.departed.discard(message.cluster)
-        read_ahead = getattr(self, "read_ahead", None)
-        if read_ahead is not None:
-            read_ahead.joined(message.cluster)
 
     async def _on_leave(self, message: Leave) -> None:
         self.departed.add(message.cluster)

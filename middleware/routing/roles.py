@@ -293,7 +293,9 @@ class Role(Peer):
                 self.promoted_from is not None
                 and sender == self.promoted_from.owner
                 and not isinstance(message, Beat)  # own beats are known by their process
-                and self.promoted_from not in getattr(self.replica_set, "replicas", ())
+                and (
+                    self.replica_set is None or self.promoted_from not in self.replica_set.replicas
+                )
             ):
                 self.count("own_stale")  # sent by this process before it took over
                 return
