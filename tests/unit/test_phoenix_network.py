@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing
-from middleware.recovery.election import Become, Bully, BullyState, Send
+from middleware.recovery.election import Bully
 from middleware.routing.departures import Departures, LeaveHere, TakeOverArc, TellRouter
 from middleware.routing.joining import AskMasters, HandBack, Tell
 from middleware.routing.messages import Ack, Snapshot, Subscribe, Unsubscribe
@@ -35,6 +35,8 @@ from middleware.routing.replicas import Persist, ReplicaLog, ToReplica, Written
 from middleware.routing.subscribing import Confirm, SubscriptionBook
 from middleware.routing.subscribing import Persist as PersistSubscription
 from middleware.routing.takeover import Adopt, ArcTakeover, AskRestore, Released
+
+from .bully_network import drive
 
 Entries = dict[str, tuple[int, dict[str, Any]]]
 
@@ -118,37 +120,11 @@ def _save(store: Entries, key: str, version: int, document: dict[str, Any]) -> N
 
 
 def _elect(slaves: list[RoleId], dead: set[RoleId], order: list[int]) -> list[RoleId]:
-    """The bully election among the live slaves, each suspecting in ``order``; every
-    message delivered, time moving past the timeouts; who took over."""
+    """The bully election among the live slaves, each suspecting in ``order``: who took
+    over."""
     machines = {s: Bully(me=s, peers=slaves, answer_s=0.2, coordinator_s=0.5) for s in slaves}
     live = [s for s in slaves if s not in dead]
-    queue: list[tuple[RoleId, Send | Become]] = []
-    now, winners = 0.0, []
-    for i in order:
-        role = live[i % len(live)]
-        queue += [(role, e) for e in machines[role].master_suspected(now)]
-    for _ in range(200):
-        while queue:
-            sender, effect = queue.pop(0)
-            if isinstance(effect, Become):
-                winners.append(sender)
-                continue
-            if effect.to in dead:
-                continue
-            target = machines[effect.to]
-            handle = {
-                "election": target.on_election,
-                "answer": target.on_answer,
-                "coordinator": target.on_coordinator,
-            }[effect.what]
-            queue += [(effect.to, e) for e in handle(sender, now)]
-        now += 0.05
-        for role in live:
-            queue += [(role, e) for e in machines[role].tick(now)]
-        settled = (BullyState.IDLE, BullyState.WON)
-        if not queue and all(machines[r].state in settled for r in live):
-            break
-    return winners
+    return drive(machines, [live[i % len(live)] for i in order], dead)
 
 
 @settings(max_examples=400, deadline=None)
