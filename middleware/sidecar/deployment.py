@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 from .. import runtime
 from ..errors import EntityNotFound, MiddlewareError
 from ..localcluster.manager import pid_alive, spawn_daemon
-from ..phoenix.ids import RoleId, RoleKind
+from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..phoenix.ring import ChordRing, master_index
 from ..recovery.fencing import Reign
@@ -41,25 +41,12 @@ from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
 from ..transport.broker_info import BrokerInfo
 from ..transport.management import management_get, management_put, vhost_path
+from .processes import after_retire, reap, role_argv, terminate, wait_dead
 from .zygote import Zygote
 
-__all__ = ["DeploymentError", "LocalProvisioner", "PhoenixDeployment", "RoleStatus"]
+__all__ = ["DeploymentError", "PhoenixDeployment", "RoleStatus"]
 
 log = logging.getLogger(__name__)
-
-#: the program a forked child runs (``module:function``, called with the argument list)
-#: and what it imports, loaded once in the zygote (zygote.py): a role process's
-ENTRY = "middleware.cli:main"
-PRELOAD = (
-    "middleware.cli",
-    "middleware.sidecar.commands",
-    "middleware.sidecar.phoenix",
-    "middleware.sidecar.deployment",
-    "middleware.routing.node",
-    "middleware.routing.router_roles",
-    "middleware.routing.match_master",
-    "middleware.routing.match_roles",
-)
 
 
 def _broker_version(settings: Settings) -> BrokerInfo:
@@ -239,7 +226,7 @@ class PhoenixDeployment:
         with self._locked():  # from now on no role process starts a replacement
             self._stopping.touch()
             pids = self.pids()
-        _terminate(pids.values(), timeout)
+        terminate(pids.values(), timeout)
         self.state_file.unlink(missing_ok=True)
         for slot in pids:
             self._held(slot).unlink(missing_ok=True)
@@ -250,7 +237,7 @@ class PhoenixDeployment:
         pid = self._pid(role)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        if not _wait_dead([pid], 10.0):
+        if not wait_dead([pid], 10.0):
             raise DeploymentError(f"{role.key} (pid {pid}) did not die")
         return pid
 
@@ -261,7 +248,7 @@ class PhoenixDeployment:
         self._held(role).touch()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        if not _wait_dead([pid], timeout):
+        if not wait_dead([pid], timeout):
             raise DeploymentError(f"{role.key} (pid {pid}) did not stop in {timeout:.0f} s")
         return pid
 
@@ -299,9 +286,7 @@ class PhoenixDeployment:
             pids.update(started)
             self._save(pids)
         for pid in started.values():  # children of the process that asked: reaped there
-            threading.Thread(
-                target=_reap, args=(pid,), name=f"reaper of {pid}", daemon=True
-            ).start()
+            threading.Thread(target=reap, args=(pid,), name=f"reaper of {pid}", daemon=True).start()
         self._await_serving(started, timeout)
         return started
 
@@ -314,9 +299,9 @@ class PhoenixDeployment:
             gone = {role: pid for role, pid in pids.items() if role in roles}
             for role in gone:
                 self._held(role).touch()  # not replaced meanwhile by a master that hears
-        _terminate(gone.values(), timeout)
+        terminate(gone.values(), timeout)
         with self._locked():
-            pids = _after_retire(self.pids(), gone)
+            pids = after_retire(self.pids(), gone)
             self._save(pids)
             for role in gone:
                 if role not in pids:
@@ -589,7 +574,7 @@ class PhoenixDeployment:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         status = self.status_file(slot)
         status.unlink(missing_ok=True)
-        argv = ["sidecar", *_role_argv(role or slot)]
+        argv = ["sidecar", *role_argv(role or slot)]
         argv += ["--topology", str(self.topology_file), "--status-file", str(status.resolve())]
         if self.zygote is not None:  # a warm fork: no interpreter start (zygote.py)
             pid = self.zygote.spawn(argv, self.env, self.log_file(slot))
@@ -598,91 +583,3 @@ class PhoenixDeployment:
         return spawn_daemon(
             [sys.executable, "-m", "middleware.cli", *argv], self.env, self.log_file(slot)
         )
-
-
-class LocalProvisioner:
-    """The recovery package's provisioner for a deployment on this machine: a master
-    that hears nothing from one of its slaves asks it for a replacement, which starts
-    in the slot of a dead process (``PhoenixDeployment.replace``).  Another scheduler
-    (systemd, Kubernetes) is one more class with this ``start``: see
-    ``docs/phoenix-recovery.md``."""
-
-    def __init__(self, deployment: PhoenixDeployment) -> None:
-        self.deployment = deployment
-
-    def warm(self) -> None:
-        """Start a zygote that forks replacements with their imports done (zygote.py):
-        a replacement then serves in a fraction of a process start."""
-        if self.deployment.zygote is None:
-            self.deployment.zygote = Zygote(ENTRY, PRELOAD)
-        self.deployment.zygote.start()
-
-    def start(self, role: RoleId) -> str | None:
-        """Start a process serving ``role``; what was started (for the log), or None."""
-        started = self.deployment.replace(role)
-        if started is None:
-            return None
-        slot, pid = started
-        # the new process is this one's child: reaped when it ends, never a zombie
-        threading.Thread(target=_reap, args=(pid,), name=f"reaper of {pid}", daemon=True).start()
-        return f"pid {pid} in the slot of {slot.key}"
-
-    def add(self, roles: Sequence[RoleId]) -> str:
-        """Start the roles a take-over adds, each in a slot of its own; once they serve."""
-        started = self.deployment.add(roles)
-        return ", ".join(f"{r.key} (pid {p})" for r, p in sorted(started.items())) or "none"
-
-    def retire(self, roles: Sequence[RoleId]) -> str:
-        """Stop the roles a take-over added (their cluster rejoined) and forget their slots."""
-        stopped = self.deployment.retire(roles)
-        return ", ".join(f"pid {p}" for p in stopped) or "none"
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
-
-
-def _role_argv(role: RoleId) -> list[str]:
-    """The ``qosmq sidecar`` arguments that run ``role``."""
-    argv = ["router" if role.kind in (RoleKind.ROUTER, RoleKind.ROUTER_SLAVE) else "matcher"]
-    argv += ["--cluster", role.cluster]
-    if role.kind in (RoleKind.MATCH, RoleKind.MATCH_SLAVE):
-        argv += ["--index", str(role.index)]
-    if role.is_slave:
-        argv += ["--role", "slave", "--slave", str(role.slave)]
-    return argv
-
-
-def _after_retire(now: Mapping[RoleId, int], stopped: Mapping[RoleId, int]) -> dict[RoleId, int]:
-    """The slots left once ``stopped`` (role -> the PID ``retire`` stopped) are gone: a
-    slot whose process was replaced meanwhile (an ``add`` for the same role: its cluster
-    left again right after it rejoined) keeps its new process, which ``status`` and
-    ``down`` must go on seeing."""
-    return {role: pid for role, pid in now.items() if stopped.get(role) != pid}
-
-
-def _terminate(pids: Iterable[int], timeout: float) -> None:
-    """SIGTERM each process (a role stops consuming and closes), SIGKILL what is left
-    after ``timeout``."""
-    pids = list(pids)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    if not _wait_dead(pids, timeout):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _wait_dead(pids, 5.0)
-
-
-def _wait_dead(pids: Iterable[int], timeout: float) -> bool:
-    pids = list(pids)
-    deadline = time.monotonic() + timeout
-    while any(pid_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(-1, os.WNOHANG)  # our own children (a role started here) are reaped
-        time.sleep(0.05)
-    return True

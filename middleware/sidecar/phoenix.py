@@ -121,7 +121,8 @@ def _run_role(args: argparse.Namespace, role: Any) -> int:
     topology.cluster(args.cluster)
     provisioner = None
     if args.status_file is not None:  # started by a deployment: replace slaves in it
-        from .deployment import LocalProvisioner, PhoenixDeployment
+        from .deployment import PhoenixDeployment
+        from .processes import LocalProvisioner
 
         deployment = PhoenixDeployment(
             args.topology, Path(args.status_file).parent, settings=args.settings

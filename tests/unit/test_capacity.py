@@ -145,7 +145,7 @@ def test_retiring_added_roles_keeps_a_slot_an_add_refilled_meanwhile() -> None:
     rejoined, an ``add`` may have started a new process for the same role meanwhile:
     that slot stays in the state file, so ``status`` and ``down`` still see it (the
     first fresh-clone run of this session left such a process running unseen)."""
-    from middleware.sidecar.deployment import _after_retire
+    from middleware.sidecar.processes import after_retire as _after_retire
 
     master, slave, other = (
         RoleId.match("S", 1),

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from middleware.localcluster.manager import pid_alive
-from middleware.sidecar.deployment import ENTRY, PRELOAD
+from middleware.sidecar.processes import ENTRY, PRELOAD
 from middleware.sidecar.zygote import Zygote
 
 
