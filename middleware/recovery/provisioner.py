@@ -6,7 +6,7 @@ named by the same queues, so nothing else has to be told.  ``start`` may block (
 in a thread) and returns what it started, for the log, or None when it started nothing
 (the role is served again already, the deployment is going down, nowhere to start it).
 
-``sidecar.deployment.LocalProvisioner`` starts role processes on this machine.  For
+``sidecar.processes.LocalProvisioner`` starts role processes on this machine.  For
 another scheduler, implement ``start`` with its API, e.g. ``systemctl start
 qosmq-role@<key>`` for systemd units or a patch to a Kubernetes Deployment's replicas;
 the role id's ``key`` names the unit or pod.
