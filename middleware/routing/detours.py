@@ -272,6 +272,8 @@ class Detours:
             gone = self.table.gone(time.monotonic(), self.topology.leave_after_s)
             for dest in gone:
                 if dest not in self._declared and self.on_left is not None:
+                    if await self._still_answers(dest):
+                        continue
                     self._declared.add(dest)
                     log.warning(
                         "%s: no flood reached %s for %.1f s: it left the ring",
@@ -331,9 +333,29 @@ class Detours:
         self._start(self.table.failed(dest, dest, time.monotonic()))
         self._wake()
 
-    async def _answers(self, dest: str) -> bool:
+    async def _still_answers(self, dest: str) -> bool:
+        """The last word before ``dest`` is declared gone: one more round trip over the
+        direct link, given twice ``link_timeout_s``.  A cluster that is only slow (a
+        busy machine, a paused process) answers it and stays in the ring; a cut link
+        refuses at once."""
+        if not await self._answers(dest, 2 * self.topology.link_timeout_s):
+            return False
+        if self.table.healed(dest):
+            self._suspected.discard(dest)
+            self._count("departures_averted", 1)
+            log.warning(
+                "%s -> %s: no flood reached it for %.1f s, but its direct link answered "
+                "the last check: not declared gone",
+                self.cluster,
+                dest,
+                self.topology.leave_after_s,
+            )
+            self._wake()
+        return True
+
+    async def _answers(self, dest: str, bound: float | None = None) -> bool:
         """A round trip to ``dest``'s routing master's inbox over the direct link."""
-        bound = self.topology.link_timeout_s
+        bound = self.topology.link_timeout_s if bound is None else bound
         try:
             client = await asyncio.wait_for(self._client_for(dest), bound)
             if not client.ready:

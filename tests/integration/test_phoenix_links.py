@@ -600,7 +600,9 @@ def test_a_larger_departed_cluster_s_masters_are_added_at_its_successor_and_reti
     assert all(rows[role].alive for role in added), rows.keys()
     logs = links.logs()
     assert f"added 2 match roles for {x}'s arc (2 masters, as it had)" in logs, logs[-3000:]
-    assert f"'{x}/match-1': '{successor}/match-1'" in logs, logs[-3000:]  # matchBrokerMap
+    # matchBrokerMap (one to one only when no other cluster's arc was taken over first)
+    left = [line for line in logs.splitlines() if "left the ring (found by" in line]
+    assert f"'{x}/match-1': '{successor}/match-1'" in logs, left or logs[-3000:]
     restored = re.search(rf"{successor}/match-1: (\d+) subscriptions of {x} restored", logs)
     assert restored and int(restored.group(1)) >= 1, logs[-3000:]
     restored_0 = re.search(rf"{successor}/match-0: (\d+) subscriptions of {x} restored", logs)
