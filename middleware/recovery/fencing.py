@@ -20,6 +20,7 @@ from enum import StrEnum
 __all__ = [
     "Refused",
     "Reign",
+    "Reigning",
     "RivalOutcome",
     "SendFence",
     "Stale",
@@ -140,3 +141,52 @@ def fenced(
     if promoted_from is None and slaves is not None and back not in slaves:
         return Refused(f"fence of {told}: no slave-{told.slave}")
     return StepDown(back, told)
+
+
+@dataclass
+class Reigning:
+    """One master process's reign over its role, the fencing decisions in one machine
+    (the driver feeds it rival beats and fences, and performs what they return):
+    ``reign`` it serves under, the slave number it left when it took over
+    (``promoted_from``: None for the master as started), its slaves' numbers.
+
+    Once it returned :class:`StepDown` it no longer serves (``serving`` is False): a
+    second fence or rival beat changes nothing, and the driver hands nothing more to
+    the master's handlers — what it still holds goes back to the inbox for the master
+    it yielded to."""
+
+    reign: Reign
+    promoted_from: int | None
+    slaves: frozenset[int] | None
+    stepped_down: StepDown | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.stepped_down is None
+
+    def rival_beat(self, theirs: Reign, reply_to: str | None) -> RivalOutcome:
+        """A beat of another process serving this master role."""
+        if not self.serving:
+            return None
+        return self._outcome(
+            rival_beat(
+                self.reign,
+                theirs,
+                reply_to,
+                promoted_from=self.promoted_from,
+                slaves=self.slaves,
+            )
+        )
+
+    def fence(self, told: Reign) -> RivalOutcome:
+        """A slave's FENCE of reign ``told``."""
+        if not self.serving:
+            return Stale()  # told twice: it steps down once
+        return self._outcome(
+            fenced(self.reign, told, promoted_from=self.promoted_from, slaves=self.slaves)
+        )
+
+    def _outcome(self, outcome: RivalOutcome) -> RivalOutcome:
+        if isinstance(outcome, StepDown):
+            self.stepped_down, self.reign = outcome, outcome.reign  # the slave trusts it
+        return outcome

@@ -17,16 +17,7 @@ from ..errors import DeadLetter
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
-from ..recovery.fencing import (
-    Refused,
-    Reign,
-    RivalOutcome,
-    SendFence,
-    Stale,
-    StepDown,
-    fenced,
-    rival_beat,
-)
+from ..recovery.fencing import Refused, Reign, Reigning, RivalOutcome, SendFence, Stale, StepDown
 from .beats import LeaseWatch
 from .messages import Beat, Fence, Retire, Vote
 from .replica_set import ReplicaSet
@@ -60,6 +51,16 @@ class Master(Role):
         )
         #: each slave's lease as this master watches it (beats.py)
         self.slave_watches: dict[int, LeaseWatch] = {}
+
+    @functools.cached_property
+    def reigning(self) -> Reigning:
+        """Its reign against rival ones: fence them, or step down once (pure)."""
+        spec = self.topology.cluster(self.cluster)
+        return Reigning(
+            self.reign,
+            None if self.promoted_from is None else self.promoted_from.slave,
+            frozenset(r.slave for r in self.id.slaves(spec)),
+        )
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -132,8 +133,7 @@ class Master(Role):
             await self._on_slave_beat(message)
             return
         theirs = Reign(message.epoch, message.by)
-        outcome = rival_beat(self.reign, theirs, message.reply_to, **self._lineage())
-        await self._rival(outcome, message.broker)
+        await self._rival(self.reigning.rival_beat(theirs, message.reply_to), message.broker)
 
     async def _on_slave_beat(self, message: Beat) -> None:
         """A slave's beat: it is alive (the live set that dispatch and replication use);
@@ -286,15 +286,7 @@ class Master(Role):
         master left.  An older or equal reign, or one no slave can have, changes nothing
         (``fencing.fenced`` decides)."""
         reign = Reign(message.epoch, message.by)
-        await self._rival(fenced(self.reign, reign, **self._lineage()), message.broker)
-
-    def _lineage(self) -> dict[str, Any]:
-        """What the fencing decisions need of this master: the slave it was, its slaves."""
-        spec = self.topology.cluster(self.cluster)
-        return {
-            "promoted_from": None if self.promoted_from is None else self.promoted_from.slave,
-            "slaves": frozenset(r.slave for r in self.id.slaves(spec)),
-        }
+        await self._rival(self.reigning.fence(reign), message.broker)
 
     async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
         """Perform a fencing decision (recovery/fencing.py)."""
@@ -306,7 +298,7 @@ class Master(Role):
             raise DeadLetter(f"{outcome.why} from {sender!r}: not for {self.id}")
         elif isinstance(outcome, Stale):
             self.count("stale_fences")
-        elif isinstance(outcome, StepDown) and self.switch_to is None:  # else told twice
+        elif isinstance(outcome, StepDown):  # once: the machine serves no more after it
             back = self.promoted_from or self._slave(outcome.slave)
             log.warning(
                 "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
@@ -318,6 +310,6 @@ class Master(Role):
             )
             self.count("fenced")
             self.fenced = True
-            self.switch_to, self.reign = back, outcome.reign  # the slave trusts it
+            self.switch_to, self.reign = back, self.reigning.reign  # the slave trusts it
             if self._stop is not None:
                 self._stop.set()

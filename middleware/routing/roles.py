@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import heap
-from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..errors import DeadLetter, MiddlewareError, Requeue, Unroutable
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
 from ..recovery.fencing import Reign
@@ -254,6 +254,8 @@ class Role(Peer):
                 await handle(message)
                 return
             async with gate.slot(self.urgency(message)):
+                if self.fenced:  # stepped down while it waited: not this process's now
+                    raise Requeue(f"{self.id} stepped down")
                 await handle(message)
 
         if len(messages) == 1 and not malformed:
@@ -264,6 +266,8 @@ class Role(Peer):
         for message, result in zip(messages, results, strict=True):
             if isinstance(result, asyncio.CancelledError):
                 raise result
+            if isinstance(result, Requeue):  # stepped down: the whole batch goes back (what
+                raise result  # was handled of it, the new master's dedup and e2e drop)
             if isinstance(result, BaseException):
                 failed.append((encode(message), outcome_of(result).reason))
         if failed:

@@ -49,3 +49,26 @@ def test_a_master_s_rival_reign_decisions() -> None:
     assert fenced(started, Reign.of_winner(1, 5), **lineage) == Refused(
         "fence of epoch 1 (slave-5): no slave-5"
     )
+
+
+def test_a_reigning_master_steps_down_once_and_serves_no_more() -> None:
+    """``Reigning``: the master's fencing decisions in one machine.  A rival beat of an
+    older reign is fenced; one of a newer reign steps it down to the slave it was; after
+    that it serves no more and nothing changes it again (a second fence is stale)."""
+    from middleware.recovery.fencing import Reigning, SendFence, Stale, StepDown
+
+    started = Reigning(Reign(), None, frozenset({0, 1}))
+    assert started.serving
+    assert started.rival_beat(Reign(), "p-other") is None  # its own reign: nothing
+    newer = Reign.of_winner(1, 1)
+    assert started.rival_beat(newer, "p-new") == StepDown(1, newer)
+    assert not started.serving and started.reign == newer
+    assert started.fence(Reign.of_winner(2, 0)) == Stale()
+    assert started.rival_beat(Reign.of_winner(3, 0), "p") is None
+
+    winner = Reigning(newer, 1, frozenset({0, 1}))
+    assert winner.rival_beat(Reign(), "p-old") == SendFence("p-old", newer)
+    assert winner.fence(Reign(1, 0)).__class__.__name__ == "Refused"  # no slave's reign
+    assert winner.serving
+    assert winner.fence(Reign.of_winner(2, 0)) == StepDown(1, Reign.of_winner(2, 0))
+    assert not winner.serving
