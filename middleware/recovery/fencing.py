@@ -17,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ..phoenix.effects import Refuse
+
 __all__ = [
-    "Refused",
+    "Refuse",
     "Reign",
     "Reigning",
     "RivalOutcome",
@@ -97,14 +99,7 @@ class Stale:
     """A fence of a reign not newer than this master's: nothing changes (counted)."""
 
 
-@dataclass(frozen=True)
-class Refused:
-    """A fence no slave of this master can have sent: dead-lettered with ``why``."""
-
-    why: str
-
-
-RivalOutcome = SendFence | StepDown | Stale | Refused | None
+RivalOutcome = SendFence | StepDown | Stale | Refuse | None
 
 
 def rival_beat(
@@ -134,12 +129,12 @@ def fenced(
     ``slaves``; None: not checked here).  A reign no slave can have (epoch 0, or not
     won by a slave) is refused; an older or equal one is stale."""
     if told.slave is None or told.epoch == 0:
-        return Refused(f"fence of {told}")
+        return Refuse(f"fence of {told}")
     if told <= own:
         return Stale()
     back = promoted_from if promoted_from is not None else told.slave
     if promoted_from is None and slaves is not None and back not in slaves:
-        return Refused(f"fence of {told}: no slave-{told.slave}")
+        return Refuse(f"fence of {told}: no slave-{told.slave}")
     return StepDown(back, told)
 
 

@@ -31,7 +31,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .effects import Count, Refuse
+from ..phoenix.effects import Count, Refuse
 from .messages import HOME_LEFT, MAYBE_DELIVERED
 
 __all__ = [

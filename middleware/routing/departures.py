@@ -25,12 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..phoenix.effects import Count
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
 from ..phoenix.ring import ChordRing, ring_id
 from ..phoenix.ring import Handover as Arc
 from ..recovery.capacity import CapacityPlan
-from .effects import Count
 from .messages import Leave, Recover
 from .records import LatencyEntry, RecordError
 

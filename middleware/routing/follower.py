@@ -8,21 +8,23 @@ returned, a beat, a vote of a peer, the operator's take-over — and performs wh
 returns: :class:`SignalVote` (a vote to a peer), :class:`Promote` (serve the master's
 role next, under a reign), :class:`FenceMaster` (tell an older reign's process to step
 down), :class:`Suspected` and :class:`Elected` (the detection and election times, for
-the log and the metrics), :class:`Counted`, :class:`Leader` (another slave serves the
-master now) and :class:`Refused` (dead-letter the input with why).
+the log and the metrics), ``Count``, :class:`Leader` (another slave serves the
+master now) and ``Refuse`` (dead-letter the input with the reason; both shared:
+``phoenix/effects.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..phoenix.effects import Count, Refuse
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import Become, Bully, BullyState, FailureDetector, Send
 from ..recovery.fencing import Reign, Trust, Verdict
 
 __all__ = [
-    "Counted",
+    "Count",
     "Effect",
     "Elected",
     "FenceMaster",
@@ -30,7 +32,7 @@ __all__ = [
     "Leader",
     "NameLease",
     "Promote",
-    "Refused",
+    "Refuse",
     "SignalVote",
     "Suspected",
 ]
@@ -78,11 +80,6 @@ class Elected:
 
 
 @dataclass(frozen=True, slots=True)
-class Counted:
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
 class Leader:
     """``slave`` won the election: it serves the master's role now."""
 
@@ -97,23 +94,8 @@ class NameLease:
     lease: str
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The input is not for this slave: dead-letter it with ``why``."""
-
-    why: str
-
-
 Effect = (
-    SignalVote
-    | Promote
-    | FenceMaster
-    | Suspected
-    | Elected
-    | Counted
-    | Leader
-    | NameLease
-    | Refused
+    SignalVote | Promote | FenceMaster | Suspected | Elected | Count | Leader | NameLease | Refuse
 )
 
 _KINDS = {
@@ -192,12 +174,12 @@ class Follower:
         """A beat from ``sender`` naming its ``lease``; ``stale``: sent before that
         lease's connection closed."""
         if sender != self.master.owner:
-            return [Refused(f"beat from {sender!r}, not {self.me}'s master")]
+            return [Refuse(f"beat from {sender!r}, not {self.me}'s master")]
         if self.trust.judge(reign) is Verdict.FENCE:
             # a master of an older reign is serving (it was frozen past the timeout, or
             # came back): its beat is not heard, and it is told to step down
             fence = [FenceMaster(reply_to, self.trust.reign)] if reply_to else []
-            return [Counted("fences_sent"), *fence]
+            return [Count("fences_sent"), *fence]
         if stale:
             return []  # no sign of life
         self.detector.watch([self.master], now)
@@ -212,7 +194,7 @@ class Follower:
         except ValueError:
             sender = None
         if sender is None or sender not in self.bully.peers:
-            return [Refused(f"{kind.value} from {sender_owner!r}, not a peer of {self.me}")]
+            return [Refuse(f"{kind.value} from {sender_owner!r}, not a peer of {self.me}")]
         if kind is Kind.ELECTION:
             if self.electing_since is None:  # an election another slave began: its phases
                 self.electing_since = now  # are timed here too, should this one win
@@ -223,10 +205,10 @@ class Follower:
         if kind is Kind.ELECTION_ANSWER:
             return self._enact(self.bully.on_answer(sender, now), now)
         if reign.slave != sender.slave or reign.epoch == 0:
-            return [Refused(f"coordinator from {sender} claims {reign}, not its own win")]
+            return [Refuse(f"coordinator from {sender} claims {reign}, not its own win")]
         if self.trust.judge(reign) is Verdict.FENCE:
             why = f"coordinator from {sender} of {reign}, older than {self.trust.reign}"
-            return [Counted("stale_coordinators"), Refused(why)]
+            return [Count("stale_coordinators"), Refuse(why)]
         self.bully.on_coordinator(sender, now)
         self.electing_since = None  # the election is over: another slave won it
         # the new master beats once it switched role, then reads its tables back and

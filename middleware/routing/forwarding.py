@@ -29,8 +29,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..phoenix.effects import Count, Refuse
 from ..phoenix.ring import Handover as Arc
-from .effects import Count, Refuse
 from .messages import HOME_LEFT, MAYBE_DELIVERED, Copy, Matched, Publish, RoutedMessage
 from .router import Forward, KeptEvents, RouterLogic, ToMatch, WriteEntry
 

@@ -17,7 +17,7 @@ from ..phoenix.protocol import Kind
 from ..recovery.fencing import Reign, Trust
 from .beats import LeaseWatch
 from .follower import (
-    Counted,
+    Count,
     Elected,
     FenceMaster,
     Follower,
@@ -178,14 +178,14 @@ class ReplicaHolder(Role):
             elif isinstance(effect, FenceMaster):
                 fence = Fence(broker=self.id.owner, epoch=effect.reign.epoch, by=effect.reign.by)
                 await self.tell(effect.to, fence)
-            elif isinstance(effect, Counted):
-                self.count(effect.name)
+            elif isinstance(effect, Count):
+                self.count(effect.name, effect.n)
             elif isinstance(effect, Leader):
                 log.warning("%s: %s serves %s now", self.id, effect.slave, master)
             elif isinstance(effect, NameLease):
                 await self.master_watch.named(effect.lease)
             else:
-                raise DeadLetter(effect.why)
+                raise DeadLetter(effect.reason)
 
     async def _take_over(self, message: Takeover) -> None:
         """The operator's take-over: as an election's winner, tell the other slaves

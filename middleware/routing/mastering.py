@@ -17,7 +17,7 @@ from ..errors import DeadLetter
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
-from ..recovery.fencing import Refused, Reign, Reigning, RivalOutcome, SendFence, Stale, StepDown
+from ..recovery.fencing import Refuse, Reign, Reigning, RivalOutcome, SendFence, Stale, StepDown
 from .beats import LeaseWatch
 from .messages import Beat, Fence, Retire, Vote
 from .replica_set import ReplicaSet
@@ -294,8 +294,8 @@ class Master(Role):
             self.count("fences_sent")
             fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
             await self.tell(outcome.to, fence)
-        elif isinstance(outcome, Refused):
-            raise DeadLetter(f"{outcome.why} from {sender!r}: not for {self.id}")
+        elif isinstance(outcome, Refuse):
+            raise DeadLetter(f"{outcome.reason} from {sender!r}: not for {self.id}")
         elif isinstance(outcome, Stale):
             self.count("stale_fences")
         elif isinstance(outcome, StepDown):  # once: the machine serves no more after it

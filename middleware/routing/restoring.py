@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import DeadLetter
+from ..phoenix.effects import Count
 from ..phoenix.ids import RoleId, RoleKind
-from .effects import Count
 from .messages import Recover
 
 __all__ = ["ForgetAfter", "Read", "ReadAhead", "Restore", "RestorePlan", "restore_plan"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .effects import Count, Refuse
+from ..phoenix.effects import Count, Refuse
 from .matching import FilterError
 from .messages import Subscribe, Unsubscribe
 from .records import SubscriptionRecord

@@ -28,7 +28,7 @@ def test_a_master_s_rival_reign_decisions() -> None:
     or equal one is stale; stepping down goes to the slave it was, or the one the newer
     master left."""
     from middleware.recovery.fencing import (
-        Refused,
+        Refuse,
         SendFence,
         Stale,
         StepDown,
@@ -44,9 +44,9 @@ def test_a_master_s_rival_reign_decisions() -> None:
     assert rival_beat(started, won_by_1, "p", **lineage) == StepDown(1, won_by_1)
     assert fenced(won_by_1, later, promoted_from=1, slaves=frozenset({0})) == StepDown(1, later)
     assert fenced(later, won_by_1, **lineage) == Stale()
-    assert isinstance(fenced(started, Reign(), **lineage), Refused)  # epoch 0
-    assert isinstance(fenced(started, Reign(3, 0), **lineage), Refused)  # not a slave's
-    assert fenced(started, Reign.of_winner(1, 5), **lineage) == Refused(
+    assert isinstance(fenced(started, Reign(), **lineage), Refuse)  # epoch 0
+    assert isinstance(fenced(started, Reign(3, 0), **lineage), Refuse)  # not a slave's
+    assert fenced(started, Reign.of_winner(1, 5), **lineage) == Refuse(
         "fence of epoch 1 (slave-5): no slave-5"
     )
 
@@ -68,7 +68,7 @@ def test_a_reigning_master_steps_down_once_and_serves_no_more() -> None:
 
     winner = Reigning(newer, 1, frozenset({0, 1}))
     assert winner.rival_beat(Reign(), "p-old") == SendFence("p-old", newer)
-    assert winner.fence(Reign(1, 0)).__class__.__name__ == "Refused"  # no slave's reign
+    assert winner.fence(Reign(1, 0)).__class__.__name__ == "Refuse"  # no slave's reign
     assert winner.serving
     assert winner.fence(Reign.of_winner(2, 0)) == StepDown(1, Reign.of_winner(2, 0))
     assert not winner.serving

@@ -7,14 +7,14 @@ from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import Kind
 from middleware.recovery.fencing import Reign, Trust
 from middleware.routing.follower import (
-    Counted,
+    Count,
     Elected,
     FenceMaster,
     Follower,
     Leader,
     NameLease,
     Promote,
-    Refused,
+    Refuse,
     SignalVote,
     Suspected,
 )
@@ -73,26 +73,24 @@ def test_the_master_s_lease_returned_elects_at_once_and_once() -> None:
 def test_an_older_reign_s_beat_is_fenced_and_not_heard() -> None:
     f = follower(1, Trust(Reign.of_winner(1, 0)))
     effects = f.beat(MASTER.owner, Reign(), "p-old", "lease-old", stale=False, now=0.0)
-    assert effects == [Counted("fences_sent"), FenceMaster("p-old", Reign.of_winner(1, 0))]
-    assert f.beat(MASTER.owner, Reign(), None, None, stale=False, now=0.0) == [
-        Counted("fences_sent")
-    ]
+    assert effects == [Count("fences_sent"), FenceMaster("p-old", Reign.of_winner(1, 0))]
+    assert f.beat(MASTER.owner, Reign(), None, None, stale=False, now=0.0) == [Count("fences_sent")]
     stranger = f.beat("A/router/slave-7", Reign(), None, None, stale=False, now=0.0)
-    assert isinstance(stranger[0], Refused) and "not A/" in stranger[0].why, stranger
+    assert isinstance(stranger[0], Refuse) and "not A/" in stranger[0].reason, stranger
     # a stale beat (sent before its lease's connection closed) is no sign of life
     assert f.beat(MASTER.owner, Reign.of_winner(1, 0), None, "l", stale=True, now=0.0) == []
 
 
 def test_votes_from_strangers_and_false_coordinators_are_refused() -> None:
     f = follower(1)
-    assert isinstance(f.vote("B/router/slave-0", Kind.ELECTION, Reign(), 0.0)[0], Refused)
+    assert isinstance(f.vote("B/router/slave-0", Kind.ELECTION, Reign(), 0.0)[0], Refuse)
     claim = Reign.of_winner(1, 1)  # slave-0 claiming slave-1's win
-    assert isinstance(f.vote(SLAVES[0].owner, Kind.COORDINATOR, claim, 0.0)[0], Refused)
+    assert isinstance(f.vote(SLAVES[0].owner, Kind.COORDINATOR, claim, 0.0)[0], Refuse)
     won = Reign.of_winner(1, 0)
     assert f.vote(SLAVES[0].owner, Kind.COORDINATOR, won, 0.0) == [Leader(SLAVES[0])]
     assert f.trust.reign == won
     stale = f.vote(SLAVES[0].owner, Kind.COORDINATOR, Reign.of_winner(0, 0), 0.0)
-    assert isinstance(stale[-1], Refused)  # epoch 0: no win
+    assert isinstance(stale[-1], Refuse)  # epoch 0: no win
 
 
 def test_the_operator_s_take_over_tells_the_other_slaves_first() -> None:

@@ -26,7 +26,7 @@ PURE = [
     "routing/takeover.py",
     "routing/subscribing.py",
     "routing/copies.py",
-    "routing/effects.py",
+    "phoenix/effects.py",
     "routing/restoring.py",
     "routing/forwarding.py",
     "routing/departures.py",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from middleware.errors import DeadLetter
+from middleware.phoenix.effects import Count
 from middleware.phoenix.ids import RoleId
-from middleware.routing.effects import Count
 from middleware.routing.messages import Recover
 from middleware.routing.restoring import (
     ForgetAfter,

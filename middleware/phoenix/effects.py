@@ -1,5 +1,7 @@
-"""Effects every role machine may return, one definition each (the machines' own
-effects live beside them: ``subscribing``, ``copies``, ``takeover``, ...)."""
+"""Effects every Phoenix machine may return, one definition each, for ``routing/`` and
+``recovery/`` alike (a machine's own effects live beside it: ``subscribing``,
+``copies``, ``takeover``, ...; the election's ``Send(to, what)`` is translated to typed
+votes in one place, ``routing/follower.py``)."""
 
 from __future__ import annotations
 
