@@ -6,8 +6,9 @@ votes in one place, ``routing/follower.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Count", "Refuse"]
+__all__ = ["After", "Count", "Refuse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +25,15 @@ class Refuse:
     it were done."""
 
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class After:
+    """Give the machine its timer input for ``key`` ``after_s`` from now (the driver's
+    ``call_later``); each machine has one timer input and says what its keys are
+    (``MatchedReceipts.due``: an entry cluster; ``ArcTakeover.expired`` and
+    ``HandBack.expired``: a request; ``ReadAhead.forget``: (cluster, reading);
+    ``Supervision.timer``: a slave's number)."""
+
+    after_s: float
+    key: Any  # hashable: what the machine told itself to come back to

@@ -31,7 +31,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..phoenix.effects import Count, Refuse
+from ..phoenix.effects import After, Count, Refuse
 from .messages import HOME_LEFT, MAYBE_DELIVERED
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "Outcome",
     "Refuse",
     "SendMatched",
-    "StartTimer",
     "copy_id",
     "event_content",
     "settle",
@@ -128,14 +127,6 @@ def settle(
 
 
 @dataclass(frozen=True, slots=True)
-class StartTimer:
-    """Call :meth:`MatchedReceipts.due` for ``entry`` after ``after_s``."""
-
-    entry: str
-    after_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class SendMatched:
     """Tell ``entry``'s router that ``ids`` were matched (one message per chunk)."""
 
@@ -153,13 +144,13 @@ class MatchedReceipts:
     chunk: int = 4096
     waiting: dict[str, list[str]] = field(default_factory=dict)
 
-    def matched(self, hops: Sequence[str], event_id: str | None) -> list[StartTimer]:
+    def matched(self, hops: Sequence[str], event_id: str | None) -> list[After]:
         entry = hops[0] if hops else self.cluster
         if entry == self.cluster or event_id is None:
             return []
         waiting = self.waiting.setdefault(entry, [])
         waiting.append(event_id)
-        return [StartTimer(entry, self.every_s)] if len(waiting) == 1 else []
+        return [After(self.every_s, entry)] if len(waiting) == 1 else []
 
     def due(self, entry: str) -> list[SendMatched]:
         ids: Iterable[str] = self.waiting.pop(entry, [])

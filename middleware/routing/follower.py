@@ -2,10 +2,11 @@
 beats, the rule of two looks, the bully election among the master's slaves, which reign
 of the master it trusts (fencing), and when it takes over.
 
-The slave's driver (``roles.py``) feeds it what happened with the time — a look at the
+The slave's driver (``holding.py``) feeds it what happened with the time — a look at the
 master (every half beat interval, with how late the look came), the master's lease
 returned, a beat, a vote of a peer, the operator's take-over — and performs what it
-returns: :class:`SignalVote` (a vote to a peer), :class:`Promote` (serve the master's
+returns: :class:`SignalVote` (a vote to a peer), :class:`StopServing` (retired by its
+master: another process serves the role), :class:`Promote` (serve the master's
 role next, under a reign), :class:`FenceMaster` (tell an older reign's process to step
 down), :class:`Suspected` and :class:`Elected` (the detection and election times, for
 the log and the metrics), ``Count``, :class:`Leader` (another slave serves the
@@ -34,7 +35,9 @@ __all__ = [
     "Promote",
     "Refuse",
     "SignalVote",
+    "StopServing",
     "Suspected",
+    "retire",
 ]
 
 
@@ -87,6 +90,14 @@ class Leader:
 
 
 @dataclass(frozen=True, slots=True)
+class StopServing:
+    """Its master counts another process as serving this slave: this one stops for good
+    (a clean stop: its lease is given back, so nobody elects or replaces)."""
+
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
 class NameLease:
     """The master's beat names its lease queue: watch it (its return is the master's
     death)."""
@@ -95,7 +106,16 @@ class NameLease:
 
 
 Effect = (
-    SignalVote | Promote | FenceMaster | Suspected | Elected | Count | Leader | NameLease | Refuse
+    SignalVote
+    | Promote
+    | FenceMaster
+    | Suspected
+    | Elected
+    | Count
+    | Leader
+    | NameLease
+    | StopServing
+    | Refuse
 )
 
 _KINDS = {
@@ -216,6 +236,10 @@ class Follower:
         self.detector.grace(self.master, now + max(2 * self.detector.timeout_s, 2.0))
         return [Leader(sender)]
 
+    def retire(self, sender: str, slave: str, reign: Reign) -> list[Effect]:
+        """Its master tells the process serving ``slave`` to stop (:func:`retire`)."""
+        return retire(self.me, self.trust.reign, sender, slave, reign, promoted=self.promoted)
+
     def take_over(self) -> list[Effect]:
         """The operator told this slave to serve its master's role: as an election's
         winner, it tells the other slaves first, so none of them elects against it once
@@ -252,3 +276,20 @@ class Follower:
             reign = self.winning_reign() if kind is Kind.COORDINATOR else None
             out.append(SignalVote(effect.to, kind, reign))
         return out
+
+
+def retire(
+    me: RoleId, trusted: Reign, sender: str, slave: str, reign: Reign, *, promoted: bool
+) -> list[Effect]:
+    """The master ``sender`` (of ``reign``) tells the process serving ``slave`` to stop:
+    another process serves it.  From another sender, for another role, or from an older
+    reign than the one ``trusted`` (a master that was frozen and has not stepped down
+    yet): refused, nothing stops.  A slave already promoted serves the master's role
+    next: nothing stops either."""
+    if sender != me.master.owner or slave != me.owner:
+        return [Refuse(f"retire of {slave!r} from {sender!r}: not {me}'s master")]
+    if reign < trusted:
+        return [Refuse(f"retire from an older reign of {sender!r}: stale")]
+    if promoted:
+        return []
+    return [Count("retired"), StopServing(sender)]

@@ -24,8 +24,11 @@ from .follower import (
     Leader,
     NameLease,
     Promote,
+    Refuse,
     SignalVote,
+    StopServing,
     Suspected,
+    retire,
 )
 from .follower import Effect as FollowerEffect
 from .messages import Ack, Beat, Fence, Read, Replicate, Retire, Takeover, Vote
@@ -65,23 +68,30 @@ class ReplicaHolder(Role):
 
     async def _on_retire(self, message: Retire) -> None:
         """Its master hears another process beating as this slave, the one it counts as
-        serving the role: this process stops (a clean stop: its lease is given back, so
-        nobody elects or replaces).  From another sender, for another role or from an
-        older reign than the one it trusts: dead-lettered, nothing stops."""
-        if message.broker != self.id.master.owner or message.slave != self.id.owner:
-            raise DeadLetter(
-                f"retire of {message.slave!r} from {message.broker!r}: not {self.id}'s master"
+        serving the role: this process stops (``Follower.retire`` decides)."""
+        reign = Reign(message.epoch, message.by)
+        if self.follower is None:  # not following yet: the same rule, on its trust
+            effects = retire(
+                self.id, self.trust.reign, message.broker, message.slave, reign, promoted=False
             )
-        if Reign(message.epoch, message.by) < self.trust.reign:
-            raise DeadLetter(f"retire from an older reign of {message.broker!r}: stale")
+        else:
+            effects = self.follower.retire(message.broker, message.slave, reign)
+        for effect in effects:
+            if isinstance(effect, Refuse):
+                raise DeadLetter(effect.reason)
+            if isinstance(effect, Count):
+                self.count(effect.name, effect.n)
+            elif isinstance(effect, StopServing):
+                self._retired(effect)
+
+    def _retired(self, effect: StopServing) -> None:
         if self._stop is None or self.switch_to is not None:
             return
         log.warning(
             "%s: retired by %s: another process serves this role now; stopping",
             self.id,
-            message.broker,
+            effect.by,
         )
-        self.count("retired")
         self.retired = True
         self._stop.set()
 
@@ -184,6 +194,8 @@ class ReplicaHolder(Role):
                 log.warning("%s: %s serves %s now", self.id, effect.slave, master)
             elif isinstance(effect, NameLease):
                 await self.master_watch.named(effect.lease)
+            elif isinstance(effect, StopServing):
+                self._retired(effect)
             else:
                 raise DeadLetter(effect.reason)
 

@@ -16,7 +16,8 @@ with what to log).
 
 The previous owner's side is :class:`HandBack`: its routing master asks each of its match
 masters to hand the arc over (:class:`AskMasters`), counts their answers within a bound
-(:class:`Expire`), tells the joiner's router how many (:class:`Tell`, tried again until
+(``After``, keyed by request: then :meth:`HandBack.expired`), tells the joiner's
+router how many (:class:`Tell`, tried again until
 ``handover_wait_s`` has passed: the link to a rejoining cluster may still be connecting),
 then retires the match masters a take-over of the arc had added (:class:`Retire`).  What
 each master sends is :func:`handover_plan`'s choice.
@@ -28,12 +29,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from ..phoenix.effects import After
+
 T = TypeVar("T")
 
 __all__ = [
     "AskMasters",
     "Effect",
-    "Expire",
     "HandBack",
     "HandBackEffect",
     "Hold",
@@ -137,14 +139,6 @@ class AskMasters:
 
 
 @dataclass(frozen=True, slots=True)
-class Expire:
-    """Call :meth:`HandBack.expired` for ``request`` after ``after_s``."""
-
-    request: str
-    after_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class Tell:
     """Tell ``cluster``'s router that ``count`` were handed over, after ``after_s``; then
     :meth:`HandBack.told` or :meth:`HandBack.tell_failed`."""
@@ -176,7 +170,7 @@ class Retire:
     moved: int
 
 
-HandBackEffect = AskMasters | Expire | Tell | NotHandedOver | Retire
+HandBackEffect = AskMasters | After | Tell | NotHandedOver | Retire
 
 
 @dataclass
@@ -213,7 +207,7 @@ class HandBack:
         ``masters`` hands it over; ``retiring`` are stopped once that is done."""
         asked = tuple(masters)
         self.rounds[request] = _Round(cluster, set(asked), tuple(retiring))
-        return [AskMasters(request, cluster, arc, asked), Expire(request, self.answer_s)]
+        return [AskMasters(request, cluster, arc, asked), After(self.answer_s, request)]
 
     def answered(self, request: str, master: str, count: int, now: float) -> list[HandBackEffect]:
         """``master`` sent ``count``; the last answer starts telling the joiner."""

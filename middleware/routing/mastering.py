@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.effects import After
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
@@ -22,8 +23,8 @@ from .beats import LeaseWatch
 from .messages import Beat, Fence, Retire, Vote
 from .replica_set import ReplicaSet
 from .roles import WARM_AFTER_PROMOTION_S, Role
-from .supervision import After, Note, Provision, Supervision
 from .supervision import Effect as SupervisionEffect
+from .supervision import Note, Provision, Supervision
 from .supervision import Retire as RetireProcess
 from .wiring import Handler
 
@@ -196,12 +197,14 @@ class Master(Role):
         )
 
     def _after(self, effect: After) -> None:
+        slave = int(effect.key)
+
         def fire() -> None:
             now = time.monotonic()
-            alive = effect.slave in self.live.alive(now)
-            self._background(self._supervise(self.supervision.timer(effect.slave, alive, now)))
+            alive = slave in self.live.alive(now)
+            self._background(self._supervise(self.supervision.timer(slave, alive, now)))
 
-        asyncio.get_running_loop().call_later(effect.delay_s, fire)
+        asyncio.get_running_loop().call_later(effect.after_s, fire)
 
     async def _replacement(self, effect: Provision) -> None:
         """Ask the provisioner for a process serving the slave; tell the machine."""

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from .. import heap
+from ..phoenix.effects import After
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..phoenix.ring import master_index
@@ -25,7 +26,7 @@ from .messages import (
 )
 from .replica_set import ReplicaSet
 from .replicas import live
-from .restoring import ForgetAfter, Read, ReadAhead, Restore, RestorePlan, restore_plan
+from .restoring import Read, ReadAhead, Restore, RestorePlan, restore_plan
 from .store import StateStore, open_store, ring_owner
 from .subscribing import SubscriptionBook
 from .timeliness import Dispatch
@@ -139,9 +140,10 @@ class RestoringMatcher(MatchBroker, Master):
         for effect in effects:
             if isinstance(effect, Read):
                 self._readings[effect.reading] = self._read_departed(message)
-            elif isinstance(effect, ForgetAfter):
+            elif isinstance(effect, After):
+                cluster, reading = effect.key
                 loop = asyncio.get_running_loop()
-                loop.call_later(effect.after_s, self._forget_read, effect.cluster, effect.reading)
+                loop.call_later(effect.after_s, self._forget_read, cluster, reading)
             elif isinstance(effect, Restore):
                 restore = self._readings.pop(effect.reading)
             else:

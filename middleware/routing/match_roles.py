@@ -120,9 +120,10 @@ class MatchBroker(Role):
         """The event's copies are confirmed: tell the router it entered the ring at
         (another cluster's; it keeps the event until then), batched (copies.py)."""
         for timer in self.receipts.matched(message.hops, message.id):
-            asyncio.get_running_loop().call_later(timer.after_s, self._send_matched, timer.entry)
+            asyncio.get_running_loop().call_later(timer.after_s, self._send_matched, timer.key)
 
-    def _send_matched(self, entry: str) -> None:
+    def _send_matched(self, key: str) -> None:
+        entry = str(key)
         chunks = self.receipts.due(entry)
         if not chunks:
             return

@@ -5,7 +5,8 @@ RECOVER names the departed cluster's arc and the match masters whose subscriptio
 take (:func:`restore_plan`: their store owners, each a match master of that cluster, and
 over how many masters the arc is routed here).  A router that suspects a departure sends
 it first with ``prepare``: the master starts the read then (:class:`Read`) and keeps it
-ready for ``keep_s`` (:class:`ForgetAfter`); the RECOVER of the leave itself, for the same
+ready for ``keep_s`` (``After``, keyed (cluster, reading): then
+:meth:`ReadAhead.forget`); the RECOVER of the leave itself, for the same
 plan, restores what that read found (:class:`Restore`) instead of reading again; for
 another plan (the ring changed meanwhile) it reads anew.  Reads are numbered; the driver
 holds each one's result.
@@ -16,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import DeadLetter
-from ..phoenix.effects import Count
+from ..phoenix.effects import After, Count
 from ..phoenix.ids import RoleId, RoleKind
 from .messages import Recover
 
-__all__ = ["ForgetAfter", "Read", "ReadAhead", "Restore", "RestorePlan", "restore_plan"]
+__all__ = ["Read", "ReadAhead", "Restore", "RestorePlan", "restore_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +67,7 @@ class Restore:
     reading: int
 
 
-@dataclass(frozen=True, slots=True)
-class ForgetAfter:
-    """Call :meth:`ReadAhead.forget` for ``cluster`` and ``reading`` after ``after_s``."""
-
-    cluster: str
-    reading: int
-    after_s: float
-
-
-Effect = Read | Restore | ForgetAfter | Count
+Effect = Read | Restore | After | Count
 
 
 class ReadAhead:
@@ -98,7 +90,7 @@ class ReadAhead:
             effects.append(Read(cluster, plan, reading))
         if prepare:  # keep it ready for the leave; forget it if none comes
             self.standby[cluster] = (plan, reading)
-            return [*effects, ForgetAfter(cluster, reading, self.keep_s), Count("prepared")]
+            return [*effects, After(self.keep_s, (cluster, reading)), Count("prepared")]
         return [*effects, Restore(reading)]
 
     def forget(self, cluster: str, reading: int) -> list[Count]:

@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any
 
+from ..phoenix.effects import After
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
@@ -40,7 +41,7 @@ from .replicas import live
 from .ring_router import RingRouter
 from .role_metrics import LEAVE_S
 from .store import ring_owner
-from .takeover import Adopt, AskRestore, MakePlan, ReadTable, Released, RestoreBound
+from .takeover import Adopt, AskRestore, MakePlan, ReadTable, Released
 from .takeover import Effect as TakeoverEffect
 
 __all__ = ["LeavingRouter"]
@@ -261,9 +262,9 @@ class LeavingRouter(RingRouter):
                     )
             elif isinstance(effect, AskRestore):
                 await self._ask_restore(effect)
-            elif isinstance(effect, RestoreBound):
+            elif isinstance(effect, After):
                 asyncio.get_running_loop().call_later(
-                    effect.after_s, self._restore_bound_passed, effect.request
+                    effect.after_s, self._restore_bound_passed, str(effect.key)
                 )
             else:
                 self._released(effect)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError
+from ..phoenix.effects import After
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
@@ -24,7 +25,6 @@ from ..phoenix.ring import ring_id
 from .holding import ReplicaHolder
 from .joining import (
     AskMasters,
-    Expire,
     HandBackEffect,
     Hold,
     NotHandedOver,
@@ -267,9 +267,9 @@ class RouterMaster(LeavingRouter):
                         reply_to=self.connections.process_queue,
                     )
                     await self.send(self.cluster, self.inbox_of(RoleId.from_owner(owner)), give)
-            elif isinstance(effect, Expire):
+            elif isinstance(effect, After):
                 self._after_hand_back(
-                    effect.after_s, functools.partial(self.hand_back.expired, effect.request)
+                    effect.after_s, functools.partial(self.hand_back.expired, str(effect.key))
                 )
             elif isinstance(effect, Tell):
                 await self._tell_handed_over(effect)

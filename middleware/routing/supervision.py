@@ -8,7 +8,7 @@ The master's driver (``roles.py``) feeds it what happened — a slave's beat, it
 returned, a timer, the provisioner's answer, the silences its failure detector reads —
 with the time, and performs what it returns: :class:`Retire` (tell that process to
 stop), :class:`Provision` (ask the provisioner for a process serving that slave; its
-answer comes back through :meth:`Supervision.provisioned`), :class:`After` (call
+answer comes back through :meth:`Supervision.provisioned`), ``After`` (keyed by the slave: call
 :meth:`Supervision.timer` then), :class:`Note` (a warning for the log).  No clock, no
 asyncio, no provisioner: the tests drive it with plain numbers.
 """
@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["After", "Effect", "Note", "Provision", "Retire", "Supervision"]
+from ..phoenix.effects import After
+
+__all__ = ["Effect", "Note", "Provision", "Retire", "Supervision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +38,6 @@ class Provision:
 
     slave: int
     why: str
-
-
-@dataclass(frozen=True, slots=True)
-class After:
-    """Call :meth:`Supervision.timer` for ``slave`` ``delay_s`` from now."""
-
-    delay_s: float
-    slave: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +119,7 @@ class Supervision:
         return [After(DEAD_RETRIES_S[0], slave)]
 
     def timer(self, slave: int, alive: bool, now: float) -> list[Effect]:
-        """An :class:`After` fired; ``alive``: whether the slave is heard again."""
+        """An ``After`` fired; ``alive``: whether the slave is heard again."""
         if slave not in self.dying:
             return []
         if alive:  # served again (a fenced master stepped down into it)

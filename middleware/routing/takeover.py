@@ -8,7 +8,7 @@ When a cluster leaves the ring, its successor's routing master holds the arc's e
    match roles it adds (:class:`MakePlan`), both at once;
 2. with the plan (:meth:`ArcTakeover.planned`) it records it as in force
    (:class:`Adopt`), asks each match master the plan names to restore its share
-   (:class:`AskRestore`) and bounds the wait (:class:`RestoreBound`);
+   (:class:`AskRestore`) and bounds the wait (``After``: then :meth:`ArcTakeover.expired`);
 3. each master answers how many subscriptions it restored (:meth:`ArcTakeover.answered`);
    the bound may pass first (:meth:`ArcTakeover.expired`);
 4. once every master answered (or the bound passed) and the table was read (or failed),
@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..phoenix.effects import After
+
 __all__ = [
     "Adopt",
     "ArcTakeover",
@@ -33,7 +35,6 @@ __all__ = [
     "MakePlan",
     "ReadTable",
     "Released",
-    "RestoreBound",
 ]
 
 
@@ -71,14 +72,6 @@ class AskRestore:
 
 
 @dataclass(frozen=True, slots=True)
-class RestoreBound:
-    """Call :meth:`ArcTakeover.expired` for ``request`` after ``after_s``."""
-
-    request: str
-    after_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class Released:
     """The arc's events go on.  ``restored`` subscriptions (``complete``: every master
     answered in time); ``entries``: the table's entries to write as this router's own
@@ -92,7 +85,7 @@ class Released:
     took_s: float
 
 
-Effect = ReadTable | MakePlan | Adopt | AskRestore | RestoreBound | Released
+Effect = ReadTable | MakePlan | Adopt | AskRestore | After | Released
 
 
 @dataclass
@@ -130,7 +123,7 @@ class ArcTakeover:
         if held.waiting:
             effects += [
                 AskRestore(held.request, cluster, plan),
-                RestoreBound(held.request, self.bound_s),
+                After(self.bound_s, held.request),
             ]
         else:
             held.restore_done = True

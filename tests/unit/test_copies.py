@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from middleware.phoenix.effects import After
 from middleware.routing.copies import (
     Carry,
     CopyOutcome,
@@ -11,7 +12,6 @@ from middleware.routing.copies import (
     Outcome,
     Refuse,
     SendMatched,
-    StartTimer,
     copy_id,
     settle,
 )
@@ -62,9 +62,9 @@ def test_receipts_are_owed_only_to_another_entry_cluster_batched_by_one_timer() 
     assert receipts.matched([], "e0") == []  # entered here
     assert receipts.matched(["B", "C"], "e0") == []
     assert receipts.matched(["A", "B"], None) == []  # no id: nothing to say
-    assert receipts.matched(["A", "B"], "e1") == [StartTimer("A", 0.02)]
+    assert receipts.matched(["A", "B"], "e1") == [After(0.02, "A")]
     assert receipts.matched(["A"], "e2") == []  # the timer runs already
     assert receipts.matched(["A"], "e3") == []
     assert receipts.due("A") == [SendMatched("A", ("e1", "e2")), SendMatched("A", ("e3",))]
     assert receipts.due("A") == []
-    assert receipts.matched(["A"], "e4") == [StartTimer("A", 0.02)]  # a new batch
+    assert receipts.matched(["A"], "e4") == [After(0.02, "A")]  # a new batch

@@ -99,3 +99,24 @@ def test_the_operator_s_take_over_tells_the_other_slaves_first() -> None:
     assert f.winning_reign() == Reign.of_winner(1, 1)
     heard(f, 0.0)
     assert f.lease_returned(0.1) == []  # it won already: no election
+
+
+def test_a_retire_stops_the_slave_only_from_its_master_of_a_reign_it_trusts() -> None:
+    """A master that hears a second process beating as a slave tells one to stop; the
+    process obeys its own master of a reign not older than the one it trusts.  A retire
+    from a frozen master not stepped down yet (older reign) or for another role is
+    refused: nothing stops."""
+    from middleware.routing.follower import StopServing
+
+    f = follower(1, Trust(Reign.of_winner(1, 0)))
+    me = SLAVES[1].owner
+    assert f.retire(MASTER.owner, me, Reign.of_winner(1, 0)) == [
+        Count("retired"),
+        StopServing(MASTER.owner),
+    ]
+    stale = f.retire(MASTER.owner, me, Reign())
+    assert isinstance(stale[0], Refuse) and "older reign" in stale[0].reason
+    assert isinstance(f.retire(MASTER.owner, SLAVES[0].owner, Reign.of_winner(1, 0))[0], Refuse)
+    assert isinstance(f.retire("B/router", me, Reign.of_winner(1, 0))[0], Refuse)
+    f.take_over()  # promoted: it serves the master's role next, not stopped
+    assert f.retire(MASTER.owner, me, Reign.of_winner(2, 0)) == []

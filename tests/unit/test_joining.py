@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from middleware.phoenix.effects import After
 from middleware.routing.joining import (
     AskMasters,
-    Expire,
     HandBack,
     Hold,
     JoinHold,
@@ -71,7 +71,7 @@ def test_the_hand_back_asks_every_master_then_tells_the_sum_then_retires() -> No
     back, effects = _round()
     assert effects == [
         AskMasters("r1", "D", (1, 2), ("S.match.0", "S.match.1")),
-        Expire("r1", 10.0),
+        After(10.0, "r1"),
     ]
     assert back.answered("r1", "S.match.0", 3, now=1.0) == []
     assert back.answered("r1", "S.match.0", 3, now=1.0) == []  # twice: counted once

@@ -17,6 +17,7 @@ and what was in flight to it is gone, what it persisted stays.  The claims:
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,16 +27,18 @@ from hypothesis import strategies as st
 from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing
+from middleware.recovery.detector import FailureDetector
 from middleware.recovery.election import Bully
 from middleware.recovery.fencing import Reign, Reigning, SendFence, StepDown, Trust
 from middleware.routing.departures import Departures, LeaveHere, TakeOverArc, TellRouter
-from middleware.routing.follower import FenceMaster, Follower, Promote, SignalVote
+from middleware.routing.follower import FenceMaster, Follower, Promote, SignalVote, StopServing
 from middleware.routing.joining import AskMasters, HandBack, Tell
 from middleware.routing.messages import Ack, Snapshot, Subscribe, Unsubscribe
 from middleware.routing.registry import Registry
 from middleware.routing.replicas import Persist, ReplicaLog, ToReplica, Written
 from middleware.routing.subscribing import Confirm, SubscriptionBook
 from middleware.routing.subscribing import Persist as PersistSubscription
+from middleware.routing.supervision import Provision, Retire, Supervision
 from middleware.routing.switching import become
 from middleware.routing.takeover import Adopt, ArcTakeover, AskRestore, Released
 
@@ -346,6 +349,9 @@ class _Process:
     machine: Follower | Reigning
     promoted_from: RoleId | None = None  # a promoted master still consumes its old control
     frozen_until: float = 0.0
+    #: a master's view of its slaves' processes, and their silences (from its start)
+    supervision: Supervision | None = None
+    slaves_heard: FailureDetector[int] | None = None
     delivered: list[tuple[int, Reign]] = field(default_factory=list)  # (seq, its reign)
     fenced: list[tuple[int, Reign]] = field(default_factory=list)  # (seq, the newer reign)
 
@@ -363,8 +369,10 @@ class _ReignCluster:
         self.slaves = list(self.master.slaves(self.spec))
         self.now = 0.0
         self.processes = {"p0": _Process("p0", self.master, self._reigning(Reign(), None))}
+        self._supervise(self.processes["p0"])
         for i, slave in enumerate(self.slaves, start=1):
             self.processes[f"p{i}"] = _Process(f"p{i}", slave, self._follower(slave, Reign()))
+        self.started = len(self.processes)  # process ids handed out (the provisioner's)
         #: (to: a process id, what, sender pid) — what is on its way
         self.in_flight: list[tuple[str, tuple[Any, ...]]] = []
         self.events = 0  # waiting in the master role's inbox
@@ -383,6 +391,12 @@ class _ReignCluster:
             ceiling_s=1.0,
             trust=Trust(trusted),
         )
+
+    def _supervise(self, process: _Process) -> None:
+        """A master's supervision from its start: every slave watched from now."""
+        process.supervision = Supervision(replace_after_s=0.5, replace_retry_s=0.5)
+        process.slaves_heard = FailureDetector[int](self.INTERVAL_S, self.MISSES)
+        process.slaves_heard.watch([s.slave for s in self.slaves], self.now)
 
     def serving(self, role: RoleId) -> list[_Process]:
         return [p for p in self.processes.values() if p.role == role]
@@ -412,16 +426,76 @@ class _ReignCluster:
                     self.events -= 1
                     self.seq += 1
                     process.delivered.append((self.seq, machine.reign))
+                self._replace_silent(process)
             else:
                 self._perform(process, machine.look(self.now, 0.0))
+                for to in self.consumers_of_control(self.master):  # its beat to the master
+                    slave = process.role.slave
+                    self.in_flight.append((to.pid, ("slave_beat", slave, process.pid)))
+
+    def _replace_silent(self, master: _Process) -> None:
+        """The master's silence rule: a slave silent past it is provisioned (a new
+        process serving it, as the local provisioner starts one)."""
+        assert master.supervision is not None and master.slaves_heard is not None
+        silences = {s.slave: master.slaves_heard.silent_for(s.slave, self.now) for s in self.slaves}
+        timeout = master.slaves_heard.timeout_s
+        for effect in master.supervision.silences(silences, timeout, self.now):
+            if isinstance(effect, Provision):
+                slave = self.slaves[effect.slave]
+                # as the local provisioner: only when no live process serves the role
+                # (a frozen one is alive), in the slot of a process that stopped
+                started = not self.serving(slave) and len(self.processes) < 1 + len(self.slaves)
+                if started:
+                    pid = f"p{self.started}"
+                    self.started += 1
+                    self.processes[pid] = _Process(pid, slave, self._follower(slave, Reign()))
+                master.supervision.provisioned(effect.slave, started)
+
+    def deliver_all(self, order: random.Random) -> None:
+        """Everything in flight now, shuffled; each message late (kept for the next
+        step) with probability 0.2."""
+        batch, self.in_flight = self.in_flight, []
+        order.shuffle(batch)
+        late = []
+        for message in batch:
+            if order.random() < 0.2:
+                late.append(message)
+                continue
+            self.in_flight.insert(0, message)
+            self.deliver(0)
+        self.in_flight += late
 
     def deliver(self, index: int) -> None:
         to, what = self.in_flight[index]
-        process = self.processes[to]
+        process = self.processes.get(to)
+        if process is None:  # it stopped (retired): what was sent to it is gone
+            del self.in_flight[index]
+            return
         if not self.live(process):
             return  # it waits in the frozen process's socket
         del self.in_flight[index]
         machine = process.machine
+        if what[0] == "retire":  # told by its master: another process serves its role
+            _, slave_owner, reign = what
+            if isinstance(machine, Follower):
+                said = machine.retire(self.master.owner, slave_owner, reign)
+                if any(isinstance(e, StopServing) for e in said):
+                    del self.processes[to]  # it stops for good
+                    self.in_flight = [(t, w) for t, w in self.in_flight if t != to]
+            return
+        if what[0] == "slave_beat":
+            _, slave, sender = what
+            if isinstance(machine, Reigning) and machine.serving:
+                assert process.supervision is not None and process.slaves_heard is not None
+                serves, said = process.supervision.beat(slave, sender, self.now)
+                if serves:
+                    process.supervision.heard(slave)
+                    process.slaves_heard.heard(slave, self.now)
+                for effect in said:
+                    if isinstance(effect, Retire):
+                        retire = ("retire", self.slaves[effect.slave].owner, machine.reign)
+                        self.in_flight.append((effect.process, retire))
+            return
         if what[0] == "beat":
             _, reign, sender = what
             if isinstance(machine, Reigning):  # a rival beat at its former control queue
@@ -463,6 +537,7 @@ class _ReignCluster:
                 process.promoted_from, process.role = after.promoted_from, after.role
                 assert after.promoted_from is not None
                 process.machine = self._reigning(after.reign, after.promoted_from.slave)
+                self._supervise(process)
 
     def _outcome(self, process: _Process, outcome: Any) -> None:
         assert isinstance(process.machine, Reigning)
@@ -482,6 +557,7 @@ class _ReignCluster:
             assert after is not None and after.reign is not None
             process.role, process.promoted_from = after.role, None
             process.machine = self._follower(after.role, after.reign)
+            process.supervision = process.slaves_heard = None
             self.seq += 1
             process.fenced.append((self.seq, outcome.reign))
 
@@ -498,34 +574,46 @@ _TOPOLOGY_ONE = PhoenixTopology.model_validate(
     freeze_at=st.integers(2, 10),
     freeze_for=st.integers(0, 40),
     events=st.lists(st.integers(0, 120), max_size=40),
-    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_one_master_once_messages_stop_and_a_fenced_master_never_delivers_after(
-    freeze_at: int, freeze_for: int, events: list[int], data: st.DataObject
+    freeze_at: int, freeze_for: int, events: list[int], seed: int
 ) -> None:
     """The master as started is frozen for a while (SIGSTOP: no beats, nothing handled,
     what is sent to it waits); its slaves may elect one of them, which serves the role
     under a newer reign.  When it thaws, its beats meet a slave (or the winner at its
     old control queue) that trusts the newer reign: it is fenced and steps down to the
-    slave the winner left.  Whatever the order of beats, votes and fences: once the
+    slave the winner left.  The masters supervise their slaves as ``Master`` does (the
+    real ``Supervision``): a second process beating as one slave is told to stop, a
+    slave silent past the rule is provisioned.  Whatever the order of beats, votes and
+    fences (two slaves may both win a race; a fence may name a reign already
+    superseded, so the old master steps down into a slave role still served): once the
     messages stop, exactly one process serves the master role and one each slave role,
     every slave trusts the master's reign, and a process that stepped down delivers
-    nothing after it (events taken from the inbox only by a serving master)."""
+    nothing after it except as the master of a newer reign."""
     cluster = _ReignCluster()
+    order = random.Random(seed)  # the delivery order and the late messages
     frozen = cluster.processes["p0"]
     for step in range(100):
         if step == freeze_at:
             frozen.frozen_until = cluster.now + freeze_for * cluster.INTERVAL_S
         cluster.events += events.count(step)
-        # deliver some of what is on its way, in an order hypothesis draws
-        for _ in range(data.draw(st.integers(0, 4), label="deliveries")):
-            if not cluster.in_flight:
-                break
-            cluster.deliver(data.draw(st.integers(0, len(cluster.in_flight) - 1), label="which"))
+        # what is on its way arrives in an order hypothesis draws; a few messages are
+        # late (held for a later step: a slow link, a busy receiver)
+        cluster.deliver_all(order)
         cluster.tick()
-    for _ in range(30):  # the messages stop: everything delivered, time goes on
-        while any(cluster.live(cluster.processes[to]) for to, _ in cluster.in_flight):
-            cluster.deliver(0)
+    for _ in range(60):  # the messages stop: everything delivered, time goes on
+        while any(
+            to not in cluster.processes or cluster.live(cluster.processes[to])
+            for to, _ in cluster.in_flight
+        ):
+            cluster.deliver(
+                next(
+                    i
+                    for i, (to, _) in enumerate(cluster.in_flight)
+                    if to not in cluster.processes or cluster.live(cluster.processes[to])
+                )
+            )
         cluster.tick()
     masters = cluster.serving(cluster.master)
     assert len(masters) == 1, [(p.pid, p.role) for p in cluster.processes.values()]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from middleware.errors import DeadLetter
-from middleware.phoenix.effects import Count
+from middleware.phoenix.effects import After, Count
 from middleware.phoenix.ids import RoleId
 from middleware.routing.messages import Recover
 from middleware.routing.restoring import (
-    ForgetAfter,
     Read,
     ReadAhead,
     Restore,
@@ -52,7 +51,7 @@ def test_a_suspected_leave_is_read_ahead_and_the_leave_restores_that_read() -> N
     ahead = ReadAhead(keep_s=60.0)
     assert ahead.recover("D", PLAN, prepare=True) == [
         Read("D", PLAN, 1),
-        ForgetAfter("D", 1, 60.0),
+        After(60.0, ("D", 1)),
         Count("prepared"),
     ]
     assert ahead.in_use() == {1}

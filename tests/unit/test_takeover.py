@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from middleware.phoenix.effects import After
 from middleware.routing.takeover import (
     Adopt,
     ArcTakeover,
@@ -9,7 +10,6 @@ from middleware.routing.takeover import (
     MakePlan,
     ReadTable,
     Released,
-    RestoreBound,
 )
 
 
@@ -24,7 +24,7 @@ def test_released_once_every_master_answered_and_the_table_was_read() -> None:
     assert machine.planned("D", "plan", ["S.match.0", "S.match.1"], now=10.5) == [
         Adopt("D", "plan"),
         AskRestore("r1", "D", "plan"),
-        RestoreBound("r1", 5.0),
+        After(5.0, "r1"),
     ]
     assert machine.answered("r1", "S.match.0", 3, now=11.0) == []
     assert machine.answered("r1", "S.match.0", 3, now=11.0) == []  # twice: once
