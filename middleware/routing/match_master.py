@@ -13,10 +13,12 @@ import time
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..phoenix.effects import Count
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from . import subscribing
+from .dispatching import MatchHere, SendToSlave, on_publish
 from .joining import handover_plan
 from .match_restore import RestoringMatcher
 from .messages import (
@@ -140,36 +142,35 @@ class MatchMaster(RestoringMatcher):
         )
 
     async def _on_publish(self, message: Publish) -> None:
-        if self._matched_elsewhere(message):
-            if not self.counters["dropped_after_rejoin"]:
-                log.warning(
-                    "%s: dropping events from before the departure (first: %s)",
-                    self.owner,
-                    message.id,
-                )
-            self.count("dropped_after_rejoin")
-            return
-        if message.event_type in self.book.local_types:  # its slaves do not hold them
-            await self._match(message)
-            return
+        """Drop it, match it here or dispatch it to a slave (``dispatching.py``)."""
         now = time.monotonic()
-        live = self.live.alive(now)
-        if self.topology.inner:
-            target = self.dispatch.choose(self.predictor, live, now)
-        else:
-            target = self.dispatch.choose_blind(live, self.topology.blind_dispatch)
-        if target is None:
-            await self._match(message)
-            return
-        self.count("dispatched")
-        started = time.monotonic()
-        await self.send(
-            self.cluster,
-            self.inbox_of(RoleId.match_slave(self.cluster, self.index, target)),
-            message,
-            message.priority,
+        effects = on_publish(
+            stale=self._matched_elsewhere(message),
+            local=message.event_type in self.book.local_types,
+            dispatch=self.dispatch,
+            predictor=self.predictor,
+            live=self.live.alive(now),
+            now=now,
+            inner=self.topology.inner,
+            blind=self.topology.blind_dispatch,
         )
-        self.dispatch.dispatched(target, time.monotonic() - started)
+        for effect in effects:
+            if isinstance(effect, Count):
+                first = not self.counters[effect.name]
+                self.count(effect.name, effect.n)
+                if first and effect.name == "dropped_after_rejoin":
+                    log.warning(
+                        "%s: dropping events from before the departure (first: %s)",
+                        self.owner,
+                        message.id,
+                    )
+            elif isinstance(effect, MatchHere):
+                await self._match(message)
+            elif isinstance(effect, SendToSlave):
+                started = time.monotonic()
+                slave = RoleId.match_slave(self.cluster, self.index, effect.slave)
+                await self.send(self.cluster, self.inbox_of(slave), message, message.priority)
+                self.dispatch.dispatched(effect.slave, time.monotonic() - started)
 
     async def _unsubscribe(self, message: Unsubscribe) -> None:
         """Forget the subscription here and in the replicas (a tombstone), and tell the

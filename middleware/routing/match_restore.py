@@ -16,6 +16,7 @@ from ..phoenix.effects import After
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..phoenix.ring import master_index
+from .dispatching import matched_elsewhere
 from .mastering import Master
 from .match_roles import MatchBroker
 from .messages import (
@@ -117,15 +118,8 @@ class RestoringMatcher(MatchBroker, Master):
         return float(at) if isinstance(at, int | float) else None
 
     def _matched_elsewhere(self, message: Publish) -> bool:
-        """An event from before this cluster left, that entered at another cluster: its
-        entry router routed it again when this one left, and the successor matched it."""
-        return (
-            self.left_at is not None
-            and message.entered_at is not None
-            and message.entered_at < self.left_at
-            and bool(message.hops)
-            and message.hops[0] != self.cluster
-        )
+        """``dispatching.matched_elsewhere`` for ``message``."""
+        return matched_elsewhere(self.cluster, self.left_at, message.entered_at, message.hops)
 
     async def _on_recover(self, message: Recover) -> None:
         """RECOVERY: take the departed match masters' subscriptions of the arc that this

@@ -27,6 +27,7 @@ PURE = [
     "routing/subscribing.py",
     "routing/copies.py",
     "phoenix/effects.py",
+    "routing/dispatching.py",
     "routing/restoring.py",
     "routing/forwarding.py",
     "routing/departures.py",

@@ -1,0 +1,81 @@
+"""A match master's choice for each event it is sent, without I/O: drop it (matched
+elsewhere while this cluster was out of the ring), match it here, or dispatch it to one
+of its slaves (the paper's predicted-T choice over the slaves' load reports, or the
+blind choice when ``inner`` is off).
+
+The driver (``match_master.MatchMaster``) gives it the event, the live slaves and the
+time, and performs what it returns: :class:`Drop` (nothing is sent; the first one is
+said in the log), :class:`MatchHere`, :class:`SendToSlave` (then it tells
+``Dispatch.dispatched`` how long the send took), and ``Count``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..phoenix.effects import Count
+from .timeliness import Dispatch, QueuePredictor
+
+__all__ = ["Drop", "Effect", "MatchHere", "SendToSlave", "matched_elsewhere", "on_publish"]
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """Drop the event: ``why``."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class MatchHere:
+    """Match the event at this master (no slave is chosen, or its slaves do not hold the
+    type's subscriptions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendToSlave:
+    """Send the event to slave ``slave``'s inbox (it matches it)."""
+
+    slave: int
+
+
+Effect = Drop | MatchHere | SendToSlave | Count
+
+
+def matched_elsewhere(
+    cluster: str, left_at: float | None, entered_at: float | None, hops: Sequence[str]
+) -> bool:
+    """An event from before this cluster left (``left_at``), that entered at another
+    cluster: its entry router routed it again when this one left, and the successor
+    matched it."""
+    return (
+        left_at is not None
+        and entered_at is not None
+        and entered_at < left_at
+        and bool(hops)
+        and hops[0] != cluster
+    )
+
+
+def on_publish(
+    *,
+    stale: bool,
+    local: bool,
+    dispatch: Dispatch,
+    predictor: QueuePredictor,
+    live: Iterable[int],
+    now: float,
+    inner: bool,
+    blind: str,
+) -> list[Effect]:
+    """One event at the match master.  ``stale``: :func:`matched_elsewhere`; ``local``:
+    its type is one the slaves do not hold (a take-over's, indexed here only)."""
+    if stale:
+        return [Count("dropped_after_rejoin"), Drop("matched by the successor while left")]
+    if local:
+        return [MatchHere()]
+    target = dispatch.choose(predictor, live, now) if inner else dispatch.choose_blind(live, blind)
+    if target is None:
+        return [MatchHere()]
+    return [Count("dispatched"), SendToSlave(target)]

@@ -1,0 +1,65 @@
+"""``dispatching``: a match master's choice for each event (drop, here, or a slave)."""
+
+from __future__ import annotations
+
+from middleware.phoenix.effects import Count
+from middleware.routing.dispatching import (
+    Drop,
+    MatchHere,
+    SendToSlave,
+    matched_elsewhere,
+    on_publish,
+)
+from middleware.routing.timeliness import Dispatch, QueuePredictor
+
+
+def _publish(
+    dispatch: Dispatch,
+    *,
+    stale: bool = False,
+    local: bool = False,
+    inner: bool = True,
+    blind: str = "round_robin",
+    live: tuple[int, ...] = (0, 1),
+) -> list:
+    return on_publish(
+        stale=stale,
+        local=local,
+        dispatch=dispatch,
+        predictor=QueuePredictor(window_s=1.0),
+        live=live,
+        now=10.0,
+        inner=inner,
+        blind=blind,
+    )
+
+
+def test_an_event_matched_elsewhere_while_the_cluster_was_out_is_dropped() -> None:
+    assert matched_elsewhere("B", 100.0, 99.0, ["A", "B"])  # entered at A before B left
+    assert not matched_elsewhere("B", 100.0, 101.0, ["A", "B"])  # after the leave
+    assert not matched_elsewhere("B", 100.0, 99.0, ["B"])  # entered here: never rerouted
+    assert not matched_elsewhere("B", None, 99.0, ["A", "B"])  # never left
+    effects = _publish(Dispatch(), stale=True)
+    assert effects[0] == Count("dropped_after_rejoin") and isinstance(effects[1], Drop)
+
+
+def test_a_type_its_slaves_do_not_hold_is_matched_here() -> None:
+    dispatch = Dispatch()
+    for j in (0, 1):
+        dispatch.reported(j, 0.0, 1000.0, 10.0)
+    assert _publish(dispatch, local=True, inner=False) == [MatchHere()]
+
+
+def test_inner_keeps_an_event_when_nothing_waits_here_and_blind_takes_turns() -> None:
+    dispatch = Dispatch()
+    for j in (0, 1):
+        dispatch.reported(j, 0.0, 1000.0, 10.0)
+    assert _publish(dispatch) == [MatchHere()]  # nothing queued here: no broker is sooner
+    turns = [_publish(dispatch, inner=False) for _ in range(3)]
+    assert {tuple(t) for t in turns} == {
+        (MatchHere(),),
+        (Count("dispatched"), SendToSlave(0)),
+        (Count("dispatched"), SendToSlave(1)),
+    }  # the master and each live slave once in three
+    assert _publish(dispatch, inner=False, blind="master") == [MatchHere()]
+    assert _publish(Dispatch(), inner=False, live=()) == [MatchHere()]  # no slave reports
