@@ -30,7 +30,6 @@ from .match_roles import MatchSlave
 from .messages import Answer, Takeover
 from .roles import Role
 from .router_roles import RouterMaster, RouterSlave
-from .switching import become
 from .wiring import Connections, outgoing
 
 __all__ = ["RoleNode"]
@@ -106,15 +105,7 @@ class RoleNode:
                     relay.cancel()
                     if answer is not None:
                         answer.cancel()
-                after = become(
-                    self.current,
-                    role.switch_to,
-                    won=role.next_reign,
-                    trusted=role.reign,
-                    failed_at=role.failed_at,
-                    reply=role.takeover_reply,
-                    topology=role.topology,
-                )
+                after = role.after()
                 if after is None or stop.is_set():
                     break
                 log.warning("%s: serving %s from now on", self.current, after.role)

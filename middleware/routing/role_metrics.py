@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
+
+from ..phoenix.ids import RoleId
 
 __all__ = [
     "DETOURS",
@@ -16,6 +21,7 @@ __all__ = [
     "RECOVERY_S",
     "REROUTE_S",
     "ROLE_EVENTS",
+    "served_again",
 ]
 
 ROLE_EVENTS = PromCounter(
@@ -72,3 +78,20 @@ REROUTE_S = Histogram(
     ["cluster"],
     buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0),
 )
+
+
+def served_again(role: RoleId, failed_at: float, began: float, prepared: float) -> None:
+    """An elected master serves: how long after its predecessor's last beat (monotonic
+    times: ``began`` this role, ``prepared`` its tables read back)."""
+    now = time.monotonic()
+    took = now - failed_at
+    RECOVERY_S.labels(role.cluster, role.kind.value, "recovery").observe(took)
+    logging.getLogger("middleware.routing.roles").warning(
+        "%s served again %.2f s after its last beat (this role began %.3f s, "
+        "tables read back %.3f s, inboxes consumed %.3f s after it)",
+        role,
+        took,
+        began - failed_at,
+        prepared - failed_at,
+        now - failed_at,
+    )

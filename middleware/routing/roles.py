@@ -43,7 +43,8 @@ from .messages import (
 )
 from .peer import Peer
 from .replica_set import ReplicaSet
-from .role_metrics import INBOX_LENGTH, RECOVERY_S
+from .role_metrics import INBOX_LENGTH, served_again
+from .switching import Become, become
 from .wiring import (
     Handler,
     outgoing,
@@ -167,8 +168,8 @@ class Role(Peer):
             self.serving.set()
             if self.on_serving is not None:
                 self.on_serving()
-            if self.failed_at is not None:
-                self._served_again(self.failed_at, prepared)
+            if self.failed_at is not None:  # an elected master: its recovery's phases
+                served_again(self.id, self.failed_at, self._began, prepared)
             log.info("%s serving %s as %s", type(self).__name__, inbox, self.id)
             if self.observes_inbox:
                 await stop.wait()
@@ -200,23 +201,21 @@ class Role(Peer):
         reign = Reign(message.epoch, message.by)
         raise DeadLetter(f"fence from {message.broker!r} of {reign}: not for {self.id}")
 
-    def _served_again(self, failed_at: float, prepared: float) -> None:
-        """An elected master serves: how long after its predecessor's last beat."""
-        now = time.monotonic()
-        took = now - failed_at
-        RECOVERY_S.labels(self.cluster, self.id.kind.value, "recovery").observe(took)
-        log.warning(
-            "%s served again %.2f s after its last beat (this role began %.3f s, "
-            "tables read back %.3f s, inboxes consumed %.3f s after it)",
-            self.id,
-            took,
-            self._began - failed_at,
-            prepared - failed_at,
-            now - failed_at,
-        )
-
     async def finish(self) -> None:
         """Runs once the role stopped consuming (match brokers close their publishers)."""
+
+    def after(self) -> Become | None:
+        """What this process serves once this role stopped (``switching.become``): up to
+        its master's role, down to a slave (fenced), or nothing (it stopped for good)."""
+        return become(
+            self.id,
+            self.switch_to,
+            won=self.next_reign,
+            trusted=self.reign,
+            failed_at=self.failed_at,
+            reply=self.takeover_reply,
+            topology=self.topology,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:  # pragma: no cover - abstract
         """Serve this role until ``stop`` (set by the process, or by a take-over)."""
