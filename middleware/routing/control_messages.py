@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..phoenix.protocol import Kind
+from ..recovery import flood as flooding
 from .message_base import Cluster as _Cluster
 from .message_base import Finite as _Finite
 from .message_base import WireMessage as _Message
@@ -191,6 +192,19 @@ class Probe(_Message):
             raise ValueError("a probe's path starts at its origin")
         return self
 
+    @classmethod
+    def of(cls, probe: flooding.Probe) -> Probe:
+        return cls(
+            flood=probe.flood,
+            origin=probe.origin,
+            target=probe.target,
+            path=list(probe.path),
+            ttl=probe.ttl,
+        )
+
+    def to_flood(self) -> flooding.Probe:
+        return flooding.Probe(self.flood, self.origin, self.target, tuple(self.path), self.ttl)
+
 
 class Found(_Message):
     """The flood's target answered: back along the probe's path to its origin."""
@@ -208,6 +222,21 @@ class Found(_Message):
         if self.at >= len(self.path) or self.path[0] != self.origin:
             raise ValueError("at must index the path, which starts at the origin")
         return self
+
+    @classmethod
+    def of(cls, found: flooding.Found) -> Found:
+        return cls(
+            flood=found.flood,
+            origin=found.origin,
+            target=found.target,
+            path=list(found.path),
+            by="slave" if found.by == "slave" else "master",
+            at=found.at,
+        )
+
+    def to_flood(self) -> flooding.Found:
+        path = tuple(self.path)
+        return flooding.Found(self.flood, self.origin, self.target, path, self.by, self.at)
 
 
 class Leave(_Message):

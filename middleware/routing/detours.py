@@ -185,7 +185,8 @@ class Detours:
         if sends:  # one line per node and step: the experiment sums them per flood
             log.info("flood %s: %d message(s) sent", sends[0].message.flood, len(sends))
         for send in sends:
-            message = _wire(send.message)
+            sent = send.message
+            message = Probe.of(sent) if isinstance(sent, flood.Probe) else Found.of(sent)
             queue = RoleId.router(send.to).control(self.prefix)
             task = asyncio.ensure_future(self._quietly(queue, message, send.to))
             self._tasks.add(task)
@@ -203,21 +204,12 @@ class Detours:
             log.debug("%s: flood message to %s not sent: %s", self.cluster, cluster, exc)
 
     async def on_probe(self, message: Probe) -> None:
-        probe = flood.Probe(
-            message.flood, message.origin, message.target, tuple(message.path), message.ttl
-        )
+        probe = message.to_flood()
         target = probe.target == self.cluster
         self._launch(self.table.answer(probe) if target else self.table.probe(probe))
 
     async def on_found(self, message: Found) -> None:
-        found = flood.Found(
-            message.flood,
-            message.origin,
-            message.target,
-            tuple(message.path),
-            message.by,
-            message.at,
-        )
+        found = message.to_flood()
         if found.at == 0 and found.origin != self.cluster:
             raise DeadLetter(
                 f"found: flood {found.flood} is {found.origin}'s, not {self.cluster}'s"
@@ -391,22 +383,3 @@ class Detours:
             FLOOD_MESSAGES.labels(self.cluster).inc(fresh)
             self._count("flood_messages", fresh)
             self._flooded = self.table.flood_messages
-
-
-def _wire(message: flood.Probe | flood.Found) -> Message:
-    if isinstance(message, flood.Probe):
-        return Probe(
-            flood=message.flood,
-            origin=message.origin,
-            target=message.target,
-            path=list(message.path),
-            ttl=message.ttl,
-        )
-    return Found(
-        flood=message.flood,
-        origin=message.origin,
-        target=message.target,
-        path=list(message.path),
-        by="slave" if message.by == "slave" else "master",
-        at=message.at,
-    )
