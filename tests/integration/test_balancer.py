@@ -83,7 +83,11 @@ def test_reports_steer_messages_away_from_the_long_replica(settings, name, algor
         routed, lengths, publisher = loop.run(scenario())
     finally:
         loop.stop()
-    assert routed[1] >= 95, routed
+    # round robin would send 50; with one report for the whole burst nearly all 100 go
+    # to the short replica, but on a loaded machine reports keep coming while it fills
+    # (every 0.3 s) and the share follows them: about 83 when each message sees a fresh
+    # report (paper and inverse, computed from their factors).  CI once saw 87.
+    assert routed[1] >= 70, routed
     assert lengths == [200 + routed[0], routed[1]]  # each message in exactly one replica
     assert publisher.report.replicas[0].length == pytest.approx(200, abs=1)
 
