@@ -68,15 +68,12 @@ class ReplicaHolder(Role):
 
     async def _on_retire(self, message: Retire) -> None:
         """Its master hears another process beating as this slave, the one it counts as
-        serving the role: this process stops (``Follower.retire`` decides)."""
+        serving the role: this process stops (``follower.retire`` decides; the follower
+        shares this slave's ``trust``)."""
         reign = Reign(message.epoch, message.by)
-        if self.follower is None:  # not following yet: the same rule, on its trust
-            effects = retire(
-                self.id, self.trust.reign, message.broker, message.slave, reign, promoted=False
-            )
-        else:
-            effects = self.follower.retire(message.broker, message.slave, reign)
-        for effect in effects:
+        promoted = self.follower is not None and self.follower.promoted
+        sender, slave = message.broker, message.slave
+        for effect in retire(self.id, self.trust.reign, sender, slave, reign, promoted=promoted):
             if isinstance(effect, Refuse):
                 raise DeadLetter(effect.reason)
             if isinstance(effect, Count):
