@@ -86,6 +86,11 @@ class PhoenixTopology(BaseModel):
     #: messages a role sends to the same inbox and priority in one event-loop turn leave
     #: together, up to this many in one AMQP message (1: one AMQP message each)
     batch_max: int = Field(32, ge=1, le=1000)
+    #: how long a batch may wait for more messages before it leaves, in milliseconds, at
+    #: the lowest priority; less the more urgent its most urgent message (nothing at the
+    #: top priority: the most urgent latency level and control messages); 0: a batch
+    #: leaves at the end of the loop turn it was opened in
+    batch_linger_ms: float = Field(5.0, ge=0, le=1000)
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
     #: how a match master dispatches with ``inner`` off: ``round_robin`` over itself and

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from ..phoenix.protocol import MAX_PRIORITY
 from .messages import Message, parse, parse_many, validate
 
 __all__ = ["Batcher", "PriorityGate", "encode", "split"]
@@ -73,9 +74,19 @@ def split(body: bytes) -> tuple[list[Message], list[tuple[bytes, str]]]:
 @dataclass(slots=True)
 class _Open:
     future: asyncio.Future[None]
+    opened: float  # the loop's clock when its first message came
     bodies: list[bytes] = field(default_factory=list)
     size: int = 0
     priority: int = 0  # the highest of its messages'
+    closed: bool = False  # full: no message joins it any more
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # full, or more urgent
+
+
+def linger_for(priority: int, linger_s: float, top: int = MAX_PRIORITY) -> float:
+    """How long a batch whose most urgent message has ``priority`` may wait for more:
+    the whole ``linger_s`` at priority 0, nothing at the top priority (the most urgent
+    latency level, control messages), in proportion between."""
+    return linger_s * max(0, top - priority) / top
 
 
 class Batcher:
@@ -84,9 +95,17 @@ class Batcher:
     ``max_bytes`` together; ``max_messages = 1``: one AMQP message each), at the
     highest priority among them."""
 
-    def __init__(self, publish: Publish, *, max_messages: int, max_bytes: int = 256_000) -> None:
+    def __init__(
+        self,
+        publish: Publish,
+        *,
+        max_messages: int,
+        max_bytes: int = 256_000,
+        linger_s: float = 0.0,
+    ) -> None:
         self._publish = publish
         self.max_messages, self.max_bytes = max_messages, max_bytes
+        self.linger_s = linger_s  # at priority 0; less the more urgent (linger_for)
         self._open: dict[tuple[str, str], _Open] = {}
         self._flushing: set[asyncio.Task[None]] = set()
         self.sent = self.batches = 0  # messages, AMQP messages (for the counters)
@@ -101,16 +120,20 @@ class Batcher:
         batch = self._open.get(key)
         if batch is None:
             loop = asyncio.get_running_loop()
-            batch = self._open[key] = _Open(loop.create_future())
+            batch = self._open[key] = _Open(loop.create_future(), loop.time())
             # starts at the next loop turn, when this turn's sends have joined the batch
             task = loop.create_task(self._flush(key, batch))
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
         batch.bodies.append(body)
         batch.size += len(body)
-        batch.priority = max(batch.priority, priority)
+        if priority > batch.priority:
+            batch.priority = priority
+            batch.wake.set()  # a more urgent message: it may wait less
         if len(batch.bodies) >= self.max_messages or batch.size >= self.max_bytes:
             self._close(key, batch)  # full: the next send opens a new batch
+            batch.closed = True
+            batch.wake.set()
         # shielded: a sender that is cancelled does not cancel the others' publish
         await asyncio.shield(batch.future)
 
@@ -118,14 +141,28 @@ class Batcher:
         if self._open.get(key) is batch:
             del self._open[key]
 
+    async def _linger(self, batch: _Open) -> None:
+        """Until the batch is full or has waited as long as its priority lets it."""
+        loop = asyncio.get_running_loop()
+        while not batch.closed:
+            left = batch.opened + linger_for(batch.priority, self.linger_s) - loop.time()
+            if left <= 0:
+                return
+            batch.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(batch.wake.wait(), left)
+
     async def _flush(self, key: tuple[str, str], batch: _Open) -> None:
-        self._close(key, batch)
         cluster, queue = key
-        self.sent += len(batch.bodies)
-        self.batches += 1
         try:
+            if self.linger_s > 0:
+                await self._linger(batch)
+            self._close(key, batch)
+            self.sent += len(batch.bodies)
+            self.batches += 1
             await self._publish(cluster, queue, encode(batch.bodies), batch.priority)
         except asyncio.CancelledError:
+            self._close(key, batch)
             batch.future.cancel()
             raise
         except Exception as exc:

@@ -114,17 +114,20 @@ async def reconfigure(
     inner: bool | None = None,
     blind_dispatch: str | None = None,
     batch_max: int | None = None,
+    batch_linger_ms: float | None = None,
     timeout_s: float = 30.0,
 ) -> list[str]:
-    """Switch ``outer``/``inner``/``blind_dispatch`` (and ``batch_max``) live on the
-    routing and match masters of ``clusters`` (through their control queues, ahead of
-    any backlog); return the control queues of the masters that confirmed. Raises
-    :class:`MiddlewareError` naming the ones that did not answer in ``timeout_s``."""
+    """Switch ``outer``/``inner``/``blind_dispatch`` (and ``batch_max``,
+    ``batch_linger_ms``) live on the routing and match masters of ``clusters`` (through
+    their control queues, ahead of any backlog); return the control queues of the
+    masters that confirmed. Raises :class:`MiddlewareError` naming the ones that did not
+    answer in ``timeout_s``."""
     asked = (
         ("outer", outer),
         ("inner", inner),
         ("blind_dispatch", blind_dispatch),
         ("batch_max", batch_max),
+        ("batch_linger_ms", batch_linger_ms),
     )
     switches = {k: v for k, v in asked if v is not None}
     expected: set[str] = set()

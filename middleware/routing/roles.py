@@ -377,6 +377,7 @@ class Role(Peer):
         except ValidationError as exc:
             raise DeadLetter(f"configure: {exc.errors(include_url=False)}") from None
         self.batcher.max_messages = self.topology.batch_max
+        self.batcher.linger_s = self.topology.batch_linger_ms / 1000
         self.reconfigured()
         self.count("configured")
         log.info("%s of %s configured live: %s", self.role, self.cluster, switches)
@@ -392,4 +393,4 @@ class Role(Peer):
 
 
 #: what ``qosmq phoenix configure`` may switch live on the running masters
-SWITCHES = ("outer", "inner", "blind_dispatch", "batch_max")
+SWITCHES = ("outer", "inner", "blind_dispatch", "batch_max", "batch_linger_ms")

@@ -398,8 +398,8 @@ class PhoenixDeployment:
         return written
 
     def reconfigure(self, *, timeout_s: float = 30.0, **switches: object) -> list[str]:
-        """Switch ``outer``/``inner``/``blind_dispatch``/``batch_max`` live on every
-        running cluster's masters; the control queues that confirmed."""
+        """Switch ``outer``/``inner``/``blind_dispatch``/``batch_max``/``batch_linger_ms``
+        live on every running cluster's masters; the control queues that confirmed."""
         return runtime.run(
             reconfigure(
                 self.settings,

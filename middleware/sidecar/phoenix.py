@@ -88,6 +88,12 @@ def register(roles: Any, sub: Any) -> None:
                 help="messages per batch between roles (1: no batching)",
             )
             p.add_argument(
+                "--batch-linger-ms",
+                type=number(0, 1000),
+                help="how long a batch between roles may wait for more, at the lowest "
+                "priority (none at the top one; 0: to the end of the loop turn)",
+            )
+            p.add_argument(
                 "--timeout", type=number(0, 3600, above=True), default=30.0, help="seconds to wait"
             )
         p.set_defaults(run=run)
@@ -109,7 +115,15 @@ def _serve(role: Any, settings: Any) -> int:
             loop.add_signal_handler(sig, stop.set)
         await role.run(stop)
 
-    runtime.run(main(), event_loop=settings.event_loop)
+    if settings.profile_dir is None:
+        runtime.run(main(), event_loop=settings.event_loop)
+        return 0
+    import cProfile  # performance work only: the whole process under the profiler
+
+    with cProfile.Profile() as profile:
+        runtime.run(main(), event_loop=settings.event_loop)
+    Path(settings.profile_dir).mkdir(parents=True, exist_ok=True)
+    profile.dump_stats(Path(settings.profile_dir) / f"{os.getpid()}.prof")
     return 0
 
 
@@ -203,11 +217,12 @@ def _configure(args: argparse.Namespace) -> int:
         "inner": None if args.inner is None else args.inner == "on",
         "blind_dispatch": args.blind_dispatch,
         "batch_max": args.batch_max,
+        "batch_linger_ms": args.batch_linger_ms,
     }
     if all(a is None for a in asked.values()):
         print(
             f"{ERROR_PREFIX} give --outer on|off, --inner on|off, "
-            "--blind-dispatch round_robin|master and/or --batch-max N",
+            "--blind-dispatch round_robin|master, --batch-max N and/or --batch-linger-ms MS",
             file=sys.stderr,
         )
         return 2

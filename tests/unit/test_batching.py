@@ -9,7 +9,8 @@ import json
 import pytest
 
 from middleware.errors import DeadLetter, Unroutable
-from middleware.routing.batching import Batcher, PriorityGate, encode, split
+from middleware.phoenix.protocol import MAX_PRIORITY
+from middleware.routing.batching import Batcher, PriorityGate, encode, linger_for, split
 from middleware.routing.messages import Publish, parse
 
 
@@ -99,6 +100,91 @@ def test_one_message_per_amqp_message_when_batching_is_off() -> None:
         return publish
 
     assert [body for _, _, body, _ in asyncio.run(run()).published] == [_body(i) for i in range(3)]
+
+
+def test_the_linger_is_whole_at_priority_0_and_nothing_at_the_top() -> None:
+    assert linger_for(0, 0.005) == 0.005
+    assert linger_for(MAX_PRIORITY, 0.005) == 0.0
+    assert 0 < linger_for(4, 0.005) < linger_for(3, 0.005) < 0.005
+    assert linger_for(0, 0.0) == 0.0
+
+
+class _Timed(_Recorder):
+    """Records when (loop time) each AMQP message left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[float] = []
+
+    async def __call__(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
+        self.at.append(asyncio.get_running_loop().time())
+        await super().__call__(cluster, queue, body, priority)
+
+
+# a linger far above a loop turn, so that the claims do not hang on the machine's pace
+LINGER_S = 0.4
+
+
+def test_a_lingering_batch_gathers_the_sends_of_later_loop_turns() -> None:
+    async def run() -> tuple[_Timed, float]:
+        publish = _Timed()
+        batcher = Batcher(publish, max_messages=32, linger_s=LINGER_S)
+        start = asyncio.get_running_loop().time()
+        sends = []
+        for i in range(4):  # one send per loop turn, a few ms apart
+            sends.append(asyncio.create_task(batcher.send("A", "q", _body(i), 0)))
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*sends)
+        return publish, start
+
+    publish, start = asyncio.run(run())
+    assert len(publish.published) == 1
+    assert len(split(publish.published[0][2])[0]) == 4
+    assert publish.at[0] - start >= LINGER_S * 0.9  # it waited for more
+
+
+def test_the_top_priority_does_not_linger_and_takes_a_lingering_batch_with_it() -> None:
+    async def run() -> tuple[_Timed, float]:
+        publish = _Timed()
+        batcher = Batcher(publish, max_messages=32, linger_s=LINGER_S)
+        start = asyncio.get_running_loop().time()
+        bulk = asyncio.create_task(batcher.send("A", "q", _body(0), 0))
+        await asyncio.sleep(0.005)
+        await batcher.send("A", "q", _body(1), MAX_PRIORITY)  # an urgent one joins
+        await bulk
+        await batcher.send("B", "q", _body(2), MAX_PRIORITY)  # and one alone
+        return publish, start
+
+    publish, start = asyncio.run(run())
+    assert [len(split(body)[0]) for _, _, body, _ in publish.published] == [2, 1]
+    assert [p for *_, p in publish.published] == [MAX_PRIORITY, MAX_PRIORITY]
+    assert publish.at[-1] - start < LINGER_S / 2  # neither waited out the linger
+
+
+def test_a_full_batch_does_not_linger() -> None:
+    async def run() -> tuple[_Timed, float]:
+        publish = _Timed()
+        batcher = Batcher(publish, max_messages=3, linger_s=LINGER_S)
+        start = asyncio.get_running_loop().time()
+        await asyncio.gather(*(batcher.send("A", "q", _body(i), 0) for i in range(3)))
+        return publish, start
+
+    publish, start = asyncio.run(run())
+    assert len(publish.published) == 1 and publish.at[0] - start < LINGER_S / 2
+
+
+def test_a_sender_of_a_lingering_batch_that_is_cancelled_leaves_the_others_theirs() -> None:
+    async def run() -> tuple[_Recorder, list[object]]:
+        publish = _Recorder()
+        batcher = Batcher(publish, max_messages=32, linger_s=0.05)
+        tasks = [asyncio.create_task(batcher.send("A", "q", _body(i), 0)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        tasks[0].cancel()
+        return publish, await asyncio.gather(*tasks, return_exceptions=True)
+
+    publish, results = asyncio.run(run())
+    assert isinstance(results[0], asyncio.CancelledError) and results[1:] == [None, None]
+    assert len(split(publish.published[0][2])[0]) == 3
 
 
 def test_every_sender_of_a_batch_hears_that_its_publish_failed() -> None:
