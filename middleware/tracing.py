@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,9 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 _warned: set[str] = set()
 _provider: Any = None  # the layer's own tracer provider (``use``), else the global one
 _global_set = False  # the process's global tracer provider was found set (``active``)
+_unset_until = 0.0  # (monotonic) found unset: not asked again before this
+#: how long ``active`` trusts that no global provider is set before it asks again
+RECHECK_S = 1.0
 
 
 def use(provider: Any) -> None:
@@ -68,14 +72,19 @@ def use(provider: Any) -> None:
 def active() -> bool:
     """Tracing is on: the package is there and a tracer provider was given (``use``) or
     set for the process.  A process's global provider is set once and never unset, so
-    once found it is not asked for again (asking reads the environment: 2 % of a loaded
-    router's CPU, on every publish)."""
-    global _global_set
+    once found it is not asked for again, and while none is set it is asked at most once
+    every ``RECHECK_S`` (asking reads the environment: 1-2 % of a Phoenix role's CPU
+    when it was asked on every publish and delivery)."""
+    global _global_set, _unset_until
     if not _INSTALLED:
         return False
     if _provider is not None or _global_set:
         return True
+    now = time.monotonic()
+    if now < _unset_until:
+        return False
     _global_set = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    _unset_until = now + RECHECK_S
     return _global_set
 
 
