@@ -166,7 +166,8 @@ class Beater:
                         retry=False,
                     )
                     self.sent += 1
-                client.run(self.interval_s)  # handles the connection's I/O meanwhile
+                # handles the connection's I/O meanwhile, waking once per beat
+                client.run(self.interval_s, step_s=self.interval_s)
             except MiddlewareError as exc:
                 log.info("beats not sent (%s); trying again", exc)
                 self._halt.wait(self.interval_s)

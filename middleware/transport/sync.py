@@ -126,6 +126,7 @@ class SyncClient:
         self._sends_own_replies = False  # True for the replies client itself
         self._step_hooks: list[Callable[[], None]] = []
         self._step_s = 0.1  # the longest ``run`` waits for I/O before its hooks run
+        self._step_s_hooks = float("inf")  # the shortest a hook asked for (every_step)
         self._next_check = 0.0  # the consumer watchdog's next look (``consumer_check_s``)
         self._subscribed_at: dict[str, float] = {}
         self._checks: dict[str, consuming.ConsumerCheck] = {}  # the watchdog's, by tag
@@ -263,6 +264,7 @@ class SyncClient:
         background tasks, so work due on time (receipt batches) rides on the caller's pump."""
         self._step_hooks.append(hook)
         self._step_s = min(self._step_s, max(within, 0.001))
+        self._step_s_hooks = min(self._step_s_hooks, max(within, 0.001))
 
     def cancel(self, tag: str) -> None:
         self.topology.forget_consumer(tag)
@@ -273,11 +275,20 @@ class SyncClient:
                 with contextlib.suppress(Exception):
                     channel.close()
 
-    def run(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None) -> None:
-        """Process deliveries for ``seconds`` (forever if None) or until ``until()`` is true."""
+    def run(
+        self,
+        seconds: float | None = None,
+        *,
+        until: Callable[[], bool] | None = None,
+        step_s: float | None = None,
+    ) -> None:
+        """Process deliveries for ``seconds`` (forever if None) or until ``until()`` is true.
+        ``step_s``: the longest one step waits for I/O before the hooks run and ``until``
+        is asked (default 0.1 s, less if a hook asked for less); a thread that only
+        publishes (beats) sets its own interval and wakes no more often than that."""
         deadline = None if seconds is None else time.monotonic() + seconds
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
-            step = self._step_s
+            step = self._step_s if step_s is None else min(step_s, self._step_s_hooks)
             if deadline is not None:
                 step = max(0.0, min(step, deadline - time.monotonic()))
             self._call(functools.partial(_process_events, time_limit=step))

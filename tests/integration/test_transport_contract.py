@@ -416,3 +416,22 @@ def test_a_settle_on_a_dead_channel_is_requeue_and_the_face_goes_on(face, name) 
     assert handled.count(b"m0") == 2
     assert client._live.connection is connection  # the face kept its connection
     face.call("delete_queue", name)
+
+
+def test_a_sync_run_wakes_once_per_step_it_was_given(settings) -> None:
+    """``run(step_s=...)``: a thread that only publishes (the Phoenix beats) wakes once
+    per its own interval, not every 0.1 s; without it, every 0.1 s as before."""
+    looks: list[float] = []
+
+    def until() -> bool:
+        looks.append(time.monotonic())
+        return False
+
+    with SyncClient(settings=settings) as client:
+        client.run(1.0, until=until, step_s=0.5)
+        slow = len(looks)
+        looks.clear()
+        client.run(1.0, until=until)
+        default = len(looks)
+    assert slow <= 4, f"asked {slow} times in 1 s with 0.5 s steps"
+    assert default >= 8, f"asked {default} times in 1 s with the default 0.1 s steps"
