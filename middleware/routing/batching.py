@@ -2,11 +2,13 @@
 
 Under load a role has many messages in flight at once (its inbox prefetch), and the
 ones it sends to the same inbox in one event-loop turn leave as one AMQP message: a
-JSON array of Phoenix messages. A lone message still leaves alone, as the plain JSON
-object, at the end of the loop turn it was sent in: there is no timer, so batching
-adds no wait at light load and grows with the backlog, which is when a message per
-event costs most (one publish, confirm, delivery and ack per AMQP message, in the
-broker and in every Python role).
+JSON array of Phoenix messages. A lone message leaves alone, as the plain JSON object.
+Toward an inbox whose sends come closer together than ``linger_s`` (a smoothed gap per
+inbox), a batch also waits up to ``linger_s`` for more (less the more urgent its most
+urgent message: ``linger_for``), so batches form before a backlog does; at a light
+load nothing waits and a message leaves at the end of the loop turn it was sent in.
+A message per event is what costs most (one publish, confirm, delivery and ack per AMQP
+message, in the broker and in every Python role).
 
 A batch goes out at the highest priority of the messages it carries, so an urgent
 message never waits behind bulk ones in the broker's priority queue; the bulk ones
@@ -82,6 +84,10 @@ class _Open:
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # full, or more urgent
 
 
+#: the weight of the newest gap between two sends to an inbox is 1 / GAP_SMOOTHING
+GAP_SMOOTHING = 4
+
+
 def linger_for(priority: int, linger_s: float, top: int = MAX_PRIORITY) -> float:
     """How long a batch whose most urgent message has ``priority`` may wait for more:
     the whole ``linger_s`` at priority 0, nothing at the top priority (the most urgent
@@ -107,6 +113,10 @@ class Batcher:
         self.max_messages, self.max_bytes = max_messages, max_bytes
         self.linger_s = linger_s  # at priority 0; less the more urgent (linger_for)
         self._open: dict[tuple[str, str], _Open] = {}
+        #: per inbox: the loop time of its last send and the smoothed gap between sends
+        #: (None: one send seen so far); a batch lingers only where more messages are
+        #: expected within the linger (``_streaming``)
+        self._gaps: dict[tuple[str, str], tuple[float, float | None]] = {}
         self._flushing: set[asyncio.Task[None]] = set()
         self.sent = self.batches = 0  # messages, AMQP messages (for the counters)
 
@@ -117,9 +127,11 @@ class Batcher:
             await self._publish(cluster, queue, body, priority)
             return
         key = (cluster, queue)
+        loop = asyncio.get_running_loop()
+        if self.linger_s > 0:
+            self._sent_at(key, loop.time())
         batch = self._open.get(key)
         if batch is None:
-            loop = asyncio.get_running_loop()
             batch = self._open[key] = _Open(loop.create_future(), loop.time())
             # starts at the next loop turn, when this turn's sends have joined the batch
             task = loop.create_task(self._flush(key, batch))
@@ -136,6 +148,20 @@ class Batcher:
             batch.wake.set()
         # shielded: a sender that is cancelled does not cancel the others' publish
         await asyncio.shield(batch.future)
+
+    def _sent_at(self, key: tuple[str, str], now: float) -> None:
+        last, gap = self._gaps.get(key, (now, None))
+        if key in self._gaps:
+            seen = now - last
+            gap = seen if gap is None else gap + (seen - gap) / GAP_SMOOTHING
+        self._gaps[key] = (now, gap)
+
+    def _streaming(self, key: tuple[str, str]) -> bool:
+        """More messages to this inbox are expected within the linger: the smoothed gap
+        between its sends is shorter (or only one send was seen).  At a light load a
+        message leaves at the end of its loop turn, as without a linger."""
+        gap = self._gaps.get(key, (0.0, None))[1]
+        return gap is None or gap < self.linger_s
 
     def _close(self, key: tuple[str, str], batch: _Open) -> None:
         if self._open.get(key) is batch:
@@ -155,7 +181,7 @@ class Batcher:
     async def _flush(self, key: tuple[str, str], batch: _Open) -> None:
         cluster, queue = key
         try:
-            if self.linger_s > 0:
+            if self.linger_s > 0 and self._streaming(key):
                 await self._linger(batch)
             self._close(key, batch)
             self.sent += len(batch.bodies)

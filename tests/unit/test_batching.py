@@ -161,6 +161,26 @@ def test_the_top_priority_does_not_linger_and_takes_a_lingering_batch_with_it() 
     assert publish.at[-1] - start < LINGER_S / 2  # neither waited out the linger
 
 
+def test_sends_sparser_than_the_linger_leave_without_waiting() -> None:
+    """At a light load (the gaps between sends to an inbox longer than the linger) a
+    message leaves at the end of its loop turn: the linger would only add its wait."""
+
+    async def run() -> list[float]:
+        publish = _Timed()
+        batcher = Batcher(publish, max_messages=32, linger_s=0.15)
+        waits = []
+        for i in range(4):
+            sent = asyncio.get_running_loop().time()
+            await batcher.send("A", "q", _body(i), 0)
+            waits.append(publish.at[-1] - sent)
+            await asyncio.sleep(0.3)
+        return waits
+
+    waits = asyncio.run(run())
+    assert waits[0] >= 0.15 * 0.9  # nothing known of the inbox yet: it lingers
+    assert all(w < 0.075 for w in waits[2:]), waits  # the gaps (0.3 s) are known now
+
+
 def test_a_full_batch_does_not_linger() -> None:
     async def run() -> tuple[_Timed, float]:
         publish = _Timed()
