@@ -83,6 +83,11 @@ class PhoenixTopology(BaseModel):
     #: deliveries a role holds unacknowledged: small, so a backlog waits in the broker's
     #: priority queue and urgent events overtake it (the outer mechanism)
     inbox_prefetch: int = Field(16, ge=1, le=1000)
+    #: inbox messages a role handles at once (its priority gate; the deliveries in hand
+    #: may carry more, in batches): each holds its place until what it sent for it was
+    #: confirmed, so this over the confirm's round trip bounds a role's rate; the most
+    #: urgent waiting message goes in next
+    inbox_concurrency: int = Field(64, ge=1, le=10_000)
     #: messages a role sends to the same inbox and priority in one event-loop turn leave
     #: together, up to this many in one AMQP message (1: one AMQP message each)
     batch_max: int = Field(32, ge=1, le=1000)

@@ -203,9 +203,11 @@ class PriorityGate:
     (first come, first served within a priority).
 
     A role consumes its inbox with a prefetch of deliveries, and a delivery may carry a
-    batch: the gate keeps the events a role works on at once to the prefetch, as before
-    batching, and lets the ones it holds beyond that wait in priority order, so an urgent
-    event that arrives behind a batch of bulk ones does not queue behind all of them."""
+    batch: the gate keeps the events a role works on at once to its capacity (the
+    topology's ``inbox_concurrency``) and lets the ones it holds beyond that wait in
+    priority order, so an urgent event that arrives behind a batch of bulk ones does not
+    queue behind all of them.  A message holds its place until what it sent was
+    confirmed: the capacity over that round trip bounds the role's rate."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = self.free = capacity

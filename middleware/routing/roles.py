@@ -96,8 +96,8 @@ class Role(Peer):
         self.fenced = False  # a master that learnt of a newer reign: it steps down
         self._former_control: str | None = None  # its consumer tag (a promoted master)
         self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
-        # inbox messages handled at once: the prefetch, however the deliveries are batched
-        self.gate = PriorityGate(topology.inbox_prefetch)
+        # inbox messages handled at once, however the deliveries are batched
+        self.gate = PriorityGate(topology.inbox_concurrency)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Consume the control queue, ``prepare``, then the inbox, until ``stop``; then
