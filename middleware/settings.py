@@ -292,9 +292,9 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="0 = any free port")
     profile_dir: Path | None = Field(
         None,
-        description="a sidecar process runs under cProfile (its main thread's CPU time) "
-        "and writes <profile_dir>/<pid>.prof when it stops (for performance work; off by "
-        "default)",
+        description="a Phoenix role process runs under cProfile (its main thread's CPU "
+        "time) and writes <profile_dir>/<pid>.prof when it stops (for performance work; "
+        "off by default)",
     )
 
     @field_validator("event_loop")

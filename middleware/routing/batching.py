@@ -86,6 +86,8 @@ class _Open:
 
 #: the weight of the newest gap between two sends to an inbox is 1 / GAP_SMOOTHING
 GAP_SMOOTHING = 4
+#: inboxes whose gaps a batcher keeps at most (replies go to per-client addresses)
+MAX_INBOXES_TRACKED = 4096
 
 
 def linger_for(priority: int, linger_s: float, top: int = MAX_PRIORITY) -> float:
@@ -128,7 +130,7 @@ class Batcher:
             return
         key = (cluster, queue)
         loop = asyncio.get_running_loop()
-        if self.linger_s > 0:
+        if self.linger_s > 0 and priority < MAX_PRIORITY:  # the top priority never waits
             self._sent_at(key, loop.time())
         batch = self._open.get(key)
         if batch is None:
@@ -150,6 +152,8 @@ class Batcher:
         await asyncio.shield(batch.future)
 
     def _sent_at(self, key: tuple[str, str], now: float) -> None:
+        if key not in self._gaps and len(self._gaps) >= MAX_INBOXES_TRACKED:
+            self._gaps.clear()  # many one-off addresses: start again (they relearn fast)
         last, gap = self._gaps.get(key, (now, None))
         if key in self._gaps:
             seen = now - last

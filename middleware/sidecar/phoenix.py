@@ -123,10 +123,12 @@ def _serve(role: Any, settings: Any) -> int:
 
     # the main thread's CPU time, not the wall clock: on a busy machine a function's
     # wall time is mostly the wait for a core
-    with cProfile.Profile(time.thread_time) as profile:
-        runtime.run(main(), event_loop=settings.event_loop)
-    Path(settings.profile_dir).mkdir(parents=True, exist_ok=True)
-    profile.dump_stats(Path(settings.profile_dir) / f"{os.getpid()}.prof")
+    profile = cProfile.Profile(time.thread_time)
+    try:
+        profile.runcall(runtime.run, main(), event_loop=settings.event_loop)
+    finally:  # also when the role ends in an error: the profile shows up to it
+        Path(settings.profile_dir).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(Path(settings.profile_dir) / f"{os.getpid()}.prof")
     return 0
 
 

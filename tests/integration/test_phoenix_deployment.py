@@ -53,3 +53,36 @@ def test_status_fails_naming_a_killed_role(run: Run) -> None:
     assert run.failed.returncode == 1
     assert "1 role(s) down: C/matcher-0" in run.failed.stderr
     assert re.search(r"^C/matcher-0 +\d+ +down ", run.failed.stdout, re.M), run.failed.stdout
+
+
+def test_roles_write_their_cpu_profile_when_profile_dir_is_set(
+    brokers, module_settings, module_name, tmp_path
+) -> None:
+    """``QOSMQ_PROFILE_DIR``: each role process runs under cProfile and writes
+    ``<pid>.prof`` when it stops; the profile holds the role's own code."""
+    import os
+    import pstats
+
+    from middleware.sidecar.deployment import PhoenixDeployment
+    from tests.integration.phoenix_support import write_topology
+
+    profiles = tmp_path / "profiles"
+    clusters = {"A": {"routing_slaves": 0, "match_slaves": 0}}
+    topology_file, _ = write_topology(tmp_path, f"{module_name}p", clusters)
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    env["QOSMQ_PROFILE_DIR"] = str(profiles)
+    deployed = PhoenixDeployment(
+        topology_file, tmp_path / "state", settings=module_settings, env=env
+    )
+    pids = deployed.up()
+    try:
+        role = RoleId.router("A")
+        eventually(lambda: deployed.serves(role) == role, "the router serving", 30)
+    finally:
+        deployed.down()
+    for pid in pids.values():
+        eventually(lambda p=pid: not pid_alive(p), f"role {pid} stopped", 20)
+    written = sorted(p.name for p in profiles.glob("*.prof"))
+    assert written == sorted(f"{pid}.prof" for pid in pids.values()), written
+    functions = {name for _, _, name in pstats.Stats(str(profiles / written[0])).stats}
+    assert "run" in functions and "serve" in functions, sorted(functions)[:20]

@@ -300,3 +300,18 @@ def test_a_waiter_cancelled_gives_its_place_up_and_loses_no_slot() -> None:
         return gate.free
 
     assert asyncio.run(run()) == 1
+
+
+def test_the_gaps_kept_per_inbox_stay_bounded() -> None:
+    from middleware.routing import batching
+
+    async def run() -> Batcher:
+        batcher = Batcher(_Recorder(), max_messages=32, linger_s=1e-6)
+        for i in range(batching.MAX_INBOXES_TRACKED + 10):  # one-off reply addresses
+            await batcher.send("A", f"reply-{i}", _body(i), 0)
+        await batcher.send("A", "control", _body(0), MAX_PRIORITY)  # not tracked
+        return batcher
+
+    batcher = asyncio.run(run())
+    assert len(batcher._gaps) <= batching.MAX_INBOXES_TRACKED
+    assert ("A", "control") not in batcher._gaps
