@@ -229,7 +229,9 @@ class AsyncClient:
                 await live.connection.close()
 
     async def __aenter__(self) -> Self:
-        return await self.connect()
+        """Connects, unless connected already (``async with await client.connect()``
+        opens one connection, not two)."""
+        return self if isinstance(self._live, _Live) else await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()

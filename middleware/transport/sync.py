@@ -167,7 +167,9 @@ class SyncClient:
                 live.connection.close()
 
     def __enter__(self) -> Self:
-        return self.connect()
+        """Connects, unless connected already (``with SyncClient(...).connect() as c``
+        opens one connection, not two)."""
+        return self if self._live is not None else self.connect()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -435,3 +435,22 @@ def test_a_sync_run_wakes_once_per_step_it_was_given(settings) -> None:
         default = len(looks)
     assert slow <= 4, f"asked {slow} times in 1 s with 0.5 s steps"
     assert default >= 8, f"asked {default} times in 1 s with the default 0.1 s steps"
+
+
+def test_a_connected_client_used_as_a_context_keeps_its_one_connection(settings) -> None:
+    """``with SyncClient(...).connect() as c`` and ``async with await c.connect()``: the
+    context does not open a second connection (the first was left open, unclosed)."""
+    client = SyncClient(settings=settings).connect()
+    live = client._live
+    with client as same:
+        assert same is client and client._live is live
+    assert client._live is None
+
+    async def aio() -> None:
+        client = await AsyncClient(settings=settings).connect()
+        live = client._live
+        async with client as same:
+            assert same is client and client._live is live
+        assert not client.ready
+
+    asyncio.run(aio())
