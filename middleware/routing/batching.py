@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from ..phoenix.protocol import MAX_PRIORITY
+from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from .messages import Message, parse, parse_many, validate
 
 __all__ = ["Batcher", "PriorityGate", "encode", "split"]
@@ -150,6 +150,18 @@ class Batcher:
             batch.wake.set()
         # shielded: a sender that is cancelled does not cancel the others' publish
         await asyncio.shield(batch.future)
+
+    @classmethod
+    def of(cls, publish: Publish, topology: PhoenixTopology) -> Batcher:
+        """The batcher a role or client of ``topology`` sends through."""
+        batcher = cls(publish, max_messages=topology.batch_max)
+        batcher.configure(topology)
+        return batcher
+
+    def configure(self, topology: PhoenixTopology) -> None:
+        """Take the topology's batch size and linger (at start, or switched live)."""
+        self.max_messages = topology.batch_max
+        self.linger_s = topology.batch_linger_ms / 1000
 
     def _sent_at(self, key: tuple[str, str], now: float) -> None:
         if key not in self._gaps and len(self._gaps) >= MAX_INBOXES_TRACKED:

@@ -43,11 +43,7 @@ class PhoenixClient:
         self._awaited: dict[str, asyncio.Future[Confirmation]] = {}
         self._receipts: AsyncConfirmConsumer | None = None  # e2e subscriptions' consumer
         # what is sent in one loop turn (a gather of publishes) leaves in one AMQP message
-        self._batcher = Batcher(
-            self._publish_body,
-            max_messages=topology.batch_max,
-            linger_s=topology.batch_linger_ms / 1000,
-        )
+        self._batcher = Batcher.of(self._publish_body, topology)
 
     @classmethod
     async def connect(

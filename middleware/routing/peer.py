@@ -61,11 +61,7 @@ class Peer:
         self.counters: Counter[str] = Counter()
         self._counted: dict[str, Any] = {}  # outcome -> its labelled metric child
         self.role = type(self).__name__
-        self.batcher = Batcher(
-            self._publish_body,
-            max_messages=topology.batch_max,
-            linger_s=topology.batch_linger_ms / 1000,
-        )
+        self.batcher = Batcher.of(self._publish_body, topology)
 
     def count(self, outcome: str, n: int = 1) -> None:
         self.counters[outcome] += n

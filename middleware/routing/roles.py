@@ -376,8 +376,7 @@ class Role(Peer):
             )
         except ValidationError as exc:
             raise DeadLetter(f"configure: {exc.errors(include_url=False)}") from None
-        self.batcher.max_messages = self.topology.batch_max
-        self.batcher.linger_s = self.topology.batch_linger_ms / 1000
+        self.batcher.configure(self.topology)
         self.reconfigured()
         self.count("configured")
         log.info("%s of %s configured live: %s", self.role, self.cluster, switches)

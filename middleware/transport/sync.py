@@ -96,6 +96,10 @@ class _SyncConsumer:
     on_settled: SyncSettleHook | None
 
 
+#: the longest one step of ``SyncClient.run`` waits for I/O before its hooks run
+STEP_S = 0.1
+
+
 @codec.layer_calls
 class SyncClient:
     """The blocking client: failover, record-and-replay, publisher confirms."""
@@ -125,7 +129,6 @@ class SyncClient:
         self._replies: SyncClient | None = None
         self._sends_own_replies = False  # True for the replies client itself
         self._step_hooks: list[Callable[[], None]] = []
-        self._step_s = 0.1  # the longest ``run`` waits for I/O before its hooks run
         self._step_s_hooks = float("inf")  # the shortest a hook asked for (every_step)
         self._next_check = 0.0  # the consumer watchdog's next look (``consumer_check_s``)
         self._subscribed_at: dict[str, float] = {}
@@ -265,7 +268,6 @@ class SyncClient:
         and after each batch of deliveries), whoever runs the client: the sync face has no
         background tasks, so work due on time (receipt batches) rides on the caller's pump."""
         self._step_hooks.append(hook)
-        self._step_s = min(self._step_s, max(within, 0.001))
         self._step_s_hooks = min(self._step_s_hooks, max(within, 0.001))
 
     def cancel(self, tag: str) -> None:
@@ -290,7 +292,7 @@ class SyncClient:
         publishes (beats) sets its own interval and wakes no more often than that."""
         deadline = None if seconds is None else time.monotonic() + seconds
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
-            step = self._step_s if step_s is None else min(step_s, self._step_s_hooks)
+            step = min(STEP_S if step_s is None else step_s, self._step_s_hooks)
             if deadline is not None:
                 step = max(0.0, min(step, deadline - time.monotonic()))
             self._call(functools.partial(_process_events, time_limit=step))
