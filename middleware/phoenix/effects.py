@@ -1,14 +1,21 @@
 """Effects every Phoenix machine may return, one definition each, for ``routing/`` and
-``recovery/`` alike (a machine's own effects live beside it: ``subscribing``,
-``copies``, ``takeover``, ...; the election's ``Send(to, what)`` is translated to typed
-votes in one place, ``routing/follower.py``)."""
+``recovery/`` alike: ``Count``, ``Refuse``, ``After`` (a timer), ``Signal`` and ``Send``
+(a message to another role, built by the machine; the driver only addresses and
+publishes it: ``Peer.perform``).  A machine's own effects live beside it where the
+driver's part is more than that (``subscribing.Persist``, ``takeover``'s reads, ...);
+the election's ``Send(to, what)`` is translated to typed votes in one place,
+``routing/follower.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-__all__ = ["After", "Count", "Refuse"]
+from .ids import RoleId
+from .protocol import MAX_PRIORITY
+
+__all__ = ["After", "Box", "Count", "Refuse", "Send", "Signal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +44,39 @@ class After:
 
     after_s: float
     key: Any  # hashable: what the machine told itself to come back to
+
+
+class Box(StrEnum):
+    """Which of a role's two queues a message goes to."""
+
+    CONTROL = "control"  # control messages: beats, votes, ring changes, answers
+    INBOX = "inbox"  # the role's work: events, subscriptions, hand-overs
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """``message`` (a wire message of ``routing/messages.py``) to ``to``'s control queue
+    (a role) or to the queue named ``to`` (a process's), at the top priority, expiring
+    when it would be stale (votes and fences of a dead peer do not pile up).  Best
+    effort: a queue not there or a broker out of reach is logged, never raised."""
+
+    to: RoleId | str
+    message: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """``message`` (a wire message) to ``to``'s ``box`` at ``priority``, batched with the
+    other sends of the loop turn to the same queue and confirmed, on the RabbitMQ of the
+    cluster ``via`` (``to``'s own when None: an added master of a departed cluster's arc
+    is reached at its host).  ``bound_s``: one try that gives up after it; a miss (the
+    link, the broker, the time) is logged and counted as ``missed`` when given, never
+    raised.  None: the send's failure is the input's (it stays unacked)."""
+
+    to: RoleId
+    message: Any
+    box: Box = Box.CONTROL
+    priority: int = MAX_PRIORITY
+    via: str | None = None
+    bound_s: float | None = None
+    missed: str | None = None

@@ -1,12 +1,13 @@
 """A routing master's part in a cluster's departure, without I/O.
 
 - ``announce``: no flood reached a cluster for ``leave_after_s``: tell every other
-  routing master (``TellRouter``: one bounded try each; one that misses it finds out by
-  itself), then leave it here (``LeaveHere``).
+  routing master (a ``Send`` to its control queue: one bounded try each; one that
+  misses it finds out by itself), then leave it here (``LeaveHere``).
 - ``suspect``: a flood for a cluster found no way: the successor's match masters read
   its subscriptions now (``PlanPrepare``; the driver makes the capacity plan, which
-  reads the store, and answers with :meth:`Departures.prepare`: ``AskMaster`` each
-  master of the plan that runs already), so that a leave declared later finds them read.
+  reads the store, and answers with :meth:`Departures.prepare`: a bounded ``Send`` of
+  RECOVER to each master of the plan that runs already), so that a leave declared
+  later finds them read.
 - ``leave``: drop the cluster from the ring; its arc is taken over here when this is its
   successor (``TakeOverArc``); the detours forget it, what this router kept for it goes
   round again (``RouteKept``), this cluster's match roles are told (``TellMatchRoles``).
@@ -25,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..phoenix.effects import Count
+from ..phoenix.effects import Count, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
 from ..phoenix.ring import ChordRing, ring_id
@@ -36,7 +37,6 @@ from .records import LatencyEntry, RecordError
 
 __all__ = [
     "AfterRingApplied",
-    "AskMaster",
     "Count",
     "Departures",
     "Effect",
@@ -44,20 +44,12 @@ __all__ = [
     "PlanPrepare",
     "RecordLeft",
     "RouteKept",
+    "Send",
     "TakeOverArc",
     "TellMatchRoles",
-    "TellRouter",
     "entries_of_arc",
     "recover_asks",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class TellRouter:
-    """Send ``message`` to ``cluster``'s routing master's control queue (one bounded try)."""
-
-    cluster: str
-    message: Leave
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,17 +68,6 @@ class PlanPrepare:
     cluster: str
     arc: Arc
     successor: str
-
-
-@dataclass(frozen=True, slots=True)
-class AskMaster:
-    """Send ``message`` to ``master``'s control queue at ``cluster`` (one bounded try
-    when ``bounded``; a miss only costs time)."""
-
-    cluster: str
-    master: RoleId
-    message: Recover
-    bounded: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +110,9 @@ class TellMatchRoles:
 
 
 Effect = (
-    TellRouter
+    Send
     | LeaveHere
     | PlanPrepare
-    | AskMaster
     | AfterRingApplied
     | RecordLeft
     | TakeOverArc
@@ -150,9 +130,11 @@ def recover_asks(
     reply_to: str,
     prepare: bool = False,
     topology: PhoenixTopology | None = None,
-) -> list[AskMaster]:
-    """RECOVER to each master of ``plan`` (``prepare``: only to the ones that run
-    already, given ``topology``: an added one reads when the leave's RECOVER comes)."""
+) -> list[Send]:
+    """RECOVER to each master of ``plan``'s control queue, at the successor's RabbitMQ
+    (``prepare``: only to the ones that run already, given ``topology``: an added one
+    reads when the leave's RECOVER comes; one bounded try each: a miss only costs
+    time)."""
     asks = []
     for restore in plan.restores:
         if prepare and topology is not None and restore.master.is_added(topology):
@@ -167,7 +149,8 @@ def recover_asks(
             owners=list(restore.owners),
             routed_over=plan.masters,
         )
-        asks.append(AskMaster(plan.successor, restore.master, ask, bounded=prepare))
+        bound = 2 * topology.link_timeout_s if prepare and topology is not None else None
+        asks.append(Send(restore.master, ask, via=plan.successor, bound_s=bound))
     return asks
 
 
@@ -206,8 +189,9 @@ class Departures:
 
     def announce(self, cluster: str) -> list[Effect]:
         message = Leave(cluster=cluster, by=self.cluster)
+        bound = 2 * self.topology.link_timeout_s
         effects: list[Effect] = [
-            TellRouter(other, message)
+            Send(RoleId.router(other), message, bound_s=bound)
             for other in self.ring.clusters
             if other not in (cluster, self.cluster)
         ]

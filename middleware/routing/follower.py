@@ -5,36 +5,37 @@ of the master it trusts (fencing), and when it takes over.
 The slave's driver (``holding.py``) feeds it what happened with the time — a look at the
 master (every half beat interval, with how late the look came), the master's lease
 returned, a beat, a vote of a peer, the operator's take-over — and performs what it
-returns: :class:`SignalVote` (a vote to a peer), :class:`StopServing` (retired by its
-master: another process serves the role), :class:`Promote` (serve the master's
-role next, under a reign), :class:`FenceMaster` (tell an older reign's process to step
-down), :class:`Suspected` and :class:`Elected` (the detection and election times, for
-the log and the metrics), ``Count``, :class:`Leader` (another slave serves the
-master now) and ``Refuse`` (dead-letter the input with the reason; both shared:
-``phoenix/effects.py``).
+returns: ``Signal`` (a vote to a peer, or a fence telling an older reign's process to
+step down), :class:`StopServing` (retired by its master: another process serves the
+role), :class:`Promote` (serve the master's role next, under a reign),
+:class:`Suspected` and :class:`Elected` (the detection and election times, for the log
+and the metrics), ``Count``, :class:`Leader` (another slave serves the master now) and
+``Refuse`` (dead-letter the input with the reason; ``Signal``, ``Count`` and ``Refuse``
+are shared: ``phoenix/effects.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..phoenix.effects import Count, Refuse
+from ..phoenix.effects import Count, Refuse, Signal
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
-from ..recovery import Become, Bully, BullyState, FailureDetector, Send
+from ..recovery import Become, Bully, BullyState, FailureDetector
+from ..recovery import Send as Ballot
 from ..recovery.fencing import Reign, Trust, Verdict
+from .messages import Fence, Vote
 
 __all__ = [
     "Count",
     "Effect",
     "Elected",
-    "FenceMaster",
     "Follower",
     "Leader",
     "NameLease",
     "Promote",
     "Refuse",
-    "SignalVote",
+    "Signal",
     "StopServing",
     "Suspected",
     "retire",
@@ -42,27 +43,10 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class SignalVote:
-    """Signal ``to`` a vote of ``kind`` (a COORDINATOR carries the winner's ``reign``)."""
-
-    to: RoleId
-    kind: Kind
-    reign: Reign | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Promote:
     """Serve the master's role next, under ``reign`` (``why``: for the log)."""
 
     why: str
-    reign: Reign
-
-
-@dataclass(frozen=True, slots=True)
-class FenceMaster:
-    """Tell the process at ``to``, a master of an older reign, that ``reign`` is trusted."""
-
-    to: str
     reign: Reign
 
 
@@ -105,18 +89,7 @@ class NameLease:
     lease: str
 
 
-Effect = (
-    SignalVote
-    | Promote
-    | FenceMaster
-    | Suspected
-    | Elected
-    | Count
-    | Leader
-    | NameLease
-    | StopServing
-    | Refuse
-)
+Effect = Signal | Promote | Suspected | Elected | Count | Leader | NameLease | StopServing | Refuse
 
 _KINDS = {
     "election": Kind.ELECTION,
@@ -198,7 +171,7 @@ class Follower:
         if self.trust.judge(reign) is Verdict.FENCE:
             # a master of an older reign is serving (it was frozen past the timeout, or
             # came back): its beat is not heard, and it is told to step down
-            fence = [FenceMaster(reply_to, self.trust.reign)] if reply_to else []
+            fence = [Signal(reply_to, self.fence())] if reply_to else []
             return [Count("fences_sent"), *fence]
         if stale:
             return []  # no sign of life
@@ -247,7 +220,18 @@ class Follower:
         reign = self.winning_reign()
         self.promoted = True
         self.bully.state = BullyState.WON
-        return [SignalVote(peer, Kind.COORDINATOR, reign) for peer in self.bully.peers]
+        return [Signal(peer, self.vote_of(Kind.COORDINATOR, reign)) for peer in self.bully.peers]
+
+    def vote_of(self, kind: Kind, reign: Reign | None = None) -> Vote:
+        """This slave's vote of ``kind`` (a COORDINATOR names the reign it won)."""
+        if kind is not Kind.COORDINATOR:
+            return Vote(kind=kind, broker=self.me.owner)
+        reign = reign or self.winning_reign()
+        return Vote(kind=kind, broker=self.me.owner, epoch=reign.epoch, by=reign.by)
+
+    def fence(self) -> Fence:
+        """What tells an older reign's master that this slave trusts a newer one."""
+        return Fence(broker=self.me.owner, epoch=self.trust.reign.epoch, by=self.trust.reign.by)
 
     def winning_reign(self) -> Reign:
         """The reign this slave serves under when it wins (fixed at the first ask)."""
@@ -261,7 +245,7 @@ class Follower:
         self.failed_at, self.electing_since = now - silent, now
         return [Suspected(silent, by), *self._enact(self.bully.master_suspected(now), now)]
 
-    def _enact(self, effects: list[Send | Become], now: float) -> list[Effect]:
+    def _enact(self, effects: list[Ballot | Become], now: float) -> list[Effect]:
         out: list[Effect] = []
         for effect in effects:
             if isinstance(effect, Become):
@@ -272,9 +256,7 @@ class Follower:
                 self.promoted = True
                 out.append(Promote("elected: its master went silent", self.winning_reign()))
                 continue
-            kind = _KINDS[effect.what]
-            reign = self.winning_reign() if kind is Kind.COORDINATOR else None
-            out.append(SignalVote(effect.to, kind, reign))
+            out.append(Signal(effect.to, self.vote_of(_KINDS[effect.what])))
         return out
 
 

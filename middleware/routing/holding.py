@@ -13,25 +13,23 @@ from typing import Any
 
 from .. import heap
 from ..errors import DeadLetter
-from ..phoenix.protocol import Kind
 from ..recovery.fencing import Reign, Trust
 from .beats import LeaseWatch
 from .follower import (
     Count,
     Elected,
-    FenceMaster,
     Follower,
     Leader,
     NameLease,
     Promote,
     Refuse,
-    SignalVote,
+    Signal,
     StopServing,
     Suspected,
     retire,
 )
 from .follower import Effect as FollowerEffect
-from .messages import Ack, Beat, Fence, Read, Replicate, Retire, Takeover, Vote
+from .messages import Ack, Beat, Read, Replicate, Retire, Takeover, Vote
 from .role_metrics import RECOVERY_S
 from .roles import Role
 from .store import StateStore
@@ -157,8 +155,8 @@ class ReplicaHolder(Role):
         master = self.id.master
         self.failed_at = self.follower.failed_at  # handed to the master it may become
         for effect in effects:
-            if isinstance(effect, SignalVote):
-                await self.signal(effect.to, self._vote(effect.kind, effect.reign))
+            if isinstance(effect, Signal):
+                await self.perform(effect)
             elif isinstance(effect, Suspected):
                 if effect.by == "lease":
                     log.warning(
@@ -182,9 +180,6 @@ class ReplicaHolder(Role):
             elif isinstance(effect, Promote):
                 self.next_reign = effect.reign
                 self._promote(effect.why)
-            elif isinstance(effect, FenceMaster):
-                fence = Fence(broker=self.id.owner, epoch=effect.reign.epoch, by=effect.reign.by)
-                await self.tell(effect.to, fence)
             elif isinstance(effect, Count):
                 self.count(effect.name, effect.n)
             elif isinstance(effect, Leader):
@@ -215,12 +210,6 @@ class ReplicaHolder(Role):
         elif self.next_reign is None:
             self.next_reign = self.trust.successor(self.id.slave)
         return self.next_reign
-
-    def _vote(self, kind: Kind, reign: Reign | None = None) -> Vote:
-        if kind is not Kind.COORDINATOR:
-            return Vote(kind=kind, broker=self.id.owner)
-        reign = reign or self._winning_reign()
-        return Vote(kind=kind, broker=self.id.owner, epoch=reign.epoch, by=reign.by)
 
     def _promote(self, why: str) -> None:
         if self.switch_to is not None:

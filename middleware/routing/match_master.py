@@ -31,10 +31,8 @@ from .messages import (
     Recovered,
     Subscribe,
     Unsubscribe,
-    Unsubscribed,
 )
 from .replica_set import ReplicaTimeout
-from .subscribing import TellRouters
 from .wiring import Handler, outgoing
 
 __all__ = ["MatchMaster"]
@@ -127,8 +125,8 @@ class MatchMaster(RestoringMatcher):
             if isinstance(effect, subscribing.Persist):
                 written = await self.replicas.write(effect.key, effect.document)
                 await self._replicated(written)
-            elif isinstance(effect, TellRouters):
-                await self._tell_unsubscribed(effect)
+            elif isinstance(effect, subscribing.Send):
+                await self.perform(effect)
             elif isinstance(effect, subscribing.Count):
                 self.count(effect.name, effect.n)
             elif isinstance(effect, subscribing.Confirm):
@@ -176,27 +174,6 @@ class MatchMaster(RestoringMatcher):
         """Forget the subscription here and in the replicas (a tombstone), and tell the
         routing masters that counted its latency level to take it out of latencyMap."""
         await self._subscribing(message, self.book.unsubscribe(message))
-
-    async def _tell_unsubscribed(self, effect: TellRouters) -> None:
-        taken_out = Unsubscribed(event_type=effect.event_type, latency_level=effect.latency_level)
-        for cluster in effect.clusters:
-            try:  # one router out of reach costs its count, not the unsubscribe
-                await asyncio.wait_for(
-                    self.send(
-                        cluster, self.inbox_of(RoleId.router(cluster)), taken_out, MAX_PRIORITY
-                    ),
-                    self.topology.link_timeout_s,
-                )
-            except (MiddlewareError, TimeoutError) as exc:
-                self.count("unsubscribed_not_told")
-                log.warning(
-                    "%s: %s's router not told of unsubscribe %s (its latency level stays "
-                    "counted): %s",
-                    self.name,
-                    cluster,
-                    effect.subscription_id,
-                    exc,
-                )
 
     @staticmethod
     async def _replicated(written: asyncio.Future[None]) -> None:

@@ -77,7 +77,9 @@ class RestoringMatcher(MatchBroker, Master):
         #: subscribe and unsubscribe decided (subscribing.py); its ``local_types``: event
         #: types restored from a departed cluster, matched here, never dispatched (the
         #: restored subscriptions are not replicated to the slaves, see ``adopt``)
-        self.book = SubscriptionBook(self.registry, self.departed)
+        self.book = SubscriptionBook(
+            self.registry, self.departed, link_timeout_s=self.topology.link_timeout_s
+        )
         #: when this cluster last left the ring (``prepare``): see ``_matched_elsewhere``
         self.left_at: float | None = None
         #: departed clusters' subscriptions read ahead (a router suspected the departure),

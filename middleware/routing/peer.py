@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import LinkDown, MiddlewareError, Unroutable
+from ..phoenix.effects import Box, Send, Signal
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..settings import Settings
@@ -142,6 +143,29 @@ class Peer:
         """How long a beat or vote stays worth reading: the detection timeout."""
         topology = self.topology
         return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
+
+    async def perform(self, effect: Send | Signal) -> None:
+        """A machine's message to another role (``phoenix/effects.py``): addressed and
+        published here, as the effect says."""
+        if isinstance(effect, Signal):
+            if isinstance(effect.to, RoleId):
+                await self.signal(effect.to, effect.message)
+            else:
+                await self.tell(effect.to, effect.message)
+            return
+        to = effect.to
+        queue = self.inbox_of(to) if effect.box is Box.INBOX else self.control_of(to)
+        send = self.send(effect.via or to.cluster, queue, effect.message, effect.priority)
+        if effect.bound_s is None:
+            await send
+            return
+        try:
+            await asyncio.wait_for(send, effect.bound_s)
+        except (MiddlewareError, TimeoutError) as exc:
+            if effect.missed is not None:
+                self.count(effect.missed)
+            kind = effect.message.kind.value
+            log.warning("%s: %s to %s not sent: %s", self.id, kind, queue, exc)
 
     async def signal(self, role: RoleId, message: Message) -> None:
         """A control message to ``role``'s control queue (see :meth:`tell`)."""

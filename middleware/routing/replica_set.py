@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RetryableError
 from ..phoenix.ids import RoleId
-from ..phoenix.protocol import MAX_PRIORITY
 from .messages import Ack, Heartbeat, Snapshot
-from .replicas import Effect, GaveUp, Persist, ReplicaLog, ToReplica, Written
+from .replicas import Effect, GaveUp, Persist, ReplicaLog, Send, Written
 from .store import StateStore
 from .wiring import Handler
 
@@ -83,9 +82,8 @@ class ReplicaSet:
                     effect.version,
                 )
                 self._dirty = True
-            elif isinstance(effect, ToReplica):  # ahead of any event backlog in its inbox
-                inbox = self.role.inbox_of(effect.replica)
-                await self.role.send(self.role.cluster, inbox, effect.message, MAX_PRIORITY)
+            elif isinstance(effect, Send):  # ahead of any event backlog in its inbox
+                await self.role.perform(effect)
             else:
                 self._resolve(effect)
 

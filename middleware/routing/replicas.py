@@ -6,8 +6,9 @@ so a read always sees the latest acknowledged write.
 
 :class:`ReplicaLog` is a master's side of one replicated table as a state machine: it
 takes writes, acks, snapshot pages and admissions and returns what to do (``Persist``
-an entry, send a message ``ToReplica``, resolve a version as ``Written`` or ``GaveUp``
-on it).  The role's driver (``replica_set.ReplicaSet``) does the I/O and keeps the futures.
+an entry, ``Send`` a message to a replica's inbox, ahead of any event backlog there,
+resolve a version as ``Written`` or ``GaveUp`` on it).  The role's driver
+(``replica_set.ReplicaSet``) does the I/O and keeps the futures.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.effects import Box, Send
 from ..phoenix.ids import RoleId
 from .messages import Ack, Heartbeat, Read, Replicate, Snapshot
 
@@ -27,7 +29,7 @@ __all__ = [
     "Quorum",
     "ReadResult",
     "ReplicaLog",
-    "ToReplica",
+    "Send",
     "Versioned",
     "Written",
     "live",
@@ -112,14 +114,6 @@ class Persist:
 
 
 @dataclass(frozen=True, slots=True)
-class ToReplica:
-    """Send ``message`` to ``replica``'s inbox, ahead of any event backlog there."""
-
-    replica: RoleId
-    message: Replicate | Read
-
-
-@dataclass(frozen=True, slots=True)
 class Written:
     """W of N replicas hold ``version``: it is durable."""
 
@@ -133,7 +127,7 @@ class GaveUp:
     version: int
 
 
-Effect = Persist | ToReplica | Written | GaveUp
+Effect = Persist | Send | Written | GaveUp
 
 
 @dataclass(slots=True)
@@ -208,7 +202,7 @@ class ReplicaLog:
             del self.pending[oldest]
             effects.append(GaveUp(oldest))
         entry = self._replicate(key, version, document)
-        effects += [ToReplica(replica, entry) for replica in self.replicas]
+        effects += [Send(replica, entry, box=Box.INBOX) for replica in self.replicas]
         return version, effects
 
     def acked(self, version: int, replica: str) -> list[Written]:
@@ -248,7 +242,7 @@ class ReplicaLog:
         if self.quorum.read <= 1:
             return []
         ask = Read(request=request, state_kind=self.kind, reply_to=self.reply_to)
-        return [ToReplica(replica, ask) for replica in self.replicas]
+        return [Send(replica, ask, box=Box.INBOX) for replica in self.replicas]
 
     def page(self, message: Snapshot) -> bool:
         """A page of a replica's snapshot; True once the read has R replies (a page for
@@ -291,7 +285,7 @@ class ReplicaLog:
         Its acks count toward W from the first entry it gets."""
         entries = sorted(self.entries.items(), key=lambda item: item[1][0])
         self.replicas.append(slave)
-        return [ToReplica(slave, self._replicate(k, v, d)) for k, (v, d) in entries]
+        return [Send(slave, self._replicate(k, v, d), box=Box.INBOX) for k, (v, d) in entries]
 
     def adopt(self, documents: Mapping[str, dict[str, Any]]) -> None:
         """Entries taken over from elsewhere (a departed cluster): this master's own from

@@ -12,25 +12,22 @@ import time
 import uuid
 from typing import Any
 
-from ..phoenix.effects import After
+from ..phoenix.effects import After, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..recovery.capacity import Adoption, CapacityPlan, plan_takeover, running_masters
 from .departures import (
     AfterRingApplied,
-    AskMaster,
     LeaveHere,
     PlanPrepare,
     RecordLeft,
     RouteKept,
     TakeOverArc,
-    TellRouter,
     entries_of_arc,
     recover_asks,
 )
 from .departures import Effect as DepartureEffect
-from .detours import LINK_ERRORS
 from .forwarding import (
     Count,
 )
@@ -72,29 +69,14 @@ class LeavingRouter(RingRouter):
         for effect in effects:
             if isinstance(effect, Count):
                 self.count(effect.name, effect.n)
-            elif isinstance(effect, TellRouter):
-                queue = self.control_of(RoleId.router(effect.cluster))
-                try:
-                    await asyncio.wait_for(
-                        self.send(effect.cluster, queue, effect.message, MAX_PRIORITY),
-                        2 * self.topology.link_timeout_s,
-                    )
-                except LINK_ERRORS as exc:
-                    log.warning(
-                        "%s: could not tell %s that %s left: %s",
-                        self.id,
-                        effect.cluster,
-                        effect.message.cluster,
-                        exc,
-                    )
+            elif isinstance(effect, Send):
+                await self.perform(effect)
             elif isinstance(effect, LeaveHere):
                 await self._leave(effect.cluster, effect.by)
             elif isinstance(effect, PlanPrepare):
                 plan = await self._plan(effect.cluster, effect.successor)
                 process = self.connections.process_queue
                 await self._depart(self.departures.prepare(effect, plan, process))
-            elif isinstance(effect, AskMaster):
-                await self._ask_master(effect)
             elif isinstance(effect, AfterRingApplied):
                 self._background(self._leave_when_ring_applied(effect.cluster, effect.by))
             elif isinstance(effect, RecordLeft):
@@ -116,17 +98,6 @@ class LeavingRouter(RingRouter):
                 )
                 for role in self._match_roles():
                     await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
-
-    async def _ask_master(self, effect: AskMaster) -> None:
-        queue = self.control_of(effect.master)
-        send = self.send(effect.cluster, queue, effect.message, MAX_PRIORITY)
-        if not effect.bounded:
-            await send
-            return
-        try:
-            await asyncio.wait_for(send, 2 * self.topology.link_timeout_s)
-        except LINK_ERRORS as exc:
-            log.info("%s: %s not sent to %s: %s", self.id, effect.message.request, queue, exc)
 
     async def _leave_when_ring_applied(self, cluster: str, by: str) -> None:
         await self._ring_applied.wait()
@@ -305,7 +276,7 @@ class LeavingRouter(RingRouter):
         arc = self._recovering[effect.cluster][0]
         process = self.connections.process_queue
         for ask in recover_asks(effect.plan, arc, request=effect.request, reply_to=process):
-            await self._ask_master(ask)
+            await self.perform(ask)
 
     def _released(self, effect: Released) -> None:
         cluster = effect.cluster

@@ -10,11 +10,13 @@ decides, the driver (``match_master.MatchMaster``) performs the effects in the o
 - unsubscribe: unknown here (or of another type) answered ``removed: False`` at once;
   else forgotten, a tombstone written, counted, and, unless it was a removal handed over
   by the arc's previous owner (whose routers were told then), the routing masters that
-  counted its latency level told (:class:`TellRouters`, a cluster that left counts
-  nothing) before the client hears ``removed: True``.  A removal of a subscription
-  restored from a departed cluster is remembered (at most ``remember``, the oldest
-  forgotten first): that cluster's own persisted copy would match again at its rejoin,
-  so the hand-over carries the removals too (``joining.handover_plan``).
+  counted its latency level told (an UNSUBSCRIBED ``Send`` to each routing master's
+  inbox, one bounded try: one out of reach costs its count, never the unsubscribe; a
+  cluster that left counts nothing) before the client hears ``removed: True``.  A
+  removal of a subscription restored from a departed cluster is remembered (at most
+  ``remember``, the oldest forgotten first): that cluster's own persisted copy would
+  match again at its rejoin, so the hand-over carries the removals too
+  (``joining.handover_plan``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..phoenix.effects import Count, Refuse
+from ..phoenix.effects import Box, Count, Refuse, Send
+from ..phoenix.ids import RoleId
 from .matching import FilterError
-from .messages import Subscribe, Unsubscribe
+from .messages import Subscribe, Unsubscribe, Unsubscribed
 from .records import SubscriptionRecord
 from .registry import Registry
 
@@ -35,8 +38,8 @@ __all__ = [
     "Effect",
     "Persist",
     "Refuse",
+    "Send",
     "SubscriptionBook",
-    "TellRouters",
     "subscription_record",
 ]
 
@@ -62,19 +65,7 @@ class Confirm:
     after_write: bool
 
 
-@dataclass(frozen=True, slots=True)
-class TellRouters:
-    """Tell each routing master of ``clusters`` to take one subscription of
-    ``latency_level`` for ``event_type`` out of latencyMap; one out of reach costs its
-    count (said), never the unsubscribe."""
-
-    clusters: tuple[str, ...]
-    event_type: str
-    latency_level: int
-    subscription_id: str
-
-
-Effect = Persist | Confirm | TellRouters | Count | Refuse
+Effect = Persist | Confirm | Send | Count | Refuse
 
 
 def subscription_record(message: Subscribe) -> SubscriptionRecord:
@@ -98,8 +89,11 @@ class SubscriptionBook:
         departed: set[str] | None = None,
         *,
         remember: int = MAX_REMOVED_ADOPTED,
+        link_timeout_s: float = 1.0,
     ) -> None:
         self.registry = registry
+        #: how long the routers' UNSUBSCRIBED may take (the topology's link timeout)
+        self.link_timeout_s = link_timeout_s
         #: clusters that left the ring (shared with the delivery: their subscribers'
         #: copies are dead-lettered)
         self.departed: set[str] = set() if departed is None else departed
@@ -136,9 +130,18 @@ class SubscriptionBook:
             self.removed_adopted[sid] = record.event_type
             while len(self.removed_adopted) > self.remember:
                 del self.removed_adopted[next(iter(self.removed_adopted))]
-        clusters = tuple(c for c in dict.fromkeys(record.path) if c not in self.departed)
-        if clusters:
-            effects.append(TellRouters(clusters, record.event_type, record.latency_level, sid))
+        taken_out = Unsubscribed(event_type=record.event_type, latency_level=record.latency_level)
+        effects += [
+            Send(
+                RoleId.router(cluster),
+                taken_out,
+                box=Box.INBOX,
+                bound_s=self.link_timeout_s,
+                missed="unsubscribed_not_told",
+            )
+            for cluster in dict.fromkeys(record.path)
+            if cluster not in self.departed
+        ]
         effects.append(Confirm({"removed": True}, after_write=True))
         return effects
 

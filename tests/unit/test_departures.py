@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import itertools
 
+from middleware.phoenix.effects import Box
+from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing, ring_id
 from middleware.recovery.capacity import plan_takeover
 from middleware.routing.departures import (
     AfterRingApplied,
-    AskMaster,
     Count,
     Departures,
     LeaveHere,
     PlanPrepare,
     RecordLeft,
     RouteKept,
+    Send,
     TakeOverArc,
     TellMatchRoles,
-    TellRouter,
     entries_of_arc,
     recover_asks,
 )
@@ -43,7 +44,10 @@ def test_an_announced_leave_is_told_to_every_other_router_then_left_here() -> No
     machine = _departures("A")
     effects = machine.announce("C")
     told = Leave(cluster="C", by="A")
-    assert effects[:-1] == [TellRouter(c, told) for c in machine.ring.clusters if c in "BD"]
+    bound = 2 * machine.topology.link_timeout_s  # one bounded try each
+    assert effects[:-1] == [
+        Send(RoleId.router(c), told, bound_s=bound) for c in machine.ring.clusters if c in "BD"
+    ]
     assert effects[-1] == LeaveHere("C", "A")
     assert "C" in machine.ring.clusters  # the ring changes only when it is left here
 
@@ -94,10 +98,11 @@ def test_a_suspect_is_prepared_at_its_successor_by_the_masters_that_run_already(
         _topology(), "C", successor, departed_masters=3, departed_plain=True, can_add=True
     )
     effects = machine.prepare(plan_effect, plan, "reply-queue")
-    asks = [e for e in effects if isinstance(e, AskMaster)]
+    asks = [e for e in effects if isinstance(e, Send)]
     assert effects[-1] == Count("suspected")
-    assert asks and all(a.cluster == successor and a.bounded for a in asks)
-    assert all(not a.master.is_added(machine.topology) for a in asks)
+    assert asks and all(a.via == successor and a.bound_s for a in asks)
+    assert all(a.box is Box.CONTROL for a in asks)
+    assert all(not a.to.is_added(machine.topology) for a in asks)
     assert len(asks) < len(plan.restores)  # the added master reads at the leave
     assert {a.message.request for a in asks} == {"prepare-n0"}
     assert all(a.message.prepare and a.message.reply_to == "reply-queue" for a in asks)
@@ -115,8 +120,8 @@ def test_the_leaves_recover_asks_name_every_master_of_the_plan_unbounded() -> No
         _topology(), "C", successor, departed_masters=3, departed_plain=True, can_add=True
     )
     asks = recover_asks(plan, arc, request="r1", reply_to="q")
-    assert [a.master for a in asks] == [r.master for r in plan.restores]
-    assert all(not a.bounded and not a.message.prepare for a in asks)
+    assert [a.to for a in asks] == [r.master for r in plan.restores]
+    assert all(a.bound_s is None and not a.message.prepare for a in asks)
     assert all(a.message.arc == (arc.start, arc.end) and a.message.masters == 3 for a in asks)
 
 

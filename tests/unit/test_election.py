@@ -21,7 +21,8 @@ from middleware.recovery import (
 )
 from middleware.recovery.fencing import SendFence, StepDown, rival_beat
 from middleware.routing.follower import Effect as FollowerEffect
-from middleware.routing.follower import FenceMaster, Follower, Promote, SignalVote
+from middleware.routing.follower import Follower, Promote, Signal
+from middleware.routing.messages import Fence, Vote
 
 from .bully_network import drive as _drive
 
@@ -103,8 +104,9 @@ class _Cluster:
         for effect in effects:
             if isinstance(effect, Promote):
                 proc.reign = effect.reign
-            elif isinstance(effect, SignalVote):
-                self.net.append((effect.to, proc.me, effect.kind, effect.reign or Reign()))
+            elif isinstance(effect, Signal) and isinstance(effect.message, Vote):
+                vote = effect.message
+                self.net.append((effect.to, proc.me, vote.kind, Reign(vote.epoch, vote.by)))
 
     def deliver(self, i: int) -> None:
         to, sender, kind, reign = self.net.pop(i % len(self.net))
@@ -135,7 +137,7 @@ class _Cluster:
         effects = other.follower.beat(
             MASTER.owner, reign, "its process", None, stale=False, now=self.now
         )
-        return any(isinstance(e, FenceMaster) for e in effects)
+        return any(isinstance(e, Signal) and isinstance(e.message, Fence) for e in effects)
 
     def beat(self) -> None:
         """Every master beats; slaves judge the beats; masters judge each other's (a

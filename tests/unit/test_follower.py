@@ -9,15 +9,15 @@ from middleware.recovery.fencing import Reign, Trust
 from middleware.routing.follower import (
     Count,
     Elected,
-    FenceMaster,
     Follower,
     Leader,
     NameLease,
     Promote,
     Refuse,
-    SignalVote,
+    Signal,
     Suspected,
 )
+from middleware.routing.messages import Fence, Vote
 
 SLAVES = [RoleId.router_slave("A", j) for j in range(2)]
 MASTER = SLAVES[0].master
@@ -34,6 +34,12 @@ def follower(slave: int = 0, trust: Trust | None = None) -> Follower:
     )
 
 
+def vote(sender: RoleId, kind: Kind, reign: Reign | None = None) -> Vote:
+    """The vote ``sender`` signals (a COORDINATOR names the reign it won)."""
+    won = reign or Reign()
+    return Vote(kind=kind, broker=sender.owner, epoch=won.epoch, by=won.by)
+
+
 def heard(f: Follower, now: float, lease: str | None = None) -> list:
     return f.beat(MASTER.owner, Reign(), "p-master", lease, stale=False, now=now)
 
@@ -45,7 +51,7 @@ def test_a_master_is_taken_for_failed_at_the_second_look_that_finds_it_silent() 
     assert f.look(0.6, 0.0) == []  # first look that suspects
     effects = f.look(0.65, 0.0)  # second: slave-0 outranks the others: it wins at once
     assert effects[0] == Suspected(0.65, "beats")
-    assert SignalVote(SLAVES[1], Kind.COORDINATOR, Reign.of_winner(1, 0)) in effects
+    assert Signal(SLAVES[1], vote(SLAVES[0], Kind.COORDINATOR, Reign.of_winner(1, 0))) in effects
     assert Promote("elected: its master went silent", Reign.of_winner(1, 0)) in effects
     assert any(isinstance(e, Elected) for e in effects)
     assert f.failed_at == 0.0 and f.look(0.7, 0.0) == []  # promoted once
@@ -59,7 +65,7 @@ def test_a_late_look_is_no_proof_of_a_death() -> None:
     assert f.look(1.05, 0.0) == []  # first look again
     effects = f.look(1.1, 0.0)
     assert Suspected(1.1, "beats") in effects
-    assert SignalVote(SLAVES[0], Kind.ELECTION) in effects  # asks the higher slave
+    assert Signal(SLAVES[0], vote(SLAVES[1], Kind.ELECTION)) in effects  # asks the higher slave
 
 
 def test_the_master_s_lease_returned_elects_at_once_and_once() -> None:
@@ -73,7 +79,8 @@ def test_the_master_s_lease_returned_elects_at_once_and_once() -> None:
 def test_an_older_reign_s_beat_is_fenced_and_not_heard() -> None:
     f = follower(1, Trust(Reign.of_winner(1, 0)))
     effects = f.beat(MASTER.owner, Reign(), "p-old", "lease-old", stale=False, now=0.0)
-    assert effects == [Count("fences_sent"), FenceMaster("p-old", Reign.of_winner(1, 0))]
+    fence = Fence(broker=SLAVES[1].owner, epoch=1, by=-1)  # the reign it trusts
+    assert effects == [Count("fences_sent"), Signal("p-old", fence)]
     assert f.beat(MASTER.owner, Reign(), None, None, stale=False, now=0.0) == [Count("fences_sent")]
     stranger = f.beat("A/router/slave-7", Reign(), None, None, stale=False, now=0.0)
     assert isinstance(stranger[0], Refuse) and "not A/" in stranger[0].reason, stranger
@@ -95,7 +102,8 @@ def test_votes_from_strangers_and_false_coordinators_are_refused() -> None:
 
 def test_the_operator_s_take_over_tells_the_other_slaves_first() -> None:
     f = follower(1)
-    assert f.take_over() == [SignalVote(SLAVES[0], Kind.COORDINATOR, Reign.of_winner(1, 1))]
+    won = vote(SLAVES[1], Kind.COORDINATOR, Reign.of_winner(1, 1))
+    assert f.take_over() == [Signal(SLAVES[0], won)]
     assert f.winning_reign() == Reign.of_winner(1, 1)
     heard(f, 0.0)
     assert f.lease_returned(0.1) == []  # it won already: no election

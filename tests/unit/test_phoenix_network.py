@@ -24,18 +24,19 @@ from typing import Any
 from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 
+from middleware.phoenix.effects import Send, Signal
 from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing
 from middleware.recovery.detector import FailureDetector
 from middleware.recovery.election import Bully
 from middleware.recovery.fencing import Reign, Reigning, SendFence, StepDown, Trust
-from middleware.routing.departures import Departures, LeaveHere, TakeOverArc, TellRouter
-from middleware.routing.follower import FenceMaster, Follower, Promote, SignalVote, StopServing
+from middleware.routing.departures import Departures, LeaveHere, TakeOverArc
+from middleware.routing.follower import Follower, Promote, StopServing
 from middleware.routing.joining import AskMasters, HandBack, Tell
-from middleware.routing.messages import Ack, Snapshot, Subscribe, Unsubscribe
+from middleware.routing.messages import Ack, Fence, Snapshot, Subscribe, Unsubscribe, Vote
 from middleware.routing.registry import Registry
-from middleware.routing.replicas import Persist, ReplicaLog, ToReplica, Written
+from middleware.routing.replicas import Persist, ReplicaLog, Written
 from middleware.routing.subscribing import Confirm, SubscriptionBook
 from middleware.routing.subscribing import Persist as PersistSubscription
 from middleware.routing.supervision import Provision, Retire, Supervision
@@ -101,8 +102,8 @@ class _MatchCluster:
         for effect in effects:
             if isinstance(effect, Persist):  # awaited before anything is sent
                 _save(self.stores[self.master.owner], effect.key, effect.version, effect.document)
-            elif isinstance(effect, ToReplica):
-                self.in_flight.append((effect.replica.owner, effect.message))
+            elif isinstance(effect, Send):
+                self.in_flight.append((effect.to.owner, effect.message))
             elif isinstance(effect, Written):
                 held = self.waiting.pop(effect.version, None)
                 if held is not None:
@@ -188,7 +189,7 @@ def test_a_confirmed_subscription_survives_the_masters_death_the_election_and_th
     # the master's own copy is in the state store; ``own_lost``: gone too (its node's disk)
     own = {} if own_lost else cluster.stores[cluster.master.owner]
     held = cluster.stores[winner.owner]
-    asked = [e.replica for e in reader.begin_read("r", own, held) if isinstance(e, ToReplica)]
+    asked = [e.to for e in reader.begin_read("r", own, held) if isinstance(e, Send)]
     live_asked = [r for r in asked if r not in dead]
     for i in answers or range(len(live_asked)):  # the live ones answer in some order
         if not live_asked:
@@ -285,8 +286,8 @@ def test_a_departed_arc_is_taken_over_once_and_handed_back_once_on_rejoin(
     in_flight: list[tuple[str, str, str]] = []  # (to, departed, by)
     for finder in (others[i % len(others)] for i in finders):
         for effect in routers[finder].departures.announce(x):
-            if isinstance(effect, TellRouter):
-                in_flight.append((effect.cluster, effect.message.cluster, effect.message.by))
+            if isinstance(effect, Send):
+                in_flight.append((effect.to.cluster, effect.message.cluster, effect.message.by))
             elif isinstance(effect, LeaveHere):
                 in_flight.insert(0, (finder, effect.cluster, effect.by))
     for index, again in deliveries:
@@ -515,13 +516,16 @@ class _ReignCluster:
     # ---------------------------------------------------------------- effects
     def _perform(self, process: _Process, effects: list[Any]) -> None:
         for effect in effects:
-            if isinstance(effect, SignalVote):
+            if isinstance(effect, Signal) and isinstance(effect.message, Vote):
+                sent = effect.message
+                assert isinstance(effect.to, RoleId)
                 for to in self.consumers_of_control(effect.to):
                     if isinstance(to.machine, Follower):
-                        vote = ("vote", effect.kind, effect.reign or Reign(), process.role)
+                        vote = ("vote", sent.kind, Reign(sent.epoch, sent.by), process.role)
                         self.in_flight.append((to.pid, vote))
-            elif isinstance(effect, FenceMaster):
-                self.in_flight.append((effect.to, ("fence", effect.reign)))
+            elif isinstance(effect, Signal) and isinstance(effect.message, Fence):
+                fence = effect.message
+                self.in_flight.append((effect.to, ("fence", Reign(fence.epoch, fence.by))))
             elif isinstance(effect, Promote):
                 assert isinstance(process.machine, Follower)
                 after = become(

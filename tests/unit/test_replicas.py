@@ -19,7 +19,7 @@ from middleware.routing.replicas import (
     GaveUp,
     Persist,
     ReplicaLog,
-    ToReplica,
+    Send,
     Written,
     live,
 )
@@ -44,8 +44,8 @@ def test_a_write_is_persisted_replicated_and_written_at_w_of_n() -> None:
     version, effects = log.write("quotes", {"level_sum": 1, "count": 1})
     assert version == 1
     assert effects[0] == Persist("quotes", 1, {"level_sum": 1, "count": 1})
-    sends = [e for e in effects if isinstance(e, ToReplica)]
-    assert [e.replica for e in sends] == SLAVES
+    sends = [e for e in effects if isinstance(e, Send)]
+    assert [e.to for e in sends] == SLAVES
     assert all(isinstance(e.message, Replicate) and e.message.version == 1 for e in sends)
     assert all(e.message.reply_to == "proc" for e in sends)
     assert not any(isinstance(e, Written) for e in effects)  # the master alone is 1 of W = 2
@@ -83,8 +83,8 @@ def test_a_delete_is_a_tombstone_and_a_read_repairs_the_masters_copy() -> None:
     log = _log()
     own = {"a": (1, {"v": 1}), "b": (2, {"v": 2})}  # the master's copy missed v3, v4
     effects = log.begin_read("r", own)
-    assert [e.replica for e in effects if isinstance(e, ToReplica)] == SLAVES
-    assert all(isinstance(e.message, Read) for e in effects if isinstance(e, ToReplica))
+    assert [e.to for e in effects if isinstance(e, Send)] == SLAVES
+    assert all(isinstance(e.message, Read) for e in effects if isinstance(e, Send))
     page = {"a": (3, {"v": 3}), "b": (4, TOMBSTONE)}
     done = Snapshot(request="r", state_kind="routing_table", broker=SLAVES[0].owner, last=True)
     assert log.page(done.model_copy(update={"entries": page})) is True  # R = 2: it and the master
@@ -118,12 +118,12 @@ def test_an_admitted_slave_gets_the_table_in_version_order_then_counts_toward_w(
     log.write("b", {"v": 3})
     newcomer = RoleId.router_slave("B", 1)
     catch_up = log.admit(newcomer)
-    assert [(e.replica, e.message.key, e.message.version) for e in catch_up] == [  # type: ignore[union-attr]
+    assert [(e.to, e.message.key, e.message.version) for e in catch_up] == [  # type: ignore[union-attr]
         (newcomer, "a", 2),
         (newcomer, "b", 3),
     ]
     _, effects = log.write("c", {"v": 4})
-    assert newcomer in [e.replica for e in effects if isinstance(e, ToReplica)]
+    assert newcomer in [e.to for e in effects if isinstance(e, Send)]
     assert log.on_ack(Ack(broker=newcomer.owner, version=4)) == [Written(4)]
 
 
@@ -183,9 +183,9 @@ def test_a_read_sees_every_write_acknowledged_before_it_whatever_the_order(
             for effect in effects:
                 if isinstance(effect, Persist):
                     own[effect.key] = (effect.version, effect.document)
-                elif isinstance(effect, ToReplica):
+                elif isinstance(effect, Send):
                     assert isinstance(effect.message, Replicate)
-                    inflight[replica_ids.index(effect.replica)].append(effect.message)
+                    inflight[replica_ids.index(effect.to)].append(effect.message)
                 elif isinstance(effect, Written):
                     written.append(effect.version)
             return
@@ -224,7 +224,7 @@ def test_a_read_sees_every_write_acknowledged_before_it_whatever_the_order(
             reply_to="q",
         )
         effects = reading.begin_read("read", own=at_read, held=dict(held[reader]))
-    asked = [e.replica for e in effects if isinstance(e, ToReplica)]
+    asked = [e.to for e in effects if isinstance(e, Send)]
     assert asked == reading.replicas or reading.quorum.read == 1
     for step in during:  # writes go on while the read collects replies
         run(step)

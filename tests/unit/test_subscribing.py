@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from middleware.routing.messages import Subscribe, Unsubscribe
+from middleware.phoenix.effects import Box
+from middleware.phoenix.ids import RoleId
+from middleware.routing.messages import Subscribe, Unsubscribe, Unsubscribed
 from middleware.routing.registry import Registry
 from middleware.routing.subscribing import (
     Confirm,
     Count,
     Persist,
     Refuse,
+    Send,
     SubscriptionBook,
-    TellRouters,
     subscription_record,
 )
 
@@ -63,7 +65,13 @@ def test_an_unsubscribe_tombstones_tells_the_routers_of_its_path_then_confirms()
     ) == [
         Persist("s1", None),
         Count("unsubscribed"),
-        TellRouters(("A",), "t", 2, "s1"),
+        Send(
+            RoleId.router("A"),
+            Unsubscribed(event_type="t", latency_level=2),
+            box=Box.INBOX,
+            bound_s=1.0,
+            missed="unsubscribed_not_told",
+        ),
         Confirm({"removed": True}, after_write=True),
     ]
     assert book.registry.match("t", {"x": 1}) == set()
