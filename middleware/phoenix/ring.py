@@ -58,9 +58,14 @@ class Handover:
 class ChordRing:
     """The set of clusters on the ring, with ownership, fingers and successor lists."""
 
+    #: routes a ring keeps (start, event type -> path) until its clusters change
+    MAX_ROUTES = 65536
+
     def __init__(self, clusters: Iterable[str] = ()) -> None:
         self._ids: list[int] = []
         self._names: dict[int, str] = {}
+        #: every event of a type takes the same path from a router: found once
+        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
         for cluster in clusters:
             self.join(cluster)
 
@@ -89,6 +94,7 @@ class ChordRing:
             )
         bisect.insort(self._ids, position)
         self._names[position] = cluster
+        self._routes.clear()
         return handover
 
     def leave(self, cluster: str) -> str | None:
@@ -98,6 +104,7 @@ class ChordRing:
             raise KeyError(cluster)
         self._ids.remove(position)
         del self._names[position]
+        self._routes.clear()
         return self._names[self._successor_id(position)] if self._ids else None
 
     def owner(self, event_type: str) -> str:
@@ -122,6 +129,14 @@ class ChordRing:
 
     def route(self, start: str, event_type: str) -> list[str]:
         """Clusters a message visits from ``start`` to the owner, by finger tables."""
+        path = self._routes.get((start, event_type))
+        if path is None:
+            if len(self._routes) >= self.MAX_ROUTES:
+                self._routes.clear()  # many one-off types: start again
+            path = self._routes[start, event_type] = tuple(self._route(start, event_type))
+        return list(path)
+
+    def _route(self, start: str, event_type: str) -> list[str]:
         key = ring_id(event_type)
         path = [start]
         current = ring_id(start)

@@ -148,9 +148,8 @@ class Forwarding:
         subscription handed over for that very arc)."""
         if message.via:  # on a detour: pass it on toward the next hop of its path
             return self.relay(message, now, holds)
-        if isinstance(message, Publish) and message.entered_at is None:
-            message = message.model_copy(update={"entered_at": now.wall})  # its entry
-        writes, forwarded = self.logic.accept(message)
+        entry = isinstance(message, Publish) and message.entered_at is None
+        writes, forwarded = self.logic.accept(message, now.wall if entry else None)
         effects: list[Effect] = list(writes)
         if forwarded is None:
             if not writes:

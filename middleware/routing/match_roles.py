@@ -153,23 +153,25 @@ class MatchBroker(Role):
         body = encode(stamped)
         copies = self.registry.copies(matched, self.departed)
         queues = copies.queues
-        content = event_content(message.event.model_dump_json()) if queues else None
-        with tracing.span(
-            f"{message.event_type} match",
-            {
+        # the event's name only where an e2e subscriber checks duplicates by it
+        e2e = any(confirm == "e2e" for confirm in queues.values())
+        content = event_content(message.event.model_dump_json()) if e2e else None
+        puts = [
+            self.copies.put(home, queue, confirm, body, copy_id(message.id, queue), content=content)
+            for (home, queue), confirm in queues.items()
+        ]
+        if tracing.active():
+            attributes = {
                 "qosmq.phoenix.broker": self.name,
                 "qosmq.phoenix.matched": sorted(matched)[:50],
                 "qosmq.phoenix.copies": len(queues),
-            },
-        ):
-            outcomes = await asyncio.gather(
-                *(
-                    self.copies.put(
-                        home, queue, confirm, body, copy_id(message.id, queue), content=content
-                    )
-                    for (home, queue), confirm in queues.items()
-                )
-            )
+            }
+            with tracing.span(f"{message.event_type} match", attributes):
+                outcomes = await asyncio.gather(*puts)
+        elif len(puts) == 1:  # the common case: no task for it
+            outcomes = [await puts[0]]
+        else:
+            outcomes = await asyncio.gather(*puts)
         settled = [
             (key, confirm, result)
             for (key, confirm), result in zip(queues.items(), outcomes, strict=True)

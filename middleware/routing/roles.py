@@ -252,10 +252,13 @@ class Role(Peer):
             if gate is None:
                 await handle(message)
                 return
-            async with gate.slot(self.urgency(message)):
+            await gate.acquire(self.urgency(message))  # (no context manager: per message)
+            try:
                 if self.fenced:  # stepped down while it waited: not this process's now
                     raise Requeue(f"{self.id} stepped down")
                 await handle(message)
+            finally:
+                gate.release()
 
         if len(messages) == 1 and not malformed:
             await gated(messages[0])  # errors settle the delivery, as for any consumer

@@ -113,14 +113,21 @@ class RouterLogic:
             return 0
         return max(message.priority, self.latency.priority(message.event_type))
 
-    def accept(self, message: RoutedMessage) -> tuple[list[WriteEntry], RoutedMessage | None]:
+    def accept(
+        self, message: RoutedMessage, entered_at: float | None = None
+    ) -> tuple[list[WriteEntry], RoutedMessage | None]:
         """What to write, and the message to pass on (None: it ends here: a duplicate
-        the owner routed already, or an unsubscription's latency level taken out)."""
+        the owner routed already, or an unsubscription's latency level taken out).
+        ``entered_at``: an event's entry into the ring (stamped here, with the rest:
+        one copy of the message per hop)."""
         et = message.event_type
+        update: dict[str, Any] = {}
         if message.id is None:  # one id from here on, however often it is sent again
-            message = message.model_copy(update={"id": self.new_id()})
+            update["id"] = self.new_id()
         elif self.ring.owner(et) == self.cluster and self._routed_before(message.id):
             return [], None
+        if entered_at is not None:
+            update["entered_at"] = entered_at
         if isinstance(message, Subscribe | Unsubscribe):
             message = self._homed(message)
         writes: list[WriteEntry] = []
@@ -132,10 +139,9 @@ class RouterLogic:
             writes.append(WriteEntry(et, LatencyEntry.of(self.latency.entries.get(et))))
             if isinstance(message, Unsubscribed):
                 return writes, None
-        stamped = message.model_copy(
-            update={"hops": [*message.hops, self.cluster], "priority": self.priority(message)}
-        )
-        return writes, stamped
+        update["hops"] = [*message.hops, self.cluster]
+        update["priority"] = self.priority(message)
+        return writes, message.model_copy(update=update)
 
     def step(self, message: RoutedMessage) -> Forward | ToMatch:
         """The next hop on the ring now, or the match master at the owner."""

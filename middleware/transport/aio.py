@@ -86,6 +86,8 @@ class _Live:
     replies: WatchedReplies  # unconfirmed publishes and direct reply-to, watched
     limits: Limits
     consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
+    #: the channel queue lengths are read on (``AsyncClient.queue_length``)
+    probe: aiormq.abc.AbstractChannel | None = None
 
 
 class _Refused(Exception):
@@ -328,8 +330,11 @@ class AsyncClient:
             ok = await ch.queue_declare(name, passive=True)
             return int(ok.message_count or 0) if ok else 0
 
-        result: int = await self._on_temp_channel(passive)
-        return result
+        async for attempt in async_retrying(self.settings.retry):
+            with attempt:
+                live = await self._await_live()
+                return int(await self._on_probe_channel(live, passive))
+        raise AssertionError("unreachable: the retry raises its last error")
 
     # ------------------------------------------------------------ consuming
     async def consume(
@@ -919,6 +924,32 @@ class AsyncClient:
                 if not channel.is_closed:
                     with contextlib.suppress(Exception):
                         await channel.close()
+        except MiddlewareError:
+            raise
+        except Exception as exc:
+            raise translate_aio(exc) from exc
+
+    @staticmethod
+    async def _on_probe_channel(
+        live: _Live, action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
+    ) -> Any:
+        """Run ``action`` (a passive declare) on the connection's probe channel, opened
+        once and again only after a refusal closed it: the roles and sidecars read a
+        queue length every second, and a channel opened and closed each time is churn
+        the broker pays for (a channel is several Erlang processes and their stats)."""
+        transport = live.connection.transport
+        if transport is None:
+            raise ConnectionLost(f"connection to {live.node} closed")
+        try:
+            probe = live.probe
+            if probe is None or probe.is_closed:
+                probe = await transport.connection.channel(publisher_confirms=False)
+                if live.probe is None or live.probe.is_closed:
+                    live.probe = probe
+                else:  # another read opened one meanwhile: that one stays
+                    await probe.close()
+                    probe = live.probe
+            return await action(probe)
         except MiddlewareError:
             raise
         except Exception as exc:

@@ -87,6 +87,8 @@ class _SyncLive:
     replies: _Watched
     consumer_channels: dict[str, blocking.BlockingChannel] = field(default_factory=dict)
     retired: list[_Watched] = field(default_factory=list)
+    #: the channel queue lengths are read on (``SyncClient.queue_length``)
+    probe: blocking.BlockingChannel | None = None
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,7 @@ class SyncClient:
         def passive(ch: blocking.BlockingChannel) -> int:
             return int(ch.queue_declare(name, passive=True).method.message_count)
 
-        result: int = self._call(lambda live: self._on_temp_channel(live, passive))
+        result: int = self._call(lambda live: self._on_probe_channel(live, passive))
         return result
 
     # ------------------------------------------------------------ consuming
@@ -702,6 +704,14 @@ class SyncClient:
             if channel.is_open:
                 with contextlib.suppress(Exception):
                     channel.close()
+
+    @staticmethod
+    def _on_probe_channel(live: _SyncLive, action: Callable[[blocking.BlockingChannel], T]) -> T:
+        """Run ``action`` (a passive declare) on the connection's probe channel, opened
+        again only after a refusal closed it (as the asyncio face: no channel churn)."""
+        if live.probe is None or not live.probe.is_open:
+            live.probe = live.connection.channel()
+        return action(live.probe)
 
     def _start_consumer(self, live: _SyncLive, consumer: _SyncConsumer) -> None:
         spec = consumer.spec

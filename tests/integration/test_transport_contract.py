@@ -32,6 +32,7 @@ from middleware.transport import (
     SyncClient,
 )
 from middleware.transport.delivery import Action
+from middleware.transport.management import management_get
 
 pytestmark = pytest.mark.rabbit
 
@@ -111,6 +112,30 @@ def test_redeclare_with_other_arguments_is_precondition_failed(contract_face, na
     with pytest.raises(EntityNotFound):
         face.call("queue_length", name + "-missing")
     face.call("delete_queue", name)
+
+
+def test_queue_lengths_are_read_without_a_channel_each(face, name, settings) -> None:
+    """Roles and sidecars read a queue length every second: on one probe channel per
+    connection (a refused read closes it, the next opens another), not a channel opened
+    and closed per read, which the broker pays for.  Counted by the broker's own
+    channel churn (its statistics lag by up to the collection interval, 5 s)."""
+    face.call("declare_queue", QueueSpec(name))
+    assert face.call("queue_length", name) == 0  # the probe is open from here
+    before = _channels_created(settings)
+    for _ in range(20):
+        assert face.call("queue_length", name) == 0
+    with pytest.raises(EntityNotFound):
+        face.call("queue_length", name + "-missing")
+    face.call("publish", OutgoingMessage(b"x", "", name))
+    assert face.call("queue_length", name) == 1  # read again after the refusal
+    time.sleep(6)
+    assert _channels_created(settings) - before <= 3  # 22 reads: 22 channels before
+    face.call("delete_queue", name)
+
+
+def _channels_created(settings: Settings) -> int:
+    overview = management_get(settings, "/api/overview", timeout=10)
+    return int(overview["churn_rates"]["channel_created"])
 
 
 def test_handler_failures_dead_letter_with_reason(contract_face, name) -> None:

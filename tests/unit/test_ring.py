@@ -61,3 +61,23 @@ def test_successor_list_and_predecessor() -> None:
     i = order.index("cluster-3")
     assert ring.successors("cluster-3", 3) == [order[(i + k) % 12] for k in (1, 2, 3)]
     assert ring.predecessor(order[0]) == order[-1]
+
+
+def test_a_route_found_once_follows_every_join_and_leave() -> None:
+    """Routes are kept per (start, type) until the ring changes: a route read after a
+    leave or a join is the new ring's, as a fresh ring computes it."""
+    clusters = [f"c{i}" for i in range(16)]
+    ring = ChordRing(clusters)
+    rng = random.Random(5)
+    types = [f"e{i}" for i in range(40)]
+    for step in range(30):
+        for event_type in types:
+            start = rng.choice(ring.clusters)
+            path = ring.route(start, event_type)
+            assert path == ChordRing(ring.clusters).route(start, event_type)
+            path.append("scribbled")  # a caller's list is its own
+            assert ring.route(start, event_type)[-1] == ring.owner(event_type)
+        if step % 2 and len(ring) > 2:
+            ring.leave(rng.choice(ring.clusters))
+        else:
+            ring.join(f"n{step}")
