@@ -145,6 +145,13 @@ def register(sub: Any) -> None:
         help="throughput: run every step, also after one fell behind",
     )
     phoenix.add_argument(
+        "--batch-linger-ms",
+        type=float,
+        default=None,
+        help="throughput: the topology's batch_linger_ms for every role and the client "
+        "(default: the topology's default)",
+    )
+    phoenix.add_argument(
         "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
     )
     phoenix.add_argument(
@@ -709,6 +716,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "busy_seconds": ("busy",),
     "idle": ("throughput",),
     "keep_going": ("throughput",),
+    "batch_linger_ms": ("throughput",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),
     "faults": ("link",),
@@ -873,6 +881,7 @@ def _run_phoenix_throughput(args: argparse.Namespace) -> int:
         warmup_s=args.warmup,
         idle_s=args.idle,
         keep_going=args.keep_going,
+        linger_ms=args.batch_linger_ms,
         report=lambda row: print(json.dumps(row), flush=True),
     )
     result.update(_provenance(args.settings))

@@ -242,14 +242,17 @@ def run_throughput(
     idle_s: float = 20.0,
     behind_p99_s: float = 5.0,
     keep_going: bool = False,
+    linger_ms: float | None = None,
     report: Callable[[dict[str, Any]], None] = print,
 ) -> dict[str, Any]:
-    """The idle cost, then a row per rate step (see the module's text)."""
+    """The idle cost, then a row per rate step (see the module's text); ``linger_ms``:
+    the topology's ``batch_linger_ms`` (None: its default)."""
     workload = Workload(subscriptions)
     deployment = Deployment(
         directory / f"throughput-{subscriptions}",
         prefix=f"bench-thr-{os.getpid()}",
         amqp_urls=settings.amqp_urls,
+        fields={} if linger_ms is None else {"batch_linger_ms": linger_ms},
     )
     loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
     steps: list[dict[str, Any]] = []
@@ -285,6 +288,7 @@ def run_throughput(
         "subscriptions": subscriptions,
         "loaded": loaded,
         "mechanism": mechanism,
+        "batch_linger_ms": deployment.topology.batch_linger_ms,
         "ready_s": round(ready_s, 1),
         "clients_at": list(CLIENTS),
         "idle": idle,
