@@ -933,10 +933,12 @@ class AsyncClient:
     async def _on_probe_channel(
         live: _Live, action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
     ) -> Any:
-        """Run ``action`` (a passive declare) on the connection's probe channel, opened
-        once and again only after a refusal closed it: the roles and sidecars read a
-        queue length every second, and a channel opened and closed each time is churn
-        the broker pays for (a channel is several Erlang processes and their stats)."""
+        """Run ``action`` (a passive declare: a queue length, the consumer watchdog's
+        look) on the connection's probe channel, opened once and again only after a
+        refusal closed it: the roles and sidecars read a queue length every second and
+        look at each consumer's queue every ``consumer_check_s``, and a channel opened
+        and closed each time is churn the broker pays for (a channel is several Erlang
+        processes and their statistics)."""
         transport = live.connection.transport
         if transport is None:
             raise ConnectionLost(f"connection to {live.node} closed")
@@ -1016,7 +1018,9 @@ class AsyncClient:
         queue = consumer.spec.queue
         check = self._checks.setdefault(tag, consuming.ConsumerCheck())
         try:
-            ok = await self._on_channel_of(live, lambda ch: ch.queue_declare(queue, passive=True))
+            ok = await self._on_probe_channel(
+                live, lambda ch: ch.queue_declare(queue, passive=True)
+            )
         except EntityNotFound:
             return not check.lost(queue_exists=False, consumers=0, ready=0, delivered=0, room=False)
         except MiddlewareError:
@@ -1050,7 +1054,7 @@ class AsyncClient:
         delay = self.settings.retry.initial_delay or 0.1
         while self._consumers.get(consumer.spec.tag) is consumer and self._live is live:
             try:
-                await self._on_channel_of(
+                await self._on_probe_channel(
                     live, lambda ch: ch.queue_declare(consumer.spec.queue, passive=True)
                 )
                 await self._start_consumer(live, consumer)

@@ -707,8 +707,9 @@ class SyncClient:
 
     @staticmethod
     def _on_probe_channel(live: _SyncLive, action: Callable[[blocking.BlockingChannel], T]) -> T:
-        """Run ``action`` (a passive declare) on the connection's probe channel, opened
-        again only after a refusal closed it (as the asyncio face: no channel churn)."""
+        """Run ``action`` (a passive declare: a queue length, the consumer watchdog's
+        look) on the connection's probe channel, opened again only after a refusal
+        closed it (as the asyncio face: no channel churn)."""
         if live.probe is None or not live.probe.is_open:
             live.probe = live.connection.channel()
         return action(live.probe)
@@ -756,7 +757,7 @@ class SyncClient:
                 continue
             check = self._checks.setdefault(tag, consuming.ConsumerCheck())
             try:
-                count, ready = self._on_temp_channel(
+                count, ready = self._on_probe_channel(
                     live, functools.partial(_counts_of, queue=consumer.spec.queue)
                 )
                 exists = True
@@ -788,7 +789,7 @@ class SyncClient:
                 with contextlib.suppress(Exception):
                     channel.close()
             try:
-                self._on_temp_channel(live, functools.partial(_exists, queue=consumer.spec.queue))
+                self._on_probe_channel(live, functools.partial(_exists, queue=consumer.spec.queue))
                 self._start_consumer(live, consumer)
             except Exception as exc:
                 log.debug("queue %r not back yet: %s", consumer.spec.queue, exc)

@@ -33,6 +33,7 @@ from middleware.transport import (
 )
 from middleware.transport.delivery import Action
 from middleware.transport.management import management_get
+from tests.conftest import Face
 
 pytestmark = pytest.mark.rabbit
 
@@ -114,24 +115,36 @@ def test_redeclare_with_other_arguments_is_precondition_failed(contract_face, na
     face.call("delete_queue", name)
 
 
-def test_queue_lengths_are_read_without_a_channel_each(face, name, settings) -> None:
-    """Roles and sidecars read a queue length every second: on one probe channel per
-    connection (a refused read closes it, the next opens another), not a channel opened
-    and closed per read, which the broker pays for.  Counted by the broker's own
-    channel churn (its statistics lag by up to the collection interval, 5 s)."""
-    face.call("declare_queue", QueueSpec(name))
-    assert face.call("queue_length", name) == 0  # the probe is open from here
-    face.pump(STATS_S)  # what earlier tests opened is counted by now (I/O served)
-    before = _channels_created(settings)
-    for _ in range(20):
-        assert face.call("queue_length", name) == 0
-    with pytest.raises(EntityNotFound):
-        face.call("queue_length", name + "-missing")
-    face.call("publish", OutgoingMessage(b"x", "", name))
-    assert face.call("queue_length", name) == 1  # read again after the refusal
-    face.pump(STATS_S)
-    assert _channels_created(settings) - before <= 3  # 22 reads: 22 channels before
-    face.call("delete_queue", name)
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_queue_lengths_and_consumer_checks_open_no_channel_each(kind, name, settings) -> None:
+    """Roles and sidecars read a queue length every second and look at each consumer's
+    queue every ``consumer_check_s``: on one probe channel per connection (a refused
+    read closes it, the next opens another), not a channel opened and closed per read,
+    which the broker pays for.  Counted by the broker's own channel churn (its
+    statistics lag by up to the collection interval, 5 s)."""
+    face = Face(kind, settings.model_copy(update={"consumer_check_s": 0.5}))
+    face.call("connect")
+    consumed = f"{name}-consumed"
+    try:
+        face.call("declare_queue", QueueSpec(name))
+        face.call("declare_queue", QueueSpec(consumed))
+        face.consume(consumed, lambda delivery: None)
+        assert face.call("queue_length", name) == 0  # the probe is open from here
+        face.pump(STATS_S)  # what earlier tests opened is counted by now (I/O served)
+        before = _channels_created(settings)
+        for _ in range(20):
+            assert face.call("queue_length", name) == 0
+        with pytest.raises(EntityNotFound):
+            face.call("queue_length", name + "-missing")
+        face.call("publish", OutgoingMessage(b"x", "", name))
+        assert face.call("queue_length", name) == 1  # read again after the refusal
+        face.pump(STATS_S)  # the watchdog looks at the consumer's queue 12 times
+        # 22 reads and 12 looks opened 34 channels before the probe channel
+        assert _channels_created(settings) - before <= 3
+    finally:
+        for queue in (name, consumed):
+            face.call("delete_queue", queue)
+        face.close()
 
 
 #: the broker's statistics lag by up to its collection interval (5 s)
