@@ -117,6 +117,16 @@ class FailureDetector(Generic[P]):
     def _silent(self, peer: P, gaps: _Gaps, now: float) -> bool:
         return now > gaps.quiet_until and now - gaps.last > self.timeout_for(peer)
 
+    def suspect_at(self, peer: P) -> float | None:
+        """When ``peer`` is suspected if nothing is heard from it before (a heartbeat
+        only moves this later, as long as its timeout holds); None: not watched."""
+        gaps = self._gaps.get(peer)
+        if gaps is None:
+            return None
+        if peer in self._lost:
+            return 0.0
+        return max(gaps.quiet_until, gaps.last + self.timeout_for(peer))
+
     def suspects(self, now: float) -> set[P]:
         return {
             p for p, gaps in self._gaps.items() if p in self._lost or self._silent(p, gaps, now)

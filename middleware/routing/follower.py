@@ -91,6 +91,10 @@ class NameLease:
 
 Effect = Signal | Promote | Suspected | Elected | Count | Leader | NameLease | StopServing | Refuse
 
+#: a look due when the master would be suspected comes this much after, so the silence
+#: is past the timeout when it looks
+LOOK_MARGIN_S = 0.001
+
 _KINDS = {
     "election": Kind.ELECTION,
     "answer": Kind.ELECTION_ANSWER,
@@ -146,6 +150,22 @@ class Follower:
         elif self.bully.state is BullyState.IDLE:
             effects += self._suspected(now, "beats")
         return effects + self._enact(self.bully.tick(now), now)
+
+    def next_look_in(self, now: float) -> float:
+        """How long the driver may wait before its next :meth:`look`: half a beat
+        interval while a first look suspects the master or an election runs (their
+        timers are these looks); else until the master would be suspected if nothing
+        came meanwhile (a beat only moves that later), and at most half the detection
+        floor (the timeout a busy spell lengthened may shorten again).  A slave whose
+        master beats looks twice a second instead of every half interval."""
+        step = self.interval_s / 2
+        if self._first_look is not None or self.bully.state is not BullyState.IDLE:
+            return step
+        cap = self.detector.timeout_s / 2
+        due = self.detector.suspect_at(self.master)
+        if due is None:  # not watched before its first beat: no look can suspect it
+            return cap
+        return max(0.0, min(cap, due - now + LOOK_MARGIN_S))
 
     def lease_returned(self, now: float) -> list[Effect]:
         """The master's connection closed: it is gone (a frozen master keeps it)."""

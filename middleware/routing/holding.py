@@ -141,13 +141,14 @@ class ReplicaHolder(Role):
             trust=self.trust,
             failed_at=self.failed_at,
         )
-        step = interval / 2
         woke = time.monotonic()
+        step = self.follower.next_look_in(woke)  # the machine says when to look again
         while not stop.is_set():
             await asyncio.sleep(step)
             now = time.monotonic()
             late, woke = now - woke - step, now
             await self._follow(self.follower.look(now, late))
+            step = self.follower.next_look_in(time.monotonic())
 
     async def _follow(self, effects: list[FollowerEffect]) -> None:
         """Perform what the follower machine returned (follower.py)."""

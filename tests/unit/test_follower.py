@@ -128,3 +128,24 @@ def test_a_retire_stops_the_slave_only_from_its_master_of_a_reign_it_trusts() ->
     assert isinstance(f.retire("B/router", me, Reign.of_winner(1, 0))[0], Refuse)
     f.take_over()  # promoted: it serves the master's role next, not stopped
     assert f.retire(MASTER.owner, me, Reign.of_winner(2, 0)) == []
+
+
+def test_a_slave_whose_master_beats_looks_twice_a_second_and_in_time() -> None:
+    """The driver sleeps as long as ``next_look_in`` says: at most half the detection
+    floor while the master beats, to the moment it would be suspected once it is
+    silent, half a beat interval between the two looks and during an election."""
+    f = follower(1)
+    assert f.next_look_in(0.0) == 0.25  # not watched yet: half the floor (5 x 0.1 s)
+    heard(f, 0.0)
+    for now in (0.1, 0.2, 0.3):  # beats every 0.1 s: every look is half a floor away
+        heard(f, now)
+        assert f.next_look_in(now) == 0.25
+    # silent from 0.3: suspected after 0.8; a look comes then, not up to 0.1 s later
+    assert f.look(0.55, 0.0) == [] and f.next_look_in(0.55) == 0.25
+    wait = f.next_look_in(0.6)
+    assert abs(0.6 + wait - 0.801) < 1e-9
+    assert f.look(0.801, 0.0) == []  # the first look that suspects
+    assert f.next_look_in(0.801) == 0.05  # the second, half an interval later
+    effects = f.look(0.851, 0.0)
+    assert Suspected(0.851 - 0.3, "beats") in effects  # slave-1 asks slave-0: electing
+    assert f.next_look_in(0.851) == 0.05  # the election's timers are the looks
