@@ -101,8 +101,13 @@ class Master(Role):
 
         async def replacing() -> None:
             while not stop.is_set():
+                wait = self.supervision.next_check_in(
+                    self._silences(time.monotonic()),
+                    self.live.timeout_s,
+                    self.topology.heartbeat_interval_s,
+                )  # the machine says when a check can ask for a replacement
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.topology.heartbeat_interval_s)
+                    await asyncio.wait_for(stop.wait(), wait)
                 await self.replace_silent(time.monotonic())
 
         try:
@@ -260,12 +265,17 @@ class Master(Role):
         self.supervision.heard(slave)
 
     async def replace_silent(self, now: float) -> None:
-        """Every beat interval: a replacement for every slave silent past the rule."""
-        silences = {
+        """When the supervision says (``next_check_in``): a replacement for every slave
+        silent past the rule."""
+        silences = self._silences(now)
+        await self._supervise(self.supervision.silences(silences, self.live.timeout_s, now))
+
+    def _silences(self, now: float) -> dict[int, float | None]:
+        """Each slave's silence (None: not watched)."""
+        return {
             slave.slave: self.live.silent_for(slave.slave, now)
             for slave in self.id.slaves(self.topology.cluster(self.cluster))
         }
-        await self._supervise(self.supervision.silences(silences, self.live.timeout_s, now))
 
     async def _on_late_vote(self, message: Vote) -> None:
         """A slave still electing after this master took over: tell it who won."""

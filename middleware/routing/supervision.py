@@ -55,6 +55,8 @@ Effect = Retire | Provision | After | Note
 #: the connection close while the process is still exiting, so a provisioner that checks
 #: the process may find it alive for a few milliseconds more
 DEAD_RETRIES_S = (0.0, 0.05, 0.1, 0.2, 0.4)
+#: a check due when a slave passes the silence bound comes this much after it
+CHECK_MARGIN_S = 0.001
 #: a second process beating as a slave is told to stop at most this often
 RETIRE_EVERY_S = 1.0
 
@@ -153,6 +155,23 @@ class Supervision:
                 self._forget(slave)
                 effects += self._ask(slave, now, f"silent for {silent:.1f} s")
         return effects
+
+    def next_check_in(
+        self, silent_for: Mapping[int, float | None], timeout_s: float, step_s: float
+    ) -> float:
+        """How long the driver may wait before its next :meth:`silences`: until the
+        first watched slave has been silent for the rule's bound (a beat only moves that
+        later), at most half the bound; ``step_s`` (a beat interval) while one is past
+        it.  A master whose slaves beat looks twice every ``replace_after_s``."""
+        after = max(self.replace_after_s, timeout_s)
+        cap = after / 2
+        if not self.can_provision:
+            return cap  # nothing to ask for: the checks change nothing
+        left = [after - silent for silent in silent_for.values() if silent is not None]
+        if not left:
+            return cap
+        first = min(left)
+        return step_s if first <= 0 else min(cap, first + CHECK_MARGIN_S)
 
     # ----------------------------------------------------------------- inside
     def _forget(self, slave: int) -> None:

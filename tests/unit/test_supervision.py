@@ -108,3 +108,18 @@ def test_the_machine_does_no_io() -> None:
     }
     assert imported <= {"__future__", "collections", "dataclasses", "phoenix"}, imported  # effects
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef | ast.Await)]
+
+
+def test_a_master_checks_its_slaves_silences_when_one_can_pass_the_bound() -> None:
+    """The driver waits as long as ``next_check_in`` says: half the bound while every
+    slave beats, to the moment the first would pass it, a beat interval while one is
+    past it; and the check then asks for its replacement at once."""
+    m = machine()
+    assert m.next_check_in({}, 0.5, 0.2) == 1.0  # nobody watched: half the bound (2 s)
+    assert m.next_check_in({0: 0.1, 1: 0.2}, 0.5, 0.2) == 1.0  # both beat
+    wait = m.next_check_in({0: 0.1, 1: 1.5}, 0.5, 0.2)  # slave 1 silent for 1.5 s
+    assert abs(wait - 0.501) < 1e-9
+    assert m.silences({0: 0.1, 1: 1.5 + wait}, 0.5, 10.0) == [Provision(1, "silent for 2.0 s")]
+    assert m.next_check_in({0: 0.1, 1: 2.5}, 0.5, 0.2) == 0.2  # past it: every interval
+    assert m.next_check_in({0: 0.1}, 3.0, 0.2) == 1.5  # a longer detection timeout rules
+    assert machine(can_provision=False).next_check_in({0: 5.0}, 0.5, 0.2) == 1.0
