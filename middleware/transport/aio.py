@@ -86,7 +86,7 @@ class _Live:
     replies: WatchedReplies  # unconfirmed publishes and direct reply-to, watched
     limits: Limits
     consumer_channels: dict[str, AbstractChannel] = field(default_factory=dict)
-    #: the channel queue lengths are read on (``AsyncClient.queue_length``)
+    #: the channel passive declares run on (queue lengths, the consumer watchdog)
     probe: aiormq.abc.AbstractChannel | None = None
 
 

@@ -87,7 +87,7 @@ class _SyncLive:
     replies: _Watched
     consumer_channels: dict[str, blocking.BlockingChannel] = field(default_factory=dict)
     retired: list[_Watched] = field(default_factory=list)
-    #: the channel queue lengths are read on (``SyncClient.queue_length``)
+    #: the channel passive declares run on (queue lengths, the consumer watchdog)
     probe: blocking.BlockingChannel | None = None
 
 
