@@ -62,18 +62,14 @@ class Event(BaseModel):
     @field_validator("attributes")
     @classmethod
     def _names(cls, value: dict[str, Scalar]) -> dict[str, Scalar]:
-        # every hop parses every event: the common values (a str, an int in range, a
-        # finite float) are checked inline, the rest by ``_number_problem``
-        low, high = INT64
+        low, high = INT64  # every hop parses every event: common values checked inline
         for name, v in value.items():
             if not _NAME.match(name):
                 raise ValueError(f"attribute name {name!r} is not an identifier")
             kind = type(v)
-            if kind is str or (kind is int and low <= v <= high):  # type: ignore[operator]
-                continue
-            if kind is float and math.isfinite(v):  # type: ignore[arg-type]
-                continue
-            if problem := _number_problem(v):
+            common = kind is str or (kind is int and low <= v <= high)  # type: ignore[operator]
+            common = common or (kind is float and math.isfinite(v))  # type: ignore[arg-type]
+            if not common and (problem := _number_problem(v)):
                 raise ValueError(f"attribute {name}: {problem}")
         return value
 
