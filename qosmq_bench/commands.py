@@ -152,6 +152,13 @@ def register(sub: Any) -> None:
         "(default: the topology's default)",
     )
     phoenix.add_argument(
+        "--copy-batch-max",
+        type=integer(1, 1000),
+        default=None,
+        help="throughput: the topology's copy_batch_max, copies for one subscriber queue "
+        "in one AMQP message (default: the topology's default, 1)",
+    )
+    phoenix.add_argument(
         "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
     )
     phoenix.add_argument(
@@ -717,6 +724,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("throughput",),
     "keep_going": ("throughput",),
     "batch_linger_ms": ("throughput",),
+    "copy_batch_max": ("throughput",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),
     "faults": ("link",),
@@ -882,6 +890,7 @@ def _run_phoenix_throughput(args: argparse.Namespace) -> int:
         idle_s=args.idle,
         keep_going=args.keep_going,
         linger_ms=args.batch_linger_ms,
+        copy_batch_max=args.copy_batch_max,
         report=lambda row: print(json.dumps(row), flush=True),
     )
     result.update(_provenance(args.settings))

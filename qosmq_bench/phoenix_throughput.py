@@ -243,16 +243,21 @@ def run_throughput(
     behind_p99_s: float = 5.0,
     keep_going: bool = False,
     linger_ms: float | None = None,
+    copy_batch_max: int | None = None,
     report: Callable[[dict[str, Any]], None] = print,
 ) -> dict[str, Any]:
     """The idle cost, then a row per rate step (see the module's text); ``linger_ms``:
-    the topology's ``batch_linger_ms`` (None: its default)."""
+    the topology's ``batch_linger_ms``, ``copy_batch_max`` its ``copy_batch_max`` (None:
+    their defaults)."""
+    fields: dict[str, Any] = {} if linger_ms is None else {"batch_linger_ms": linger_ms}
+    if copy_batch_max is not None:
+        fields["copy_batch_max"] = copy_batch_max
     workload = Workload(subscriptions)
     deployment = Deployment(
         directory / f"throughput-{subscriptions}",
         prefix=f"bench-thr-{os.getpid()}",
         amqp_urls=settings.amqp_urls,
-        fields={} if linger_ms is None else {"batch_linger_ms": linger_ms},
+        fields=fields,
     )
     loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
     steps: list[dict[str, Any]] = []
@@ -289,6 +294,7 @@ def run_throughput(
         "loaded": loaded,
         "mechanism": mechanism,
         "batch_linger_ms": deployment.topology.batch_linger_ms,
+        "copy_batch_max": deployment.topology.copy_batch_max,
         "ready_s": round(ready_s, 1),
         "clients_at": list(CLIENTS),
         "idle": idle,

@@ -330,6 +330,13 @@ async def _clients(
         await client.close()
 
 
+def messages_of(body: bytes) -> list[dict[str, Any]]:
+    """The messages a subscriber-queue delivery carries: one, or a batch of copies
+    (``copy_batch_max``)."""
+    message = json.loads(body)
+    return message if isinstance(message, list) else [message]
+
+
 async def wait_ready(
     settings: Settings, deployment: Deployment, workload: Workload, timeout_s: float = 300
 ) -> float:
@@ -345,8 +352,9 @@ async def wait_ready(
                 await at[c].publish({"event_type": t, "attributes": {"probe": f"{c}|{t}"}})
             await asyncio.sleep(1.0)
             while (d := await client.get(probe)) is not None:
-                c, t = json.loads(d.body)["event"]["attributes"]["probe"].split("|")
-                missing.discard((c, t))
+                for message in messages_of(d.body):
+                    c, t = message["event"]["attributes"]["probe"].split("|")
+                    missing.discard((c, t))
         await asyncio.sleep(1.0)
         await client.delete_queue(probe)  # late duplicate probes
     return time.monotonic() - started
@@ -379,11 +387,11 @@ async def measure(
 
     async def on_delivery(delivery: Delivery) -> None:
         now = time.time()
-        message = json.loads(delivery.body)
-        attributes = (message.get("event") or message)["attributes"]
-        seq = attributes["seq"]
-        if seq not in first:
-            first[seq] = now - attributes["t0"]
+        for message in messages_of(delivery.body):
+            attributes = (message.get("event") or message)["attributes"]
+            seq = attributes["seq"]
+            if seq not in first:
+                first[seq] = now - attributes["t0"]
         last_arrival[0] = time.monotonic()
 
     share = _Share(rate=rate, duration_s=duration_s, seed=seed, raw=raw, batch_max=batch_max)

@@ -10,13 +10,23 @@ They build the same messages and read the same confirmations through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
 from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
-from ..transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from ..transport import (
+    Action,
+    AsyncClient,
+    Delivery,
+    Outcome,
+    OutgoingMessage,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
 from .batching import Batcher
 from .client_core import ClientCore, SubscriptionUnconfirmed
 from .matching import Event
@@ -70,16 +80,36 @@ class PhoenixClient:
         message carries the hops and the broker that matched it); returns the consumer
         tag.  ``e2e=True`` for a ``confirm="e2e"`` subscription: the receipt goes back
         once the handler returned (``Reject`` from it: a negative receipt).  A body that
-        is not a Phoenix event is dead-lettered with the reason."""
+        is not a Phoenix event is dead-lettered with the reason.  A delivery that carries
+        a batch of copies (``copy_batch_max``) is handed over one event at a time, in
+        order; an event whose handler raised is put back alone (``Requeue``) or
+        dead-lettered alone, and the delivery is acknowledged once each is settled."""
 
         async def on_delivery(delivery: Delivery) -> None:
-            await handler(*self.core.delivered(delivery))
+            batch = self.core.batch_of(delivery)
+            if batch is None:
+                await handler(*self.core.delivered(delivery))
+                return
+            events, failed = batch
+            for message in events:
+                try:
+                    await handler(message.event, message)
+                except Exception as exc:  # this event alone; the batch's others go on
+                    failed.append(self.core.failed(message, exc))
+            for body, outcome in failed:
+                await self._settle_one(delivery, body, outcome)
 
         if not e2e:
             return await self.client.consume(queue, on_delivery, prefetch=prefetch)
         if self._receipts is None:
             self._receipts = AsyncConfirmConsumer(self.client)
         return await self._receipts.consume(queue, on_delivery, prefetch=prefetch)
+
+    async def _settle_one(self, delivery: Delivery, body: bytes, outcome: Outcome) -> None:
+        if outcome.action is Action.REQUEUE:
+            await self.client.publish(_back(delivery.queue, body))
+        else:
+            await self.client.dead_letter(dataclasses.replace(delivery, body=body), outcome.reason)
 
     async def _on_reply(self, delivery: Delivery) -> None:
         reply = self.core.reply(delivery)
@@ -205,7 +235,22 @@ class SyncPhoenixClient:
         """As :meth:`PhoenixClient.consume`; the events are handled inside :meth:`run`."""
 
         def on_delivery(delivery: Delivery) -> None:
-            handler(*self.core.delivered(delivery))
+            batch = self.core.batch_of(delivery)
+            if batch is None:
+                handler(*self.core.delivered(delivery))
+                return
+            events, failed = batch
+            for message in events:
+                try:
+                    handler(message.event, message)
+                except Exception as exc:  # this event alone; the batch's others go on
+                    failed.append(self.core.failed(message, exc))
+            for body, outcome in failed:
+                if outcome.action is Action.REQUEUE:
+                    self.client.publish(_back(delivery.queue, body))
+                else:
+                    original = dataclasses.replace(delivery, body=body)
+                    self.client.dead_letter(original, outcome.reason)
 
         if not e2e:
             return self.client.consume(queue, on_delivery, prefetch=prefetch)
@@ -275,3 +320,8 @@ class SyncPhoenixClient:
 
     def publish(self, event: Event | dict[str, Any]) -> None:
         self._send(self.core.publication(event))
+
+
+def _back(queue: str, body: bytes) -> OutgoingMessage:
+    """One event of a batch put back into its queue alone (its handler said ``Requeue``)."""
+    return OutgoingMessage(body, "", queue, content_type="application/json")

@@ -15,6 +15,8 @@ from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import Delivery, QueueKind, QueueSpec
+from ..transport.delivery import Action, Outcome, outcome_of
+from .batching import split
 from .matching import Event, Filter, FilterError
 from .messages import (
     Advertise,
@@ -22,6 +24,7 @@ from .messages import (
     Publish,
     Subscribe,
     Unsubscribe,
+    encode,
     parse,
 )
 from .wiring import cluster_settings
@@ -122,6 +125,35 @@ class ClientCore:
         if not isinstance(message, Publish):
             raise DeadLetter(f"not a Phoenix event delivery: {message.kind.value}")
         return message.event, message
+
+    @staticmethod
+    def batch_of(delivery: Delivery) -> tuple[list[Publish], list[tuple[bytes, Outcome]]] | None:
+        """The events of a delivery that carries a batch of copies (a JSON array: the
+        topology's ``copy_batch_max``), in order, and its elements that are not events,
+        each as ``(its JSON, dead-lettered with why)``; None for a lone event
+        (:meth:`delivered`)."""
+        if delivery.body.lstrip()[:1] != b"[":
+            return None
+        messages, malformed = split(delivery.body)
+        bad = [(body, Outcome(Action.DEAD_LETTER, why)) for body, why in malformed]
+        events: list[Publish] = []
+        for message in messages:
+            if isinstance(message, Publish):
+                events.append(message)
+            else:
+                why = f"not a Phoenix event delivery: {message.kind.value}"
+                bad.append((encode(message), Outcome(Action.DEAD_LETTER, why)))
+        return events, bad
+
+    @staticmethod
+    def failed(message: Publish, error: Exception) -> tuple[bytes, Outcome]:
+        """What becomes of one event of a batch whose handler raised: put back into the
+        queue alone (``Requeue``), or dead-lettered alone with the reason (anything
+        else, ``Reject`` included: the copy cannot be refused to a broker alone)."""
+        outcome = outcome_of(error)
+        if outcome.action in (Action.REQUEUE, Action.DEAD_LETTER):
+            return encode(message), outcome
+        return encode(message), Outcome(Action.DEAD_LETTER, f"rejected: {outcome.reason}")
 
     @staticmethod
     def reply(delivery: Delivery) -> Confirmation:

@@ -2,6 +2,12 @@
 broker (directly) and a subscriber's home routing master (a copy carried over the ring)
 use.  Each copy has an outcome of its own (``copies.Outcome``: delivered, taken, gone,
 refused, unreachable); what each outcome takes is decided in ``copies.settle``.
+
+With the topology's ``copy_batch_max`` above 1, the broker-confirmed copies for one
+subscriber queue that are put close together leave as one AMQP message (a JSON array,
+``batching.Batcher`` with the roles' linger); each copy's outcome is its batch's (they
+share a queue and a home, so they share what can go wrong).  The Phoenix client's
+``consume`` hands the application one event at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from ..confirms.tracking import CONTENT_HEADER
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..phoenix.protocol import PhoenixTopology
 from ..transport import AsyncClient, OutgoingMessage
+from .batching import Batcher
 from .copies import CopyOutcome, Outcome, event_content
 
 __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
@@ -46,6 +53,11 @@ class CopySender:
         #: every ``link_retry_s``); meanwhile their copies go to the ring at once instead
         #: of each waiting ``link_timeout_s`` with an inbox slot held
         self._down: dict[str, float] = {}
+        self._batcher = Batcher(
+            self._publish_copies,
+            max_messages=topology.copy_batch_max,
+            linger_s=topology.batch_linger_ms / 1000,
+        )
 
     async def put(
         self,
@@ -57,13 +69,16 @@ class CopySender:
         *,
         local: bool = False,
         content: str | None = None,
+        priority: int = 0,
     ) -> CopyOutcome:
         """Send one copy and say how it ended (never raises for its home's faults).
         ``local``: the home is this role's own cluster (a routing master putting a copy
         the ring carried to it): no link bound, the transport's own retries, and a
         failure raises (the copy's delivery stays unacked).  ``content``: the event's
         name (``event_content``): an e2e subscriber takes two copies of one event as one
-        message however each was stamped (matched again elsewhere after a cluster left)."""
+        message however each was stamped (matched again elsewhere after a cluster left).
+        ``priority``: the event's; how long a batched copy may wait for others
+        (``batching.linger_for``)."""
         bound = None if local else self.topology.link_timeout_s
         if not local and not self._may_try(home, time.monotonic()):
             return CopyOutcome(Outcome.UNREACHABLE, f"cluster {home} unreachable a moment ago")
@@ -73,8 +88,10 @@ class CopySender:
                 raise LinkDown(f"no connection to cluster {home}'s RabbitMQ (failing over)")
             if confirm == "e2e":
                 return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
-            message = OutgoingMessage(body, "", queue, content_type="application/json")
-            await asyncio.wait_for(client.publish(message), bound)
+            if self._batcher.max_messages > 1:  # ``priority``: how long it may linger
+                await asyncio.wait_for(self._batcher.send(home, queue, body, priority), bound)
+            else:
+                await asyncio.wait_for(client.publish(_copy(queue, body)), bound)
             self._down.pop(home, None)
             return CopyOutcome(Outcome.DELIVERED)
         except Unroutable:
@@ -86,6 +103,11 @@ class CopySender:
                 raise
             self._down[home] = time.monotonic() + self.topology.link_retry_s
             return CopyOutcome(Outcome.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+
+    async def _publish_copies(self, home: str, queue: str, body: bytes, priority: int) -> None:
+        """One AMQP message of a batch of copies (``put`` checked the home's link)."""
+        client = await self.client_for(home)
+        await client.publish(_copy(queue, body))
 
     def _may_try(self, home: str, now: float) -> bool:
         """Whether a copy to ``home`` tries the direct way (a home not known down, or
@@ -147,3 +169,7 @@ class CopySender:
         publishers, self._e2e = self._e2e, {}
         for publisher in publishers.values():
             await publisher.close()
+
+
+def _copy(queue: str, body: bytes) -> OutgoingMessage:
+    return OutgoingMessage(body, "", queue, content_type="application/json")

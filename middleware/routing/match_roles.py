@@ -157,7 +157,15 @@ class MatchBroker(Role):
         e2e = any(confirm == "e2e" for confirm in queues.values())
         content = event_content(message.event.model_dump_json()) if e2e else None
         puts = [
-            self.copies.put(home, queue, confirm, body, copy_id(message.id, queue), content=content)
+            self.copies.put(
+                home,
+                queue,
+                confirm,
+                body,
+                copy_id(message.id, queue),
+                content=content,
+                priority=message.priority,
+            )
             for (home, queue), confirm in queues.items()
         ]
         if tracing.active():

@@ -265,6 +265,7 @@ class RingRouter(Master):
             copy.copy_id,
             local=True,
             content=event_content(copy.publish.event.model_dump_json()),
+            priority=copy.priority,
         )
         self.count(f"carried_copies_{result.outcome.value}")
 
