@@ -172,6 +172,7 @@ def _step(
                 rate=rate,
                 duration_s=duration_s,
                 batch_max=batch_max,
+                count_lost=True,
             ),
             event_loop=loop,
         )
@@ -217,6 +218,7 @@ def _step(
         },
         "limit": limit(cpu.get("client"), meter.result["machine_pct"], kinds),
         "behind": behind,
+        **{k: row[k] for k in ("copies_owed", "lost", "duplicates", "unexpected") if k in row},
     }
 
 
@@ -310,8 +312,9 @@ def summarize_throughput(result: Mapping[str, Any]) -> str:
         f"{idle['cpu_pct'].get('brokers')} %, messages/s {idle['messages_per_s']}",
         "",
         "| offered/s | delivered/s | mean ms | p99 ms | machine % | CPU ms/event | "
-        "above idle | by group (ms/event) | messages/event | limit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "above idle | by group (ms/event) | messages/event | copies owed / lost / dup "
+        "| limit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in result["steps"]:
         groups = ", ".join(f"{k} {v}" for k, v in sorted(s["cpu_ms_per_event_by_group"].items()))
@@ -320,6 +323,7 @@ def summarize_throughput(result: Mapping[str, Any]) -> str:
             f"| {s['offered_per_s']} | {s['delivered_per_s']} | {s['mean_ms']} | {s['p99_ms']} "
             f"| {s['machine_pct']} | {s['cpu_ms_per_event']} | {s['cpu_ms_per_event_above_idle']} "
             f"| {groups} | {hops} "
+            f"| {s.get('copies_owed')} / {s.get('lost')} / {s.get('duplicates')} "
             f"| {s['limit']}{' (behind)' if s['behind'] else ''} |"
         )
     return "\n".join(lines)

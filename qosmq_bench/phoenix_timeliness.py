@@ -29,7 +29,7 @@ import random
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -138,6 +138,20 @@ class Workload:
                     home=CLIENTS[0],
                 ),
             )
+
+    def thresholds(self, prefix: str) -> dict[tuple[str, str], dict[str, int]]:
+        """Per (event type, symbol), per subscriber queue, the highest price bound of its
+        subscriptions: an event goes to a queue when its price is below that bound (the
+        workload's own arithmetic, apart from the match brokers' index: the loss count's
+        expectation)."""
+        bounds: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+        for _, _, record in self.subscription_docs(prefix):
+            if record.queue.endswith(".probe"):
+                continue
+            (_, _, symbol), (_, _, price) = record.filter
+            at = bounds[(record.event_type, str(symbol))]
+            at[record.queue] = max(at.get(record.queue, 0), int(price))
+        return dict(bounds)
 
     def event(self, rng: random.Random, seq: int) -> dict[str, Any]:
         event_type = self.event_types[rng.randrange(self.types)]
@@ -373,10 +387,13 @@ async def measure(
     batch_max: int | None = None,
     records: bool = False,
     part: Part | None = None,
+    count_lost: bool = False,
 ) -> dict[str, Any]:
     """Publish at ``rate`` events/s for ``duration_s`` (Poisson), half from each client;
     return response-time statistics of the delivered events (with ``records``, also
-    ``records``: one ``(seq, latency level, response s or None)`` per published event).
+    ``records``: one ``(seq, latency level, response s or None)`` per published event;
+    with ``count_lost``, also ``lost``, ``duplicates`` and ``unexpected`` copies: every
+    (event, subscriber queue) the workload's subscriptions match against what arrived).
 
     As part 0 of several (``part``, the Spark job's ``--tasks-per-cell``): the other
     parts publish their shares of the rate too (:func:`serve_share`; every event's
@@ -384,6 +401,8 @@ async def measure(
     all; response times are then across processes, on the wall clock."""
     first: dict[int, float] = {}
     last_arrival = [time.monotonic()]
+    arrived: Counter[tuple[int, str]] = Counter()  # (seq, queue): copies (count_lost)
+    sent: dict[int, dict[str, Any]] | None = {} if count_lost and part is None else None
 
     async def on_delivery(delivery: Delivery) -> None:
         now = time.time()
@@ -392,6 +411,8 @@ async def measure(
             seq = attributes["seq"]
             if seq not in first:
                 first[seq] = now - attributes["t0"]
+            if sent is not None:
+                arrived[(seq, delivery.queue)] += 1
         last_arrival[0] = time.monotonic()
 
     share = _Share(rate=rate, duration_s=duration_s, seed=seed, raw=raw, batch_max=batch_max)
@@ -407,7 +428,9 @@ async def measure(
                 "topology": deployment.topology.model_dump(mode="json"),
             }
             await part.gather(command)
-        level_of, sent_s = await _publish(client, at, workload, deployment.prefix, share, part)
+        level_of, sent_s = await _publish(
+            client, at, workload, deployment.prefix, share, part, sent
+        )
         if part is not None:
             for answer in (await part.gather(None))[1:]:
                 level_of.update({int(k): v for k, v in answer["levels"].items()})
@@ -436,7 +459,31 @@ async def measure(
         row["other_clients_cpu_pct"] = others_cpu
     if records:
         row["records"] = [(s, level, first.get(s)) for s, level in sorted(level_of.items())]
+    if sent is not None:
+        row.update(_losses(workload.thresholds(deployment.prefix), sent, arrived))
     return row
+
+
+def _losses(
+    bounds: Mapping[tuple[str, str], Mapping[str, int]],
+    sent: Mapping[int, Mapping[str, Any]],
+    arrived: Counter[tuple[int, str]],
+) -> dict[str, int]:
+    """Copies owed (every published event against the subscriptions' bounds) and how
+    they arrived: ``lost`` never, ``duplicates`` more than once, ``unexpected`` owed
+    nowhere."""
+    owed = set()
+    for seq, event in sent.items():
+        attributes = event["attributes"]
+        for queue, bound in bounds.get((event["event_type"], attributes["symbol"]), {}).items():
+            if attributes["price"] < bound:
+                owed.add((seq, queue))
+    return {
+        "copies_owed": len(owed),
+        "lost": len(owed - arrived.keys()),
+        "duplicates": sum(n - 1 for n in arrived.values() if n > 1),
+        "unexpected": len(arrived.keys() - owed),
+    }
 
 
 @dataclass(frozen=True)
@@ -457,6 +504,7 @@ async def _publish(
     prefix: str,
     share: _Share,
     part: Part | None,
+    sent: dict[int, dict[str, Any]] | None = None,
 ) -> tuple[dict[int, int], float]:
     """This part's events: ``rate / parts`` per second (Poisson), sequence numbers
     ``index, index + parts, ...``, every other one from each client; (each sequence
@@ -473,6 +521,8 @@ async def _publish(
         seq = k * count + index
         event = workload.event(rng, seq)
         level_of[seq] = workload.levels[event["event_type"]]
+        if sent is not None:  # what is owed to whom, counted after the drain
+            sent[seq] = event
         if share.raw:
             body = json.dumps({"event": event}).encode()
             queue = subscriber_queue(prefix, CLIENTS[k % 2])

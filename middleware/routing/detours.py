@@ -73,6 +73,7 @@ class Detours:
         self.on_unreachable = on_unreachable
         self._suspected: set[str] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a way changes
+        self._watchers: set[Callable[[], None]] = set()  # sends on a link: woken then too
         self._tasks: set[asyncio.Future[Any]] = set()
         self._flooded = 0  # flood messages already counted in the metric
 
@@ -119,20 +120,32 @@ class Detours:
         the detour at once (it waited out the whole bound before, its inbox slot held,
         and so did every message behind it).  What it had sent may still arrive: the
         owner routes an event id once and e2e subscribers drop a copy they have."""
+        loop = asyncio.get_running_loop()
         sending = asyncio.ensure_future(send)
         sending.add_done_callback(lambda task: task.cancelled() or task.exception())
-        deadline = asyncio.get_running_loop().time() + 2 * self.topology.link_timeout_s
+        deadline = loop.time() + 2 * self.topology.link_timeout_s
         try:
             while True:
-                changed = asyncio.ensure_future(self._changed.wait())
-                left = deadline - asyncio.get_running_loop().time()
-                done, _ = await asyncio.wait(
-                    {sending, changed}, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED
-                )
-                changed.cancel()
-                if sending in done:
+                # woken by the send, a change of ways (``_wake``) or the deadline: no
+                # task and no ``asyncio.wait`` per forward (a router's hot path)
+                woken: asyncio.Future[None] = loop.create_future()
+
+                def wake(_: object = None, woken: asyncio.Future[None] = woken) -> None:
+                    if not woken.done():
+                        woken.set_result(None)
+
+                sending.add_done_callback(wake)
+                self._watchers.add(wake)
+                timer = loop.call_at(deadline, wake)
+                try:
+                    await woken
+                finally:
+                    timer.cancel()
+                    sending.remove_done_callback(wake)
+                    self._watchers.discard(wake)
+                if sending.done():
                     return sending.result()
-                if not done:
+                if loop.time() >= deadline:
                     raise TimeoutError
                 if hop in self.table.down:
                     raise LinkDown(f"{hop} found down meanwhile")
@@ -373,6 +386,8 @@ class Detours:
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        for wake in list(self._watchers):
+            wake()
         self._gauges()
 
     def _gauges(self) -> None:
