@@ -155,7 +155,8 @@ def register(sub: Any) -> None:
         "--copy-batch-max",
         type=integer(1, 1000),
         default=None,
-        help="throughput: the topology's copy_batch_max, copies for one subscriber queue "
+        help="throughput, recovery: the topology's copy_batch_max, copies for one subscriber "
+        "queue "
         "in one AMQP message (default: the topology's default, 1)",
     )
     phoenix.add_argument(
@@ -724,7 +725,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("throughput",),
     "keep_going": ("throughput",),
     "batch_linger_ms": ("throughput",),
-    "copy_batch_max": ("throughput",),
+    "copy_batch_max": ("throughput", "recovery"),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),
     "faults": ("link",),
@@ -1009,6 +1010,7 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
             for key, value in (
                 ("heartbeat_interval_s", args.heartbeat_interval),
                 ("heartbeat_misses", args.heartbeat_misses),
+                ("copy_batch_max", args.copy_batch_max),
             )
             if value is not None
         },

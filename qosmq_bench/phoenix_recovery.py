@@ -46,7 +46,7 @@ from middleware.routing import PhoenixClient, PhoenixDeployment, RoleId, RoleKin
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery
 
-from .phoenix_timeliness import Deployment
+from .phoenix_timeliness import Deployment, messages_of
 from .stats import by_rate_and, percentile, row_percentile
 
 __all__ = ["KINDS", "PAPER_S", "run_recovery", "summarize_recovery"]
@@ -144,11 +144,13 @@ class _Stream:
         self.arrived: asyncio.Event | None = None
 
     async def _on_delivery(self, delivery: Delivery) -> None:
-        n = json.loads(delivery.body)["event"]["attributes"]["n"]
-        if n not in self.sent:
-            self.late += 1
-            return
-        self.got.append((n, time.time()))
+        now = time.time()
+        for message in messages_of(delivery.body):  # one, or a batch (copy_batch_max)
+            n = message["event"]["attributes"]["n"]
+            if n not in self.sent:
+                self.late += 1
+                continue
+            self.got.append((n, now))
         if self.arrived is not None:
             self.arrived.set()
 
