@@ -152,6 +152,13 @@ def register(sub: Any) -> None:
         "(default: the topology's default)",
     )
     phoenix.add_argument(
+        "--subscriber-confirm",
+        choices=("broker", "e2e"),
+        default="broker",
+        help="recovery: the subscription's confirm mode (e2e: the Phoenix client's e2e "
+        "consumer, whose duplicate filter the duplicates count then checks)",
+    )
+    phoenix.add_argument(
         "--copy-batch-max",
         type=integer(1, 1000),
         default=None,
@@ -726,6 +733,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "keep_going": ("throughput",),
     "batch_linger_ms": ("throughput",),
     "copy_batch_max": ("throughput", "recovery"),
+    "subscriber_confirm": ("recovery",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),
     "faults": ("link",),
@@ -1014,6 +1022,7 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
             )
             if value is not None
         },
+        confirm=args.subscriber_confirm,
     )
     summary = summarize_recovery(rows)
     keys = (

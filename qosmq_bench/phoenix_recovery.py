@@ -43,6 +43,8 @@ from typing import Any
 from middleware import runtime
 from middleware.localcluster import pid_alive
 from middleware.routing import PhoenixClient, PhoenixDeployment, RoleId, RoleKind
+from middleware.routing.matching import Event
+from middleware.routing.messages import Publish
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery
 
@@ -133,8 +135,11 @@ class _Stream:
         queue: str,
         first: int,
         entries: Sequence[str] = ("A", "C"),
+        e2e: bool = False,
     ) -> None:
         self.settings, self.deployment = settings, deployment
+        #: an e2e subscription's consumer: receipts, and the duplicate filter it keeps
+        self.e2e = e2e
         self.event_type, self.queue = event_type, queue
         self.entries = list(entries)
         self.sent: dict[int, float] = {}  # n -> publish time
@@ -144,13 +149,17 @@ class _Stream:
         self.arrived: asyncio.Event | None = None
 
     async def _on_delivery(self, delivery: Delivery) -> None:
-        now = time.time()
         for message in messages_of(delivery.body):  # one, or a batch (copy_batch_max)
-            n = message["event"]["attributes"]["n"]
-            if n not in self.sent:
-                self.late += 1
-                continue
-            self.got.append((n, now))
+            self._arrived(message["event"]["attributes"]["n"])
+
+    async def _on_event(self, event: Event, message: Publish) -> None:  # e2e
+        self._arrived(int(event.attributes["n"]))
+
+    def _arrived(self, n: int) -> None:
+        if n not in self.sent:
+            self.late += 1
+            return
+        self.got.append((n, time.time()))
         if self.arrived is not None:
             self.arrived.set()
 
@@ -169,7 +178,11 @@ class _Stream:
         pending_actions = sorted(actions, key=lambda a: a[0])
         done: list[float] = []
         async with AsyncClient(settings=self.settings) as client:
-            tag = await client.consume(self.queue, self._on_delivery)
+            subscriber = PhoenixClient(client, topology=topology, cluster="A")
+            if self.e2e:
+                tag = await subscriber.consume(self.queue, self._on_event, e2e=True)
+            else:
+                tag = await client.consume(self.queue, self._on_delivery)
             sides = [PhoenixClient(client, topology=topology, cluster=c) for c in self.entries]
             start = time.monotonic()
             tick = 0.01
@@ -204,6 +217,8 @@ class _Stream:
                     )
             await asyncio.sleep(1.0)  # late duplicates show here
             await client.cancel(tag)
+            if self.e2e:
+                await subscriber.close()  # its receipts consumer first, then the connection
             return done
 
 
@@ -219,12 +234,13 @@ def _one_kill(
     queue: str,
     delayed_s: float,
     first: int,
+    e2e: bool = False,
 ) -> dict[str, Any]:
     phoenix = deployment.phoenix()
     _wait_all_served(phoenix, 120)
     target = _target(kind)
     slot, pid = _serving(phoenix)[target]
-    stream = _Stream(settings, deployment, event_type, queue, first)
+    stream = _Stream(settings, deployment, event_type, queue, first, e2e=e2e)
 
     def kill() -> None:
         os.kill(pid, signal.SIGKILL)
@@ -303,10 +319,13 @@ def run_recovery(
     delayed_s: float = 0.5,
     report: Callable[[dict[str, Any]], None] | None = None,
     fields: Mapping[str, float] | None = None,
+    confirm: str = "broker",
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every kind at every rate, ``kills`` times; the per-kill rows and the run's
     false-suspicion count (elections and fences no kill explains).  ``fields``: topology
-    fields to set (``heartbeat_interval_s``, ``heartbeat_misses``, ``replace_after_s``)."""
+    fields to set (``heartbeat_interval_s``, ``heartbeat_misses``, ``replace_after_s``);
+    ``confirm``: the subscription's (``e2e``: the Phoenix client's e2e consumer, whose
+    duplicate filter the duplicates count then checks)."""
     prefix = f"bench-recovery-{int(time.time())}"
     deployment = Deployment(
         directory / prefix, prefix=prefix, amqp_urls=settings.amqp_urls, fields=fields
@@ -318,7 +337,7 @@ def run_recovery(
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     with deployment.running():
-        runtime.run(_subscribe(settings, deployment, event_type, queue))
+        runtime.run(_subscribe(settings, deployment, event_type, queue, confirm=confirm))
         _until_warm(deployment.phoenix())
         started = time.time()
         for rate in rates:
@@ -335,6 +354,7 @@ def run_recovery(
                         queue=queue,
                         delayed_s=delayed_s,
                         first=sum(r["events"] for r in rows),
+                        e2e=confirm == "e2e",
                     )
                     rows.append(row)
                     if report is not None:
@@ -370,13 +390,18 @@ def run_recovery(
 
 
 async def _subscribe(
-    settings: Settings, deployment: Deployment, event_type: str, queue: str, home: str = "A"
+    settings: Settings,
+    deployment: Deployment,
+    event_type: str,
+    queue: str,
+    home: str = "A",
+    confirm: str = "broker",
 ) -> None:
     """Subscribe at ``home``; wait until an event published at A reaches the queue."""
     async with AsyncClient(settings=settings) as client:
         at_home = PhoenixClient(client, topology=deployment.topology, cluster=home)
         at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
-        await at_home.subscribe(event_type, None, 1, queue)
+        await at_home.subscribe(event_type, None, 1, queue, confirm=confirm)
         deadline = time.monotonic() + 60
         while await client.queue_length(queue) == 0:
             if time.monotonic() > deadline:
