@@ -162,9 +162,8 @@ def register(sub: Any) -> None:
         "--copy-batch-max",
         type=integer(1, 1000),
         default=None,
-        help="throughput, recovery: the topology's copy_batch_max, copies for one subscriber "
-        "queue "
-        "in one AMQP message (default: the topology's default, 1)",
+        help="throughput, recovery, rate, subscriptions: the topology's copy_batch_max, "
+        "copies for one subscriber queue in one AMQP message (default: the topology's, 1)",
     )
     phoenix.add_argument(
         "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
@@ -732,7 +731,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("throughput",),
     "keep_going": ("throughput",),
     "batch_linger_ms": ("throughput",),
-    "copy_batch_max": ("throughput", "recovery"),
+    "copy_batch_max": ("throughput", "recovery", "rate", "subscriptions"),
     "subscriber_confirm": ("recovery",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),
@@ -1124,6 +1123,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         steal_retries=steal_retries,
         inbox_mirrors=args.inbox_mirrors,
         role_queue_type=args.role_queues,
+        fields=None if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max},
     )
     summary = summarize(rows)
     print(

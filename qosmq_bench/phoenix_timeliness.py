@@ -594,6 +594,7 @@ def run_experiment(
     inbox_mirrors: int = 0,
     part: Part | None = None,
     role_queue_type: str = "classic",
+    fields: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Every (subscriptions, repeat, rate, mechanism) cell, plus a raw row per
     (subscriptions, rate).  The roles start once per subscription count; the mechanisms
@@ -605,7 +606,8 @@ def run_experiment(
     hypervisor took more of the machine's CPU (steal) is kept as ``discarded`` and
     measured again, at most ``steal_retries`` times (:func:`remeasure_while_stolen`).
     ``part``: part 0 of several processes publishing each cell's events (the others run
-    :func:`serve_share`; they are told to stop when this returns or fails)."""
+    :func:`serve_share`; they are told to stop when this returns or fails).  ``fields``:
+    topology fields to set (``copy_batch_max``)."""
     rows: list[dict[str, Any]] = []
     loop = settings.event_loop
 
@@ -622,6 +624,7 @@ def run_experiment(
                 amqp_urls=settings.amqp_urls,
                 inbox_mirrors=inbox_mirrors,
                 role_queues=role_queue_type,
+                fields=fields,
             )
             loaded = deployment.preload(workload.subscription_docs(deployment.prefix))
             for rate in rates:
