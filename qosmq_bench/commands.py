@@ -162,7 +162,7 @@ def register(sub: Any) -> None:
         "--copy-batch-max",
         type=integer(1, 1000),
         default=None,
-        help="throughput, recovery, rate, subscriptions: the topology's copy_batch_max, "
+        help="throughput, recovery, rate, subscriptions, chaos: the topology's copy_batch_max, "
         "copies for one subscriber queue in one AMQP message (default: the topology's, 1)",
     )
     phoenix.add_argument(
@@ -731,7 +731,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("throughput",),
     "keep_going": ("throughput",),
     "batch_linger_ms": ("throughput",),
-    "copy_batch_max": ("throughput", "recovery", "rate", "subscriptions"),
+    "copy_batch_max": ("throughput", "recovery", "rate", "subscriptions", "chaos"),
     "subscriber_confirm": ("recovery",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),
@@ -874,6 +874,7 @@ def _run_phoenix_chaos(args: argparse.Namespace) -> int:
         window_s=args.window,
         cluster=cluster,
         clusters="ABCDEFGH"[: args.chaos_clusters],
+        fields=None if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max},
     )
     print(summarize(rows))
     broken = problems(rows)

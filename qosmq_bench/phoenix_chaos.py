@@ -53,7 +53,7 @@ import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -771,8 +771,10 @@ def run_chaos(
     routing_slaves: int = 1,
     match_slaves: int = 1,
     clusters: Sequence[str] = CLUSTERS,
+    fields: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """One chaos run: the faults in the seed's order; a row per (window, subscriber)."""
+    """One chaos run: the faults in the seed's order; a row per (window, subscriber).
+    ``fields``: topology fields to set (``copy_batch_max``)."""
     rng = random.Random(seed)
     kinds = [f for f in faults if f != "node" or cluster is not None]
     rng.shuffle(kinds)
@@ -790,6 +792,7 @@ def run_chaos(
             match_slaves=match_slaves,
             links={pair: proxy.url for pair, proxy in proxies.items()},
             clusters=clusters,
+            fields=fields,
         )
         with deployment.running():
             _wait_all_served(deployment.phoenix(), 180)
