@@ -99,27 +99,29 @@ class Master(Role):
             for slave in slaves:
                 await self.signal(slave, beat)
 
-        async def replacing() -> None:
-            while not stop.is_set():
-                wait = self.supervision.next_check_in(
-                    self._silences(time.monotonic()),
-                    self.live.timeout_s,
-                    self.topology.heartbeat_interval_s,
-                )  # the machine says when a check can ask for a replacement
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait)
-                await self.replace_silent(time.monotonic())
-
         try:
             await self.beating(
                 [self.control_of(r) for r in slaves],
                 lambda: beat,
-                replacing(),
+                self._replacing(stop),
                 self.topology.heartbeat_interval_s,
             )
         finally:
             for watch in self.slave_watches.values():
                 await watch.stop()
+
+    async def _replacing(self, stop: asyncio.Event) -> None:
+        """Ask for a replacement of a slave silent too long, when the machine says a
+        check can find one (``Supervision.next_check_in``)."""
+        while not stop.is_set():
+            wait = self.supervision.next_check_in(
+                self._silences(time.monotonic()),
+                self.live.timeout_s,
+                self.topology.heartbeat_interval_s,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            await self.replace_silent(time.monotonic())
 
     def _warm(self) -> None:
         if self.provisioner is None:

@@ -156,16 +156,9 @@ class MatchBroker(Role):
         # the event's name only where an e2e subscriber checks duplicates by it
         e2e = any(confirm == "e2e" for confirm in queues.values())
         content = event_content(message.event.model_dump_json()) if e2e else None
+        put = functools.partial(self.copies.put, content=content, priority=message.priority)
         puts = [
-            self.copies.put(
-                home,
-                queue,
-                confirm,
-                body,
-                copy_id(message.id, queue),
-                content=content,
-                priority=message.priority,
-            )
+            put(home, queue, confirm, body, copy_id(message.id, queue))
             for (home, queue), confirm in queues.items()
         ]
         if tracing.active():

@@ -111,3 +111,34 @@ def test_the_check_finds_io_where_there_is_some() -> None:
     assert _impure(ROOT / "routing" / "match_roles.py")
     assert _impure(ROOT / "routing" / "router_roles.py")
     assert _impure(ROOT / "routing" / "batching.py")  # the batcher's flush is a driver
+
+
+#: the shape #45 asks of Phoenix's code: modules and functions a reader takes in whole
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 50
+PHOENIX_DIRS = ("routing", "recovery", "phoenix")
+
+
+def _too_long(path: Path) -> list[str]:
+    text = path.read_text()
+    found = [f"{len(text.splitlines())} lines"] if len(text.splitlines()) > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{node.name}: {length} lines")
+    return found
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(str(p.relative_to(ROOT)) for d in PHOENIX_DIRS for p in (ROOT / d).glob("*.py")),
+)
+def test_a_phoenix_module_and_its_functions_stay_short(module: str) -> None:
+    assert _too_long(ROOT / module) == []
+
+
+def test_the_length_check_finds_a_long_function(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    long = tmp_path / "long.py"
+    long.write_text(f"def f():\n{body}\n")
+    assert _too_long(long) == [f"f: {MAX_FUNCTION_LINES + 1} lines"]
