@@ -15,7 +15,12 @@ from typing import Any
 from .ids import RoleId
 from .protocol import MAX_PRIORITY
 
-__all__ = ["After", "Box", "Count", "Refuse", "Send", "Signal"]
+__all__ = ["DUE_MARGIN_S", "After", "Box", "Count", "Refuse", "Send", "Signal"]
+
+#: a look or check a machine schedules for the moment a bound passes comes this much
+#: after it, so the bound has passed when it runs (the follower's looks at its master,
+#: the supervision's checks of its slaves' silences)
+DUE_MARGIN_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)

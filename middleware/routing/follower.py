@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..phoenix.effects import Count, Refuse, Signal
+from ..phoenix.effects import DUE_MARGIN_S, Count, Refuse, Signal
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import Become, Bully, BullyState, FailureDetector
@@ -91,9 +91,6 @@ class NameLease:
 
 Effect = Signal | Promote | Suspected | Elected | Count | Leader | NameLease | StopServing | Refuse
 
-#: a look due when the master would be suspected comes this much after, so the silence
-#: is past the timeout when it looks
-LOOK_MARGIN_S = 0.001
 
 _KINDS = {
     "election": Kind.ELECTION,
@@ -165,7 +162,7 @@ class Follower:
         due = self.detector.suspect_at(self.master)
         if due is None:  # not watched before its first beat: no look can suspect it
             return cap
-        return max(0.0, min(cap, due - now + LOOK_MARGIN_S))
+        return max(0.0, min(cap, due - now + DUE_MARGIN_S))
 
     def lease_returned(self, now: float) -> list[Effect]:
         """The master's connection closed: it is gone (a frozen master keeps it)."""

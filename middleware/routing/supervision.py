@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..phoenix.effects import After
+from ..phoenix.effects import DUE_MARGIN_S, After
 
 __all__ = ["Effect", "Note", "Provision", "Retire", "Supervision"]
 
@@ -55,8 +55,6 @@ Effect = Retire | Provision | After | Note
 #: the connection close while the process is still exiting, so a provisioner that checks
 #: the process may find it alive for a few milliseconds more
 DEAD_RETRIES_S = (0.0, 0.05, 0.1, 0.2, 0.4)
-#: a check due when a slave passes the silence bound comes this much after it
-CHECK_MARGIN_S = 0.001
 #: a second process beating as a slave is told to stop at most this often
 RETIRE_EVERY_S = 1.0
 
@@ -171,7 +169,7 @@ class Supervision:
         if not left:
             return cap
         first = min(left)
-        return step_s if first <= 0 else min(cap, first + CHECK_MARGIN_S)
+        return step_s if first <= 0 else min(cap, first + DUE_MARGIN_S)
 
     # ----------------------------------------------------------------- inside
     def _forget(self, slave: int) -> None:

@@ -43,7 +43,9 @@ async def _count_at(settings, queue: str, done: asyncio.Event, arrivals: list) -
                     return
                 await asyncio.sleep(0.005)
                 continue
-            arrivals.append((json.loads(d.body)["event"]["attributes"]["n"], time.time()))
+            parsed = json.loads(d.body)  # one copy, or a batch of them (copy_batch_max)
+            for body in parsed if isinstance(parsed, list) else [parsed]:
+                arrivals.append((body["event"]["attributes"]["n"], time.time()))
 
 
 def _all_once(arrivals, published: int) -> int:
@@ -54,7 +56,17 @@ def _all_once(arrivals, published: int) -> int:
     return len(got) - len(set(got))
 
 
-@pytest.mark.parametrize("fault", ["cut", "blackhole"])
+@pytest.mark.parametrize(
+    ("fault", "links"),
+    [
+        ("cut", {}),
+        ("blackhole", {}),
+        # the copies batched (copy_batch_max): a batch behind the link is carried whole
+        ("blackhole", {"fields": {"copy_batch_max": 32}}),
+    ],
+    indirect=["links"],
+    ids=["cut", "blackhole", "blackhole-batched"],
+)
 def test_copies_to_a_home_behind_a_failed_link_are_carried_around_it(links, fault) -> None:  # noqa: F811
     x, y = links.x, links.y
     at_a_queue = f"{links.name}.at-a"

@@ -200,10 +200,12 @@ class Links:
                             return
                         await asyncio.sleep(0.005)
                         continue
-                    body = json.loads(d.body)
-                    n = body["event"]["attributes"]["n"]
-                    arrivals.append((n, time.time()))
-                    self.entered_at[n] = body.get("entered_at")  # at A's routing master
+                    parsed = json.loads(d.body)
+                    # one copy, or a batch of them (``copy_batch_max``)
+                    for body in parsed if isinstance(parsed, list) else [parsed]:
+                        n = body["event"]["attributes"]["n"]
+                        arrivals.append((n, time.time()))
+                        self.entered_at[n] = body.get("entered_at")  # at A's routing master
                     self.matched_by[str(body.get("broker"))] += 1
 
         counter = asyncio.create_task(count())
