@@ -22,7 +22,6 @@ from ..transport import (
     AsyncClient,
     Delivery,
     Outcome,
-    OutgoingMessage,
     QueueKind,
     QueueSpec,
     SyncClient,
@@ -38,7 +37,7 @@ from .messages import (
     Unsubscribe,
     encode,
 )
-from .wiring import outgoing, role_inbox_spec
+from .wiring import outgoing, outgoing_body, role_inbox_spec
 
 __all__ = ["ClientCore", "PhoenixClient", "SubscriptionUnconfirmed", "SyncPhoenixClient"]
 
@@ -107,7 +106,7 @@ class PhoenixClient:
 
     async def _settle_one(self, delivery: Delivery, body: bytes, outcome: Outcome) -> None:
         if outcome.action is Action.REQUEUE:
-            await self.client.publish(_back(delivery.queue, body))
+            await self.client.publish(outgoing_body(body, delivery.queue))
         else:
             await self.client.dead_letter(dataclasses.replace(delivery, body=body), outcome.reason)
 
@@ -126,9 +125,7 @@ class PhoenixClient:
         await self._batcher.send(self.cluster, self.core.inbox, body, 0)
 
     async def _publish_body(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
-        await self.client.publish(
-            OutgoingMessage(body, "", queue, content_type="application/json", priority=priority)
-        )
+        await self.client.publish(outgoing_body(body, queue, priority=priority))
 
     async def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:
         """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""
@@ -247,7 +244,7 @@ class SyncPhoenixClient:
                     failed.append(self.core.failed(message, exc))
             for body, outcome in failed:
                 if outcome.action is Action.REQUEUE:
-                    self.client.publish(_back(delivery.queue, body))
+                    self.client.publish(outgoing_body(body, delivery.queue))
                 else:
                     original = dataclasses.replace(delivery, body=body)
                     self.client.dead_letter(original, outcome.reason)
@@ -320,8 +317,3 @@ class SyncPhoenixClient:
 
     def publish(self, event: Event | dict[str, Any]) -> None:
         self._send(self.core.publication(event))
-
-
-def _back(queue: str, body: bytes) -> OutgoingMessage:
-    """One event of a batch put back into its queue alone (its handler said ``Requeue``)."""
-    return OutgoingMessage(body, "", queue, content_type="application/json")

@@ -22,9 +22,10 @@ from ..confirms.pace import QueuePace
 from ..confirms.tracking import CONTENT_HEADER
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..phoenix.protocol import PhoenixTopology
-from ..transport import AsyncClient, OutgoingMessage
+from ..transport import AsyncClient
 from .batching import Batcher
 from .copies import CopyOutcome, Outcome, event_content
+from .wiring import outgoing_body
 
 __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
 
@@ -91,7 +92,7 @@ class CopySender:
             if self._batcher.max_messages > 1:  # ``priority``: how long it may linger
                 await asyncio.wait_for(self._batcher.send(home, queue, body, priority), bound)
             else:
-                await asyncio.wait_for(client.publish(_copy(queue, body)), bound)
+                await asyncio.wait_for(client.publish(outgoing_body(body, queue)), bound)
             self._down.pop(home, None)
             return CopyOutcome(Outcome.DELIVERED)
         except Unroutable:
@@ -107,7 +108,7 @@ class CopySender:
     async def _publish_copies(self, home: str, queue: str, body: bytes, priority: int) -> None:
         """One AMQP message of a batch of copies (``put`` checked the home's link)."""
         client = await self.client_for(home)
-        await client.publish(_copy(queue, body))
+        await client.publish(outgoing_body(body, queue))
 
     def _may_try(self, home: str, now: float) -> bool:
         """Whether a copy to ``home`` tries the direct way (a home not known down, or
@@ -169,7 +170,3 @@ class CopySender:
         publishers, self._e2e = self._e2e, {}
         for publisher in publishers.values():
             await publisher.close()
-
-
-def _copy(queue: str, body: bytes) -> OutgoingMessage:
-    return OutgoingMessage(body, "", queue, content_type="application/json")

@@ -16,7 +16,7 @@ from ..phoenix.effects import Box, Send, Signal
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..settings import Settings
-from ..transport import AsyncClient, OutgoingMessage
+from ..transport import AsyncClient
 from .batching import Batcher
 from .beats import Beater
 from .messages import (
@@ -33,6 +33,7 @@ from .wiring import (
     Connections,
     cluster_settings,
     outgoing,
+    outgoing_body,
     role_inbox_spec,
 )
 
@@ -94,9 +95,7 @@ class Peer:
         self.count("amqp_sent")  # sent / amqp_sent: the mean batch size
         client = await self.client_for(cluster)
         try:
-            await client.publish(
-                OutgoingMessage(body, "", inbox, content_type="application/json", priority=priority)
-            )
+            await client.publish(outgoing_body(body, inbox, priority=priority))
         except Unroutable:
             if not self._is_process_queue(inbox):
                 raise

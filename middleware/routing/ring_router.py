@@ -20,7 +20,6 @@ from ..phoenix.ids import RoleId, RoleKind
 from ..phoenix.ring import ChordRing
 from ..phoenix.ring import Handover as Arc
 from ..recovery.capacity import running_masters
-from ..transport import OutgoingMessage
 from .delivery import CopySender, event_content
 from .departures import (
     Departures,
@@ -58,7 +57,7 @@ from .replica_set import ReplicaSet
 from .router import KeptEvents, RouterLogic
 from .store import open_store, ring_owner
 from .takeover import ArcTakeover
-from .wiring import cluster_settings
+from .wiring import cluster_settings, outgoing_body
 
 __all__ = ["RingRouter"]
 
@@ -149,9 +148,7 @@ class RingRouter(Master):
             return
         self.count("amqp_sent")
         client = await self.client_for(cluster)
-        message = OutgoingMessage(
-            body, "", inbox, content_type="application/json", priority=priority
-        )
+        message = outgoing_body(body, inbox, priority=priority)
         await self.detours.publish(client, lambda: client.publish(message, retry=False))
 
     async def finish(self) -> None:

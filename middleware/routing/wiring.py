@@ -46,7 +46,12 @@ def cluster_settings(
 
 def outgoing(message: Message, queue: str, **options: Any) -> OutgoingMessage:
     """A Phoenix message as every role and client publishes it: JSON, straight to ``queue``."""
-    return OutgoingMessage(encode(message), "", queue, content_type="application/json", **options)
+    return outgoing_body(encode(message), queue, **options)
+
+
+def outgoing_body(body: bytes, queue: str, **options: Any) -> OutgoingMessage:
+    """An encoded Phoenix message or batch (``batching.encode``), straight to ``queue``."""
+    return OutgoingMessage(body, "", queue, content_type="application/json", **options)
 
 
 #: a role's handler for one kind of message
