@@ -15,7 +15,7 @@ from typing import Any
 from .ids import RoleId
 from .protocol import MAX_PRIORITY
 
-__all__ = ["DUE_MARGIN_S", "After", "Box", "Count", "Refuse", "Send", "Signal"]
+__all__ = ["DUE_MARGIN_S", "After", "Box", "Count", "Refuse", "Send", "Sent", "Signal"]
 
 #: a look or check a machine schedules for the moment a bound passes comes this much
 #: after it, so the bound has passed when it runs (the follower's looks at its master,
@@ -76,7 +76,9 @@ class Send:
     cluster ``via`` (``to``'s own when None: an added master of a departed cluster's arc
     is reached at its host).  ``bound_s``: one try that gives up after it; a miss (the
     link, the broker, the time) is logged and counted as ``missed`` when given, never
-    raised.  None: the send's failure is the input's (it stays unacked)."""
+    raised.  None: the send's failure is the input's (it stays unacked), unless
+    ``then`` is given: then how the send ended comes back to the machine as
+    :class:`Sent` (``then``: what it said to come back to), never raised."""
 
     to: RoleId
     message: Any
@@ -85,3 +87,13 @@ class Send:
     via: str | None = None
     bound_s: float | None = None
     missed: str | None = None
+    then: Any = None  # hashable: the machine hears how the send ended (``Sent``)
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """An input: how a :class:`Send` with ``then`` ended (``error``: None once it was
+    confirmed, else why it was not sent)."""
+
+    then: Any
+    error: str | None = None

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..phoenix.effects import After, Count, Refuse
-from .messages import HOME_LEFT, MAYBE_DELIVERED
+from ..phoenix.effects import After, Count, Refuse, Send
+from ..phoenix.ids import RoleId
+from .messages import HOME_LEFT, MAYBE_DELIVERED, Matched
 
 __all__ = [
     "Carry",
@@ -42,7 +43,6 @@ __all__ = [
     "MatchedReceipts",
     "Outcome",
     "Refuse",
-    "SendMatched",
     "copy_id",
     "event_content",
     "settle",
@@ -126,18 +126,10 @@ def settle(
     return effects
 
 
-@dataclass(frozen=True, slots=True)
-class SendMatched:
-    """Tell ``entry``'s router that ``ids`` were matched (one message per chunk)."""
-
-    entry: str
-    ids: tuple[str, ...]
-
-
 @dataclass
 class MatchedReceipts:
     """The ids of events matched here that entered at another cluster, per that
-    cluster, until the next :class:`SendMatched` to its router."""
+    cluster, until the next MATCHED to its router (one ``Send`` per chunk of ids)."""
 
     cluster: str  # this match broker's: an event that entered here owes nobody
     every_s: float = 0.02
@@ -152,10 +144,12 @@ class MatchedReceipts:
         waiting.append(event_id)
         return [After(self.every_s, entry)] if len(waiting) == 1 else []
 
-    def due(self, entry: str) -> list[SendMatched]:
-        ids: Iterable[str] = self.waiting.pop(entry, [])
-        ids = list(ids)
+    def due(self, entry: str) -> list[Send]:
+        """MATCHED to ``entry``'s router, a chunk of ids each (a send that fails ends
+        the others: the entry router keeps those events a while longer)."""
+        ids = self.waiting.pop(entry, [])
+        router = RoleId.router(entry)
         return [
-            SendMatched(entry, tuple(ids[start : start + self.chunk]))
+            Send(router, Matched(by=self.cluster, ids=ids[start : start + self.chunk]), then=entry)
             for start in range(0, len(ids), self.chunk)
         ]

@@ -5,19 +5,21 @@ blind choice when ``inner`` is off).
 
 The driver (``match_master.MatchMaster``) gives it the event, the live slaves and the
 time, and performs what it returns: :class:`Drop` (nothing is sent; the first one is
-said in the log), :class:`MatchHere`, :class:`SendToSlave` (then it tells
-``Dispatch.dispatched`` how long the send took), and ``Count``.
+said in the log), :class:`MatchHere`, a ``Send`` of the event to the chosen slave's
+inbox (then it tells ``Dispatch.dispatched`` how long the send took), and ``Count``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ..phoenix.effects import Count
+from ..phoenix.effects import Box, Count, Send
+from ..phoenix.ids import RoleId
 from .timeliness import Dispatch, QueuePredictor
 
-__all__ = ["Drop", "Effect", "MatchHere", "SendToSlave", "matched_elsewhere", "on_publish"]
+__all__ = ["Drop", "Effect", "MatchHere", "matched_elsewhere", "on_publish"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +35,7 @@ class MatchHere:
     type's subscriptions)."""
 
 
-@dataclass(frozen=True, slots=True)
-class SendToSlave:
-    """Send the event to slave ``slave``'s inbox (it matches it)."""
-
-    slave: int
-
-
-Effect = Drop | MatchHere | SendToSlave | Count
+Effect = Drop | MatchHere | Send | Count
 
 
 def matched_elsewhere(
@@ -59,6 +54,8 @@ def matched_elsewhere(
 
 
 def on_publish(
+    message: Any,
+    master: RoleId,
     *,
     stale: bool,
     local: bool,
@@ -69,8 +66,9 @@ def on_publish(
     inner: bool,
     blind: str,
 ) -> list[Effect]:
-    """One event at the match master.  ``stale``: :func:`matched_elsewhere`; ``local``:
-    its type is one the slaves do not hold (a take-over's, indexed here only)."""
+    """One event (``message``, a PUBLISH) at the match master ``master``.  ``stale``:
+    :func:`matched_elsewhere`; ``local``: its type is one the slaves do not hold (a
+    take-over's, indexed here only)."""
     if stale:
         return [Count("dropped_after_rejoin"), Drop("matched by the successor while left")]
     if local:
@@ -78,4 +76,5 @@ def on_publish(
     target = dispatch.choose(predictor, live, now) if inner else dispatch.choose_blind(live, blind)
     if target is None:
         return [MatchHere()]
-    return [Count("dispatched"), SendToSlave(target)]
+    slave = RoleId.match_slave(master.cluster, master.index, target)
+    return [Count("dispatched"), Send(slave, message, box=Box.INBOX, priority=message.priority)]

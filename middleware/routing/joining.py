@@ -15,12 +15,13 @@ call :meth:`JoinHold.expired` after ``bound_s``) and :class:`Release` (let them 
 with what to log).
 
 The previous owner's side is :class:`HandBack`: its routing master asks each of its match
-masters to hand the arc over (:class:`AskMasters`), counts their answers within a bound
-(``After``, keyed by request: then :meth:`HandBack.expired`), tells the joiner's
-router how many (:class:`Tell`, tried again until
-``handover_wait_s`` has passed: the link to a rejoining cluster may still be connecting),
-then retires the match masters a take-over of the arc had added (:class:`Retire`).  What
-each master sends is :func:`handover_plan`'s choice.
+masters to hand the arc over (a ``Send`` of HANDOVER to each), counts their answers
+within a bound (``After``, keyed by request: then :meth:`HandBack.expired`), tells the
+joiner's router how many (a ``Send`` of HANDED_OVER whose outcome comes back as
+:meth:`HandBack.sent`; tried again after ``retry_s``, ``After`` keyed by ``("tell",
+request)``, until ``handover_wait_s`` has passed: the link to a rejoining cluster may
+still be connecting), then retires the match masters a take-over of the arc had added
+(:class:`Retire`).  What each master sends is :func:`handover_plan`'s choice.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..phoenix.effects import After
+from ..phoenix.effects import After, Box, Send
+from ..phoenix.ids import RoleId
+from .messages import HandedOver, Handover
 
 T = TypeVar("T")
 
 __all__ = [
-    "AskMasters",
     "Effect",
     "HandBack",
     "HandBackEffect",
@@ -43,7 +45,6 @@ __all__ = [
     "NotHandedOver",
     "Release",
     "Retire",
-    "Tell",
     "handover_plan",
 ]
 
@@ -128,28 +129,6 @@ class JoinHold:
 
 
 @dataclass(frozen=True, slots=True)
-class AskMasters:
-    """Ask each of ``masters`` (owner names) to hand ``cluster``'s ``arc`` over and answer
-    ``request`` with how many they sent."""
-
-    request: str
-    cluster: str
-    arc: tuple[int, int]
-    masters: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Tell:
-    """Tell ``cluster``'s router that ``count`` were handed over, after ``after_s``; then
-    :meth:`HandBack.told` or :meth:`HandBack.tell_failed`."""
-
-    request: str
-    cluster: str
-    count: int
-    after_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class NotHandedOver:
     """The masters did not all answer within the bound (``told``: False) or the count
     could not be told (``told``: True, ``error`` why); what was sent stays sent."""
@@ -170,7 +149,7 @@ class Retire:
     moved: int
 
 
-HandBackEffect = AskMasters | After | Tell | NotHandedOver | Retire
+HandBackEffect = Send | After | NotHandedOver | Retire
 
 
 @dataclass
@@ -188,11 +167,14 @@ class HandBack:
 
     ``answer_s``: how long its match masters may take to answer (``read_timeout_s``);
     ``tell_s``: how long the count is tried on the joiner (``handover_wait_s``, the
-    joiner's own hold); ``retry_s``: between tries."""
+    joiner's own hold); ``retry_s``: between tries; ``cluster``: the router's own;
+    ``reply_to``: where its match masters answer (its process queue)."""
 
     answer_s: float
     tell_s: float
     retry_s: float = 0.1
+    cluster: str = ""
+    reply_to: str | None = None
     rounds: dict[str, _Round] = field(default_factory=dict)
 
     def start(
@@ -207,7 +189,14 @@ class HandBack:
         ``masters`` hands it over; ``retiring`` are stopped once that is done."""
         asked = tuple(masters)
         self.rounds[request] = _Round(cluster, set(asked), tuple(retiring))
-        return [AskMasters(request, cluster, arc, asked), After(self.answer_s, request)]
+        give = Handover(cluster=cluster, arc=arc, request=request, reply_to=self.reply_to)
+        # each answers how many it sent; priority 0: behind the arc's events routed here
+        # before the join (matched here with the subscriptions still held); none come
+        # after it (forwarded to the joiner from now)
+        effects: list[HandBackEffect] = [
+            Send(RoleId.from_owner(owner), give, box=Box.INBOX, priority=0) for owner in asked
+        ]
+        return [*effects, After(self.answer_s, request)]
 
     def answered(self, request: str, master: str, count: int, now: float) -> list[HandBackEffect]:
         """``master`` sent ``count``; the last answer starts telling the joiner."""
@@ -219,16 +208,24 @@ class HandBack:
         if held.waiting:
             return []
         held.tell_until = now + self.tell_s
-        return [Tell(request, held.cluster, held.count)]
+        return [self._tell(request, held)]
 
-    def expired(self, request: str) -> list[HandBackEffect]:
-        """The masters' bound passed: if some never answered, the round ends here and the
-        masters a take-over added stay (nothing of theirs is lost)."""
-        held = self.rounds.get(request)
+    def expired(self, key: str | tuple[str, str]) -> list[HandBackEffect]:
+        """A timer: the masters' bound passed (``key``: the request): if some never
+        answered, the round ends here and the masters a take-over added stay (nothing of
+        theirs is lost); or (``("tell", request)``) the count is to be told again."""
+        if isinstance(key, tuple):
+            held = self.rounds.get(key[1])
+            return [] if held is None else [self._tell(key[1], held)]
+        held = self.rounds.get(key)
         if held is None or held.tell_until is not None:
             return []
-        del self.rounds[request]
+        del self.rounds[key]
         return [NotHandedOver(held.cluster, held.count, told=False)]
+
+    def sent(self, request: str, error: str | None, now: float) -> list[HandBackEffect]:
+        """How telling the count ended (``error``: None once told)."""
+        return self.told(request) if error is None else self.tell_failed(request, error, now)
 
     def told(self, request: str) -> list[HandBackEffect]:
         held = self.rounds.pop(request, None)
@@ -240,12 +237,18 @@ class HandBack:
         if held is None or held.tell_until is None:
             return []
         if now < held.tell_until:
-            return [Tell(request, held.cluster, held.count, self.retry_s)]
+            return [After(self.retry_s, ("tell", request))]
         del self.rounds[request]
         return [
             NotHandedOver(held.cluster, held.count, told=True, error=error),
             *self._retire(held),
         ]
+
+    def _tell(self, request: str, held: _Round) -> Send:
+        """HANDED_OVER (the count) to the joiner's routing master; its outcome comes
+        back as :meth:`sent`."""
+        done = HandedOver(cluster=held.cluster, by=self.cluster, count=held.count)
+        return Send(RoleId.router(held.cluster), done, priority=0, then=request)
 
     @staticmethod
     def _retire(held: _Round) -> list[HandBackEffect]:

@@ -13,12 +13,12 @@ import time
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError, Unroutable
-from ..phoenix.effects import Count
+from ..phoenix.effects import Count, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from . import subscribing
-from .dispatching import MatchHere, SendToSlave, on_publish
+from .dispatching import MatchHere, on_publish
 from .joining import handover_plan
 from .match_restore import RestoringMatcher
 from .messages import (
@@ -143,6 +143,8 @@ class MatchMaster(RestoringMatcher):
         """Drop it, match it here or dispatch it to a slave (``dispatching.py``)."""
         now = time.monotonic()
         effects = on_publish(
+            message,
+            self.id,
             stale=self._matched_elsewhere(message),
             local=message.event_type in self.book.local_types,
             dispatch=self.dispatch,
@@ -164,11 +166,10 @@ class MatchMaster(RestoringMatcher):
                     )
             elif isinstance(effect, MatchHere):
                 await self._match(message)
-            elif isinstance(effect, SendToSlave):
+            elif isinstance(effect, Send):
                 started = time.monotonic()
-                slave = RoleId.match_slave(self.cluster, self.index, effect.slave)
-                await self.send(self.cluster, self.inbox_of(slave), message, message.priority)
-                self.dispatch.dispatched(effect.slave, time.monotonic() - started)
+                await self.perform(effect)
+                self.dispatch.dispatched(effect.to.slave, time.monotonic() - started)
 
     async def _unsubscribe(self, message: Unsubscribe) -> None:
         """Forget the subscription here and in the replicas (a tombstone), and tell the

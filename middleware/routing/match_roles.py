@@ -16,7 +16,6 @@ from typing import Any
 from .. import tracing
 from ..errors import DeadLetter
 from ..phoenix.ids import RoleId
-from ..phoenix.protocol import MAX_PRIORITY
 from . import copies as copies_plan
 from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
 from .delivery import CopySender
@@ -26,7 +25,6 @@ from .messages import (
     Heartbeat,
     Join,
     Leave,
-    Matched,
     Publish,
     encode,
     heartbeat_value,
@@ -129,14 +127,10 @@ class MatchBroker(Role):
             return
 
         async def send() -> None:
-            router = self.control_of(RoleId.router(entry))
             for chunk in chunks:
-                matched = Matched(by=self.cluster, ids=list(chunk.ids))
-                try:
-                    await self.send(entry, router, matched, MAX_PRIORITY)
-                except Exception as exc:  # the entry router keeps them a while longer
-                    log.info("%s: matched receipts to %s not sent: %s", self.name, entry, exc)
-                    return
+                sent = await self.perform(chunk)
+                if sent is not None and sent.error is not None:
+                    return  # the entry router keeps the others a while longer
 
         task = asyncio.ensure_future(send())
         self._receipts.add(task)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import LinkDown, MiddlewareError, Unroutable
-from ..phoenix.effects import Box, Send, Signal
+from ..phoenix.effects import Box, Send, Sent, Signal
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..settings import Settings
@@ -142,28 +142,34 @@ class Peer:
         topology = self.topology
         return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
 
-    async def perform(self, effect: Send | Signal) -> None:
+    async def perform(self, effect: Send | Signal) -> Sent | None:
         """A machine's message to another role (``phoenix/effects.py``): addressed and
-        published here, as the effect says."""
+        published here, as the effect says; a send with ``then`` answers how it ended
+        (the input to give back to its machine) instead of raising."""
         if isinstance(effect, Signal):
             if isinstance(effect.to, RoleId):
                 await self.signal(effect.to, effect.message)
             else:
                 await self.tell(effect.to, effect.message)
-            return
+            return None
         to = effect.to
         queue = self.inbox_of(to) if effect.box is Box.INBOX else self.control_of(to)
         send = self.send(effect.via or to.cluster, queue, effect.message, effect.priority)
-        if effect.bound_s is None:
+        if effect.bound_s is None and effect.then is None:
             await send
-            return
+            return None
         try:
             await asyncio.wait_for(send, effect.bound_s)
         except (MiddlewareError, TimeoutError) as exc:
             if effect.missed is not None:
                 self.count(effect.missed)
             kind = effect.message.kind.value
+            if effect.then is not None:  # its machine decides what a miss means
+                log.info("%s: %s to %s not sent: %s", self.id, kind, queue, exc)
+                return Sent(effect.then, str(exc) or repr(exc))
             log.warning("%s: %s to %s not sent: %s", self.id, kind, queue, exc)
+            return None
+        return None if effect.then is None else Sent(effect.then)
 
     async def signal(self, role: RoleId, message: Message) -> None:
         """A control message to ``role``'s control queue (see :meth:`tell`)."""

@@ -91,7 +91,9 @@ class RingRouter(Master):
         self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
         #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)
         # departed arcs being taken over here (takeover.py)
-        self.takeover = ArcTakeover(self.topology.read_timeout_s)
+        self.takeover = ArcTakeover(
+            self.topology.read_timeout_s, reply_to=self.connections.process_queue
+        )
         #: events that entered the ring here and went to another cluster, until their
         #: owner says they were matched (routed again if it leaves first)
         self.kept = KeptEvents(self.cluster, self.topology.keep_unmatched_s)
@@ -109,7 +111,12 @@ class RingRouter(Master):
         self._joining: tuple[Arc, asyncio.Event] | None = None
         self.join_hold = JoinHold()  # when to let them go (joining.py)
         # an arc handed back to a cluster that joined (joining.py)
-        self.hand_back = HandBack(self.topology.read_timeout_s, self.topology.handover_wait_s)
+        self.hand_back = HandBack(
+            self.topology.read_timeout_s,
+            self.topology.handover_wait_s,
+            cluster=self.cluster,
+            reply_to=self.connections.process_queue,
+        )
 
     def _detours(self) -> Detours:
         """The links to the other clusters' routers: detours, floods, leaves (detours.py)."""

@@ -25,7 +25,6 @@ from .departures import (
     RouteKept,
     TakeOverArc,
     entries_of_arc,
-    recover_asks,
 )
 from .departures import Effect as DepartureEffect
 from .forwarding import (
@@ -38,7 +37,7 @@ from .replicas import live
 from .ring_router import RingRouter
 from .role_metrics import LEAVE_S
 from .store import ring_owner
-from .takeover import Adopt, AskRestore, MakePlan, ReadTable, Released
+from .takeover import Adopt, MakePlan, ReadTable, Released
 from .takeover import Effect as TakeoverEffect
 
 __all__ = ["LeavingRouter"]
@@ -83,7 +82,8 @@ class LeavingRouter(RingRouter):
                 self._record_ring_change(effect.cluster, "left")
             elif isinstance(effect, TakeOverArc):
                 self._recovering[effect.cluster] = (effect.arc, asyncio.Event())
-                started = self.takeover.left(effect.cluster, uuid.uuid4().hex, time.monotonic())
+                request, now = uuid.uuid4().hex, time.monotonic()
+                started = self.takeover.left(effect.cluster, request, now, effect.arc)
                 self._background(self._take_over_arc(started))
             elif isinstance(effect, RouteKept):
                 self.detours.left(effect.cluster)
@@ -231,8 +231,8 @@ class LeavingRouter(RingRouter):
                         effect.cluster,
                         plan.match_broker_map,
                     )
-            elif isinstance(effect, AskRestore):
-                await self._ask_restore(effect)
+            elif isinstance(effect, Send):
+                await self.perform(effect)
             elif isinstance(effect, After):
                 asyncio.get_running_loop().call_later(
                     effect.after_s, self._restore_bound_passed, str(effect.key)
@@ -271,12 +271,6 @@ class LeavingRouter(RingRouter):
             )
         masters = [r.master.owner for r in plan.restores]
         await self._take_over_arc(self.takeover.planned(cluster, plan, masters, time.monotonic()))
-
-    async def _ask_restore(self, effect: AskRestore) -> None:
-        arc = self._recovering[effect.cluster][0]
-        process = self.connections.process_queue
-        for ask in recover_asks(effect.plan, arc, request=effect.request, reply_to=process):
-            await self.perform(ask)
 
     def _released(self, effect: Released) -> None:
         cluster = effect.cluster

@@ -8,7 +8,6 @@ of an arc to a cluster that joined (``joining.py`` decides).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import time
@@ -16,27 +15,24 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import DeadLetter, MiddlewareError
-from ..phoenix.effects import After
+from ..errors import DeadLetter
+from ..phoenix.effects import After, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..phoenix.ring import ring_id
 from .holding import ReplicaHolder
+from .joining import Effect as JoinEffect
 from .joining import (
-    AskMasters,
     HandBackEffect,
     Hold,
     NotHandedOver,
-    Tell,
 )
-from .joining import Effect as JoinEffect
 from .messages import (
     Advertise,
     Copy,
     Found,
     HandedOver,
-    Handover,
     Join,
     Leave,
     Matched,
@@ -255,24 +251,23 @@ class RouterMaster(LeavingRouter):
     async def _hand_back(self, effects: list[HandBackEffect]) -> None:
         """Perform what the hand-back returned (joining.HandBack)."""
         for effect in effects:
-            if isinstance(effect, AskMasters):
-                for owner in effect.masters:
-                    # each answers how many it sent; priority 0: behind the arc's events
-                    # routed here before the join (matched here with the subscriptions
-                    # still held); none come after it (forwarded to the joiner from now)
-                    give = Handover(
-                        cluster=effect.cluster,
-                        arc=effect.arc,
-                        request=effect.request,
-                        reply_to=self.connections.process_queue,
-                    )
-                    await self.send(self.cluster, self.inbox_of(RoleId.from_owner(owner)), give)
+            if isinstance(effect, Send):
+                sent = await self.perform(effect)
+                if sent is not None:  # the count told to the joiner, or not
+                    if sent.error is None:
+                        told = effect.message
+                        log.info(
+                            "%s: %d subscriptions of %s's arc handed over",
+                            self.id,
+                            told.count,
+                            told.cluster,
+                        )
+                    now = time.monotonic()
+                    await self._hand_back(self.hand_back.sent(sent.then, sent.error, now))
             elif isinstance(effect, After):
                 self._after_hand_back(
-                    effect.after_s, functools.partial(self.hand_back.expired, str(effect.key))
+                    effect.after_s, functools.partial(self.hand_back.expired, effect.key)
                 )
-            elif isinstance(effect, Tell):
-                await self._tell_handed_over(effect)
             elif isinstance(effect, NotHandedOver):
                 if effect.told:
                     log.warning(
@@ -291,26 +286,6 @@ class RouterMaster(LeavingRouter):
             else:
                 masters = [RoleId.from_owner(owner) for owner in effect.masters]
                 await self._retire_added(effect.cluster, masters, effect.moved)
-
-    async def _tell_handed_over(self, effect: Tell) -> None:
-        """Tell the joiner's router how many subscriptions were handed over (later, when
-        the hand-back says so); a failure goes back to the hand-back."""
-        if effect.after_s:
-            again: list[HandBackEffect] = [dataclasses.replace(effect, after_s=0.0)]
-            self._after_hand_back(effect.after_s, functools.partial(list, again))
-            return
-        done = HandedOver(cluster=effect.cluster, by=self.cluster, count=effect.count)
-        try:
-            await self.send(effect.cluster, self.control_of(RoleId.router(effect.cluster)), done)
-        except MiddlewareError as exc:
-            await self._hand_back(
-                self.hand_back.tell_failed(effect.request, str(exc), time.monotonic())
-            )
-            return
-        log.info(
-            "%s: %d subscriptions of %s's arc handed over", self.id, effect.count, effect.cluster
-        )
-        await self._hand_back(self.hand_back.told(effect.request))
 
     def _after_hand_back(self, delay: float, later: Callable[[], list[HandBackEffect]]) -> None:
         asyncio.get_running_loop().call_later(

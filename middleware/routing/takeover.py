@@ -7,8 +7,9 @@ When a cluster leaves the ring, its successor's routing master holds the arc's e
    entries of the arc (:class:`ReadTable`) and makes the capacity plan, starting the
    match roles it adds (:class:`MakePlan`), both at once;
 2. with the plan (:meth:`ArcTakeover.planned`) it records it as in force
-   (:class:`Adopt`), asks each match master the plan names to restore its share
-   (:class:`AskRestore`) and bounds the wait (``After``: then :meth:`ArcTakeover.expired`);
+   (:class:`Adopt`), asks each match master the plan names to restore its share (a
+   ``Send`` of RECOVER to each, ``departures.recover_asks``) and bounds the wait
+   (``After``: then :meth:`ArcTakeover.expired`);
 3. each master answers how many subscriptions it restored (:meth:`ArcTakeover.answered`);
    the bound may pass first (:meth:`ArcTakeover.expired`);
 4. once every master answered (or the bound passed) and the table was read (or failed),
@@ -25,12 +26,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..phoenix.effects import After
+from ..phoenix.effects import After, Send
+from ..phoenix.ring import Handover as Arc
+from .departures import recover_asks
 
 __all__ = [
     "Adopt",
     "ArcTakeover",
-    "AskRestore",
     "Effect",
     "MakePlan",
     "ReadTable",
@@ -63,15 +65,6 @@ class Adopt:
 
 
 @dataclass(frozen=True, slots=True)
-class AskRestore:
-    """Send RECOVER for ``cluster``'s arc to every master ``plan`` names, as ``request``."""
-
-    request: str
-    cluster: str
-    plan: Any
-
-
-@dataclass(frozen=True, slots=True)
 class Released:
     """The arc's events go on.  ``restored`` subscriptions (``complete``: every master
     answered in time); ``entries``: the table's entries to write as this router's own
@@ -85,13 +78,14 @@ class Released:
     took_s: float
 
 
-Effect = ReadTable | MakePlan | Adopt | AskRestore | After | Released
+Effect = ReadTable | MakePlan | Adopt | Send | After | Released
 
 
 @dataclass
 class _Taking:
     request: str
     since: float
+    arc: Arc
     waiting: set[str] | None = None  # None: no plan yet
     restored: int = 0
     restore_done: bool = False
@@ -103,14 +97,16 @@ class _Taking:
 @dataclass
 class ArcTakeover:
     """One routing master's take-overs in progress, by departed cluster; ``bound_s``:
-    how long its match masters may take to restore (``read_timeout_s``)."""
+    how long its match masters may take to restore (``read_timeout_s``); ``reply_to``:
+    where they answer (its process queue)."""
 
     bound_s: float
+    reply_to: str = ""
     taking: dict[str, _Taking] = field(default_factory=dict)
 
-    def left(self, cluster: str, request: str, now: float) -> list[Effect]:
-        """``cluster`` left and this router is its successor."""
-        self.taking[cluster] = _Taking(request, now)
+    def left(self, cluster: str, request: str, now: float, arc: Arc) -> list[Effect]:
+        """``cluster`` left and this router is its successor (of ``arc``)."""
+        self.taking[cluster] = _Taking(request, now, arc)
         return [ReadTable(cluster), MakePlan(cluster)]
 
     def planned(self, cluster: str, plan: Any, masters: Iterable[str], now: float) -> list[Effect]:
@@ -121,13 +117,14 @@ class ArcTakeover:
         held.waiting = set(masters)
         effects: list[Effect] = [Adopt(cluster, plan)]
         if held.waiting:
-            effects += [
-                AskRestore(held.request, cluster, plan),
-                After(self.bound_s, held.request),
-            ]
+            effects += [*self._asks(plan, held), After(self.bound_s, held.request)]
         else:
             held.restore_done = True
         return effects + self._release(cluster, now)
+
+    def _asks(self, plan: Any, held: _Taking) -> list[Send]:
+        """RECOVER to each master of ``plan`` (their answers: :meth:`answered`)."""
+        return list(recover_asks(plan, held.arc, request=held.request, reply_to=self.reply_to))
 
     def answered(self, request: str, master: str, count: int, now: float) -> list[Effect]:
         """``master`` restored ``count`` of the arc's subscriptions."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from middleware.phoenix.effects import After
+from middleware.phoenix.effects import After, Send
+from middleware.phoenix.ids import RoleId
 from middleware.routing.copies import (
     Carry,
     CopyOutcome,
@@ -11,11 +12,10 @@ from middleware.routing.copies import (
     MatchedReceipts,
     Outcome,
     Refuse,
-    SendMatched,
     copy_id,
     settle,
 )
-from middleware.routing.messages import HOME_LEFT, MAYBE_DELIVERED
+from middleware.routing.messages import HOME_LEFT, MAYBE_DELIVERED, Matched
 
 
 def test_each_outcome_takes_its_own_effect_and_one_subscriber_never_costs_another() -> None:
@@ -65,6 +65,10 @@ def test_receipts_are_owed_only_to_another_entry_cluster_batched_by_one_timer() 
     assert receipts.matched(["A", "B"], "e1") == [After(0.02, "A")]
     assert receipts.matched(["A"], "e2") == []  # the timer runs already
     assert receipts.matched(["A"], "e3") == []
-    assert receipts.due("A") == [SendMatched("A", ("e1", "e2")), SendMatched("A", ("e3",))]
+    router = RoleId.router("A")
+    assert receipts.due("A") == [  # to A's router's control queue, a chunk each
+        Send(router, Matched(by="B", ids=["e1", "e2"]), then="A"),
+        Send(router, Matched(by="B", ids=["e3"]), then="A"),
+    ]
     assert receipts.due("A") == []
     assert receipts.matched(["A"], "e4") == [After(0.02, "A")]  # a new batch

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-from middleware.phoenix.effects import Count
+from dataclasses import dataclass
+
+from middleware.phoenix.effects import Box, Count, Send
+from middleware.phoenix.ids import RoleId
 from middleware.routing.dispatching import (
     Drop,
     MatchHere,
-    SendToSlave,
     matched_elsewhere,
     on_publish,
 )
 from middleware.routing.timeliness import Dispatch, QueuePredictor
+
+
+@dataclass(frozen=True)
+class _Event:  # what the choice reads of a PUBLISH
+    priority: int = 3
+
+
+EVENT = _Event()
+MASTER = RoleId.match("B", 1)
+
+
+def _to(slave: int) -> Send:
+    """The event to ``slave``'s inbox, at its priority."""
+    return Send(RoleId.match_slave("B", 1, slave), EVENT, box=Box.INBOX, priority=3)
 
 
 def _publish(
@@ -23,6 +39,8 @@ def _publish(
     live: tuple[int, ...] = (0, 1),
 ) -> list:
     return on_publish(
+        EVENT,
+        MASTER,
         stale=stale,
         local=local,
         dispatch=dispatch,
@@ -58,8 +76,8 @@ def test_inner_keeps_an_event_when_nothing_waits_here_and_blind_takes_turns() ->
     turns = [_publish(dispatch, inner=False) for _ in range(3)]
     assert {tuple(t) for t in turns} == {
         (MatchHere(),),
-        (Count("dispatched"), SendToSlave(0)),
-        (Count("dispatched"), SendToSlave(1)),
+        (Count("dispatched"), _to(0)),
+        (Count("dispatched"), _to(1)),
     }  # the master and each live slave once in three
     assert _publish(dispatch, inner=False, blind="master") == [MatchHere()]
     assert _publish(Dispatch(), inner=False, live=()) == [MatchHere()]  # no slave reports

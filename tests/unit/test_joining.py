@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from middleware.phoenix.effects import After
+from middleware.phoenix.effects import After, Box, Send
+from middleware.phoenix.ids import RoleId
 from middleware.routing.joining import (
-    AskMasters,
     HandBack,
     Hold,
     JoinHold,
     NotHandedOver,
     Release,
     Retire,
-    Tell,
     handover_plan,
 )
+from middleware.routing.messages import HandedOver, Handover
 
 
 def started(recorded: str | None = "left", listed: bool = True) -> tuple[JoinHold, list]:
@@ -62,52 +62,64 @@ def test_who_joins() -> None:
 # ------------------------------------------------------- the previous owner's hand-back
 
 
-def _round(retiring: tuple[str, ...] = ("S.match.1",)) -> tuple[HandBack, list]:
-    back = HandBack(answer_s=10.0, tell_s=5.0, retry_s=0.25)
-    return back, back.start("r1", "D", (1, 2), ["S.match.0", "S.match.1"], retiring)
+M0, M1 = "S/match-0", "S/match-1"
+
+
+def _round(retiring: tuple[str, ...] = (M1,)) -> tuple[HandBack, list]:
+    back = HandBack(answer_s=10.0, tell_s=5.0, retry_s=0.25, cluster="S", reply_to="S.process.p")
+    return back, back.start("r1", "D", (1, 2), [M0, M1], retiring)
+
+
+def _tell(count: int) -> Send:
+    told = HandedOver(cluster="D", by="S", count=count)
+    return Send(RoleId.router("D"), told, priority=0, then="r1")
 
 
 def test_the_hand_back_asks_every_master_then_tells_the_sum_then_retires() -> None:
     back, effects = _round()
+    give = Handover(cluster="D", arc=(1, 2), request="r1", reply_to="S.process.p")
     assert effects == [
-        AskMasters("r1", "D", (1, 2), ("S.match.0", "S.match.1")),
+        Send(RoleId.from_owner(M0), give, box=Box.INBOX, priority=0),
+        Send(RoleId.from_owner(M1), give, box=Box.INBOX, priority=0),
         After(10.0, "r1"),
     ]
-    assert back.answered("r1", "S.match.0", 3, now=1.0) == []
-    assert back.answered("r1", "S.match.0", 3, now=1.0) == []  # twice: counted once
-    assert back.answered("r1", "S.match.1", 4, now=1.5) == [Tell("r1", "D", 7)]
-    assert back.answered("r1", "S.match.1", 4, now=1.6) == []  # late: the count is told
+    assert back.answered("r1", M0, 3, now=1.0) == []
+    assert back.answered("r1", M0, 3, now=1.0) == []  # twice: counted once
+    assert back.answered("r1", M1, 4, now=1.5) == [_tell(7)]
+    assert back.answered("r1", M1, 4, now=1.6) == []  # late: the count is told
     assert back.expired("r1") == []  # answered in time: the bound does nothing
-    assert back.told("r1") == [Retire("D", ("S.match.1",), 7)]
+    assert back.sent("r1", None, now=1.7) == [Retire("D", (M1,), 7)]
     assert back.rounds == {}
 
 
 def test_a_count_that_cannot_be_told_is_tried_until_the_joiners_bound() -> None:
     back, _ = _round(retiring=())
-    back.answered("r1", "S.match.0", 1, now=0.0)
-    assert back.answered("r1", "S.match.1", 1, now=0.0) == [Tell("r1", "D", 2)]
-    assert back.tell_failed("r1", "link down", now=1.0) == [Tell("r1", "D", 2, 0.25)]
-    assert back.tell_failed("r1", "link down", now=4.9) == [Tell("r1", "D", 2, 0.25)]
-    assert back.tell_failed("r1", "link down", now=5.0) == [
+    back.answered("r1", M0, 1, now=0.0)
+    assert back.answered("r1", M1, 1, now=0.0) == [_tell(2)]
+    assert back.sent("r1", "link down", now=1.0) == [After(0.25, ("tell", "r1"))]
+    assert back.expired(("tell", "r1")) == [_tell(2)]  # the retry's timer: told again
+    assert back.sent("r1", "link down", now=4.9) == [After(0.25, ("tell", "r1"))]
+    assert back.sent("r1", "link down", now=5.0) == [
         NotHandedOver("D", 2, told=True, error="link down")
     ]  # nothing to retire: none added
     assert back.rounds == {} and back.told("r1") == []
+    assert back.expired(("tell", "r1")) == []  # a retry's timer after the round ended
 
 
 def test_masters_that_do_not_answer_in_time_keep_the_added_ones_running() -> None:
     back, _ = _round()
-    back.answered("r1", "S.match.0", 5, now=0.0)
+    back.answered("r1", M0, 5, now=0.0)
     assert back.expired("r1") == [NotHandedOver("D", 5, told=False)]  # no Retire
-    assert back.answered("r1", "S.match.1", 1, now=11.0) == []  # too late
+    assert back.answered("r1", M1, 1, now=11.0) == []  # too late
     assert back.rounds == {}
 
 
 def test_answers_of_an_unknown_master_or_round_are_ignored() -> None:
     back, _ = _round()
-    assert back.answered("r1", "T.match.0", 9, now=0.0) == []
-    assert back.answered("other", "S.match.0", 9, now=0.0) == []
-    assert back.tell_failed("r1", "x", now=0.0) == []  # not telling yet
-    assert back.rounds["r1"].waiting == {"S.match.0", "S.match.1"}
+    assert back.answered("r1", "T/match-0", 9, now=0.0) == []
+    assert back.answered("other", M0, 9, now=0.0) == []
+    assert back.sent("r1", "x", now=0.0) == []  # not telling yet
+    assert back.rounds["r1"].waiting == {M0, M1}
 
 
 def test_the_plan_hands_over_the_arcs_subscriptions_and_removals_only() -> None:

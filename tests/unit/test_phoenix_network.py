@@ -28,12 +28,13 @@ from middleware.phoenix.effects import Send, Signal
 from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing
+from middleware.recovery.capacity import CapacityPlan, Restore
 from middleware.recovery.detector import FailureDetector
 from middleware.recovery.election import Bully
 from middleware.recovery.fencing import Reign, Reigning, SendFence, StepDown, Trust
 from middleware.routing.departures import Departures, LeaveHere, TakeOverArc
 from middleware.routing.follower import Follower, Promote, StopServing
-from middleware.routing.joining import AskMasters, HandBack, Tell
+from middleware.routing.joining import HandBack
 from middleware.routing.messages import Ack, Fence, Snapshot, Subscribe, Unsubscribe, Vote
 from middleware.routing.registry import Registry
 from middleware.routing.replicas import Persist, ReplicaLog, Written
@@ -41,7 +42,7 @@ from middleware.routing.subscribing import Confirm, SubscriptionBook
 from middleware.routing.subscribing import Persist as PersistSubscription
 from middleware.routing.supervision import Provision, Retire, Supervision
 from middleware.routing.switching import become
-from middleware.routing.takeover import Adopt, ArcTakeover, AskRestore, Released
+from middleware.routing.takeover import Adopt, ArcTakeover, Released
 
 from .bully_network import drive
 
@@ -221,11 +222,16 @@ def test_a_confirmed_subscription_survives_the_masters_death_the_election_and_th
 class _Router:
     cluster: str
     departures: Departures
-    takeover: ArcTakeover = field(default_factory=lambda: ArcTakeover(bound_s=60.0))
-    hand_back: HandBack = field(default_factory=lambda: HandBack(answer_s=60.0, tell_s=5.0))
+    takeover: ArcTakeover = field(
+        default_factory=lambda: ArcTakeover(bound_s=60.0, reply_to="p.process.x")
+    )
+    hand_back: HandBack = field(init=False)
     took: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     told: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.hand_back = HandBack(answer_s=60.0, tell_s=5.0, cluster=self.cluster)
 
 
 def _routers(clusters: list[str]) -> dict[str, _Router]:
@@ -243,15 +249,30 @@ def _take_over(router: _Router, effect: TakeOverArc, answers: list[int], masters
     departed router's table is read once."""
     router.took.append(effect.cluster)
     taking = router.takeover
-    effects = taking.left(effect.cluster, f"req-{effect.cluster}", 0.0)
-    names = [f"{router.cluster}-m{i}" for i in range(masters)]
-    effects += taking.planned(effect.cluster, object(), names, 0.0)
-    request = next((e.request for e in effects if isinstance(e, AskRestore)), None)
+    request = f"req-{effect.cluster}"
+    effects = taking.left(effect.cluster, request, 0.0, effect.arc)
+    plan = CapacityPlan(
+        departed=effect.cluster,
+        successor=router.cluster,
+        departed_masters=1,
+        departed_plain=True,
+        masters=max(masters, 1),
+        added=(),
+        restores=tuple(
+            Restore(RoleId.match(router.cluster, i), (f"{effect.cluster}/match-0",))
+            for i in range(masters)
+        ),
+    )
+    names = [r.master.owner for r in plan.restores]
+    effects += taking.planned(effect.cluster, plan, names, 0.0)
+    asks = [e for e in effects if isinstance(e, Send)]
+    assert [a.to.owner for a in asks] == names  # RECOVER to each master of the plan, once
     for i in answers:
-        if request is not None:
-            effects += taking.answered(request, f"{router.cluster}-m{i % (masters + 1)}", 1, 0.0)
+        if asks:
+            owner = RoleId.match(router.cluster, i % (masters + 1)).owner
+            effects += taking.answered(request, owner, 1, 0.0)
     effects += taking.table_read(effect.cluster, {}, None, 0.0)
-    if request is not None:
+    if asks:
         effects += taking.expired(request, 1.0)  # the bound passes (late: changes nothing)
     for e in effects:
         if isinstance(e, Released):
@@ -325,16 +346,19 @@ def _leave(router: _Router, departed: str, by: str, answers: list[int], masters:
 def _hand_back(
     router: _Router, joiner: str, arc: tuple[int, int], answers: list[int], masters: int
 ) -> None:
-    names = [f"{router.cluster}-m{i}" for i in range(max(masters, 1))]
-    effects = router.hand_back.start(f"back-{joiner}", joiner, arc, names)
-    (ask,) = [e for e in effects if isinstance(e, AskMasters)]
+    names = [RoleId.match(router.cluster, i).owner for i in range(max(masters, 1))]
+    request = f"back-{joiner}"
+    effects = router.hand_back.start(request, joiner, arc, names)
+    asked = [e.to.owner for e in effects if isinstance(e, Send)]
+    assert asked == names  # every master asked, once
     for i in [*answers, *range(len(names))]:  # repeats and strays, then everyone
-        effects += router.hand_back.answered(ask.request, f"{router.cluster}-m{i}", 2, 0.0)
+        owner = RoleId.match(router.cluster, i).owner
+        effects += router.hand_back.answered(request, owner, 2, 0.0)
     for effect in effects:
-        if isinstance(effect, Tell):
-            router.told.append(effect.cluster)
-            effects += router.hand_back.told(effect.request)
-    assert router.hand_back.answered(ask.request, names[0], 2, 1.0) == []  # late: nothing
+        if isinstance(effect, Send) and effect.then is not None:  # the count, told
+            router.told.append(effect.message.cluster)
+            effects += router.hand_back.sent(effect.then, None, 0.5)
+    assert router.hand_back.answered(request, names[0], 2, 1.0) == []  # late: nothing
 
 
 # ---------------------------------------------------------------- reigns
