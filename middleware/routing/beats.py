@@ -11,9 +11,12 @@ The same connection holds the process's **lease**: one token message in a queue 
 own, taken with ``basic.get`` and never acknowledged.  When the process dies (SIGKILL,
 a crash, a clean stop) its connection closes and the broker hands the token at once to
 a watcher consuming that queue: a death is known in milliseconds instead of after
-``heartbeat_misses`` silent intervals.  A clean stop (SIGTERM, ``phoenix down``, a slave
-switching to its master's role) acknowledges the token first: nothing is signalled, and
-the beats decide as before.  A process that is only frozen keeps its
+``heartbeat_misses`` silent intervals.  A clean stop (SIGTERM, ``phoenix down``)
+acknowledges the token first: nothing is signalled, and the beats decide as before.
+The thread is the process's (``node.RoleNode`` starts it): a process that switches role
+(a take-over, an election won, a master fenced) keeps its connection and its lease and
+only :meth:`Beater.aim`\ s it at the new role's queues with the new role's beat, so a
+switch neither waits for the thread to end nor opens a connection.  A process that is only frozen keeps its
 connection and its token: the beats still decide that case.  Each beat names the lease
 (``Beat.lease``) so its watchers know which queue to consume; a new connection (the old
 one lost) takes a new lease under a new name.
@@ -67,13 +70,15 @@ log = logging.getLogger(__name__)
 
 class Beater:
     """Publishes ``body`` (or what it returns, read at each beat) to every queue of
-    ``queues`` every ``interval_s`` until stopped; :meth:`add` beats to one more queue."""
+    ``queues`` every ``interval_s`` until stopped; :meth:`add` beats to one more queue,
+    :meth:`aim` to other queues with another body (the role a process serves changed:
+    its connection and its lease stay; no queues or no body: it only holds the lease)."""
 
     def __init__(
         self,
         settings: Settings,
         queues: Sequence[str],
-        body: bytes | Callable[[], bytes],
+        body: bytes | Callable[[], bytes] | None,
         *,
         interval_s: float,
         ttl_ms: int,
@@ -83,7 +88,9 @@ class Beater:
     ) -> None:
         """``lease``: the name (``<process queue>.lease``) under which to hold a lease;
         None: no lease."""
-        self.settings, self.queues, self.body = settings, list(queues), body
+        self.settings = settings
+        #: (queues, body): replaced whole, so the thread never mixes two roles' halves
+        self._target: tuple[list[str], bytes | Callable[[], bytes] | None] = (list(queues), body)
         self.lease_prefix = lease
         self.lease: str | None = None  # the lease queue held now (beats name it)
         self._lease_at = -1  # the client's reconnect count when it was taken
@@ -94,9 +101,24 @@ class Beater:
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"beats of {name}", daemon=True)
 
+    @property
+    def queues(self) -> list[str]:
+        return self._target[0]
+
     def add(self, queue: str) -> None:
-        if queue not in self.queues:
-            self.queues = [*self.queues, queue]  # a new list: the thread reads the old whole
+        queues, body = self._target
+        if queue not in queues:
+            self._target = ([*queues, queue], body)  # a new list: the thread reads the old
+
+    def aim(
+        self,
+        queues: Sequence[str],
+        body: bytes | Callable[[], bytes] | None,
+        interval_s: float,
+    ) -> None:
+        """Beat ``body`` to ``queues`` every ``interval_s`` from the next beat on."""
+        self._target = (list(queues), body)
+        self.interval_s = interval_s
 
     def start(self) -> Beater:
         self._thread.start()
@@ -150,22 +172,7 @@ class Beater:
                     client = SyncClient(settings=self.settings).connect()
                 if self.lease_prefix is not None:
                     self._hold_lease(client)
-                body = self.body() if callable(self.body) else self.body
-                for queue in self.queues:
-                    client.publish(
-                        OutgoingMessage(
-                            body,
-                            "",
-                            queue,
-                            content_type="application/json",
-                            priority=self.priority,
-                            expiration_ms=self.ttl_ms,
-                            mandatory=False,
-                        ),
-                        confirm=False,
-                        retry=False,
-                    )
-                    self.sent += 1
+                self._beat(client)
                 # handles the connection's I/O meanwhile, waking once per beat
                 client.run(self.interval_s, step_s=self.interval_s)
             except MiddlewareError as exc:
@@ -181,6 +188,28 @@ class Beater:
                 client.close()
             except Exception as exc:
                 log.info("beat connection not closed cleanly: %s", exc)
+
+    def _beat(self, client: SyncClient) -> None:
+        """One beat to every queue aimed at (none while the process serves no role yet)."""
+        queues, source = self._target
+        body = source() if callable(source) else source
+        if body is None:
+            return
+        for queue in queues:
+            client.publish(
+                OutgoingMessage(
+                    body,
+                    "",
+                    queue,
+                    content_type="application/json",
+                    priority=self.priority,
+                    expiration_ms=self.ttl_ms,
+                    mandatory=False,
+                ),
+                confirm=False,
+                retry=False,
+            )
+            self.sent += 1
 
 
 class LeaseWatch:

@@ -25,9 +25,11 @@ from ..phoenix.protocol import PhoenixTopology
 from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
+from .beats import Beater
 from .match_master import MatchMaster
 from .match_roles import MatchSlave
 from .messages import Answer, Takeover
+from .peer import beat_thread
 from .roles import Role
 from .router_roles import RouterMaster, RouterSlave
 from .wiring import Connections, outgoing
@@ -57,6 +59,7 @@ class RoleNode:
         self.provisioner = provisioner  # for the masters it serves
         self.role: Role | None = None
         self.switches = 0
+        self.beater: Beater | None = None  # the process's beat thread, while it runs
 
     def build(
         self,
@@ -65,8 +68,10 @@ class RoleNode:
         connections: Connections,
         reign: Reign | None = None,
         failed_at: float | None = None,
+        beater: Beater | None = None,
     ) -> Role:
         common: dict[str, Any] = {
+            "beater": beater,
             "settings": self.settings,
             "topology": self.topology,
             "cluster": role.cluster,
@@ -86,6 +91,14 @@ class RoleNode:
 
     async def run(self, stop: asyncio.Event) -> None:
         connections = Connections(self.settings, self.topology, self.current.cluster)
+        # the process's beat thread: each role aims it while it beats; its connection
+        # and its lease stay when the process serves another role (no thread to join
+        # and no connection to open in a switch)
+        self.beater = beat_thread(
+            self.settings, self.topology, self.current.cluster, connections,
+            str(self.current), queues=[], body=None,
+            interval_s=self.topology.heartbeat_interval_s,
+        ).start()  # fmt: skip
         promoted_from: RoleId | None = None
         reign: Reign | None = None
         failed_at: float | None = None
@@ -93,7 +106,7 @@ class RoleNode:
         try:
             while not stop.is_set():
                 role = self.role = self.build(
-                    self.current, promoted_from, connections, reign, failed_at
+                    self.current, promoted_from, connections, reign, failed_at, self.beater
                 )
                 role.on_serving = self._write_status  # once its consumers are started
                 role_stop = asyncio.Event()
@@ -114,6 +127,7 @@ class RoleNode:
                 self.switches += 1
                 self.topology = after.topology
         finally:
+            await asyncio.to_thread(self.beater.stop)  # its lease released: a clean stop
             await connections.close()
 
     async def _answer(self, role: Role, request: Takeover) -> None:

@@ -37,7 +37,7 @@ from .wiring import (
     role_inbox_spec,
 )
 
-__all__ = ["Peer"]
+__all__ = ["Peer", "beat_thread", "signal_ttl_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,17 @@ class Peer:
         topology: PhoenixTopology,
         cluster: str,
         connections: Connections | None = None,
+        beater: Beater | None = None,
     ) -> None:
+        """``beater``: the process's beat thread (``RoleNode``: it stays, with its
+        connection and lease, when the process serves another role); None: the role
+        starts its own while it beats."""
         self.topology, self.cluster = topology, cluster
         self.settings = settings
         self.connections = connections or Connections(settings, topology, cluster)
         self.side_tasks: set[asyncio.Future[Any]] = set()  # held, not awaited by anyone
-        self.beater: Beater | None = None
+        self.process_beater = beater
+        self.beater: Beater | None = None  # beating for this role (while it beats)
         self.counters: Counter[str] = Counter()
         self._counted: dict[str, tuple[str, str, str]] = {}  # outcome -> its metric labels
         self.role = type(self).__name__
@@ -116,31 +121,42 @@ class Peer:
     ) -> None:
         """Beat to ``queues`` from a thread of its own while ``meanwhile`` runs (``beat``
         is read at each beat); the thread's connection holds this process's lease, which
-        every beat names (beats.py)."""
+        every beat names (beats.py).  The process's beater is aimed here and left
+        holding the lease after (the next role aims it); a role without one starts its
+        own and stops it after."""
 
         def body() -> bytes:
             return encode(beat().model_copy(update={"lease": beater.lease}))
 
-        beater = self.beater = Beater(
-            cluster_settings(self.settings, self.topology, self.cluster)[1],
-            queues,
-            body,
-            interval_s=interval_s,
-            ttl_ms=self._signal_ttl_ms(),
-            priority=MAX_PRIORITY,
-            name=str(self.id),
-            lease=f"{self.connections.process_queue}.lease" if self.topology.leases else None,
-        ).start()
+        beater = self.process_beater or self.beat_thread(queues, body, interval_s)
+        sent = beater.sent
+        if beater is self.process_beater:
+            beater.aim(queues, body, interval_s)
+        else:
+            beater.start()
+        self.beater = beater
         try:
             await meanwhile
         finally:
-            await asyncio.to_thread(beater.stop)
-            self.count("beats", beater.sent)
+            self.beater = None
+            if beater is self.process_beater:
+                beater.aim([], None, interval_s)  # quiet until the next role aims it
+            else:
+                await asyncio.to_thread(beater.stop)
+            self.count("beats", beater.sent - sent)
+
+    def beat_thread(
+        self, queues: list[str], body: bytes | Callable[[], bytes] | None, interval_s: float
+    ) -> Beater:
+        """A beat thread of this role's own (not started): see :func:`beat_thread`."""
+        return beat_thread(
+            self.settings, self.topology, self.cluster, self.connections, str(self.id),
+            queues=queues, body=body, interval_s=interval_s,
+        )  # fmt: skip
 
     def _signal_ttl_ms(self) -> int:
         """How long a beat or vote stays worth reading: the detection timeout."""
-        topology = self.topology
-        return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
+        return signal_ttl_ms(self.topology)
 
     async def perform(self, effect: Send | Signal) -> Sent | None:
         """A machine's message to another role (``phoenix/effects.py``): addressed and
@@ -217,3 +233,34 @@ class Peer:
                     broker=owner,
                 ),
             )
+
+
+def signal_ttl_ms(topology: PhoenixTopology) -> int:
+    """How long a beat or vote stays worth reading: the detection timeout."""
+    return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
+
+
+def beat_thread(
+    settings: Settings,
+    topology: PhoenixTopology,
+    cluster: str,
+    connections: Connections,
+    name: str,
+    *,
+    queues: list[str],
+    body: bytes | Callable[[], bytes] | None,
+    interval_s: float,
+) -> Beater:
+    """A beat thread (not started) on a connection of its own to ``cluster``'s
+    RabbitMQ, holding the process's lease (named after its process queue) when the
+    topology has leases."""
+    return Beater(
+        cluster_settings(settings, topology, cluster)[1],
+        queues,
+        body,
+        interval_s=interval_s,
+        ttl_ms=signal_ttl_ms(topology),
+        priority=MAX_PRIORITY,
+        name=name,
+        lease=f"{connections.process_queue}.lease" if topology.leases else None,
+    )
