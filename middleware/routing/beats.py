@@ -16,10 +16,10 @@ acknowledges the token first: nothing is signalled, and the beats decide as befo
 The thread is the process's (``node.RoleNode`` starts it): a process that switches role
 (a take-over, an election won, a master fenced) keeps its connection and its lease and
 only :meth:`Beater.aim`\ s it at the new role's queues with the new role's beat, so a
-switch neither waits for the thread to end nor opens a connection.  A process that is only frozen keeps its
-connection and its token: the beats still decide that case.  Each beat names the lease
-(``Beat.lease``) so its watchers know which queue to consume; a new connection (the old
-one lost) takes a new lease under a new name.
+switch neither waits for the thread to end nor opens a connection.  A process that is
+only frozen keeps its connection and its token: the beats still decide that case.  Each
+beat names the lease (``Beat.lease``) so its watchers know which queue to consume; a new
+connection (the old one lost) takes a new lease under a new name.
 """
 
 from __future__ import annotations
