@@ -91,14 +91,15 @@ class RoleNode:
 
     async def run(self, stop: asyncio.Event) -> None:
         connections = Connections(self.settings, self.topology, self.current.cluster)
-        # the process's beat thread: each role aims it while it beats; its connection
-        # and its lease stay when the process serves another role (no thread to join
-        # and no connection to open in a switch)
+        # the process's beat thread: each role aims it while it beats (the first aim
+        # starts it, once that role serves: its connection and imports do not compete
+        # with the start); its connection and its lease stay when the process serves
+        # another role (no thread to join and no connection to open in a switch)
         self.beater = beat_thread(
             self.settings, self.topology, self.current.cluster, connections,
             str(self.current), queues=[], body=None,
             interval_s=self.topology.heartbeat_interval_s,
-        ).start()  # fmt: skip
+        )  # fmt: skip
         promoted_from: RoleId | None = None
         reign: Reign | None = None
         failed_at: float | None = None

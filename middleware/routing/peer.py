@@ -131,7 +131,7 @@ class Peer:
         beater = self.process_beater or self.beat_thread(queues, body, interval_s)
         sent = beater.sent
         if beater is self.process_beater:
-            beater.aim(queues, body, interval_s)
+            beater.aim(queues, body, interval_s)  # started by the first aim
         else:
             beater.start()
         self.beater = beater

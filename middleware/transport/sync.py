@@ -363,6 +363,24 @@ class SyncClient:
                 return self._publish(traced, confirm=confirm, retry=retry)
         return self._publish(message, confirm=confirm, retry=retry)
 
+    def wake(self) -> None:
+        """Make a :meth:`run` in another thread ask its ``until`` now instead of at the
+        end of its step (thread-safe; pika's threadsafe callback ends the wait)."""
+        live = self._live
+        if live is not None:
+            with contextlib.suppress(Exception):  # closed meanwhile: nothing waits
+                live.connection.add_callback_threadsafe(_nothing)
+
+    def publish_unwatched(self, message: OutgoingMessage) -> None:
+        """Publish once with nothing coming back: no confirm, no watch, no retry (on the
+        probe channel, which is not in confirm mode).  For a message the next one
+        replaces (a beat): the broker sends no ack for it and this thread wakes for
+        none.  A connection lost on the way raises; a message lost with it is not said."""
+        check_message(message, self.limits)
+        send = functools.partial(_basic_publish, message=message, confirm=False)
+        self._call(lambda live: self._on_probe_channel(live, send), attempts=1)
+        metrics.PUBLISHED_UNCONFIRMED.inc()
+
     def _publish(self, message: OutgoingMessage, *, confirm: bool, retry: bool) -> None:
         if not confirm:
             self._call(functools.partial(self._watch, then=message))
@@ -853,6 +871,10 @@ class SyncClient:
         self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
+
+
+def _nothing() -> None:
+    """A threadsafe callback that only wakes the connection's loop (``wake``)."""
 
 
 def _basic_publish(
