@@ -19,8 +19,9 @@ from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
 from ..recovery.fencing import Refuse, Reign, Reigning, RivalOutcome, SendFence, Stale, StepDown
+from ..transport import Delivery
 from .beats import LeaseWatch
-from .messages import Beat, Fence, Retire, Vote
+from .messages import Beat, Fence, Message, Read, Replicate, Retire, Vote
 from .replica_set import ReplicaSet
 from .roles import WARM_AFTER_PROMOTION_S, Role
 from .supervision import Effect as SupervisionEffect
@@ -166,18 +167,51 @@ class Master(Role):
         if not serving:
             return  # a second process: no sign of life of the one serving the role
         if slave not in replicas.replicas:
+            if slave == self.promoted_from:
+                await self._stop_draining()
             await replicas.admit(slave, message.version)
             if self.beater is not None:
                 self.beater.add(self.control_of(slave))
-            if slave == self.promoted_from and self._former_control is not None:
-                # its slave is served again: its control queue is that slave's
-                client = await self.client_for(self.cluster)
-                with contextlib.suppress(Exception):
-                    await client.cancel(self._former_control)
-                self._former_control = None
         self.slave_heard(slave.slave)
         if message.lease is not None:
             await watch.named(message.lease)
+
+    async def _on_former_inbox(self, delivery: Delivery) -> None:
+        await self._each(delivery, self._former_inbox, self.gate)
+
+    async def _former_inbox(self, message: Message) -> None:
+        """What reaches the inbox a promoted master had as a slave and drains: its
+        events are handled; a READ (a master of another reign reading its replicas) is
+        answered from the replica it held, as the slave would; a replicated entry is
+        not this reign's and is dropped."""
+        replicas = self.replica_set
+        if isinstance(message, Read) and replicas is not None and self.promoted_from:
+            await self.answer_read(replicas.store, self.promoted_from.owner, message)
+            self.count("former_reads_answered")
+            return
+        if isinstance(message, Replicate):
+            if message.reply_to == self.connections.process_queue and self.promoted_from:
+                # this master's own, to the process that serves the slave it was now
+                # (taken here before the drain stopped): passed on, not dropped
+                self.count("former_replicas_passed_on")
+                inbox = self.inbox_of(self.promoted_from)
+                await self.send(self.cluster, inbox, message)
+                return
+            self.count("former_replicas_dropped")
+            return
+        await self.handle(message)
+
+    async def _stop_draining(self) -> None:
+        """The slave this master was is served again (by a master that stepped down, or
+        a replacement): its control queue and its inbox are that slave's from now on, so
+        this master stops consuming them before it replicates there (a replica taken
+        by its drain was dropped, and a subscribe waited for W of N in vain)."""
+        client = await self.client_for(self.cluster)
+        for tag in (self._former_control, self._former_inbox_tag):
+            if tag is not None:
+                with contextlib.suppress(Exception):
+                    await client.cancel(tag)
+        self._former_control = self._former_inbox_tag = None
 
     async def _supervise(self, effects: list[SupervisionEffect]) -> None:
         """Perform what the supervision machine returned (supervision.py)."""

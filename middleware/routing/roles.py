@@ -35,8 +35,6 @@ from .messages import (
     Configure,
     Fence,
     Message,
-    Read,
-    Replicate,
     Routed,
     Takeover,
     encode,
@@ -45,12 +43,7 @@ from .peer import Peer
 from .replica_set import ReplicaSet
 from .role_metrics import INBOX_LENGTH, served_again
 from .switching import Become, become
-from .wiring import (
-    Handler,
-    outgoing,
-    process_queue_spec,
-    role_inbox_spec,
-)
+from .wiring import Handler, outgoing, process_queue_spec, role_inbox_spec
 
 __all__ = ["SWITCHES", "WARM_AFTER_PROMOTION_S", "Role"]
 
@@ -95,6 +88,7 @@ class Role(Peer):
         self.retired = False  # told by its master that another process serves its role
         self.fenced = False  # a master that learnt of a newer reign: it steps down
         self._former_control: str | None = None  # its consumer tag (a promoted master)
+        self._former_inbox_tag: str | None = None  # the same, of the inbox it drains
         self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
         # inbox messages handled at once, however the deliveries are batched
         self.gate = PriorityGate(topology.inbox_concurrency)
@@ -154,17 +148,17 @@ class Role(Peer):
         if self.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
             heap.settle(f"{self.role} of {self.cluster}")
         inboxes = []
-        if self.promoted_from is not None:  # what was dispatched to it as a slave
-            # consumed first: once the inbox's backlog flows in, each further round trip
-            # waits behind its deliveries (0.1-0.2 s at 1000 events/s)
+        if self.promoted_from is not None:  # what was dispatched to it as a slave, first:
+            # behind the inbox's backlog each round trip waits (0.1-0.2 s at 1000 events/s)
             inboxes.append((self.inbox_of(self.promoted_from), self._on_former_inbox))
         inboxes.append((inbox, self._on_message))
         with heap.FullCollections() as collections:
             for name, on_message in inboxes:
                 await client.declare_queue(role_inbox_spec(name, self.topology, client))
-                tags.append(
-                    await client.consume(name, on_message, prefetch=self.topology.inbox_prefetch)
-                )
+                tag = await client.consume(name, on_message, prefetch=self.topology.inbox_prefetch)
+                tags.append(tag)
+                if on_message == self._on_former_inbox:
+                    self._former_inbox_tag = tag
             self.serving.set()
             if self.on_serving is not None:
                 self.on_serving()
@@ -286,8 +280,8 @@ class Role(Peer):
     async def _on_message(self, delivery: Delivery) -> None:
         await self._each(delivery, self.handle, self.gate)
 
-    async def _on_former_inbox(self, delivery: Delivery) -> None:
-        await self._each(delivery, self._former_inbox, self.gate)
+    async def _on_former_inbox(self, delivery: Delivery) -> None:  # a promoted master's
+        raise NotImplementedError  # (mastering.Master)
 
     async def _on_control(self, delivery: Delivery) -> None:
         async def one(message: Message) -> None:
@@ -330,21 +324,6 @@ class Role(Peer):
         if handler is None:
             raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s inbox")
         await handler(message)
-
-    async def _former_inbox(self, message: Message) -> None:
-        """What reaches the inbox a promoted master had as a slave and drains: its
-        events are handled; a READ (a master of another reign reading its replicas) is
-        answered from the replica it held, as the slave would; a replicated entry is
-        not this reign's and is dropped."""
-        replicas = self.replica_set
-        if isinstance(message, Read) and replicas is not None and self.promoted_from:
-            await self.answer_read(replicas.store, self.promoted_from.owner, message)
-            self.count("former_reads_answered")
-            return
-        if isinstance(message, Replicate):
-            self.count("former_replicas_dropped")
-            return
-        await self.handle(message)
 
     async def control(self, message: Message) -> None:
         handler = self.control_handlers.get(type(message))

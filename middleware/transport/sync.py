@@ -363,14 +363,6 @@ class SyncClient:
                 return self._publish(traced, confirm=confirm, retry=retry)
         return self._publish(message, confirm=confirm, retry=retry)
 
-    def wake(self) -> None:
-        """Make a :meth:`run` in another thread ask its ``until`` now instead of at the
-        end of its step (thread-safe; pika's threadsafe callback ends the wait)."""
-        live = self._live
-        if live is not None:
-            with contextlib.suppress(Exception):  # closed meanwhile: nothing waits
-                live.connection.add_callback_threadsafe(_nothing)
-
     def publish_unwatched(self, message: OutgoingMessage) -> None:
         """Publish once with nothing coming back: no confirm, no watch, no retry (on the
         probe channel, which is not in confirm mode).  For a message the next one
@@ -871,10 +863,6 @@ class SyncClient:
         self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
-
-
-def _nothing() -> None:
-    """A threadsafe callback that only wakes the connection's loop (``wake``)."""
 
 
 def _basic_publish(
