@@ -101,10 +101,6 @@ class Beater:
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"beats of {name}", daemon=True)
 
-    @property
-    def queues(self) -> list[str]:
-        return self._target[0]
-
     def add(self, queue: str) -> None:
         queues, body = self._target
         if queue not in queues:

@@ -128,7 +128,10 @@ class Peer:
         def body() -> bytes:
             return encode(beat().model_copy(update={"lease": beater.lease}))
 
-        beater = self.process_beater or self.beat_thread(queues, body, interval_s)
+        beater = self.process_beater or beat_thread(
+            self.settings, self.topology, self.cluster, self.connections, str(self.id),
+            queues=queues, body=body, interval_s=interval_s,
+        )  # fmt: skip
         sent = beater.sent
         if beater is self.process_beater:
             beater.aim(queues, body, interval_s)  # started by the first aim
@@ -144,15 +147,6 @@ class Peer:
             else:
                 await asyncio.to_thread(beater.stop)
             self.count("beats", beater.sent - sent)
-
-    def beat_thread(
-        self, queues: list[str], body: bytes | Callable[[], bytes] | None, interval_s: float
-    ) -> Beater:
-        """A beat thread of this role's own (not started): see :func:`beat_thread`."""
-        return beat_thread(
-            self.settings, self.topology, self.cluster, self.connections, str(self.id),
-            queues=queues, body=body, interval_s=interval_s,
-        )  # fmt: skip
 
     def _signal_ttl_ms(self) -> int:
         """How long a beat or vote stays worth reading: the detection timeout."""
