@@ -245,6 +245,26 @@ class ConsumerCore:
         self._skipped[id(delivery)] = earlier
         return False
 
+    def element_earlier(self, queue: str, element_id: str, digest: bytes) -> Receipt | None:
+        """One element of a delivery that carries several (``ELEMENTS_HEADER``): the
+        receipt of the message with its id this queue handled already (as an element or
+        alone; skip it), or None (handle it, then :meth:`element_handled`).  An earlier
+        message with this id and other content makes a refusing receipt: this element is
+        another message reusing the id, never handled as if it were the first."""
+        earlier = self.dedup.get(queue, element_id)
+        if earlier is None:
+            return None
+        self.suppressed += 1
+        if earlier.digest == digest:
+            return earlier
+        log.warning("message id %s reused on %s by another element: refused", element_id, queue)
+        return Receipt(element_id, queue, ok=False, reason="duplicate message id")
+
+    def element_handled(self, queue: str, element_id: str, digest: bytes) -> None:
+        """An element was handled: a later copy of it (alone or in another message) is
+        a duplicate.  (Its receipt is its message's: nothing is sent for it.)"""
+        self.dedup.remember(Receipt(element_id, queue, digest=digest))
+
     def handled_e2e(self, delivery: Delivery) -> bool:
         """Whether ``delivery`` is an e2e copy its handler ran for (not a duplicate
         answered without it): asked before :meth:`settled`."""

@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "CONTENT_HEADER",
+    "ELEMENTS_HEADER",
     "RECEIPT_HEADER",
     "RECEIPT_TYPE",
     "ConfirmTracker",
@@ -34,8 +35,11 @@ __all__ = [
     "ReceiptBatcher",
     "Resolution",
     "content_digest",
+    "decode_elements",
     "decode_receipts",
+    "encode_elements",
     "encode_receipts",
+    "named_digest",
     "published_age",
     "wants_receipt",
 ]
@@ -48,6 +52,11 @@ RECEIPT_HEADER = "x-qosmq-receipt"
 #: check, whatever else their bodies differ in (a Phoenix event matched by two match
 #: brokers is stamped with each's name); without it the body itself is compared.
 CONTENT_HEADER = "x-qosmq-content"
+#: Header on a data message that carries several messages (a JSON array its consumer
+#: hands over one at a time): each element's own id and content name, in order (JSON
+#: ``[[id, content], ...]``), so the consumer's duplicate check takes each element as the
+#: message it would be alone; the message's one receipt answers for all of them.
+ELEMENTS_HEADER = "x-qosmq-elements"
 #: AMQP ``type`` property of a receipt batch.
 RECEIPT_TYPE = "qosmq.receipts.v1"
 
@@ -77,6 +86,34 @@ def content_digest(headers: Mapping[str, Any], body: bytes) -> bytes:
     if isinstance(named, bytes | bytearray) and named:
         return hashlib.blake2b(b"content:" + bytes(named), digest_size=8).digest()
     return body_digest(body)
+
+
+def named_digest(content: str) -> bytes:
+    """``content_digest`` of a message whose publisher named its content ``content``."""
+    return hashlib.blake2b(b"content:" + content.encode(), digest_size=8).digest()
+
+
+def encode_elements(elements: Iterable[tuple[str, str]]) -> str:
+    """The ``ELEMENTS_HEADER`` of a message carrying these ``(id, content)`` elements."""
+    return json.dumps([list(e) for e in elements], separators=(",", ":"))
+
+
+def decode_elements(value: Any) -> list[tuple[str, str]]:
+    """The elements an ``ELEMENTS_HEADER`` names; ``ValueError`` saying what is wrong."""
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode(errors="replace")
+    if not isinstance(value, str):
+        raise ValueError(f"{ELEMENTS_HEADER} is not text")
+    try:
+        data = json.loads(value)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{ELEMENTS_HEADER} is not JSON: {exc}") from None
+    if not isinstance(data, list) or not all(
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) and x for x in e)
+        for e in data
+    ):
+        raise ValueError(f"{ELEMENTS_HEADER} is not a list of [id, content] pairs")
+    return [(e[0], e[1]) for e in data]
 
 
 def wants_receipt(headers: Mapping[str, Any], reply_to: str | None, message_id: str | None) -> bool:

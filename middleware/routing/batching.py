@@ -33,6 +33,7 @@ import heapq
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -42,6 +43,9 @@ from .messages import Message, parse, parse_many, validate
 __all__ = ["Batcher", "PriorityGate", "encode", "split"]
 
 Publish = Callable[[str, str, bytes, int], Awaitable[None]]  # cluster, queue, body, priority
+#: cluster, queue, the batch's bodies and the tags they were sent with, priority: what it
+#: returns is every sender's result
+PublishMany = Callable[[str, str, list[bytes], list[Any], int], Awaitable[Any]]
 
 
 def encode(bodies: list[bytes]) -> bytes:
@@ -75,9 +79,10 @@ def split(body: bytes) -> tuple[list[Message], list[tuple[bytes, str]]]:
 
 @dataclass(slots=True)
 class _Open:
-    future: asyncio.Future[None]
+    future: asyncio.Future[Any]
     opened: float  # the loop's clock when its first message came
     bodies: list[bytes] = field(default_factory=list)
+    tags: list[Any] = field(default_factory=list)  # what each was sent with (``send``)
     size: int = 0
     priority: int = 0  # the highest of its messages'
     closed: bool = False  # full: no message joins it any more
@@ -101,17 +106,23 @@ class Batcher:
     """Sends a message, in one AMQP message with the others sent to the same
     ``(cluster, queue)`` in the same loop turn (at most ``max_messages`` or about
     ``max_bytes`` together; ``max_messages = 1``: one AMQP message each), at the
-    highest priority among them."""
+    highest priority among them.  ``publish_many`` instead of ``publish``: the batch goes
+    out as its bodies with the tags they were sent with, and what it returns is every
+    sender's result (e2e copies: each copy's id and content name, whether receipted)."""
 
     def __init__(
         self,
-        publish: Publish,
+        publish: Publish | None = None,
         *,
         max_messages: int,
         max_bytes: int = 256_000,
         linger_s: float = 0.0,
+        publish_many: PublishMany | None = None,
     ) -> None:
+        if (publish is None) == (publish_many is None):
+            raise ValueError("a Batcher takes publish or publish_many")
         self._publish = publish
+        self._publish_many = publish_many or self._encoded
         self.max_messages, self.max_bytes = max_messages, max_bytes
         self.linger_s = linger_s  # at priority 0; less the more urgent (linger_for)
         self._open: dict[tuple[str, str], _Open] = {}
@@ -122,12 +133,21 @@ class Batcher:
         self._flushing: set[asyncio.Task[None]] = set()
         self.sent = self.batches = 0  # messages, AMQP messages (for the counters)
 
-    async def send(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
+    async def _encoded(
+        self, cluster: str, queue: str, bodies: list[bytes], _tags: list[Any], priority: int
+    ) -> None:
+        assert self._publish is not None
+        await self._publish(cluster, queue, encode(bodies), priority)
+
+    async def send(
+        self, cluster: str, queue: str, body: bytes, priority: int, tag: Any = None
+    ) -> Any:
+        """Send ``body`` (with ``tag``, for ``publish_many``); returns once the AMQP
+        message that carries it was published, with what ``publish_many`` returned."""
         if self.max_messages <= 1:
             self.sent += 1
             self.batches += 1
-            await self._publish(cluster, queue, body, priority)
-            return
+            return await self._publish_many(cluster, queue, [body], [tag], priority)
         key = (cluster, queue)
         loop = asyncio.get_running_loop()
         if self.linger_s > 0 and priority < MAX_PRIORITY:  # the top priority never waits
@@ -140,6 +160,7 @@ class Batcher:
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
         batch.bodies.append(body)
+        batch.tags.append(tag)
         batch.size += len(body)
         if priority > batch.priority:
             batch.priority = priority
@@ -149,7 +170,7 @@ class Batcher:
             batch.closed = True
             batch.wake.set()
         # shielded: a sender that is cancelled does not cancel the others' publish
-        await asyncio.shield(batch.future)
+        return await asyncio.shield(batch.future)
 
     @classmethod
     def of(cls, publish: Publish, topology: PhoenixTopology) -> Batcher:
@@ -202,7 +223,9 @@ class Batcher:
             self._close(key, batch)
             self.sent += len(batch.bodies)
             self.batches += 1
-            await self._publish(cluster, queue, encode(batch.bodies), batch.priority)
+            result = await self._publish_many(
+                cluster, queue, batch.bodies, batch.tags, batch.priority
+            )
         except asyncio.CancelledError:
             self._close(key, batch)
             batch.future.cancel()
@@ -211,7 +234,7 @@ class Batcher:
             batch.future.set_exception(exc)
             batch.future.exception()  # every sender awaits it; none left is not an error
         else:
-            batch.future.set_result(None)
+            batch.future.set_result(result)
 
 
 class PriorityGate:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ..confirms import AsyncConfirmConsumer, SyncConfirmConsumer
+from ..confirms.core import ConsumerCore
+from ..errors import Requeue
 from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import (
@@ -102,7 +105,38 @@ class PhoenixClient:
             return await self.client.consume(queue, on_delivery, prefetch=prefetch)
         if self._receipts is None:
             self._receipts = AsyncConfirmConsumer(self.client)
-        return await self._receipts.consume(queue, on_delivery, prefetch=prefetch)
+        on_e2e = functools.partial(self._on_e2e, handler, self._receipts.core)
+        return await self._receipts.consume(queue, on_e2e, prefetch=prefetch)
+
+    async def _on_e2e(
+        self,
+        handler: Callable[[Event, Publish], Awaitable[None]],
+        receipts: ConsumerCore,
+        delivery: Delivery,
+    ) -> None:
+        """An e2e delivery: a lone event, or a batch whose events are each checked
+        against the duplicate filter as the message it would be alone; a ``Requeue``
+        of one sends the whole delivery back (no receipt), whose events handled already
+        are skipped when it comes again."""
+        batch = self.core.e2e_batch_of(delivery)
+        if batch is None:
+            await handler(*self.core.delivered(delivery))
+            return
+        events, failed = batch
+        queue, again = delivery.queue, False
+        for message, name in events:
+            if name and self.core.handled_before(receipts, queue, message, name, failed):
+                continue
+            error = None
+            try:
+                await handler(message.event, message)
+            except Exception as exc:  # this event alone; the batch's others go on
+                error = exc
+            again |= self.core.element_settled(receipts, queue, message, name, error, failed)
+        for body, outcome in failed:
+            await self._settle_one(delivery, body, outcome)
+        if again:
+            raise Requeue("an event of the batch asked to be handled again")
 
     async def _settle_one(self, delivery: Delivery, body: bytes, outcome: Outcome) -> None:
         if outcome.action is Action.REQUEUE:
@@ -243,17 +277,44 @@ class SyncPhoenixClient:
                 except Exception as exc:  # this event alone; the batch's others go on
                     failed.append(self.core.failed(message, exc))
             for body, outcome in failed:
-                if outcome.action is Action.REQUEUE:
-                    self.client.publish(outgoing_body(body, delivery.queue))
-                else:
-                    original = dataclasses.replace(delivery, body=body)
-                    self.client.dead_letter(original, outcome.reason)
+                self._settle_one(delivery, body, outcome)
 
         if not e2e:
             return self.client.consume(queue, on_delivery, prefetch=prefetch)
         if self._receipts is None:
             self._receipts = SyncConfirmConsumer(self.client)
-        return self._receipts.consume(queue, on_delivery, prefetch=prefetch)
+        on_e2e = functools.partial(self._on_e2e, handler, self._receipts.core)
+        return self._receipts.consume(queue, on_e2e, prefetch=prefetch)
+
+    def _on_e2e(
+        self, handler: Callable[[Event, Publish], None], receipts: ConsumerCore, delivery: Delivery
+    ) -> None:
+        """As :meth:`PhoenixClient._on_e2e`."""
+        batch = self.core.e2e_batch_of(delivery)
+        if batch is None:
+            handler(*self.core.delivered(delivery))
+            return
+        events, failed = batch
+        queue, again = delivery.queue, False
+        for message, name in events:
+            if name and self.core.handled_before(receipts, queue, message, name, failed):
+                continue
+            error = None
+            try:
+                handler(message.event, message)
+            except Exception as exc:  # this event alone; the batch's others go on
+                error = exc
+            again |= self.core.element_settled(receipts, queue, message, name, error, failed)
+        for body, outcome in failed:
+            self._settle_one(delivery, body, outcome)
+        if again:
+            raise Requeue("an event of the batch asked to be handled again")
+
+    def _settle_one(self, delivery: Delivery, body: bytes, outcome: Outcome) -> None:
+        if outcome.action is Action.REQUEUE:
+            self.client.publish(outgoing_body(body, delivery.queue))
+        else:
+            self.client.dead_letter(dataclasses.replace(delivery, body=body), outcome.reason)
 
     def run(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None) -> None:
         """Handle deliveries for ``seconds`` (forever if None) or until ``until()``."""

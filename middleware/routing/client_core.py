@@ -10,6 +10,8 @@ from typing import Any
 
 import pydantic
 
+from ..confirms.core import ConsumerCore
+from ..confirms.tracking import ELEMENTS_HEADER, decode_elements, named_digest
 from ..errors import ConfigurationError, DeadLetter, RetryableError
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
@@ -29,7 +31,10 @@ from .messages import (
 )
 from .wiring import cluster_settings
 
-__all__ = ["ClientCore", "SubscriptionUnconfirmed"]
+__all__ = ["ClientCore", "Element", "SubscriptionUnconfirmed"]
+
+#: an e2e batch's event as its subscriber's duplicate check knows it: (id, content digest)
+Element = tuple[str, bytes]
 
 
 class SubscriptionUnconfirmed(RetryableError, TimeoutError):
@@ -144,6 +149,70 @@ class ClientCore:
                 why = f"not a Phoenix event delivery: {message.kind.value}"
                 bad.append((encode(message), Outcome(Action.DEAD_LETTER, why)))
         return events, bad
+
+    @staticmethod
+    def e2e_batch_of(
+        delivery: Delivery,
+    ) -> tuple[list[tuple[Publish, Element | None]], list[tuple[bytes, Outcome]]] | None:
+        """As :meth:`batch_of`, each event with its own id and content digest (an e2e
+        batch's ``ELEMENTS_HEADER``), for the duplicate check of each; None beside an
+        event when the header does not name every element in order (a batch with a
+        malformed element, or from a sender that names none): it is handled without."""
+        batch = ClientCore.batch_of(delivery)
+        if batch is None:
+            return None
+        events, failed = batch
+        names: list[Element] | None = None
+        raw = delivery.headers.get(ELEMENTS_HEADER)
+        if raw is not None and not failed:
+            try:
+                elements = decode_elements(raw)
+            except ValueError:
+                elements = []
+            if len(elements) == len(events):
+                names = [(element_id, named_digest(content)) for element_id, content in elements]
+        return [(e, names[k] if names else None) for k, e in enumerate(events)], failed
+
+    @staticmethod
+    def handled_before(
+        consumer: ConsumerCore,
+        queue: str,
+        message: Publish,
+        name: Element,
+        failed: list[tuple[bytes, Outcome]],
+    ) -> bool:
+        """An e2e batch's event this queue handled already (alone or in another batch):
+        skipped; one whose id came with other content is dead-lettered with why."""
+        earlier = consumer.element_earlier(queue, *name)
+        if earlier is None:
+            return False
+        if not earlier.ok:
+            why = f"{earlier.reason}: {name[0]} was handled here with other content"
+            failed.append((encode(message), Outcome(Action.DEAD_LETTER, why)))
+        return True
+
+    @staticmethod
+    def element_settled(
+        consumer: ConsumerCore,
+        queue: str,
+        message: Publish,
+        name: Element | None,
+        error: Exception | None,
+        failed: list[tuple[bytes, Outcome]],
+    ) -> bool:
+        """After an e2e batch's event was handed over (``error``: what its handler
+        raised): remember it, so that the batch or a copy coming again skips it.  True:
+        the handler said ``Requeue``, the whole delivery goes back (no receipt), and the
+        events handled already are skipped when it comes again; without ``name`` (no
+        duplicate check) the event goes back alone, as in a broker-confirmed batch."""
+        if error is not None:
+            body, outcome = ClientCore.failed(message, error)
+            if outcome.action is Action.REQUEUE and name is not None:
+                return True
+            failed.append((body, outcome))
+        if name is not None:
+            consumer.element_handled(queue, *name)
+        return False
 
     @staticmethod
     def failed(message: Publish, error: Exception) -> tuple[bytes, Outcome]:

@@ -3,27 +3,31 @@ broker (directly) and a subscriber's home routing master (a copy carried over th
 use.  Each copy has an outcome of its own (``copies.Outcome``: delivered, taken, gone,
 refused, unreachable); what each outcome takes is decided in ``copies.settle``.
 
-With the topology's ``copy_batch_max`` above 1, the broker-confirmed copies for one
-subscriber queue that are put close together leave as one AMQP message (a JSON array,
+With the topology's ``copy_batch_max`` above 1, the copies for one subscriber queue
+that are put close together leave as one AMQP message (a JSON array,
 ``batching.Batcher`` with the roles' linger); each copy's outcome is its batch's (they
 share a queue and a home, so they share what can go wrong).  The Phoenix client's
-``consume`` hands the application one event at a time.
+``consume`` hands the application one event at a time.  An e2e batch is one e2e message
+with one receipt: it names each copy's id and content (``ELEMENTS_HEADER``), so the
+subscriber's duplicate check takes each copy as the message it would be alone (a copy
+sent again alone or in another batch, after a match master's death, is suppressed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
-from ..confirms.tracking import CONTENT_HEADER
+from ..confirms.tracking import CONTENT_HEADER, ELEMENTS_HEADER, encode_elements
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..phoenix.protocol import PhoenixTopology
 from ..transport import AsyncClient
-from .batching import Batcher
+from .batching import Batcher, encode
 from .copies import CopyOutcome, Outcome, event_content
 from .wiring import outgoing_body
 
@@ -59,6 +63,12 @@ class CopySender:
             max_messages=topology.copy_batch_max,
             linger_s=topology.batch_linger_ms / 1000,
         )
+        #: e2e copies: tagged (id, content name, link bound), a batch is one held message
+        self._e2e_batcher = Batcher(
+            max_messages=topology.copy_batch_max,
+            linger_s=topology.batch_linger_ms / 1000,
+            publish_many=self._publish_e2e,
+        )
 
     async def put(
         self,
@@ -88,6 +98,12 @@ class CopySender:
             if not local and not client.ready:
                 raise LinkDown(f"no connection to cluster {home}'s RabbitMQ (failing over)")
             if confirm == "e2e":
+                if self._e2e_batcher.max_messages > 1 and copy_id and content:
+                    tag = (copy_id, content, bound)
+                    outcome: CopyOutcome = await self._e2e_batcher.send(
+                        home, queue, body, priority, tag
+                    )
+                    return outcome
                 return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
             if self._batcher.max_messages > 1:  # ``priority``: how long it may linger
                 await asyncio.wait_for(self._batcher.send(home, queue, body, priority), bound)
@@ -121,6 +137,33 @@ class CopySender:
         self._down[home] = now + self.topology.link_retry_s
         return True
 
+    async def _publish_e2e(
+        self,
+        home: str,
+        queue: str,
+        bodies: list[bytes],
+        tags: list[tuple[str, str, float | None]],
+        priority: int,
+    ) -> CopyOutcome:
+        """One e2e message of a batch of copies (``put`` checked the home's link): alone,
+        the copy as it would go unbatched; several: one message named by its copies'
+        ids and contents, each listed in ``ELEMENTS_HEADER``."""
+        client = await self.client_for(home)
+        bounds = [bound for _, _, bound in tags]
+        bound = None if None in bounds else max(b for b in bounds if b is not None)
+        if len(bodies) == 1:
+            copy_id, content, _ = tags[0]
+            return await self._e2e_copy(client, home, queue, bodies[0], copy_id, bound, content)
+        elements = [(copy_id, content) for copy_id, content, _ in tags]
+        headers = {
+            CONTENT_HEADER: _digest("\n".join(content for _, content in elements)),
+            ELEMENTS_HEADER: encode_elements(elements),
+        }
+        batch_id = "batch:" + _digest("\n".join(copy_id for copy_id, _ in elements))
+        return await self._e2e_copy(
+            client, home, queue, encode(bodies), batch_id, bound, headers=headers
+        )
+
     async def _e2e_copy(
         self,
         client: AsyncClient,
@@ -130,9 +173,13 @@ class CopySender:
         copy_id: str | None,
         bound: float | None,
         content: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
     ) -> CopyOutcome:
         publisher = await self._publisher(client)
         hold = self.pace.hold(queue, time.monotonic())
+        if headers is None and content:
+            headers = {CONTENT_HEADER: content}
         try:
             in_time = await publisher.publish_held(
                 body,
@@ -141,7 +188,7 @@ class CopySender:
                 routing_key=queue,
                 expect=[queue],
                 message_id=copy_id,
-                headers={CONTENT_HEADER: content} if content else None,
+                headers=headers,
             )
         finally:
             if hold > 0:
@@ -170,3 +217,7 @@ class CopySender:
         publishers, self._e2e = self._e2e, {}
         for publisher in publishers.values():
             await publisher.close()
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()

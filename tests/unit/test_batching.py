@@ -315,3 +315,28 @@ def test_the_gaps_kept_per_inbox_stay_bounded() -> None:
     batcher = asyncio.run(run())
     assert len(batcher._gaps) <= batching.MAX_INBOXES_TRACKED
     assert ("A", "control") not in batcher._gaps
+
+
+def test_publish_many_gets_each_batch_with_its_tags_and_every_sender_its_result() -> None:
+    """``publish_many``: the batch as bodies with the tags they were sent with, and what
+    it returns is each sender's result (an e2e batch's outcome for each copy)."""
+    batches: list[tuple[str, list[bytes], list[object]]] = []
+
+    async def publish_many(cluster: str, queue: str, bodies: list[bytes], tags: list, p: int):
+        batches.append((queue, bodies, tags))
+        return f"{queue}:{len(bodies)}"
+
+    async def run() -> list[object]:
+        batcher = Batcher(max_messages=3, publish_many=publish_many)
+        sends = [batcher.send("A", "q", _body(i), 0, tag=i) for i in range(4)]
+        return await asyncio.gather(*sends, batcher.send("A", "r", _body(9), 0, tag="r"))
+
+    results = asyncio.run(run())
+    assert results == ["q:3", "q:3", "q:3", "q:1", "r:1"]
+    assert sorted((q, tags) for q, _, tags in batches if q == "q") == [("q", [0, 1, 2]), ("q", [3])]
+    assert [(q, tags) for q, _, tags in batches if q == "r"] == [("r", ["r"])]
+
+
+def test_a_batcher_takes_one_way_to_publish() -> None:
+    with pytest.raises(ValueError, match="publish or publish_many"):
+        Batcher(max_messages=2)

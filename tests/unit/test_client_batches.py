@@ -55,3 +55,65 @@ def test_a_failed_event_is_requeued_alone_or_dead_lettered_alone() -> None:
     assert rejected.action is Action.DEAD_LETTER and "refused" in rejected.reason
     crashed = ClientCore.failed(message, ValueError("boom"))[1]
     assert crashed.action is Action.DEAD_LETTER and "ValueError: boom" in crashed.reason
+
+
+# --- e2e batches: each event with its own id and content digest (ELEMENTS_HEADER) ---
+
+
+def _e2e(bodies: list[bytes], names: list[tuple[str, str]] | None) -> Delivery:
+    from middleware.confirms.tracking import ELEMENTS_HEADER, encode_elements
+
+    headers = {} if names is None else {ELEMENTS_HEADER: encode_elements(names)}
+    return Delivery(body=encode(bodies), queue="q", headers=headers, delivery_tag=1)
+
+
+def test_an_e2e_batch_names_each_event_for_its_duplicate_check() -> None:
+    from middleware.confirms.tracking import named_digest
+
+    names = [("e1:q", "c1"), ("e2:q", "c2")]
+    events, bad = ClientCore.e2e_batch_of(_e2e([_copy(1), _copy(2)], names))
+    assert [(e.event.attributes["n"], name) for e, name in events] == [
+        (1, ("e1:q", named_digest("c1"))),
+        (2, ("e2:q", named_digest("c2"))),
+    ] and bad == []
+
+
+def test_an_e2e_batch_whose_header_does_not_name_each_event_is_checked_as_a_whole() -> None:
+    """Too few names, a malformed header, no header, a malformed element (the names can
+    no longer be matched to the events): no event gets a check of its own."""
+    two = [_copy(1), _copy(2)]
+    for delivery in (
+        _e2e(two, [("e1:q", "c1")]),
+        _e2e(two, None),
+        _e2e([_copy(1), b'{"kind": "publish"}'], [("e1:q", "c1"), ("e2:q", "c2")]),
+    ):
+        events, _ = ClientCore.e2e_batch_of(delivery)
+        assert all(name is None for _, name in events)
+    from middleware.confirms.tracking import ELEMENTS_HEADER
+
+    forged = Delivery(body=encode(two), queue="q", headers={ELEMENTS_HEADER: "[1"})
+    assert all(name is None for _, name in ClientCore.e2e_batch_of(forged)[0])
+
+
+def test_an_e2e_event_handled_once_is_skipped_after_and_a_requeue_sends_the_batch_back() -> None:
+    from middleware.confirms.core import ConsumerCore
+    from middleware.settings import ConfirmSettings
+
+    consumer = ConsumerCore(ConfirmSettings())
+    message = Publish.model_validate_json(_copy(1))
+    name = ("e1:q", b"digest-1")
+    failed: list = []
+    assert not ClientCore.handled_before(consumer, "q", message, name, failed)
+    assert not ClientCore.element_settled(consumer, "q", message, name, None, failed)
+    assert ClientCore.handled_before(consumer, "q", message, name, failed) and failed == []
+    # the same id with other content: another message reusing it, dead-lettered with why
+    assert ClientCore.handled_before(consumer, "q", message, ("e1:q", b"other"), failed)
+    assert failed[0][1].action is Action.DEAD_LETTER and "duplicate" in failed[0][1].reason
+    # Requeue with a check of its own: the whole delivery goes back, the event not kept
+    again = ("e2:q", b"digest-2")
+    assert ClientCore.element_settled(consumer, "q", message, again, Requeue("x"), [])
+    assert not ClientCore.handled_before(consumer, "q", message, again, [])
+    # without one: put back alone, as in a broker-confirmed batch
+    alone: list = []
+    assert not ClientCore.element_settled(consumer, "q", message, None, Requeue("x"), alone)
+    assert alone[0][1].action is Action.REQUEUE

@@ -313,3 +313,38 @@ def test_a_named_content_makes_two_differently_stamped_copies_one_message() -> N
     ((_reply_to, sent),) = core.batcher.drain()
     assert [r.ok for r in sent] == [True, True, False], sent
     assert "a different message" in sent[2].reason
+
+
+def test_elements_header_roundtrips_and_refuses_what_is_not_pairs() -> None:
+    from middleware.confirms.tracking import decode_elements, encode_elements
+
+    pairs = [("e1:q", "c1"), ("e 2", 'c"2')]
+    assert decode_elements(encode_elements(pairs)) == pairs
+    assert decode_elements(encode_elements(pairs).encode()) == pairs
+    for bad in ("[1", "{}", '[["a"]]', '[["a", ""]]', '[["a", 2]]', 7):
+        with pytest.raises(ValueError):
+            decode_elements(bad)
+
+
+def test_an_element_handled_makes_a_later_copy_alone_a_resend() -> None:
+    """An element of a batch handled, then the same id and content alone (the copy sent
+    again unbatched): suppressed, answered with a positive receipt."""
+    from middleware.confirms.tracking import CONTENT_HEADER, named_digest
+
+    core = ConsumerCore(ConfirmSettings(receipt_batch=100))
+    assert core.element_earlier("q", "e1:q", named_digest("c1")) is None
+    core.element_handled("q", "e1:q", named_digest("c1"))
+    assert core.element_earlier("q", "e1:q", named_digest("c1")).ok
+    refused = core.element_earlier("q", "e1:q", named_digest("other"))
+    assert not refused.ok and "duplicate" in refused.reason
+    alone = Delivery(
+        b"x",
+        "q",
+        message_id="e1:q",
+        reply_to="amq.rabbitmq.reply-to.X",
+        headers={RECEIPT_HEADER: 1, CONTENT_HEADER: "c1"},
+    )
+    assert not core.should_handle(alone)
+    core.settled(alone, Outcome(Action.ACK))
+    ((_reply_to, sent),) = core.batcher.drain()
+    assert [r.ok for r in sent] == [True]
