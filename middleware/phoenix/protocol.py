@@ -96,11 +96,12 @@ class PhoenixTopology(BaseModel):
     #: top priority: the most urgent latency level and control messages); 0: a batch
     #: leaves at the end of the loop turn it was opened in
     batch_linger_ms: float = Field(5.0, ge=0, le=1000)
-    #: copies for one broker-confirmed subscriber queue that may leave together in one
-    #: AMQP message (a JSON array, with the same linger): 1, the default, one message
-    #: per copy, which any AMQP consumer reads; above 1 only where every consumer of the
-    #: subscriber queues is the Phoenix client, which hands them to the application one
-    #: event at a time (e2e copies always go one per message)
+    #: copies for one subscriber queue that may leave together in one AMQP message (a
+    #: JSON array, with the same linger): 1, the default, one message per copy, which
+    #: any AMQP consumer reads; above 1 only where every consumer of the subscriber
+    #: queues is the Phoenix client, which hands them to the application one event at a
+    #: time (an e2e batch is one e2e message with one receipt, each copy checked against
+    #: the subscriber's duplicate filter as if alone: docs/phoenix.md)
     copy_batch_max: int = Field(1, ge=1, le=1000)
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
