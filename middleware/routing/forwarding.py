@@ -5,7 +5,7 @@ entry to write, the next hop).  :class:`Forwarding` runs the loop around it:
 
 - ``route``: a message from the client, the ring or a detour: the entries to write
   (``WriteEntry``), a duplicate the owner routed already dropped, then ``SendOn`` to
-  the next cluster on the ring or ``ToMatch`` this cluster's match master.  An event
+  the next cluster on the ring or a ``Send`` to this cluster's match master.  An event
   type of an arc being restored here (a departed cluster's, or this cluster's own while
   it joins) waits first (``WaitRestored``: the paper's buffer).
 - the driver answers a ``SendOn`` with :meth:`Forwarding.sent` (the path the message
@@ -29,10 +29,10 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..phoenix.effects import Count, Refuse
+from ..phoenix.effects import Count, Refuse, Send
 from ..phoenix.ring import Handover as Arc
 from .messages import HOME_LEFT, MAYBE_DELIVERED, Copy, Matched, Publish, RoutedMessage
-from .router import Forward, KeptEvents, RouterLogic, ToMatch, WriteEntry
+from .router import Forward, KeptEvents, RouterLogic, WriteEntry
 
 __all__ = [
     "JOINING",
@@ -47,7 +47,6 @@ __all__ = [
     "Refuse",
     "RouteAgain",
     "SendOn",
-    "ToMatch",
     "WaitRestored",
     "WriteEntry",
 ]
@@ -121,15 +120,7 @@ class RouteAgain:
 
 
 Effect = (
-    Count
-    | Refuse
-    | WriteEntry
-    | SendOn
-    | ToMatch
-    | WaitRestored
-    | PutHere
-    | LinkReported
-    | RouteAgain
+    Count | Refuse | WriteEntry | SendOn | Send | WaitRestored | PutHere | LinkReported | RouteAgain
 )
 
 

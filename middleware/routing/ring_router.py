@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.effects import Send
 from ..phoenix.ids import RoleId, RoleKind
 from ..phoenix.ring import ChordRing
 from ..phoenix.ring import Handover as Arc
@@ -34,7 +35,6 @@ from .forwarding import (
     PutHere,
     RouteAgain,
     SendOn,
-    ToMatch,
     WaitRestored,
     WriteEntry,
 )
@@ -236,9 +236,8 @@ class RingRouter(Master):
             elif isinstance(effect, SendOn):
                 path = await self.detours.forward(effect.cluster, effect.message, effect.priority)
                 after = self.forwarding.sent(effect, path, self._now(), self._holds())
-            elif isinstance(effect, ToMatch):
-                match = self.inbox_of(RoleId.match(self.cluster, effect.index))
-                await self.send(self.cluster, match, effect.message, effect.priority)
+            elif isinstance(effect, Send):  # to this cluster's match master
+                await self.perform(effect)
             elif isinstance(effect, WaitRestored):
                 restored = self._restored_event(effect.key)
                 if restored is not None:

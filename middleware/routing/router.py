@@ -7,8 +7,8 @@ one the owner already routed (sent again over a detour after its first confirm w
 with a link), fix a subscription's home cluster, count or take out a latency level and
 say which latencyMap entry to write (``WriteEntry``), and stamp the hop and the
 priority.  :meth:`RouterLogic.step` then says where it goes: ``Forward`` to the next
-cluster on the ring (fingers), or ``ToMatch`` the match master the routing table names
-at the owner.  :meth:`RouterLogic.relay` follows a detour's path.
+cluster on the ring (fingers), or a ``Send`` to the inbox of the match master the
+routing table names at the owner.  :meth:`RouterLogic.relay` follows a detour's path.
 
 The driver (``router_roles.RouterMaster``) persists and replicates entries, sends, waits for
 an arc being restored, and asks ``step`` again when a next hop left the ring meanwhile.
@@ -23,13 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeadLetter
+from ..phoenix.effects import Box, Send
+from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
 from ..phoenix.ring import ChordRing, Handover, master_index
 from .messages import Copy, Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
 from .records import LatencyEntry, RecordError
 from .timeliness import LatencyMap
 
-__all__ = ["Forward", "KeptEvents", "RouterLogic", "ToMatch", "WriteEntry"]
+__all__ = ["Forward", "KeptEvents", "RouterLogic", "WriteEntry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +47,6 @@ class Forward:
     """Send ``message`` to ``cluster``'s routing master with ``priority``."""
 
     cluster: str
-    message: RoutedMessage | Copy
-    priority: int
-
-
-@dataclass(frozen=True, slots=True)
-class ToMatch:
-    """Hand ``message`` to this cluster's match master ``index``."""
-
-    index: int
     message: RoutedMessage | Copy
     priority: int
 
@@ -143,14 +136,15 @@ class RouterLogic:
         update["priority"] = self.priority(message)
         return writes, message.model_copy(update=update)
 
-    def step(self, message: RoutedMessage) -> Forward | ToMatch:
-        """The next hop on the ring now, or the match master at the owner."""
+    def step(self, message: RoutedMessage) -> Forward | Send:
+        """The next hop on the ring now, or the send to the match master at the owner."""
         et = message.event_type
         if self.ring.owner(et) != self.cluster:
             return Forward(self.ring.route(self.cluster, et)[1], message, message.priority)
         # the routing table: SHA-1 of the event type over the cluster's match masters
         # (over a take-over's P for an adopted arc's types)
-        return ToMatch(master_index(et, self.masters_for(et)), message, message.priority)
+        match = RoleId.match(self.cluster, master_index(et, self.masters_for(et)))
+        return Send(match, message, Box.INBOX, message.priority)
 
     def relay(self, message: RoutedMessage | Copy) -> Forward | RoutedMessage | Copy:
         """A message on a detour: ``Forward`` to the next hop of its path, or the message

@@ -6,12 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from middleware.phoenix.effects import Send
 from middleware.phoenix.ids import RoleId, role_queues
 from middleware.phoenix.protocol import ClusterSpec, PhoenixTopology
 from middleware.phoenix.ring import ChordRing, ring_id
 from middleware.phoenix.ring import Handover as Arc
 from middleware.recovery.capacity import plan_takeover, running_masters
-from middleware.routing.router import RouterLogic, ToMatch
+from middleware.routing.router import RouterLogic
 
 
 def topology(x_masters: int, s_masters: int, slaves: int = 2) -> PhoenixTopology:
@@ -110,9 +111,9 @@ def test_every_subscription_of_the_arc_is_restored_by_exactly_the_master_that_ro
             if held_by in r.owners and ring_id(et) % plan.masters == r.master.index
         ]
         step = logic.step(_publish(et))
-        assert isinstance(step, ToMatch)
-        assert restoring == [step.index]
-        assert step.index < max(m, n if can_add else m)
+        assert isinstance(step, Send)
+        assert restoring == [step.to.index]
+        assert step.to.index < max(m, n if can_add else m)
 
 
 def _publish(event_type: str):

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from middleware.errors import DeadLetter
+from middleware.phoenix.effects import Send
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing, Handover, ring_id
 from middleware.routing.forwarding import (
@@ -20,7 +21,6 @@ from middleware.routing.forwarding import (
     Refuse,
     RouteAgain,
     SendOn,
-    ToMatch,
     WaitRestored,
     WriteEntry,
 )
@@ -79,7 +79,7 @@ def test_an_event_entering_away_from_its_owner_is_sent_on_stamped_and_kept_once_
 def test_at_the_owner_an_event_goes_to_the_match_master_and_a_repeat_is_dropped() -> None:
     machine, event_type = _machine("B"), _type_owned_by("B")
     first = machine.route(_publish(event_type, id="x"), NOW)
-    assert first[0] == Count("routed") and isinstance(first[1], ToMatch)
+    assert first[0] == Count("routed") and isinstance(first[1], Send)
     assert machine.route(_publish(event_type, id="x"), NOW) == [Count("duplicates_dropped")]
 
 
@@ -88,7 +88,7 @@ def test_a_subscription_writes_its_latency_entry_before_it_moves() -> None:
     subscribe = Subscribe(event_type=event_type, subscription_id="s", queue="q", latency_level=2)
     effects = machine.route(subscribe, NOW)
     assert isinstance(effects[0], WriteEntry) and effects[0].event_type == event_type
-    assert isinstance(effects[-1], ToMatch)
+    assert isinstance(effects[-1], Send)
 
 
 def test_a_next_hop_that_left_meanwhile_sends_the_event_along_the_ring_as_it_is_now() -> None:
@@ -100,7 +100,7 @@ def test_a_next_hop_that_left_meanwhile_sends_the_event_along_the_ring_as_it_is_
     assert again[0] == Count("rerouted")
     owner = machine.logic.ring.owner(event_type)
     if owner == "A":
-        assert isinstance(again[-1], ToMatch)
+        assert isinstance(again[-1], Send)
     else:
         assert isinstance(again[-1], SendOn) and again[-1].cluster == owner
     assert len(machine.kept) == 0  # nothing kept for a send that did not happen
@@ -114,7 +114,7 @@ def test_an_event_of_an_arc_being_restored_waits_and_then_goes_to_the_match_mast
     wait = effects[1]
     assert isinstance(wait, WaitRestored) and wait.key == "C"
     after = machine.restored(wait.message, [])
-    assert after[0] == Count("routed") and isinstance(after[1], ToMatch)
+    assert after[0] == Count("routed") and isinstance(after[1], Send)
 
 
 def test_a_handed_over_subscription_is_not_held_by_the_arc_it_belongs_to() -> None:
@@ -122,7 +122,7 @@ def test_a_handed_over_subscription_is_not_held_by_the_arc_it_belongs_to() -> No
     arc = Handover("B", "C", ring_id(event_type) - 1, ring_id(event_type))
     subscribe = Subscribe(event_type=event_type, subscription_id="s", queue="q", latency_level=1)
     effects = machine.route(subscribe, NOW, [(JOINING, arc)], held=False)
-    assert isinstance(effects[-1], ToMatch)
+    assert isinstance(effects[-1], Send)
 
 
 def test_a_detour_goes_on_to_its_next_hop_and_from_here_when_that_hop_left() -> None:

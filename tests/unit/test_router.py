@@ -9,12 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from middleware.errors import DeadLetter
+from middleware.phoenix.effects import Send
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.phoenix.ring import ChordRing, ring_id
 from middleware.routing.matching import Event
 from middleware.routing.messages import Publish, Subscribe, Unsubscribe, Unsubscribed
 from middleware.routing.records import LatencyEntry
-from middleware.routing.router import Forward, KeptEvents, RouterLogic, ToMatch, WriteEntry
+from middleware.routing.router import Forward, KeptEvents, RouterLogic, WriteEntry
 
 CLUSTERS = ["A", "B", "C", "D", "E"]
 
@@ -40,7 +41,7 @@ def _walk(routers: dict[str, RouterLogic], start: str, message: object) -> tuple
             return hops, effects
         step = routers[at].step(stamped)
         effects.append(step)
-        if isinstance(step, ToMatch):
+        if isinstance(step, Send):
             return hops, effects
         at, message = step.cluster, step.message
 
@@ -59,7 +60,7 @@ def test_a_publish_reaches_the_owners_match_master_along_the_rings_route(
     hops, effects = _walk(routers, start, publish)
     assert hops == ring.route(start, event_type)
     last = effects[-1]
-    assert isinstance(last, ToMatch) and last.index == ring_id(event_type) % 2
+    assert isinstance(last, Send) and last.to.index == ring_id(event_type) % 2
     assert last.message.hops == hops and last.message.id == "id0"  # one id on the way
 
 
@@ -73,7 +74,7 @@ def test_a_subscription_counts_its_level_on_every_router_of_its_path_and_writes_
     writes = [e for e in effects if isinstance(e, WriteEntry)]
     assert writes == [WriteEntry(event_type, LatencyEntry(1, 1))] * len(hops)
     last = effects[-1]
-    assert isinstance(last, ToMatch)
+    assert isinstance(last, Send)
     assert last.message.home == "A"  # the entry router's cluster, when unsaid
     assert last.message.priority == routers[start].latency.priority(event_type) > 0
     gone = Unsubscribed(event_type=event_type, latency_level=1)
