@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import logging
@@ -20,7 +21,7 @@ from .localcluster.layout import DEFAULT_BASE_PORT, MAX_NODES
 from .observability import configure_logging
 from .settings import Settings
 
-__all__ = ["main"]
+__all__ = ["main", "warm"]
 
 DESCRIPTION = """\
 qosmq: qualities of service on top of RabbitMQ.
@@ -90,6 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def warm() -> None:
+    """Build the command parser now (a zygote does, before it forks role processes:
+    each then parses its arguments at once, its commands' imports made)."""
+    _parser()
+
+
+@functools.cache
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="qosmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
