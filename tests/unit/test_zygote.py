@@ -76,3 +76,33 @@ def test_the_zygote_runs_the_entry_point_it_is_told(tmp_path: Path) -> None:
         assert _until(lambda: not pid_alive(pid))
     finally:
         zygote.stop()
+
+
+def test_the_entry_modules_warm_up_runs_once_in_the_zygote_before_any_fork(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``warm()`` of the entry's module (the CLI builds its parser there): run in the
+    zygote, so what it made is in every child without the child making it."""
+    (tmp_path / "warmed_entry.py").write_text(
+        "import os\n"
+        "WARMED = []\n"
+        "def warm():\n"
+        "    WARMED.append(os.getpid())\n"
+        "def main(argv):\n"
+        "    print('warmed in', WARMED, 'child', os.getpid(), flush=True)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    zygote = Zygote("warmed_entry:main")
+    zygote.start()
+    try:
+        process = zygote._process
+        assert process is not None
+        logs = [tmp_path / f"child-{i}.log" for i in range(2)]
+        pids = [zygote.spawn([], dict(os.environ), log) for log in logs]
+        for log, pid in zip(logs, pids, strict=True):
+            assert _until(lambda log=log: log.exists() and "child" in log.read_text())
+            assert log.read_text().split() == [
+                "warmed", "in", f"[{process.pid}]", "child", str(pid)
+            ]  # fmt: skip
+    finally:
+        zygote.stop()
