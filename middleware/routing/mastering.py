@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from ..errors import DeadLetter
+from ..errors import DeadLetter, MiddlewareError
 from ..phoenix.effects import After
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
@@ -24,8 +24,8 @@ from .beats import LeaseWatch
 from .messages import Beat, Fence, Message, Read, Replicate, Retire, Vote
 from .replica_set import ReplicaSet
 from .roles import WARM_AFTER_PROMOTION_S, Role
+from .supervision import Check, Note, Provision, Supervision
 from .supervision import Effect as SupervisionEffect
-from .supervision import Note, Provision, Supervision
 from .supervision import Retire as RetireProcess
 from .wiring import Handler
 
@@ -227,10 +227,25 @@ class Master(Role):
                     by=self.reign.by,
                 )
                 await self.tell(effect.process, retire)
+            elif isinstance(effect, Check):
+                there = await self._process_there(effect.known)
+                slave, known, process = effect.slave, effect.known, effect.process
+                await self._supervise(self.supervision.checked(slave, known, process, there))
             elif isinstance(effect, After):
                 self._after(effect)
             else:
                 self._background(self._replacement(effect))
+
+    async def _process_there(self, queue: str) -> bool:
+        """Whether a slave's process queue is there (it goes with the process's
+        connection); a look that fails says it is (the slave is then told to stop, as
+        before the look)."""
+        try:
+            client = await self.client_for(self.cluster)
+            return await client.queue_there(queue)
+        except MiddlewareError as exc:
+            log.info("%s: could not look at %s (%s): taken as there", self.id, queue, exc)
+            return True
 
     def _slave(self, number: int) -> RoleId:
         return next(

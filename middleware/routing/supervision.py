@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..phoenix.effects import DUE_MARGIN_S, After
 
-__all__ = ["Effect", "Note", "Provision", "Retire", "Supervision"]
+__all__ = ["Check", "Effect", "Note", "Provision", "Retire", "Supervision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,19 @@ class Retire:
     """Tell ``process`` (its process queue), a second one beating as ``slave``, to stop."""
 
     slave: int
+    process: str
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Before ``process``, a second one beating as ``slave``, is told to stop: is
+    ``known`` (the process queue of the one serving it) still there?  A process that
+    stopped cleanly hands its lease back silently, and its queue goes with its
+    connection: a process restarted at once is not a second one.  Answer with
+    :meth:`Supervision.checked`."""
+
+    slave: int
+    known: str
     process: str
 
 
@@ -49,7 +62,7 @@ class Note:
     text: str
 
 
-Effect = Retire | Provision | After | Note
+Effect = Retire | Check | Provision | After | Note
 
 #: pauses between the tries to replace a slave whose lease came back: the broker sees
 #: the connection close while the process is still exiting, so a provisioner that checks
@@ -98,10 +111,22 @@ class Supervision:
         if now - self.retired.get(process, -1.0) < RETIRE_EVERY_S:
             return False, []
         self.retired[process] = now
-        return False, [
-            Note(slave, "a second process beats as {slave}: told to stop"),
-            Retire(slave, process),
-        ]
+        return False, [Check(slave, known, process)]
+
+    def checked(self, slave: int, known: str, process: str, known_there: bool) -> list[Effect]:
+        """The answer to a :class:`Check`: the known process is still there (``process``
+        is a second one: told to stop), or it ended cleanly (the slave is taken for
+        gone: ``process``'s next beat makes it the one serving the slave)."""
+        if self.processes.get(slave) != known or slave in self.gone:
+            return []  # the slave's process changed meanwhile: the beats decide
+        if known_there:
+            return [
+                Note(slave, "a second process beats as {slave}: told to stop"),
+                Retire(slave, process),
+            ]
+        self.gone.add(slave)
+        self.retired.pop(process, None)
+        return [Note(slave, "the process serving {slave} ended cleanly: the next one serves it")]
 
     def heard(self, slave: int) -> None:
         """A sign of life of ``slave`` (its serving process's beat or load report)."""

@@ -39,6 +39,7 @@ from ..errors import (
     MiddlewareError,
     NotConnected,
     PublishNacked,
+    ResourceLocked,
     RetryableError,
     TopologyError,
     WindowFull,
@@ -335,6 +336,22 @@ class AsyncClient:
                 live = await self._await_live()
                 return int(await self._on_probe_channel(live, passive))
         raise AssertionError("unreachable: the retry raises its last error")
+
+    async def queue_there(self, name: str) -> bool:
+        """Whether the queue exists, asked once (no retry): an exclusive queue held by
+        another connection (405) is there; one not found (404) is not.  Other failures
+        raise (a lost connection, ...)."""
+
+        async def passive(ch: aiormq.abc.AbstractChannel) -> None:
+            await ch.queue_declare(name, passive=True)
+
+        try:
+            await self._on_probe_channel(await self._await_live(), passive)
+        except ResourceLocked:
+            return True
+        except EntityNotFound:
+            return False
+        return True
 
     # ------------------------------------------------------------ consuming
     async def consume(

@@ -251,3 +251,32 @@ def test_a_killed_master_is_known_by_its_lease_before_any_beat_is_missed(
         assert "no beat from" not in logs
     finally:
         deployment.down()
+
+
+def test_a_slave_stopped_cleanly_and_started_at_once_serves_and_is_not_retired(
+    settings, brokers, tmp_path: Path, name: str
+) -> None:
+    """A clean stop hands the lease back silently, so the master has not missed the
+    stopped process when the new one beats as the same slave: it looks at the known
+    process's queue (gone with its connection) and takes the new process as the one
+    serving the slave instead of telling it to stop as a second one.  Counted from
+    outside: the started process is alive and serving seconds later, the master's log
+    tells no second process to stop and starts no replacement."""
+    _, _, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}
+    )
+    slave = RoleId.match_slave("B", 0, 0)
+    deployment.up()
+    try:
+        for _ in range(3):  # each restart inside the master's detection window
+            stopped = deployment.stop(slave)
+            started = deployment.start(slave)
+            time.sleep(3.0)  # beyond the window, and beyond ``replace_after_s``
+            assert pid_alive(started) and not pid_alive(stopped)
+            assert deployment.serves(slave) == slave
+        log = deployment.log_file(RoleId.match("B", 0)).read_text()
+        assert "a second process beats as" not in log
+        assert "replacement started" not in log
+        assert log.count("ended cleanly") >= 1, log[-2000:]
+    finally:
+        deployment.down()

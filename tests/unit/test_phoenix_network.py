@@ -40,7 +40,7 @@ from middleware.routing.registry import Registry
 from middleware.routing.replicas import Persist, ReplicaLog, Written
 from middleware.routing.subscribing import Confirm, SubscriptionBook
 from middleware.routing.subscribing import Persist as PersistSubscription
-from middleware.routing.supervision import Provision, Retire, Supervision
+from middleware.routing.supervision import Check, Provision, Retire, Supervision
 from middleware.routing.switching import become
 from middleware.routing.takeover import Adopt, ArcTakeover, Released
 
@@ -517,6 +517,12 @@ class _ReignCluster:
                     process.supervision.heard(slave)
                     process.slaves_heard.heard(slave, self.now)
                 for effect in said:
+                    if isinstance(effect, Check):  # as the driver looks: its queue there
+                        there = effect.known in self.processes
+                        checked = process.supervision.checked(
+                            effect.slave, effect.known, effect.process, there
+                        )
+                        said.extend(checked)
                     if isinstance(effect, Retire):
                         retire = ("retire", self.slaves[effect.slave].owner, machine.reign)
                         self.in_flight.append((effect.process, retire))

@@ -9,6 +9,7 @@ from pathlib import Path
 from middleware.phoenix.effects import After
 from middleware.routing.supervision import (
     DEAD_RETRIES_S,
+    Check,
     Note,
     Provision,
     Retire,
@@ -21,15 +22,44 @@ def machine(can_provision: bool = True) -> Supervision:
 
 
 def test_the_first_process_heard_serves_a_slave_and_a_second_one_is_told_to_stop_once_a_second():
+    """A second process: the known one's queue is looked at first (``Check``); still
+    there: the second is told to stop, at most once a second."""
     m = machine()
     assert m.beat(0, "p1", 0.0) == (True, [])
     assert m.beat(0, "p1", 0.1) == (True, [])
     serving, effects = m.beat(0, "p2", 0.2)
-    assert not serving and Retire(0, "p2") in effects
+    assert not serving and effects == [Check(0, "p1", "p2")]
+    effects = m.checked(0, "p1", "p2", known_there=True)
+    assert Retire(0, "p2") in effects
     assert any(isinstance(e, Note) and "a second process" in e.text for e in effects)
     assert m.beat(0, "p2", 0.7) == (False, [])  # told already, less than a second ago
-    assert Retire(0, "p2") in m.beat(0, "p2", 1.3)[1]
+    assert m.beat(0, "p2", 1.3)[1] == [Check(0, "p1", "p2")]
     assert m.beat(1, None, 0.0) == (True, [])  # no process queue: nothing to tell apart
+
+
+def test_a_process_restarted_after_a_clean_stop_serves_the_slave_at_its_next_beat():
+    """The known process stopped cleanly (its lease handed back silently, its queue gone
+    with its connection) and another beats as the slave before the master missed the
+    first: it is not told to stop; its next beat makes it the one serving the slave."""
+    m = machine()
+    m.beat(0, "p1", 0.0)
+    assert m.beat(0, "p2", 0.2) == (False, [Check(0, "p1", "p2")])
+    said = m.checked(0, "p1", "p2", known_there=False)
+    assert not any(isinstance(e, Retire) for e in said) and m.is_gone(0)
+    serving, said = m.beat(0, "p2", 0.45)
+    assert serving and [n.text for n in said if isinstance(n, Note)] == [
+        "{slave} served by another process now"
+    ]
+    assert m.beat(0, "p1", 0.6)[1] == [Check(0, "p2", "p1")]  # now p1 would be the second
+
+
+def test_a_look_answered_after_the_slave_changed_hands_does_nothing():
+    m = machine()
+    m.beat(0, "p1", 0.0)
+    m.beat(0, "p2", 0.2)
+    m.lease_returned(0)  # p1 died meanwhile
+    m.beat(0, "p3", 0.3)  # and p3 serves the slave now
+    assert m.checked(0, "p1", "p2", known_there=True) == []
 
 
 def test_once_the_known_process_is_gone_the_next_one_heard_serves_the_slave():
