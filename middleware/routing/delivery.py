@@ -36,6 +36,11 @@ __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
 log = logging.getLogger(__name__)
 #: what a copy's send raises when its home, not the copy, is at fault
 HOME_ERRORS = (RetryableError, NotConnected, TimeoutError)
+#: e2e copies one message carries at most, whatever ``copy_batch_max`` says: each is
+#: named in its ``ELEMENTS_HEADER`` (at most ~105 bytes: an id of up to 81 characters
+#: and a 16-digit content name), and headers must fit one AMQP frame (128 KB by
+#: default; a message whose headers do not is refused before it is sent)
+E2E_BATCH_MAX = 500
 
 
 class CopySender:
@@ -65,7 +70,7 @@ class CopySender:
         )
         #: e2e copies: tagged (id, content name, link bound), a batch is one held message
         self._e2e_batcher = Batcher(
-            max_messages=topology.copy_batch_max,
+            max_messages=min(topology.copy_batch_max, E2E_BATCH_MAX),
             linger_s=topology.batch_linger_ms / 1000,
             publish_many=self._publish_e2e,
         )

@@ -117,3 +117,17 @@ def test_an_e2e_event_handled_once_is_skipped_after_and_a_requeue_sends_the_batc
     alone: list = []
     assert not ClientCore.element_settled(consumer, "q", message, None, Requeue("x"), alone)
     assert alone[0][1].action is Action.REQUEUE
+
+
+def test_the_largest_e2e_batch_names_fit_one_frame() -> None:
+    """``E2E_BATCH_MAX`` copies with the longest ids an event can have: the message's
+    headers pass the broker's frame limit (checked before sending)."""
+    from middleware.confirms.tracking import CONTENT_HEADER, ELEMENTS_HEADER, encode_elements
+    from middleware.routing.copies import copy_id
+    from middleware.routing.delivery import E2E_BATCH_MAX
+    from middleware.transport import OutgoingMessage
+    from middleware.transport.outbound import check_message
+
+    names = [(copy_id("e" * 64, f"queue-{i}"), "0123456789abcdef") for i in range(E2E_BATCH_MAX)]
+    headers = {CONTENT_HEADER: "f" * 24, ELEMENTS_HEADER: encode_elements(names)}
+    check_message(OutgoingMessage(b"[]", "", "q", headers=headers, message_id="batch:" + "a" * 24))
