@@ -58,14 +58,17 @@ def _tables(store: Any, event_type: str) -> dict[str, Any]:
 
 
 def _settled(store: Any, event_type: str, queues: list[str]) -> dict[str, Any]:
-    """The tables once every replica holds all the subscriptions (the confirmation waited
-    for W of N: the last replica's write may still be on its way), or after 15 s."""
+    """The tables once every replica holds all the subscriptions and the latencyMap entry
+    that counts them all (the confirmation waited for W of N: the last replica's write
+    may still be on its way), or after 15 s."""
+    entry = LatencyEntry(len(queues), len(queues))  # every subscription at level 1
     with contextlib.suppress(AssertionError):
         eventually(
             lambda: (
                 (tables := _tables(store, event_type))
                 and all(v is not None and v != [] for v in tables.values())
                 and all(v == sorted(queues) for v in tables.values() if isinstance(v, list))
+                and all(v == entry for v in tables.values() if isinstance(v, LatencyEntry))
             ),
             "every replica",
             timeout=15,
