@@ -3,7 +3,7 @@
 Pure logic here (Chord ring with fingers and hand-over arcs, typed events,
 filters and the subscription index, latency levels and predicted processing
 times, replica quorums); the roles that run it over RabbitMQ are in
-:mod:`middleware.routing.roles`, their processes in ``qosmq phoenix``.
+:mod:`middleware.routing.node` (one driver per process), their processes in ``qosmq phoenix``.
 
 The faces a service uses (``PhoenixClient``, ``SyncPhoenixClient``), the deployment
 (``PhoenixDeployment``, ``PhoenixTopology``) and their errors are exported here too,

@@ -33,6 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..errors import DeadLetter, MiddlewareError
+from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from ..settings import Settings
 from ..transport import (
     Action,
@@ -43,8 +44,9 @@ from ..transport import (
     QueueSpec,
     SyncClient,
 )
+from .wiring import Connections, cluster_settings
 
-__all__ = ["LEASE_TOKEN", "Beater", "LeaseWatch", "is_lease"]
+__all__ = ["LEASE_TOKEN", "Beater", "LeaseWatch", "beat_thread", "is_lease", "signal_ttl_ms"]
 
 LEASE_TOKEN = b"qosmq-lease"
 #: an unconsumed lease queue (its holder gone, no watcher) goes after this long; the
@@ -290,3 +292,34 @@ class LeaseWatch:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         await self.on_lost()
+
+
+def signal_ttl_ms(topology: PhoenixTopology) -> int:
+    """How long a beat or vote stays worth reading: the detection timeout."""
+    return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
+
+
+def beat_thread(
+    settings: Settings,
+    topology: PhoenixTopology,
+    cluster: str,
+    connections: Connections,
+    name: str,
+    *,
+    queues: list[str],
+    body: bytes | Callable[[], bytes] | None,
+    interval_s: float,
+) -> Beater:
+    """A beat thread (not started) on a connection of its own to ``cluster``'s
+    RabbitMQ, holding the process's lease (named after its process queue) when the
+    topology has leases."""
+    return Beater(
+        cluster_settings(settings, topology, cluster)[1],
+        queues,
+        body,
+        interval_s=interval_s,
+        ttl_ms=signal_ttl_ms(topology),
+        priority=MAX_PRIORITY,
+        name=name,
+        lease=f"{connections.process_queue}.lease" if topology.leases else None,
+    )

@@ -30,8 +30,9 @@ from .follower import (
 )
 from .follower import Effect as FollowerEffect
 from .messages import Ack, Beat, Read, Replicate, Retire, Takeover, Vote
+from .peer import Role
+from .replica_set import answer_read
 from .role_metrics import RECOVERY_S
-from .roles import Role
 from .store import StateStore
 from .wiring import Handler
 
@@ -80,7 +81,7 @@ class ReplicaHolder(Role):
                 self._retired(effect)
 
     def _retired(self, effect: StopServing) -> None:
-        if self._stop is None or self.switch_to is not None:
+        if self.stop_event is None or self.switch_to is not None:
             return
         log.warning(
             "%s: retired by %s: another process serves this role now; stopping",
@@ -88,7 +89,7 @@ class ReplicaHolder(Role):
             effect.by,
         )
         self.retired = True
-        self._stop.set()
+        self.stop_serving()
 
     held_version = 0  # the newest replica entry it stored
 
@@ -219,8 +220,7 @@ class ReplicaHolder(Role):
         self.switch_to = self.id.master
         self.count("takeovers")
         log.warning("%s taking over %s (%s)", self.id, self.switch_to, why)
-        if self._stop is not None:
-            self._stop.set()
+        self.stop_serving()
 
     async def _on_beat(self, message: Beat) -> None:
         if self.follower is None:
@@ -278,4 +278,4 @@ class ReplicaHolder(Role):
         self.count("reads_answered")
 
     async def _answer_read(self, message: Read) -> None:
-        await self.answer_read(self.store, self.replica_owner, message)
+        await answer_read(self, self.store, self.replica_owner, message)

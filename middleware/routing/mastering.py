@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError
@@ -22,8 +23,9 @@ from ..recovery.fencing import Refuse, Reign, Reigning, RivalOutcome, SendFence,
 from ..transport import Delivery
 from .beats import LeaseWatch
 from .messages import Beat, Fence, Message, Read, Replicate, Retire, Vote
-from .replica_set import ReplicaSet
-from .roles import WARM_AFTER_PROMOTION_S, Role
+from .peer import WARM_AFTER_PROMOTION_S, Role
+from .replica_set import ReplicaSet, answer_read
+from .serving import each
 from .supervision import Check, Note, Provision, Supervision
 from .supervision import Effect as SupervisionEffect
 from .supervision import Retire as RetireProcess
@@ -176,8 +178,11 @@ class Master(Role):
         if message.lease is not None:
             await watch.named(message.lease)
 
-    async def _on_former_inbox(self, delivery: Delivery) -> None:
-        await self._each(delivery, self._former_inbox, self.gate)
+    def former_inbox_handler(self) -> Callable[[Delivery], Awaitable[None]]:
+        async def on_former_inbox(delivery: Delivery) -> None:
+            await each(self, delivery, self._former_inbox, self.gate)
+
+        return on_former_inbox
 
     async def _former_inbox(self, message: Message) -> None:
         """What reaches the inbox a promoted master had as a slave and drains: its
@@ -186,7 +191,7 @@ class Master(Role):
         not this reign's and is dropped."""
         replicas = self.replica_set
         if isinstance(message, Read) and replicas is not None and self.promoted_from:
-            await self.answer_read(replicas.store, self.promoted_from.owner, message)
+            await answer_read(self, replicas.store, self.promoted_from.owner, message)
             self.count("former_reads_answered")
             return
         if isinstance(message, Replicate):
@@ -207,11 +212,10 @@ class Master(Role):
         this master stops consuming them before it replicates there (a replica taken
         by its drain was dropped, and a subscribe waited for W of N in vain)."""
         client = await self.client_for(self.cluster)
-        for tag in (self._former_control, self._former_inbox_tag):
-            if tag is not None:
-                with contextlib.suppress(Exception):
-                    await client.cancel(tag)
-        self._former_control = self._former_inbox_tag = None
+        tags, self.former_tags = self.former_tags, []
+        for tag in tags:
+            with contextlib.suppress(Exception):
+                await client.cancel(tag)
 
     async def _supervise(self, effects: list[SupervisionEffect]) -> None:
         """Perform what the supervision machine returned (supervision.py)."""
@@ -375,5 +379,4 @@ class Master(Role):
             self.count("fenced")
             self.fenced = True
             self.switch_to, self.reign = back, self.reigning.reign  # the slave trusts it
-            if self._stop is not None:
-                self._stop.set()
+            self.stop_serving()

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from .. import heap
@@ -93,8 +95,11 @@ class RestoringMatcher(MatchBroker, Master):
         await super()._on_join_back(message)
         self.read_ahead.joined(message.cluster)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.replicas.persisting(self._serve_observed(stop), stop)
+    @contextlib.asynccontextmanager
+    async def lifetime(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """While served: the table snapshotted, the inbox observed (``MatchBroker``)."""
+        async with self.replicas.persisting(stop), super().lifetime(stop):
+            yield
 
     async def prepare(self) -> None:
         for sid, (_, doc) in (await self.replicas.read(self.topology.read_timeout_s)).items():

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from .. import tracing
@@ -29,10 +30,10 @@ from .messages import (
     encode,
     heartbeat_value,
 )
+from .peer import Role
 from .registry import Registry
 from .replicas import TOMBSTONE, live
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
-from .roles import Role
 from .store import open_store
 from .timeliness import QueuePredictor
 from .wiring import Handler
@@ -239,10 +240,13 @@ class MatchBroker(Role):
     async def report(self, t: float) -> None:
         """Masters keep their T; slaves send it to the master."""
 
-    async def _serve_observed(self, stop: asyncio.Event) -> None:
+    @contextlib.asynccontextmanager
+    async def lifetime(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """While served: the inbox observed every window."""
         observe = asyncio.create_task(self._observe(self.inbox_of(self.id), stop))
         try:
-            await self.serve(stop)
+            async with super().lifetime(stop):
+                yield
         finally:
             observe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -260,14 +264,17 @@ class MatchSlave(MatchBroker, ReplicaHolder):
         self.replica_owner = self.id.owner
         self.master_control = self.control_of(self.id.master)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    @contextlib.asynccontextmanager
+    async def lifetime(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """While served: the replica it holds, loaded first (and the inbox observed)."""
         self.store = open_store(self.topology.state_store)
         held = self.store.load(self.replica_owner, "subscription")
         self.held_version = max((v for v, _ in held.values()), default=0)
         for sid, (_, doc) in live(held).items():
             self._held(sid, doc)
         try:
-            await self._serve_observed(stop)
+            async with super().lifetime(stop):
+                yield
         finally:
             self.store.close()
 

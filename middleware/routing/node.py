@@ -25,13 +25,13 @@ from ..phoenix.protocol import PhoenixTopology
 from ..recovery.fencing import Reign
 from ..recovery.provisioner import Provisioner
 from ..settings import Settings
-from .beats import Beater
+from .beats import Beater, beat_thread
 from .match_master import MatchMaster
 from .match_roles import MatchSlave
 from .messages import Answer, Takeover
-from .peer import beat_thread
-from .roles import Role
+from .peer import Role
 from .router_roles import RouterMaster, RouterSlave
+from .serving import Serving
 from .wiring import Connections, outgoing
 
 __all__ = ["RoleNode"]
@@ -60,6 +60,8 @@ class RoleNode:
         self.role: Role | None = None
         self.switches = 0
         self.beater: Beater | None = None  # the process's beat thread, while it runs
+        #: consumes the queues of the role it serves, by tag (kept across a switch)
+        self.serving = Serving()
 
     def build(
         self,
@@ -114,7 +116,7 @@ class RoleNode:
                 relay = asyncio.create_task(_relay(stop, role_stop))
                 answer = asyncio.create_task(self._answer(role, reply)) if reply else None
                 try:
-                    await role.run(role_stop)
+                    await self.serving.run(role, role_stop)
                 finally:
                     relay.cancel()
                     if answer is not None:

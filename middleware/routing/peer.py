@@ -1,45 +1,45 @@
-"""What a role process says to others (driver): its connections, batched sends to inboxes,
-control messages that expire when stale, the beat thread, counters and background work.
-:class:`~middleware.routing.roles.Role` serves on top of it.
+"""A role as its process serves it (driver side): :class:`Peer`, what a role says to
+others (its connections, batched sends to inboxes, control messages that expire when
+stale, beats from the process's beat thread, counters and background work), and
+:class:`Role`, what it does with what it hears (handler tables per kind, the take-over
+and live configure every role answers, what it holds while served, what its process
+serves next).  ``serving.py`` consumes a role's queues; ``mastering.py`` is what a
+master adds, ``holding.py`` a slave; the routing roles ``router_roles.py``, the match
+roles ``match_roles.py``; connections and queues ``wiring.py``.  The whole picture:
+``docs/phoenix-roles.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ..errors import LinkDown, MiddlewareError, Unroutable
+from ..errors import DeadLetter, LinkDown, MiddlewareError, Unroutable
 from ..phoenix.effects import Box, Send, Sent, Signal
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
+from ..recovery.fencing import Reign
+from ..recovery.provisioner import Provisioner
 from ..settings import Settings
-from ..transport import AsyncClient
-from .batching import Batcher
-from .beats import Beater
-from .messages import (
-    Beat,
-    Message,
-    Read,
-    Snapshot,
-    encode,
-)
+from ..transport import AsyncClient, Delivery
+from .batching import Batcher, PriorityGate
+from .beats import Beater, beat_thread, signal_ttl_ms
+from .messages import Answer, Beat, Configure, Fence, Message, Routed, Takeover, encode
 from .replica_set import ReplicaSet
 from .role_metrics import ROLE_EVENTS
-from .store import StateStore
-from .wiring import (
-    Connections,
-    cluster_settings,
-    outgoing,
-    outgoing_body,
-    role_inbox_spec,
-)
+from .switching import Become, become, configured, take_over
+from .wiring import Connections, Handler, outgoing, outgoing_body, role_inbox_spec
 
-__all__ = ["Peer", "beat_thread", "signal_ttl_ms"]
+__all__ = ["WARM_AFTER_PROMOTION_S", "Peer", "Role"]
 
 log = logging.getLogger(__name__)
+#: a promoted master warms its provisioner this long after it serves (beats.py, zygote.py)
+WARM_AFTER_PROMOTION_S = 1.0
 
 
 class Peer:
@@ -207,54 +207,169 @@ class Peer:
         self.side_tasks.add(task)
         task.add_done_callback(self.side_tasks.discard)
 
-    async def answer_read(self, store: StateStore, owner: str, message: Read) -> None:
-        """The whole table ``owner`` holds of the kind asked for, in pages, to the
-        reader's queue."""
-        table = await asyncio.to_thread(store.load, owner, message.state_kind)
-        entries = list(table.items())
-        pages = [
-            entries[i : i + ReplicaSet.PAGE] for i in range(0, len(entries), ReplicaSet.PAGE)
-        ] or [[]]
-        for n, page in enumerate(pages):
-            await self.send(
-                self.cluster,
-                message.reply_to,
-                Snapshot(
-                    request=message.request,
-                    state_kind=message.state_kind,
-                    entries=dict(page),
-                    last=n == len(pages) - 1,
-                    broker=owner,
-                ),
-            )
 
+class Role(Peer):
+    """One role as its process serves it (``serving.Serving`` consumes its queues): what
+    it does with each kind of message (its handler tables, filled by each kind's
+    module), what it holds while it serves (``lifetime``), the take-over and the live
+    configure every role answers, and what its process serves next (``after``)."""
 
-def signal_ttl_ms(topology: PhoenixTopology) -> int:
-    """How long a beat or vote stays worth reading: the detection timeout."""
-    return max(1, int(topology.heartbeat_interval_s * topology.heartbeat_misses * 1000))
+    observes_inbox = False  # match brokers read its length every window themselves
 
+    def __init__(
+        self,
+        *,
+        promoted_from: RoleId | None = None,
+        reign: Reign | None = None,
+        provisioner: Provisioner | None = None,
+        failed_at: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        #: the slave this master was until it took over (its tables are read back as one
+        #: replica, its old inbox is drained, it is not one of the master's slaves)
+        self.promoted_from = promoted_from
+        #: a master's reign (recovery/fencing.py); a slave's first trusted one
+        self.reign = reign or Reign()
+        #: the reign a slave serves its master under once it won (set when it wins)
+        self.next_reign: Reign | None = None
+        #: where a master asks for a replacement of a slave it no longer hears
+        self.provisioner = provisioner
+        #: an elected master: when (monotonic) its slave last heard the failed one
+        self.failed_at = failed_at
+        #: set when told to take over its master: the driver serves that role next
+        self.switch_to: RoleId | None = None
+        self.takeover_reply: Takeover | None = None  # answered once serving
+        self.serving = asyncio.Event()  # consumers started
+        self.on_serving: Callable[[], None] | None = None  # the driver's, called then
+        self.stop_event: asyncio.Event | None = None  # set by the driver when it serves
+        self.retired = False  # told by its master that another process serves its role
+        self.fenced = False  # a master that learnt of a newer reign: it steps down
+        #: consumer tags of the queues a promoted master had as a slave (control, inbox)
+        self.former_tags: list[str] = []
+        self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
+        # inbox messages handled at once, however the deliveries are batched
+        self.gate = PriorityGate(self.topology.inbox_concurrency)
 
-def beat_thread(
-    settings: Settings,
-    topology: PhoenixTopology,
-    cluster: str,
-    connections: Connections,
-    name: str,
-    *,
-    queues: list[str],
-    body: bytes | Callable[[], bytes] | None,
-    interval_s: float,
-) -> Beater:
-    """A beat thread (not started) on a connection of its own to ``cluster``'s
-    RabbitMQ, holding the process's lease (named after its process queue) when the
-    topology has leases."""
-    return Beater(
-        cluster_settings(settings, topology, cluster)[1],
-        queues,
-        body,
-        interval_s=interval_s,
-        ttl_ms=signal_ttl_ms(topology),
-        priority=MAX_PRIORITY,
-        name=name,
-        lease=f"{connections.process_queue}.lease" if topology.leases else None,
-    )
+    def stop_serving(self) -> None:
+        """The driver stops serving this role (its consumers are cancelled by tag)."""
+        if self.stop_event is not None:
+            self.stop_event.set()
+
+    @contextlib.asynccontextmanager
+    async def lifetime(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """What the role holds while it is served (stores, snapshots, watches): each
+        kind adds its own around its base's."""
+        yield
+
+    async def recovery(self, stop: asyncio.Event) -> None:
+        """Beside serving: a master beats to its slaves (``mastering.Master``), a slave
+        watches its master (``holding.ReplicaHolder``)."""
+
+    @property
+    def replica_set(self) -> ReplicaSet | None:
+        """A master's replicas of the table its slaves hold (None: not a master)."""
+        return None
+
+    async def _on_fence(self, message: Fence) -> None:
+        """A FENCE is for masters (``mastering.Master``)."""
+        reign = Reign(message.epoch, message.by)
+        raise DeadLetter(f"fence from {message.broker!r} of {reign}: not for {self.id}")
+
+    async def finish(self) -> None:
+        """Runs once the role stopped consuming (match brokers close their publishers)."""
+
+    def after(self) -> Become | None:
+        """What this process serves once this role stopped (``switching.become``): up to
+        its master's role, down to a slave (fenced), or nothing (it stopped for good)."""
+        return become(
+            self.id,
+            self.switch_to,
+            won=self.next_reign,
+            trusted=self.reign,
+            failed_at=self.failed_at,
+            reply=self.takeover_reply,
+            topology=self.topology,
+        )
+
+    async def prepare(self) -> None:
+        """Runs before the inbox is consumed (masters read their replicas back here)."""
+
+    def urgency(self, message: Message) -> int:
+        """Where a message waits in the gate: its priority (routers: the one they give it)."""
+        return message.priority if isinstance(message, Routed) else 0
+
+    def former_inbox_handler(self) -> Callable[[Delivery], Awaitable[None]]:
+        """A promoted master's consumer of the inbox it had as a slave (``mastering``)."""
+        raise NotImplementedError
+
+    async def from_control(self, message: Message, queue: str) -> None:
+        """A message from a control queue: a live configure (every role's), or what
+        ``control`` does with it; one this process sent before it took over is dropped."""
+        if isinstance(message, Configure):
+            await self._configure(message, queue)
+            return
+        sender = getattr(message, "broker", None)
+        if (
+            self.promoted_from is not None
+            and sender == self.promoted_from.owner
+            and not isinstance(message, Beat)  # own beats are known by their process
+            and (self.replica_set is None or self.promoted_from not in self.replica_set.replicas)
+        ):
+            self.count("own_stale")  # sent by this process before it took over
+            return
+        await self.control(message)
+
+    @functools.cached_property
+    def inbox_handlers(self) -> dict[type, Handler]:
+        """What the role does with each kind that may come to its inbox."""
+        return {}
+
+    @functools.cached_property
+    def control_handlers(self) -> dict[type, Handler]:
+        """What the role does with each kind that may come to its control queue
+        (``configure`` is every role's, handled before this table)."""
+        return {Takeover: self._take_over, Fence: self._on_fence}
+
+    async def handle(self, message: Message) -> None:
+        """Dispatch an inbox message by kind; a kind this role does not take is
+        dead-lettered with the reason."""
+        handler = self.inbox_handlers.get(type(message))
+        if handler is None:
+            raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s inbox")
+        await handler(message)
+
+    async def control(self, message: Message) -> None:
+        handler = self.control_handlers.get(type(message))
+        if handler is None:
+            raise DeadLetter(f"{message.kind.value} is not for a {self.role}'s control queue")
+        await handler(message)
+
+    async def _take_over(self, message: Takeover) -> None:
+        """Told to serve its master's role: stop serving this role; the driver starts the
+        master's with the tables this replica holds (``switching.take_over`` decides)."""
+        switch = take_over(self.id, message, switching=self.switch_to is not None)
+        if switch is None:
+            return  # told twice
+        self.switch_to, self.takeover_reply = switch
+        self.count("takeovers")
+        log.warning("%s taking over %s", self.id, self.switch_to)
+        self.stop_serving()
+
+    async def _configure(self, message: Configure, control: str) -> None:
+        """Switch the mechanisms live (``switching.configured`` decides) and answer the
+        operator; the topology file is not changed, so a restart goes back to it."""
+        self.topology, switches = configured(self.topology, message)
+        self.batcher.configure(self.topology)
+        self.reconfigured()
+        self.count("configured")
+        log.info("%s of %s configured live: %s", self.role, self.cluster, switches)
+        if message.reply_to:  # the operator's own queue: published to, never declared here
+            reply = Answer(request=message.request, broker=control)
+            client = await self.client_for(self.cluster)
+            with contextlib.suppress(Unroutable):  # the operator gave up and left
+                await client.publish(outgoing(reply, message.reply_to))
+
+    def reconfigured(self) -> None:
+        """The switches changed (``self.topology`` is a new object): logic that holds the
+        topology takes the new one."""

@@ -9,20 +9,20 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RetryableError
 from ..phoenix.ids import RoleId
-from .messages import Ack, Heartbeat, Snapshot
+from .messages import Ack, Heartbeat, Read, Snapshot
 from .replicas import Effect, GaveUp, Persist, ReplicaLog, Send, Written
 from .store import StateStore
 from .wiring import Handler
 
 if TYPE_CHECKING:
-    from .roles import Role
+    from .peer import Role
 
-__all__ = ["ReplicaSet", "ReplicaTimeout"]
+__all__ = ["ReplicaSet", "ReplicaTimeout", "answer_read"]
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +114,15 @@ class ReplicaSet:
         self.role.count("snapshots")
         return True
 
-    async def persisting(self, serving: Awaitable[None], stop: asyncio.Event) -> None:
-        """Run a master's ``serving`` with the periodic snapshots beside it; close the store."""
+    @contextlib.asynccontextmanager
+    async def persisting(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """While a master is served: the periodic snapshots beside it; then one last
+        snapshot, and the store closed."""
         persist = asyncio.create_task(
             self.persist_loop(self.role.topology.persist_interval_s, stop)
         )
         try:
-            await serving
+            yield
         finally:
             stop.set()  # ends the persist loop after one last snapshot
             await persist
@@ -222,3 +224,25 @@ class ReplicaSet:
     def handlers(self) -> dict[type, Handler]:
         """The master's control-queue handlers for its replicas' answers."""
         return {Ack: self.on_ack, Snapshot: self.on_snapshot}
+
+
+async def answer_read(role: Role, store: StateStore, owner: str, message: Read) -> None:
+    """The whole table ``owner`` holds of the kind asked for, in pages, to the
+    reader's queue."""
+    table = await asyncio.to_thread(store.load, owner, message.state_kind)
+    entries = list(table.items())
+    pages = [entries[i : i + ReplicaSet.PAGE] for i in range(0, len(entries), ReplicaSet.PAGE)] or [
+        []
+    ]
+    for n, page in enumerate(pages):
+        await role.send(
+            role.cluster,
+            message.reply_to,
+            Snapshot(
+                request=message.request,
+                state_kind=message.state_kind,
+                entries=dict(page),
+                last=n == len(pages) - 1,
+                broker=owner,
+            ),
+        )

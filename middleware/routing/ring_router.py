@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ..errors import DeadLetter
@@ -134,10 +135,13 @@ class RingRouter(Master):
             on_unreachable=self._suspect,
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
+    @contextlib.asynccontextmanager
+    async def lifetime(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """While served: the links watched, the table snapshotted."""
         watch = asyncio.create_task(self.detours.watch(stop))
         try:
-            await self.replicas.persisting(self.serve(stop), stop)
+            async with super().lifetime(stop), self.replicas.persisting(stop):
+                yield
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -109,7 +109,7 @@ def served_again(role: RoleId, failed_at: float, began: float, prepared: float) 
     now = time.monotonic()
     took = now - failed_at
     RECOVERY_S.labels(role.cluster, role.kind.value, "recovery").observe(took)
-    logging.getLogger("middleware.routing.roles").warning(
+    logging.getLogger("middleware.routing.serving").warning(
         "%s served again %.2f s after its last beat (this role began %.3f s, "
         "tables read back %.3f s, inboxes consumed %.3f s after it)",
         role,

@@ -8,11 +8,12 @@ of an arc to a cluster that joined (``joining.py`` decides).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import DeadLetter
@@ -43,8 +44,8 @@ from .messages import (
     Unsubscribe,
     Unsubscribed,
 )
+from .peer import WARM_AFTER_PROMOTION_S
 from .replicas import TOMBSTONE, live
-from .roles import WARM_AFTER_PROMOTION_S
 from .router_leave import LeavingRouter
 from .store import open_store, ring_owner
 from .wiring import Handler
@@ -330,14 +331,17 @@ class RouterSlave(ReplicaHolder):
         self.master_control = self.control_of(self.id.master)
         self.table: dict[str, dict[str, Any]] = {}
 
-    async def run(self, stop: asyncio.Event) -> None:
+    @contextlib.asynccontextmanager
+    async def lifetime(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        """While served: the replica it holds, loaded first."""
         self.store = open_store(self.topology.state_store)
         try:
             held = self.store.load(self.replica_owner, "routing_table")
             self.held_version = max((v for v, _ in held.values()), default=0)
             for key, (_, doc) in live(held).items():
                 self.table[key] = doc
-            await self.serve(stop)
+            async with super().lifetime(stop):
+                yield
         finally:
             self.store.close()
 

@@ -63,7 +63,8 @@ DRIVERS = {
     "transport",
     "store",
     "confirms",
-    "roles",
+    "peer",
+    "serving",
     "router_roles",
     "match_roles",
     "replica_set",
@@ -107,7 +108,7 @@ def test_a_decision_module_does_no_io(module: str) -> None:
 
 def test_the_check_finds_io_where_there_is_some() -> None:
     """The rule itself: the drivers it names fail it."""
-    assert _impure(ROOT / "routing" / "roles.py")
+    assert _impure(ROOT / "routing" / "serving.py")
     assert _impure(ROOT / "routing" / "match_roles.py")
     assert _impure(ROOT / "routing" / "router_roles.py")
     assert _impure(ROOT / "routing" / "batching.py")  # the batcher's flush is a driver

@@ -1,0 +1,214 @@
+"""How a role process serves a role (driver): consume the role's control queue and its
+process's queue, ``prepare``, then the inbox (a priority queue, a small prefetch,
+batches split and each message gated by its urgency, a bad one dead-lettered alone);
+on stop, cancel exactly those consumers by tag, so the same process, connections and
+beat thread serve the next role.  ``node.RoleNode`` holds one :class:`Serving` for the
+process and hands it each role it serves; what a role does with a message is its
+handler tables' (``peer.Role``), what it holds while it serves its ``lifetime``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from .. import heap
+from ..errors import MiddlewareError, Requeue
+from ..transport import AsyncClient, Delivery
+from ..transport.delivery import outcome_of
+from .batching import PriorityGate, split
+from .messages import Message, encode
+from .role_metrics import INBOX_LENGTH, served_again
+from .wiring import process_queue_spec, role_inbox_spec
+
+if TYPE_CHECKING:
+    from .peer import Role
+
+__all__ = ["Serving", "each"]
+
+log = logging.getLogger(__name__)
+
+
+class Serving:
+    """Serves one role at a time in its process (``run``), its consumers by tag."""
+
+    GAUGE_S = 1.0  # how often a role's inbox length is read for the metric
+
+    async def run(self, role: Role, stop: asyncio.Event) -> None:
+        """Serve ``role`` until ``stop`` (set by the process, or by the role when it
+        switches or stops), with what it holds meanwhile (``Role.lifetime``)."""
+        async with role.lifetime(stop):
+            await self.serve(role, stop)
+
+    async def serve(self, role: Role, stop: asyncio.Event) -> None:
+        """Consume the control queue, ``prepare``, then the inbox, until ``stop``; then
+        stop consuming (by tag: the process may go on serving another role)."""
+        role.stop_event = stop
+        began = time.monotonic()
+        client = await role.client_for(role.cluster)
+        control = role.control_of(role.id)
+        await client.declare_queue(role_inbox_spec(control, role.topology, client))
+
+        async def on_control(delivery: Delivery) -> None:
+            await each(role, delivery, lambda m: role.from_control(m, delivery.queue))
+
+        tags = [await client.consume(control, on_control)]
+        # where a FENCE (masters) or a RETIRE (slaves) finds this process
+        await client.declare_queue(process_queue_spec(role.connections.process_queue))
+        tags.append(await client.consume(role.connections.process_queue, on_control))
+        if role.promoted_from is not None:
+            # the control queue it had as a slave: a master of another reign beats there
+            # (it is judged like the slaves judge it), a late ELECTION is answered
+            old = role.control_of(role.promoted_from)
+            await client.declare_queue(role_inbox_spec(old, role.topology, client))
+            role.former_tags.append(await client.consume(old, on_control))
+            tags.append(role.former_tags[-1])
+        recovery = asyncio.create_task(role.recovery(stop))
+        try:
+            await self._serve_inbox(role, client, stop, tags, began)
+        finally:
+            recovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recovery
+            # a master that stepped down lets nothing it still handles finish: what it holds
+            # goes back to the inbox for the master it yielded to (a subscribe waiting for
+            # replicas that follow that master now would hold the step-down for
+            # ``close_grace``)
+            grace = 0.0 if role.fenced else None
+            for tag in tags:
+                with contextlib.suppress(Exception):
+                    await client.cancel(tag, grace=grace)
+            await role.finish()
+
+    async def _serve_inbox(
+        self, role: Role, client: AsyncClient, stop: asyncio.Event, tags: list[str], began: float
+    ) -> None:
+        if not await self._prepared(role, stop):
+            return
+        prepared = time.monotonic()
+        if role.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
+            heap.settle(f"{role.role} of {role.cluster}")
+        inbox = role.inbox_of(role.id)
+        inboxes: list[tuple[str, Callable[[Delivery], Awaitable[None]]]] = []
+        if role.promoted_from is not None:  # what was dispatched to it as a slave, first:
+            # behind the inbox's backlog each round trip waits (0.1-0.2 s at 1000 events/s)
+            former = role.former_inbox_handler()
+            inboxes.append((role.inbox_of(role.promoted_from), former))
+
+        async def on_message(delivery: Delivery) -> None:
+            await each(role, delivery, role.handle, role.gate)
+
+        inboxes.append((inbox, on_message))
+        with heap.FullCollections() as collections:
+            for name, handler in inboxes:
+                await client.declare_queue(role_inbox_spec(name, role.topology, client))
+                tags.append(
+                    await client.consume(name, handler, prefetch=role.topology.inbox_prefetch)
+                )
+                if handler is not on_message:
+                    role.former_tags.append(tags[-1])
+            self._started(role, began, prepared)
+            log.info("%s serving %s as %s", type(role).__name__, inbox, role.id)
+            if role.observes_inbox:
+                await stop.wait()
+            else:
+                watch = asyncio.create_task(self._watch_inbox(role, client, inbox, stop))
+                await stop.wait()
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+        log.info(
+            "%s of %s stopped; counters: %s; %s",
+            role.role,
+            role.cluster,
+            dict(role.counters),
+            collections.summary(),
+        )
+
+    @staticmethod
+    async def _prepared(role: Role, stop: asyncio.Event) -> bool:
+        """``role.prepare()`` done (False: stopped first, fenced or told to stop while
+        it was reading its tables back)."""
+        preparing = asyncio.create_task(role.prepare())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({preparing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not preparing.done():
+            preparing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, MiddlewareError):
+                await preparing
+            log.warning("%s stopped before serving (it was still reading its tables)", role.id)
+            return False
+        preparing.result()
+        return True
+
+    @staticmethod
+    def _started(role: Role, began: float, prepared: float) -> None:
+        role.serving.set()
+        if role.on_serving is not None:
+            role.on_serving()
+        if role.failed_at is not None:  # an elected master: its recovery's phases
+            served_again(role.id, role.failed_at, began, prepared)
+
+    async def _watch_inbox(
+        self, role: Role, client: AsyncClient, inbox: str, stop: asyncio.Event
+    ) -> None:
+        while not stop.is_set():
+            try:
+                INBOX_LENGTH.labels(role.cluster, role.role, inbox).set(
+                    await client.queue_length(inbox)
+                )
+            except Exception as exc:  # a metric is not worth a role
+                log.info("could not read the length of %s: %s", inbox, exc)
+            await asyncio.sleep(self.GAUGE_S)
+
+
+async def each(
+    role: Role,
+    delivery: Delivery,
+    handle: Callable[[Message], Awaitable[None]],
+    gate: PriorityGate | None = None,
+) -> None:
+    """Handle every message a delivery carries (one, or a batch: concurrently, so their
+    onward sends batch again), each through ``gate`` when given.  In a batch, a
+    malformed element or one whose handling failed is dead-lettered alone, with its
+    reason; the rest are handled."""
+    messages, malformed = split(delivery.body)
+    role.received[0] += 1
+    role.received[1] += len(messages) + len(malformed)
+
+    async def gated(message: Message) -> None:
+        if gate is None:
+            await handle(message)
+            return
+        await gate.acquire(role.urgency(message))  # (no context manager: per message)
+        try:
+            if role.fenced:  # stepped down while it waited: not this process's now
+                raise Requeue(f"{role.id} stepped down")
+            await handle(message)
+        finally:
+            gate.release()
+
+    if len(messages) == 1 and not malformed:
+        await gated(messages[0])  # errors settle the delivery, as for any consumer
+        return
+    results = await asyncio.gather(*map(gated, messages), return_exceptions=True)
+    failed = [*malformed]
+    for message, result in zip(messages, results, strict=True):
+        if isinstance(result, asyncio.CancelledError):
+            raise result
+        if isinstance(result, Requeue):  # stepped down: the whole batch goes back (what
+            raise result  # was handled of it, the new master's dedup and e2e drop)
+        if isinstance(result, BaseException):
+            failed.append((encode(message), outcome_of(result).reason))
+    if failed:
+        client = await role.client_for(role.cluster)
+        for body, reason in failed:
+            log.warning("dead-lettering one of a batch from %s: %s", delivery.queue, reason)
+            await client.dead_letter(dataclasses.replace(delivery, body=body), reason)
+    role.count("batches_received")
