@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from middleware import __version__, runtime
-from middleware.cli_help import not_for, renamed
+from middleware import runtime
+from middleware.cli_help import renamed
 from middleware.cliargs import integer, integers, names, number, numbers, out_file, path
 from middleware.errors import InvalidArgument
 from middleware.settings import Settings
 
+from .balance_commands import register_balance
+from .bench_common import live_arguments, progress, provenance
 from .confirms import MODES, CellSpec, receipt_share, run_cell_sync
-from .options import add_departed_masters
+from .phoenix_commands import register_phoenix
 from .stats import whole
 
 __all__ = ["format_table", "register", "run_confirms_grid"]
@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     cmds = bench.add_subparsers(title="benchmarks", required=True)
     confirms = cmds.add_parser("confirms", help="confirm modes x queue counts (Xu & Jiao)")
     _grid_arguments(confirms, modes="raw,none,broker,persistent,e2e", queues="1,2,3", duration=10.0)
-    _live_arguments(confirms)
+    live_arguments(confirms)
     confirms.set_defaults(run=_run_confirms)
     demo = sub.add_parser("demo", help="bring up the local cluster and run a short benchmark")
     _grid_arguments(demo, modes="raw,broker,persistent,e2e", queues="1,2", duration=5.0, out=False)
@@ -44,258 +44,8 @@ def register(sub: Any) -> None:
         "--out", type=path, default=Path("results"), help="the folder the results go to"
     )
     demo.set_defaults(run=_run_demo)
-    balance = cmds.add_parser("balance", help="weighted dispatch vs round robin (paper 001)")
-    from middleware.balancer import ALGORITHMS
-
-    balance.add_argument(
-        "--algorithms",
-        type=names(ALGORITHMS),
-        default="round_robin,paper,inverse,predictive",
-        help="the dispatch algorithms compared (comma list)",
-    )
-    balance.add_argument(
-        "--replicas", type=integer(1, 64), default=2, help="queue replicas of the topic"
-    )
-    balance.add_argument(
-        "--rates",
-        type=numbers(0, 1e6, above=True),
-        default="250,400",
-        help="comma list of msg/s (light,heavy)",
-    )
-    balance.add_argument(
-        "--duration",
-        type=number(0, 86_400, above=True),
-        default=30.0,
-        help="seconds per cell",
-    )
-    balance.add_argument(
-        "--service-ms",
-        type=number(0, 60_000),
-        default=2.0,
-        help="milliseconds each consumer spends per message",
-    )
-    balance.add_argument(
-        "--slow-extra-ms",
-        type=number(0, 60_000),
-        default=6.0,
-        help="extra per-message time of replica 0's consumer",
-    )
-    balance.add_argument(
-        "--phases",
-        action="store_true",
-        help="fault phases instead of steady cells: every algorithm in a lane of its own at "
-        "once, 3 replicas, phases steady, slow (a consumer at a quarter of its rate), kill "
-        "(a consumer process SIGKILLed, restarted 12 s later), delete (a replica's queue)",
-    )
-    balance.add_argument(
-        "--rate-sources",
-        action="store_true",
-        help="the replicas' arrival and service rates as the management API and "
-        "rabbitmq_prometheus read them, beside the publisher's own rate (the first of "
-        "--rates, for --duration s)",
-    )
-    balance.add_argument(
-        "--phase-seconds", type=number(1, 3600), default=30.0, help="--phases: each phase, s"
-    )
-    balance.add_argument(
-        "--service-rate",
-        type=number(0, 1e5, above=True),
-        default=50.0,
-        help="--phases: messages/s each consumer process serves per replica",
-    )
-    balance.add_argument(
-        "--work-dir",
-        type=path,
-        default=Path(".qosmq/balance-faults"),
-        help="--phases: where the sidecars' files go",
-    )
-    balance.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
-    renamed(balance, "--json", "--out")
-    renamed(balance, "--rate", "--rates")
-    balance.set_defaults(run=_run_balance)
-    phoenix = cmds.add_parser("phoenix", help="Phoenix experiments (paper 000)")
-    phoenix.add_argument(
-        "--experiment",
-        choices=(
-            *("matching", "rate", "subscriptions", "recovery", "link", "leave", "busy"),
-            *("chaos", "throughput"),
-        ),
-        default="matching",
-        help="matching: (c) one match broker; rate: (a) response time vs event rate; "
-        "subscriptions: (b) response time vs subscriptions; recovery: (figure 8) SIGKILL "
-        "of each role kind under load; link: a link between two routing masters cut or "
-        "blackholed under load (detour, way back); leave: a whole cluster removed under "
-        "load (its arc restored at its successor from the persisted state); busy: the "
-        "deployment started and run beside CPU hogs, elections nobody caused counted; "
-        "chaos: every fault kind in a seeded order under both client faces and both "
-        "confirm modes, each subscriber's own counts checked against its filters; "
-        "throughput: the idle cost, then the rate raised in steps until the deployment "
-        "falls behind, with the CPU per event of every process and the messages per "
-        "event on each hop",
-    )
-    phoenix.add_argument(
-        "--idle",
-        type=number(1, 3600),
-        default=20.0,
-        help="throughput: seconds measured with no events (the idle cost)",
-    )
-    phoenix.add_argument(
-        "--keep-going",
-        action="store_true",
-        help="throughput: run every step, also after one fell behind",
-    )
-    phoenix.add_argument(
-        "--batch-linger-ms",
-        type=float,
-        default=None,
-        help="throughput: the topology's batch_linger_ms for every role and the client "
-        "(default: the topology's default)",
-    )
-    phoenix.add_argument(
-        "--subscriber-confirm",
-        choices=("broker", "e2e"),
-        default="broker",
-        help="recovery: the subscription's confirm mode (e2e: the Phoenix client's e2e "
-        "consumer, whose duplicate filter the duplicates count then checks)",
-    )
-    phoenix.add_argument(
-        "--copy-batch-max",
-        type=integer(1, 1000),
-        default=None,
-        help="throughput, recovery, rate, subscriptions, chaos: the topology's copy_batch_max, "
-        "copies for one subscriber queue in one AMQP message (default: the topology's, 1)",
-    )
-    phoenix.add_argument(
-        "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
-    )
-    phoenix.add_argument(
-        "--chaos-faults",
-        type=names(
-            (
-                *("router", "router_slave", "match", "match_slave", "freeze", "node", "silent"),
-                *("cut", "blackhole", "cut_both", "leave"),
-            )
-        ),
-        default="router,router_slave,match,match_slave,freeze,node,silent",
-        help="chaos: the fault kinds (node: needs --state-dir of a local cluster; cut, "
-        "blackhole, cut_both: the link B->C, or both ways, through a proxy; leave: the "
-        "last cluster other than B and C removed, then joined again; with any of these "
-        "every inter-cluster link goes through a proxy and the subscribers are homed at "
-        "A and C, or with 4 or more clusters at every cluster)",
-    )
-    phoenix.add_argument(
-        "--chaos-clusters",
-        type=integer(3, 8),
-        default=3,
-        help="chaos: how many clusters (A, B, C, D, ...)",
-    )
-    phoenix.add_argument(
-        "--window", type=number(4, 3600), default=8.0, help="chaos: seconds per fault window"
-    )
-    phoenix.add_argument(
-        "--state-dir", type=path, help="chaos: the local cluster whose nodes it may kill"
-    )
-    phoenix.add_argument(
-        "--hogs",
-        type=integer(0, 64),
-        default=2,
-        help="busy: processes spinning on the cores beside the deployment",
-    )
-    phoenix.add_argument(
-        "--suspect-ceiling",
-        type=number(0, 600),
-        help="busy: the topology's suspect_ceiling_s (0: the fixed detection rule; "
-        "default: the topology's, 2.0)",
-    )
-    phoenix.add_argument(
-        "--busy-seconds",
-        type=number(1, 86_400),
-        default=300.0,
-        help="busy: seconds of steady events under the hogs",
-    )
-    add_departed_masters(phoenix)
-    phoenix.add_argument(
-        "--leave-after",
-        type=number(0.1, 3600),
-        help="leave: the topology's leave_after_s (default: the topology's, 3.0)",
-    )
-    phoenix.add_argument(
-        "--faults",
-        type=names(("cut", "blackhole")),
-        default="cut,blackhole",
-        help="link: cut (connections reset, new ones refused), blackhole (open, silent)",
-    )
-    phoenix.add_argument(
-        "--down",
-        type=number(0.5, 600),
-        default=2.5,
-        help="link: seconds the link stays broken before it heals",
-    )
-    phoenix.add_argument(
-        "--link-timeout",
-        type=number(0.01, 60),
-        help="link: the topology's link_timeout_s (default: the topology's, 1.0)",
-    )
-    phoenix.add_argument(
-        "--kinds",
-        type=names(("router", "router_slave", "match", "match_slave")),
-        default="router,router_slave,match,match_slave",
-        help="recovery: the role kinds killed",
-    )
-    phoenix.add_argument(
-        "--heartbeat-interval",
-        type=number(0.001, 60),
-        help="recovery: the topology's heartbeat_interval_s (default: the topology's, 0.1)",
-    )
-    phoenix.add_argument(
-        "--heartbeat-misses",
-        type=integer(1, 100),
-        help="recovery: the topology's heartbeat_misses (default: the topology's, 5)",
-    )
-    phoenix.add_argument(
-        "--stream",
-        type=number(3, 3600),
-        default=5.0,
-        help="recovery, link, leave: seconds of events around each fault (a kill at a "
-        "random moment from 1 s to 2 s before the end)",
-    )
-    phoenix.add_argument(
-        "--subscriptions",
-        type=integers(1, 10_000_000),
-        help="comma list (default: 10000,50000,100000,200000; rate: 200000)",
-    )
-    phoenix.add_argument(
-        "--events", type=integer(1, 100_000_000), default=20_000, help="matching: events"
-    )
-    phoenix.add_argument(
-        "--symbols",
-        type=integer(1, 100_000_000),
-        default=50_000,
-        help="matching: distinct symbols the subscriptions pick from (fewer: more matches "
-        "per event)",
-    )
-    from .phoenix_timeliness import timeliness_arguments
-
-    timeliness_arguments(
-        phoenix,
-        repeats=None,
-        repeats_help="repetitions: rate, subscriptions: mechanism passes, rotated (default "
-        f"{PHOENIX_REPEATS['rate']}); recovery: kills per kind and rate "
-        f"({PHOENIX_REPEATS['recovery']}); link: faults per kind and rate "
-        f"({PHOENIX_REPEATS['link']}); leave: removals, a fresh deployment each "
-        f"({PHOENIX_REPEATS['leave']})",
-    )
-    renamed(phoenix, "--kills", "--repeats")
-    renamed(phoenix, "--cuts", "--repeats")
-    phoenix.add_argument(
-        "--work-dir", type=path, default=Path(".qosmq/bench-phoenix"), help="state and logs"
-    )
-    phoenix.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
-    renamed(phoenix, "--json", "--out")
-    phoenix.set_defaults(run=_run_phoenix)
-    phoenix.set_defaults(
-        phoenix_defaults={a.dest: a.default for a in phoenix._actions if a.option_strings}
-    )
+    register_balance(cmds)
+    register_phoenix(cmds)
     transport = cmds.add_parser("transport", help="the clients' cost per message vs raw")
     from .transport import CLIENTS
 
@@ -316,7 +66,7 @@ def register(sub: Any) -> None:
     )
     transport.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
     renamed(transport, "--json", "--out")
-    _live_arguments(transport)
+    live_arguments(transport)
     transport.set_defaults(run=_run_transport)
     queues = cmds.add_parser("queues", help="persistent-queue API rates, spool and drain")
     queues.add_argument(
@@ -333,7 +83,7 @@ def register(sub: Any) -> None:
     )
     queues.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
     renamed(queues, "--json", "--out")
-    _live_arguments(queues)
+    live_arguments(queues)
     queues.set_defaults(run=_run_queues)
     loss = cmds.add_parser(
         "node-loss",
@@ -387,23 +137,6 @@ def register(sub: Any) -> None:
 
     faults_arguments(job)
     job.set_defaults(run=_run_spark_faults, master="local[*]")
-
-
-def _live_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--interval",
-        type=number(0, 3600, above=True),
-        default=1.0,
-        help="seconds between the live progress lines inside a cell (stderr)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no live progress lines")
-
-
-def _progress(args: argparse.Namespace) -> Any:
-    """Where a benchmark's live lines go: stderr, or nowhere with ``--quiet``."""
-    if args.quiet:
-        return None
-    return lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def _grid_arguments(
@@ -484,7 +217,7 @@ def run_confirms_grid(
                 "error": f"{type(exc).__name__}: {exc}",
                 "confirmed_per_s": float("nan"),
             }
-        row.update(_provenance(settings))
+        row.update(provenance(settings))
         rows.append(row)
     add_ratios(rows)
     return rows
@@ -500,16 +233,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r[f"ratio_vs_{base}"] = (
                 round(value / denominator, 3) if denominator and value == value else None
             )
-
-
-def _provenance(settings: Settings) -> dict[str, Any]:
-    return {
-        "version": __version__,
-        "event_loop": runtime.loop_name(settings.event_loop),
-        "python": platform.python_version(),
-        "host": socket.gethostname(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -597,574 +320,6 @@ def _run_demo(args: argparse.Namespace) -> int:
     return execute(job)
 
 
-def _run_balance(args: argparse.Namespace) -> int:
-    from .balance import BalanceCell, run_balance_cell
-
-    if args.phases:
-        return _run_balance_phases(args)
-    if args.rate_sources:
-        return _run_rate_sources(args)
-    try:
-        cells = [
-            BalanceCell(
-                algorithm=a.strip(),
-                rate=float(r),
-                duration_s=args.duration,
-                replicas=args.replicas,
-                service_ms=args.service_ms,
-                slow_extra_ms=args.slow_extra_ms,
-            )
-            for r in args.rates.split(",")
-            for a in args.algorithms.split(",")
-        ]
-    except ValueError as exc:
-        raise InvalidArgument(f"bad grid: {exc}") from None
-    rows = []
-    for i, cell in enumerate(cells, 1):
-        print(
-            f"[{i}/{len(cells)}] {cell.algorithm} at {cell.rate:g} msg/s for "
-            f"{cell.duration_s:g} s ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        row = runtime.run(
-            run_balance_cell(args.settings, cell), event_loop=args.settings.event_loop
-        )
-        row.update(_provenance(args.settings))
-        rows.append(row)
-    head = (
-        f"{'algorithm':12} {'rate':>6} {'handled/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
-        f"{'p99 ms':>8} {'p99 1st/3':>9} {'p99 3rd/3':>9} {'max len':>7} {'backlog':>7} routed"
-    )
-    print(head + "\n" + "-" * len(head))
-    for r in rows:
-        print(
-            f"{r['algorithm']:12} {r['rate']:>6g} {r['handled_per_s']:>9.0f} "
-            f"{r['latency_p50_ms']:>8.1f} {r['latency_p95_ms']:>8.1f} {r['latency_p99_ms']:>8.1f} "
-            f"{r['p99_first_third_ms']:>9.1f} {r['p99_last_third_ms']:>9.1f} "
-            f"{r['max_queue_length']:>7} {r['backlog']:>7} {r['routed']}"
-        )
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-def _run_rate_sources(args: argparse.Namespace) -> int:
-    from .balance_rates import format_rate_sources, run_rate_sources
-
-    rate = float(args.rates.split(",")[0])
-    rows = runtime.run(
-        run_rate_sources(args.settings, rate=rate, duration_s=args.duration),
-        event_loop=args.settings.event_loop,
-    )
-    print(format_rate_sources(rows))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-def _run_balance_phases(args: argparse.Namespace) -> int:
-    from .balance_faults import PHASES, run_balance_faults
-
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    rate = float(args.rates.split(",")[0])
-    rows = runtime.run(
-        run_balance_faults(
-            args.settings,
-            algorithms,
-            rate=rate,
-            service_rate=args.service_rate,
-            phase_s=args.phase_seconds,
-            work_dir=args.work_dir,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        ),
-        event_loop=args.settings.event_loop,
-    )
-    print(format_balance_phases(rows, PHASES))
-    if args.out:
-        for r in rows:
-            r.update(_provenance(args.settings))
-        args.out.write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-def format_balance_phases(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> str:
-    """One Markdown table per phase: each algorithm's latency, its p99 as a ratio to
-    round robin's and the paper's in the same run, how fast the faulted replica's share
-    fell, what callers saw."""
-    out = []
-    for phase in phases:
-        mine = [r for r in rows if r["phase"] == phase]
-        p99 = {r["algorithm"]: r["p99_s"] for r in mine}
-        out.append(
-            f"\n{phase}\n\n| algorithm | published | p50 s | p99 s | p99 / round robin | "
-            "p99 / paper | share < 1/2 after s | share < 1/10 after s | errors | lost |\n"
-            + "|---|---|---|---|---|---|---|---|---|---|"
-        )
-        for r in mine:
-
-            def ratio(base: str, r: dict[str, Any] = r, p99: dict[str, Any] = p99) -> str:
-                b = p99.get(base)
-                return f"{r['p99_s'] / b:.2f}" if b and r["p99_s"] is not None else "-"
-
-            errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
-            out.append(
-                f"| {r['algorithm']} | {r['published']} | {r['p50_s']} | {r['p99_s']} | "
-                f"{ratio('round_robin')} | {ratio('paper')} | {r.get('to_half_s', '-')} | "
-                f"{r.get('to_tenth_s', '-')} | {errors} | {r['lost']} |"
-            )
-    return "\n".join(out)
-
-
-#: ``bench phoenix --repeats`` when not given, by experiment
-PHOENIX_REPEATS = {"rate": 1, "subscriptions": 1, "recovery": 10, "link": 5, "leave": 5}
-#: the ``bench phoenix`` options that only some experiments use (any other refuses them)
-PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
-    "seed": ("chaos",),
-    "chaos_faults": ("chaos",),
-    "chaos_clusters": ("chaos",),
-    "window": ("chaos",),
-    "state_dir": ("chaos",),
-    "hogs": ("busy",),
-    "suspect_ceiling": ("busy",),
-    "busy_seconds": ("busy",),
-    "idle": ("throughput",),
-    "keep_going": ("throughput",),
-    "batch_linger_ms": ("throughput",),
-    "copy_batch_max": ("throughput", "recovery", "rate", "subscriptions", "chaos"),
-    "subscriber_confirm": ("recovery",),
-    "departed_masters": ("leave",),
-    "leave_after": ("leave",),
-    "faults": ("link",),
-    "down": ("link",),
-    "link_timeout": ("link",),
-    "kinds": ("recovery",),
-    "heartbeat_interval": ("recovery",),
-    "heartbeat_misses": ("recovery",),
-    "stream": ("recovery", "link", "leave"),
-    "events": ("matching",),
-    "symbols": ("matching",),
-    "subscriptions": ("matching", "rate", "subscriptions", "leave", "throughput"),
-    "repeats": ("rate", "subscriptions", "recovery", "link", "leave"),
-    "mechanisms": ("rate", "subscriptions", "throughput"),
-    "duration": ("rate", "subscriptions", "throughput"),
-    "warmup": ("rate", "subscriptions", "throughput"),
-    "inbox_mirrors": ("rate", "subscriptions"),
-    "role_queues": ("rate", "subscriptions"),
-    "max_steal": ("rate", "subscriptions"),
-    "steal_retries": ("rate", "subscriptions"),
-    "rates": ("rate", "subscriptions", "recovery", "link", "leave", "busy", "chaos", "throughput"),
-}
-
-
-def _run_phoenix(args: argparse.Namespace) -> int:
-    reason = not_for(args, args.phoenix_defaults, PHOENIX_OPTIONS, args.experiment)
-    if reason is not None:
-        raise InvalidArgument(reason)
-    if args.repeats is None:
-        args.repeats = PHOENIX_REPEATS.get(args.experiment, 1)
-    if args.experiment != "matching":  # a broker must answer before anything is preloaded
-        _brokers_answer(args.settings)
-    if args.experiment == "recovery":
-        return _run_phoenix_recovery(args)
-    if args.experiment == "link":
-        return _run_phoenix_links(args)
-    if args.experiment == "busy":
-        return _run_phoenix_busy(args)
-    if args.experiment == "chaos":
-        return _run_phoenix_chaos(args)
-    if args.experiment == "leave":
-        return _run_phoenix_leave(args)
-    if args.experiment == "throughput":
-        return _run_phoenix_throughput(args)
-    if args.experiment != "matching":
-        return _run_phoenix_timeliness(args)
-    from .phoenix import matching_throughput
-
-    args.subscriptions = args.subscriptions or "10000,50000,100000,200000"
-    rows = []
-    print(
-        f"{'subscriptions':>13} {'events/s':>9} {'matches/event':>13} {'work/event':>10} "
-        f"{'build s':>8}"
-    )
-    for n in (int(x) for x in args.subscriptions.split(",")):
-        row = {
-            **matching_throughput(n, events=args.events, symbols=args.symbols),
-            **_provenance(args.settings),
-        }
-        rows.append(row)
-        print(
-            f"{n:>13} {row['events_per_s']:>9} {row['matches_per_event']:>13} "
-            f"{row['work_per_event']:>10} {row['build_s']:>8}"
-        )
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-def _run_phoenix_links(args: argparse.Namespace) -> int:
-    from .phoenix_links import run_links, summarize_links
-
-    rates = [float(x) for x in (args.rates or "200").split(",")]
-    columns = (
-        "fault",
-        "rate",
-        "detect_s",
-        "reroute_s",
-        "function_s",
-        "back_s",
-        "floods",
-        "flood_messages",
-        "events",
-        "lost",
-        "duplicates",
-        "p50_direct_ms",
-        "p50_detour_ms",
-    )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  detour", flush=True)
-
-    def report(row: dict[str, Any]) -> None:
-        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        print(f"{line}  {row['detour']}", flush=True)
-
-    rows, run = run_links(
-        args.settings,
-        directory=args.work_dir,
-        faults=args.faults.split(","),
-        rates=rates,
-        cuts=args.repeats,
-        seconds=max(args.stream, args.down + 3.0),
-        down_s=args.down,
-        report=report,
-        fields={} if args.link_timeout is None else {"link_timeout_s": args.link_timeout},
-    )
-    summary = summarize_links(rows)
-    keys = tuple(summary[0]) if summary else ()
-    print(
-        f"\nper fault: median and p99 over the cuts of {run['link']} (detour via "
-        f"{run['detour_via']}, link down {run['down_s']} s each); target: function_p50_s <= 1; "
-        f"topology fields set: {run['topology'] or 'none (defaults)'}"
-    )
-    print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys))
-    for r in summary:
-        print(" ".join(f"{r[k]!s:>{max(8, len(k))}}" for k in keys))
-    print(f"logs: {run['directory']}")
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {"rows": rows, "summary": summary, "run": run, **_provenance(args.settings)},
-                indent=2,
-            )
-        )
-    return 1 if sum(r["lost"] for r in rows) else 0
-
-
-def _run_phoenix_chaos(args: argparse.Namespace) -> int:
-    from middleware.localcluster import LocalCluster
-
-    from .phoenix_chaos import problems, run_chaos, summarize
-
-    cluster = LocalCluster.open(args.state_dir) if args.state_dir else None
-    rows = run_chaos(
-        args.settings,
-        directory=args.work_dir,
-        seed=args.seed,
-        faults=args.chaos_faults.split(","),
-        rate=float((args.rates or "100").split(",")[0]),
-        window_s=args.window,
-        cluster=cluster,
-        clusters="ABCDEFGH"[: args.chaos_clusters],
-        fields=None if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max},
-    )
-    print(summarize(rows))
-    broken = problems(rows)
-    for line in broken:
-        print(f"broken: {line}", file=sys.stderr)
-    if args.out:
-        args.out.write_text(json.dumps({"seed": args.seed, "rows": rows}, indent=2))
-    return 1 if broken else 0
-
-
-def _run_phoenix_throughput(args: argparse.Namespace) -> int:
-    from .phoenix_throughput import run_throughput, summarize_throughput
-
-    result = run_throughput(
-        args.settings,
-        directory=args.work_dir,
-        subscriptions=int((args.subscriptions or "200000").split(",")[0]),
-        rates=[float(r) for r in (args.rates or "200,400,800,1200,1600,2000").split(",")],
-        mechanism=args.mechanisms.split(",")[-1],
-        duration_s=args.duration,
-        warmup_s=args.warmup,
-        idle_s=args.idle,
-        keep_going=args.keep_going,
-        linger_ms=args.batch_linger_ms,
-        copy_batch_max=args.copy_batch_max,
-        report=lambda row: print(json.dumps(row), flush=True),
-    )
-    result.update(_provenance(args.settings))
-    print(summarize_throughput(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return 0
-
-
-def _run_phoenix_busy(args: argparse.Namespace) -> int:
-    from .phoenix_busy import run_busy
-
-    row = run_busy(
-        args.settings,
-        directory=args.work_dir,
-        hogs=args.hogs,
-        rate=float((args.rates or "100").split(",")[0]),
-        duration_s=args.busy_seconds,
-        fields=None
-        if args.suspect_ceiling is None
-        else {"suspect_ceiling_s": args.suspect_ceiling},
-    )
-    row.update(_provenance(args.settings))
-    print(json.dumps(row, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(row, indent=2))
-    return 0
-
-
-def _run_phoenix_leave(args: argparse.Namespace) -> int:
-    from .phoenix_links import run_leave, summarize_leave
-
-    rate = float((args.rates or "200").split(",")[0])
-    subscriptions = int((args.subscriptions or "200000").split(",")[0])
-    columns = (
-        "subscriptions",
-        "rate",
-        "departed",
-        "successor",
-        "added_roles",
-        "provision_s",
-        "detect_s",
-        "restore_s",
-        "restored",
-        "restored_per_s",
-        "function_s",
-        "events",
-        "lost_after",
-        "lost_in_departed",
-        "duplicates",
-    )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns), flush=True)
-
-    def report(row: dict[str, Any]) -> None:
-        print(" ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns), flush=True)
-
-    fields = {} if args.leave_after is None else {"leave_after_s": args.leave_after}
-    rows = run_leave(
-        args.settings,
-        directory=args.work_dir,
-        runs=args.repeats,
-        rate=rate,
-        subscriptions=subscriptions,
-        seconds=max(args.stream, 10.0),
-        report=report,
-        fields=fields,
-        departed_masters=args.departed_masters,
-    )
-    summary = summarize_leave(rows)
-    print(
-        "\nmedian and p99 over the removals; target: function_p50_s <= 5 with 200 000 "
-        f"subscriptions; topology fields set: {fields or 'none (defaults)'}"
-    )
-    print(" ".join(f"{k:>{max(8, len(k))}}" for k in summary))
-    print(" ".join(f"{v!s:>{max(8, len(k))}}" for k, v in summary.items()))
-    if args.out:
-        args.out.write_text(
-            json.dumps({"rows": rows, "summary": summary, **_provenance(args.settings)}, indent=2)
-        )
-    return 1 if summary["lost_after"] else 0
-
-
-def _run_phoenix_recovery(args: argparse.Namespace) -> int:
-    from .phoenix_recovery import run_recovery, summarize_recovery
-
-    rates = [float(x) for x in (args.rates or "200").split(",")]
-    columns = (
-        "kind",
-        "rate",
-        "detection_s",
-        "recovery_s",
-        "function_s",
-        "events",
-        "lost",
-        "duplicates",
-        "delayed",
-        "p50_before_ms",
-        "max_latency_s",
-    )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  killed", flush=True)
-
-    def report(row: dict[str, Any]) -> None:
-        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        print(f"{line}  {row['killed']} -> {row['served_by']}", flush=True)
-
-    rows, run = run_recovery(
-        args.settings,
-        directory=args.work_dir,
-        kinds=args.kinds.split(","),
-        rates=rates,
-        kills=args.repeats,
-        seconds=args.stream,
-        report=report,
-        fields={
-            key: value
-            for key, value in (
-                ("heartbeat_interval_s", args.heartbeat_interval),
-                ("heartbeat_misses", args.heartbeat_misses),
-                ("copy_batch_max", args.copy_batch_max),
-            )
-            if value is not None
-        },
-        confirm=args.subscriber_confirm,
-    )
-    summary = summarize_recovery(rows)
-    keys = (
-        "kind",
-        "rate",
-        "kills",
-        "detection_p50_s",
-        "detection_p99_s",
-        "recovery_p50_s",
-        "recovery_p99_s",
-        "function_p50_s",
-        "function_p99_s",
-        "lost",
-        "duplicates",
-        "delayed",
-        "paper_s",
-    )
-    print(
-        "\nper kind: median and p99 over the kills; paper: detection + recovery at 2000/s; "
-        f"topology fields set: {run['topology'] or 'none (defaults)'}"
-    )
-    print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys) + "  paper / recovery_p50")
-    for r in summary:
-        times = r["paper_s"] / r["recovery_p50_s"] if r["recovery_p50_s"] else float("nan")
-        print(" ".join(f"{r[k]!s:>{max(8, len(k))}}" for k in keys) + f"  {times:.0f}x")
-    print(
-        f"\nelections logged: {run['elections_logged']} for {run['master_kills']} master "
-        f"kills; false suspicions (elections against a master nobody killed in the 5 s "
-        f"before): {run['false_suspicions']}; masters stepped down (fenced): "
-        f"{run['stepped_down']}; processes retired (should be 0): {run.get('retired', 0)}; "
-        f"logs: {run['directory']}"
-    )
-    for line in run["false_suspicion_lines"]:
-        print(f"  false suspicion: {line}")
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {"rows": rows, "summary": summary, "run": run, **_provenance(args.settings)},
-                indent=2,
-            )
-        )
-    lost = sum(r["lost"] for r in rows)
-    return 1 if lost else 0
-
-
-def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
-    from .phoenix_timeliness import MECHANISMS, run_experiment, steal_limits, summarize
-
-    by_rate = args.experiment == "rate"
-    counts = [
-        int(x)
-        for x in (
-            args.subscriptions or ("200000" if by_rate else "10000,50000,100000,200000")
-        ).split(",")
-    ]
-    rates = [float(x) for x in (args.rates or ("100,200,400" if by_rate else "200")).split(",")]
-    mechanisms = args.mechanisms.split(",")
-    unknown = [m for m in mechanisms if m not in MECHANISMS]
-    if unknown:
-        raise InvalidArgument(f"unknown mechanisms {unknown}; choose from {', '.join(MECHANISMS)}")
-    columns = (
-        "subscriptions",
-        "mechanism",
-        "rate",
-        "offered_per_s",
-        "events",
-        "delivered_events",
-        "mean_ms",
-        "p50_ms",
-        "p99_ms",
-        "urgent_mean_ms",
-        "bulk_mean_ms",
-    )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  cpu %", flush=True)
-
-    try:
-        max_steal, steal_retries = steal_limits(args)
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from None
-
-    def report(row: dict[str, Any]) -> None:
-        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        marks = "".join(
-            f"  ({what}: {row[what]})" for what in ("discarded", "disturbed") if row.get(what)
-        )
-        print(f"{line}  {_cpu_text(row.get('cpu'))}{marks}", flush=True)
-
-    rows = run_experiment(
-        args.settings,
-        directory=args.work_dir,
-        subscription_counts=counts,
-        rates=rates,
-        mechanisms=mechanisms,
-        duration_s=args.duration,
-        repeats=args.repeats,
-        warmup_s=args.warmup,
-        report=report,
-        max_steal_pct=max_steal,
-        steal_retries=steal_retries,
-        inbox_mirrors=args.inbox_mirrors,
-        role_queue_type=args.role_queues,
-        fields=None if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max},
-    )
-    summary = summarize(rows)
-    print(
-        "\nmean over repeats (lowest-highest single repeat in brackets); "
-        "ratio = mean response time / the same rate's 'none'; cpu %: machine and steal of "
-        "all cores, client and the busiest role of each kind of one core"
-    )
-    keys = (
-        "subscriptions",
-        "mechanism",
-        "rate",
-        "repeats",
-        "mean_ms",
-        "p99_ms",
-        "urgent_mean_ms",
-        "bulk_mean_ms",
-    )
-    print(" ".join(f"{k:>{max(8, len(k))}}" for k in keys) + "  x none")
-    base = {
-        (r["subscriptions"], r["rate"]): r["mean_ms"] for r in summary if r["mechanism"] == "none"
-    }
-    for r in summary:
-        none = base.get((r["subscriptions"], r["rate"]))
-        r["x_none"] = round(r["mean_ms"] / none, 2) if none and r["mean_ms"] else None
-        spread = " ".join(
-            f"[{r[k][0]}-{r[k][1]}]" for k in ("mean_ms_range", "p99_ms_range") if r.get(k)
-        )
-        line = " ".join(f"{r.get(k)!s:>{max(8, len(k))}}" for k in keys)
-        print(f"{line}  {r['x_none']}  {spread}  {_cpu_text(r.get('cpu'))}")
-    for row in rows:
-        row.update(_provenance(args.settings))
-    if args.out:
-        args.out.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2))
-    return 0
-
-
-def _cpu_text(cpu: dict[str, float | None] | None) -> str:
-    return " ".join(f"{k}={v}" for k, v in (cpu or {}).items() if v is not None)
-
-
 def _run_queues(args: argparse.Namespace) -> int:
     from .queues import run_queue_bench
 
@@ -1174,14 +329,14 @@ def _run_queues(args: argparse.Namespace) -> int:
             duration_s=args.duration,
             size=args.size,
             window=args.window,
-            progress=_progress(args),
+            progress=progress(args),
             interval_s=args.interval,
         ),
         event_loop=args.settings.event_loop,
     )
     print(f"{'cell':8} {'messages':>9} {'seconds':>8} {'msg/s':>9} {'x raw':>6} {'x enqueue':>9}")
     for r in rows:
-        r.update(_provenance(args.settings))
+        r.update(provenance(args.settings))
         print(
             f"{r['cell']:8} {r['messages']:>9} {r['seconds']:>8.2f} {r['per_s']:>9.0f} "
             f"{r['ratio_vs_raw']:>6.2f} {r['ratio_vs_enqueue']:>9.2f}"
@@ -1216,28 +371,9 @@ def _run_node_loss(args: argparse.Namespace) -> int:
     print(format_node_loss(rows))
     if args.out:
         for r in rows:
-            r.update(_provenance(args.settings))
+            r.update(provenance(args.settings))
         args.out.write_text(json.dumps(rows, indent=2))
     return 0
-
-
-def _brokers_answer(settings: Settings) -> None:
-    """Connect once (one try per node): a benchmark that cannot reach a broker says so
-    in one line before it preloads or starts anything."""
-    from middleware.errors import MiddlewareError
-    from middleware.transport import AsyncClient
-
-    async def check() -> None:
-        async with AsyncClient(settings=settings):
-            pass
-
-    try:
-        runtime.run(check(), event_loop=settings.event_loop)
-    except MiddlewareError as exc:
-        raise InvalidArgument(
-            f"no RabbitMQ answers at {','.join(settings.amqp_urls)} ({exc}); start one "
-            "(qosmq cluster up) or name yours (--uri or QOSMQ_AMQP_URLS)"
-        ) from None
 
 
 def format_node_loss(rows: list[dict[str, Any]]) -> str:
@@ -1290,7 +426,7 @@ def _run_transport(args: argparse.Namespace) -> int:
         size=args.size,
         repeats=args.repeats,
         report=report,
-        progress=_progress(args),
+        progress=progress(args),
         interval_s=args.interval,
     )
     summary = []
@@ -1326,7 +462,7 @@ def _run_transport(args: argparse.Namespace) -> int:
             f"{s['client']:16} {s['per_s']:>8.0f} msg/s {s['cpu_us_per_message']:>6.0f} us{ratio}"
         )
     if args.out:
-        records = {"cells": rows, "summary": summary, **_provenance(args.settings)}
+        records = {"cells": rows, "summary": summary, **provenance(args.settings)}
         args.out.write_text(json.dumps(records, indent=2))
     return 0
 

@@ -25,6 +25,7 @@ from middleware import runtime
 from middleware.routing import RoleId
 from middleware.settings import Settings
 
+from .phoenix_deploy import Deployment
 from .phoenix_recovery import (
     CLUSTER,
     _log_lines_after,
@@ -33,7 +34,6 @@ from .phoenix_recovery import (
     _subscribe,
     _wait_all_served,
 )
-from .phoenix_timeliness import Deployment
 
 __all__ = ["run_busy"]
 

@@ -40,8 +40,8 @@ from middleware.localcluster import FaultProxy
 from middleware.routing import ChordRing, RoleId, SubscriptionRecord
 from middleware.settings import Settings
 
+from .phoenix_deploy import Deployment
 from .phoenix_recovery import _drop, _log_lines_after, _Stream, _subscribe
-from .phoenix_timeliness import Deployment
 from .stats import by_rate_and, percentile, row_percentile
 
 __all__ = ["FAULTS", "run_leave", "run_links", "summarize_leave", "summarize_links"]

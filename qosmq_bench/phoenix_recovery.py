@@ -46,7 +46,7 @@ from middleware.routing import Event, PhoenixClient, PhoenixDeployment, RoleId, 
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery
 
-from .phoenix_timeliness import Deployment, messages_of
+from .phoenix_deploy import Deployment, messages_of
 from .stats import by_rate_and, percentile, row_percentile
 
 __all__ = ["KINDS", "PAPER_S", "run_recovery", "summarize_recovery"]

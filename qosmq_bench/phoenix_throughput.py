@@ -46,16 +46,10 @@ from middleware.transport import management_get, vhost_path
 
 from .confirms import _brokers
 from .cpu import CpuMeter, limit, role_kind
-from .phoenix_timeliness import (
-    CLIENTS,
-    MECHANISMS,
-    Deployment,
-    Workload,
-    measure,
-    wait_ready,
-    warm_up,
-)
-from .phoenix_timeliness import subscriber_queue as subscriber_queue_of
+from .options import MECHANISMS
+from .phoenix_deploy import CLIENTS, Deployment, Workload, wait_ready
+from .phoenix_deploy import subscriber_queue as subscriber_queue_of
+from .phoenix_timeliness import measure, warm_up
 
 __all__ = ["HOPS", "hop_of", "run_throughput", "summarize_throughput"]
 

@@ -27,7 +27,7 @@ from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import ChordRing, PhoenixDeployment
 from middleware.settings import Settings
 from middleware.transport import AsyncClient
-from qosmq_bench.phoenix_timeliness import phoenix_cli
+from qosmq_bench.phoenix_deploy import phoenix_cli
 
 T = TypeVar("T")
 

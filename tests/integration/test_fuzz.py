@@ -191,7 +191,7 @@ def test_fuzzed_phoenix_messages_leave_roles_alive_and_events_exact(
         QueueKind,
     )
     from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
-    from qosmq_bench.phoenix_timeliness import phoenix_cli
+    from qosmq_bench.phoenix_deploy import phoenix_cli
     from tests.integration.phoenix_support import write_topology
     from tests.integration.test_phoenix_bad_input import _take
 

@@ -34,7 +34,7 @@ from middleware.transport import (
     QueueSpec,
 )
 from middleware.transport.delivery import DEAD_LETTER_EXCHANGE
-from qosmq_bench.phoenix_timeliness import phoenix_cli
+from qosmq_bench.phoenix_deploy import phoenix_cli
 from tests.integration.phoenix_support import write_topology
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]

@@ -19,7 +19,7 @@ from middleware.errors import EntityNotFound
 from middleware.phoenix.ids import RoleId, role_queues
 from middleware.routing.client import PhoenixClient
 from middleware.transport import AsyncClient
-from qosmq_bench.phoenix_timeliness import Deployment, phoenix_cli
+from qosmq_bench.phoenix_deploy import Deployment, phoenix_cli
 from tests.integration.phoenix_support import (
     attribute,
     event,

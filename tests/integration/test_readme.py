@@ -119,7 +119,7 @@ def test_the_phoenix_examples_run_as_printed(settings, brokers, tmp_path, name, 
     """The asyncio and sync Phoenix examples on a running 3-cluster deployment: each
     subscription is in place when subscribe returns, so the quote each publishes right
     after arrives (the examples print what they handle)."""
-    from qosmq_bench.phoenix_timeliness import Deployment
+    from qosmq_bench.phoenix_deploy import Deployment
 
     deployment = Deployment(
         tmp_path, prefix=name, amqp_urls=brokers.urls, routing_slaves=0, match_slaves=0

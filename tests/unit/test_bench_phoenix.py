@@ -39,7 +39,7 @@ def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup
     """The queues a deployment deletes are exactly its roles' inboxes and control queues;
     a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
     from middleware.phoenix.ids import role_queues
-    from qosmq_bench.phoenix_timeliness import Deployment
+    from qosmq_bench.phoenix_deploy import Deployment
 
     deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])
     names = role_queues(deployment.topology)
@@ -62,8 +62,8 @@ def test_the_throughput_steps_name_each_queue_s_hop_and_group_cpu_by_kind(tmp_pa
     queue to ``control``), the subscribers' queues to ``subscriber``, other queues of the
     prefix to ``other``, queues of anybody else to nothing; CPU sums by kind."""
     from middleware.routing import RoleId
+    from qosmq_bench.phoenix_deploy import Deployment, subscriber_queue
     from qosmq_bench.phoenix_throughput import _cpu_by_group, hop_of
-    from qosmq_bench.phoenix_timeliness import Deployment, subscriber_queue
 
     deployment = Deployment(tmp_path, prefix="thr", amqp_urls=["amqp://127.0.0.1:1/"])
     hop = hop_of(deployment)

@@ -85,7 +85,8 @@ def test_discarded_cells_are_left_out_of_the_summary() -> None:
 
 def test_the_report_lists_discarded_and_disturbed_cells() -> None:
     from middleware.settings import Settings
-    from qosmq_bench.spark_phoenix import PhoenixGrid, _report
+    from qosmq_bench.spark_phoenix import PhoenixGrid
+    from qosmq_bench.spark_phoenix_report import report as _report
 
     grid = PhoenixGrid("rate", (10,), (100.0,), ("none",), 1.0, 1, 0.0)
     cells = [

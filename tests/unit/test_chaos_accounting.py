@@ -1,13 +1,13 @@
 """The chaos harness's accounting: when an undelivered copy is a loss and when it raced
-its subscriber's unsubscribe (``qosmq_bench/phoenix_chaos.py``)."""
+its subscriber's unsubscribe (``qosmq_bench/chaos_judge.py``)."""
 
 from __future__ import annotations
 
-from qosmq_bench.phoenix_chaos import _raced_its_unsubscribe, _Subscription
+from qosmq_bench.chaos_judge import Subscription, _raced_its_unsubscribe
 
 
-def _sub(removing: float | None) -> _Subscription:
-    return _Subscription("t", [], sent=0.0, confirmed=1.0, removing=removing, removed=None)
+def _sub(removing: float | None) -> Subscription:
+    return Subscription("t", [], sent=0.0, confirmed=1.0, removing=removing, removed=None)
 
 
 def test_a_copy_seen_elsewhere_before_the_unsubscribe_went_is_a_loss() -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from qosmq_bench.spark_confirms import _charts, _colour, _ratio_std, summarise_repeats
+from qosmq_bench.spark_confirms import summarise_repeats
+from qosmq_bench.spark_confirms_report import _colour, _ratio_std
+from qosmq_bench.spark_confirms_report import charts as _charts
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
