@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from middleware.cli_help import not_for, renamed
@@ -92,11 +93,7 @@ def _run_phoenix_links(args: argparse.Namespace) -> int:
         "p50_direct_ms",
         "p50_detour_ms",
     )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  detour", flush=True)
-
-    def report(row: dict[str, Any]) -> None:
-        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        print(f"{line}  {row['detour']}", flush=True)
+    report = _live_table(columns, "detour", lambda row: str(row["detour"]))
 
     rows, run = run_links(
         args.settings,
@@ -222,10 +219,7 @@ def _run_phoenix_leave(args: argparse.Namespace) -> int:
         "lost_in_departed",
         "duplicates",
     )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns), flush=True)
-
-    def report(row: dict[str, Any]) -> None:
-        print(" ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns), flush=True)
+    report = _live_table(columns)
 
     fields = {} if args.leave_after is None else {"leave_after_s": args.leave_after}
     rows = run_leave(
@@ -270,11 +264,7 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         "p50_before_ms",
         "max_latency_s",
     )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  killed", flush=True)
-
-    def report(row: dict[str, Any]) -> None:
-        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        print(f"{line}  {row['killed']} -> {row['served_by']}", flush=True)
+    report = _live_table(columns, "killed", lambda row: f"{row['killed']} -> {row['served_by']}")
 
     rows, run = run_recovery(
         args.settings,
@@ -368,19 +358,12 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         "urgent_mean_ms",
         "bulk_mean_ms",
     )
-    print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns) + "  cpu %", flush=True)
+    report = _live_table(columns, "cpu %", _cpu_and_marks)
 
     try:
         max_steal, steal_retries = steal_limits(args)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
-
-    def report(row: dict[str, Any]) -> None:
-        line = " ".join(f"{row.get(c)!s:>{max(8, len(c))}}" for c in columns)
-        marks = "".join(
-            f"  ({what}: {row[what]})" for what in ("discarded", "disturbed") if row.get(what)
-        )
-        print(f"{line}  {_cpu_text(row.get('cpu'))}{marks}", flush=True)
 
     rows = run_experiment(
         args.settings,
@@ -435,3 +418,27 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
 
 def _cpu_text(cpu: dict[str, float | None] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (cpu or {}).items() if v is not None)
+
+
+def _live_table(
+    columns: Sequence[str], last: str = "", tail: Callable[[dict[str, Any]], str] | None = None
+) -> Callable[[dict[str, Any]], None]:
+    """Print the header of a live table (``columns``, then ``last`` unaligned) and return
+    what prints each row as it comes (``tail``: the row's last, unaligned part)."""
+    widths = [max(8, len(c)) for c in columns]
+    header = " ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
+    print(f"{header}  {last}" if last else header, flush=True)
+
+    def report(row: dict[str, Any]) -> None:
+        line = " ".join(f"{row.get(c)!s:>{w}}" for c, w in zip(columns, widths, strict=True))
+        print(f"{line}  {tail(row)}" if tail else line, flush=True)
+
+    return report
+
+
+def _cpu_and_marks(row: dict[str, Any]) -> str:
+    """A timeliness row's CPU, and whether it was discarded or disturbed (steal)."""
+    marks = "".join(
+        f"  ({what}: {row[what]})" for what in ("discarded", "disturbed") if row.get(what)
+    )
+    return f"{_cpu_text(row.get('cpu'))}{marks}"
