@@ -231,9 +231,8 @@ async def answer_read(role: Role, store: StateStore, owner: str, message: Read) 
     reader's queue."""
     table = await asyncio.to_thread(store.load, owner, message.state_kind)
     entries = list(table.items())
-    pages = [entries[i : i + ReplicaSet.PAGE] for i in range(0, len(entries), ReplicaSet.PAGE)] or [
-        []
-    ]
+    size = ReplicaSet.PAGE
+    pages = [entries[i : i + size] for i in range(0, len(entries), size)] or [[]]
     for n, page in enumerate(pages):
         await role.send(
             role.cluster,
