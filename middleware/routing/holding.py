@@ -12,25 +12,22 @@ import time
 from typing import Any
 
 from .. import heap
-from ..errors import DeadLetter
 from ..recovery.fencing import Reign, Trust
 from .beats import LeaseWatch
+from .follower import Effect as FollowerEffect
 from .follower import (
-    Count,
     Elected,
     Follower,
     Leader,
     NameLease,
     Promote,
-    Refuse,
-    Signal,
     StopServing,
     Suspected,
     retire,
 )
-from .follower import Effect as FollowerEffect
 from .messages import Ack, Beat, Read, Replicate, Retire, Takeover, Vote
 from .peer import Role
+from .performing import Performer
 from .replica_set import answer_read
 from .role_metrics import RECOVERY_S
 from .store import StateStore
@@ -72,13 +69,7 @@ class ReplicaHolder(Role):
         reign = Reign(message.epoch, message.by)
         promoted = self.follower is not None and self.follower.promoted
         sender, slave = message.broker, message.slave
-        for effect in retire(self.id, self.trust.reign, sender, slave, reign, promoted=promoted):
-            if isinstance(effect, Refuse):
-                raise DeadLetter(effect.reason)
-            if isinstance(effect, Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, StopServing):
-                self._retired(effect)
+        await self.enact(retire(self.id, self.trust.reign, sender, slave, reign, promoted=promoted))
 
     def _retired(self, effect: StopServing) -> None:
         if self.stop_event is None or self.switch_to is not None:
@@ -154,44 +145,49 @@ class ReplicaHolder(Role):
     async def _follow(self, effects: list[FollowerEffect]) -> None:
         """Perform what the follower machine returned (follower.py)."""
         assert self.follower is not None
-        master = self.id.master
         self.failed_at = self.follower.failed_at  # handed to the master it may become
-        for effect in effects:
-            if isinstance(effect, Signal):
-                await self.perform(effect)
-            elif isinstance(effect, Suspected):
-                if effect.by == "lease":
-                    log.warning(
-                        "%s: lease of %s returned (its connection closed): electing",
-                        self.id,
-                        master,
-                    )
-                    self.count("master_lease_returned")
-                else:
-                    log.warning(
-                        "%s: no beat from %s for %.2f s: electing", self.id, master, effect.silent_s
-                    )
-                    self.count("master_suspected")
-                RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(
-                    effect.silent_s
-                )
-            elif isinstance(effect, Elected):
-                RECOVERY_S.labels(self.cluster, master.kind.value, "election").observe(
-                    effect.took_s
-                )
-            elif isinstance(effect, Promote):
-                self.next_reign = effect.reign
-                self._promote(effect.why)
-            elif isinstance(effect, Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, Leader):
-                log.warning("%s: %s serves %s now", self.id, effect.slave, master)
-            elif isinstance(effect, NameLease):
-                await self.master_watch.named(effect.lease)
-            elif isinstance(effect, StopServing):
-                self._retired(effect)
-            else:
-                raise DeadLetter(effect.reason)
+        await self.enact(effects)
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {
+            **super().performers,
+            Suspected: self._suspected,
+            Elected: self._elected,
+            Promote: self._promoted,
+            Leader: self._leader,
+            NameLease: self._name_lease,
+            StopServing: self._retired,
+        }
+
+    def _suspected(self, effect: Suspected) -> None:
+        master = self.id.master
+        if effect.by == "lease":
+            log.warning(
+                "%s: lease of %s returned (its connection closed): electing", self.id, master
+            )
+            self.count("master_lease_returned")
+        else:
+            log.warning(
+                "%s: no beat from %s for %.2f s: electing", self.id, master, effect.silent_s
+            )
+            self.count("master_suspected")
+        RECOVERY_S.labels(self.cluster, master.kind.value, "detection").observe(effect.silent_s)
+
+    def _elected(self, effect: Elected) -> None:
+        RECOVERY_S.labels(self.cluster, self.id.master.kind.value, "election").observe(
+            effect.took_s
+        )
+
+    def _promoted(self, effect: Promote) -> None:
+        self.next_reign = effect.reign
+        self._promote(effect.why)
+
+    def _leader(self, effect: Leader) -> None:
+        log.warning("%s: %s serves %s now", self.id, effect.slave, self.id.master)
+
+    async def _name_lease(self, effect: NameLease) -> None:
+        await self.master_watch.named(effect.lease)
 
     async def _take_over(self, message: Takeover) -> None:
         """The operator's take-over: as an election's winner, tell the other slaves

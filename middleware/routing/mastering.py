@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import DeadLetter, MiddlewareError
-from ..phoenix.effects import After
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
@@ -24,6 +23,7 @@ from ..transport import Delivery
 from .beats import LeaseWatch
 from .messages import Beat, Fence, Message, Read, Replicate, Retire, Vote
 from .peer import WARM_AFTER_PROMOTION_S, Role
+from .performing import Inputs, Performer
 from .replica_set import ReplicaSet, answer_read
 from .serving import each
 from .supervision import Check, Note, Provision, Supervision
@@ -219,26 +219,46 @@ class Master(Role):
 
     async def _supervise(self, effects: list[SupervisionEffect]) -> None:
         """Perform what the supervision machine returned (supervision.py)."""
-        for effect in effects:
-            if isinstance(effect, Note):
-                log.warning("%s: %s", self.id, effect.text.format(slave=self._slave(effect.slave)))
-            elif isinstance(effect, RetireProcess):
-                self.count("retires_sent")
-                retire = Retire(
-                    broker=self.id.owner,
-                    slave=self._slave(effect.slave).owner,
-                    epoch=self.reign.epoch,
-                    by=self.reign.by,
-                )
-                await self.tell(effect.process, retire)
-            elif isinstance(effect, Check):
-                there = await self._process_there(effect.known)
-                slave, known, process = effect.slave, effect.known, effect.process
-                await self._supervise(self.supervision.checked(slave, known, process, there))
-            elif isinstance(effect, After):
-                self._after(effect)
-            else:
-                self._background(self._replacement(effect))
+        await self.enact(effects, self.supervised)
+
+    @functools.cached_property
+    def supervised(self) -> Inputs:
+        """The supervision machine's timer input (keyed by a slave's number)."""
+
+        def timer(key: Any) -> list[SupervisionEffect]:
+            slave, now = int(key), time.monotonic()
+            return self.supervision.timer(slave, slave in self.live.alive(now), now)
+
+        return Inputs(timer=timer)
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {
+            **super().performers,
+            Note: self._note,
+            RetireProcess: self._retire_process,
+            Check: self._check,
+            Provision: lambda effect: self._background(self._replacement(effect)),
+            SendFence: self._send_fence,
+            Stale: lambda _: self.count("stale_fences"),
+        }
+
+    def _note(self, effect: Note) -> None:
+        log.warning("%s: %s", self.id, effect.text.format(slave=self._slave(effect.slave)))
+
+    async def _retire_process(self, effect: RetireProcess) -> None:
+        self.count("retires_sent")
+        retire = Retire(
+            broker=self.id.owner,
+            slave=self._slave(effect.slave).owner,
+            epoch=self.reign.epoch,
+            by=self.reign.by,
+        )
+        await self.tell(effect.process, retire)
+
+    async def _check(self, effect: Check) -> list[SupervisionEffect]:
+        there = await self._process_there(effect.known)
+        return self.supervision.checked(effect.slave, effect.known, effect.process, there)
 
     async def _process_there(self, queue: str) -> bool:
         """Whether a slave's process queue is there (it goes with the process's
@@ -255,16 +275,6 @@ class Master(Role):
         return next(
             r for r in self.id.slaves(self.topology.cluster(self.cluster)) if r.slave == number
         )
-
-    def _after(self, effect: After) -> None:
-        slave = int(effect.key)
-
-        def fire() -> None:
-            now = time.monotonic()
-            alive = slave in self.live.alive(now)
-            self._background(self._supervise(self.supervision.timer(slave, alive, now)))
-
-        asyncio.get_running_loop().call_later(effect.after_s, fire)
 
     async def _replacement(self, effect: Provision) -> None:
         """Ask the provisioner for a process serving the slave; tell the machine."""
@@ -357,26 +367,29 @@ class Master(Role):
         await self._rival(self.reigning.fence(reign), message.broker)
 
     async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
-        """Perform a fencing decision (recovery/fencing.py)."""
-        if isinstance(outcome, SendFence):
-            self.count("fences_sent")
-            fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
-            await self.tell(outcome.to, fence)
-        elif isinstance(outcome, Refuse):
-            raise DeadLetter(f"{outcome.reason} from {sender!r}: not for {self.id}")
-        elif isinstance(outcome, Stale):
-            self.count("stale_fences")
-        elif isinstance(outcome, StepDown):  # once: the machine serves no more after it
-            back = self.promoted_from or self._slave(outcome.slave)
-            log.warning(
-                "%s (%s) fenced by %s, which trusts %s: stepping down to %s",
-                self.id,
-                self.reign,
-                sender,
-                outcome.reign,
-                back,
-            )
-            self.count("fenced")
-            self.fenced = True
-            self.switch_to, self.reign = back, self.reigning.reign  # the slave trusts it
-            self.stop_serving()
+        """Perform a fencing decision (recovery/fencing.py); ``sender`` is named in what
+        a refusal and a step-down say."""
+
+        def refuse(effect: Refuse) -> None:
+            raise DeadLetter(f"{effect.reason} from {sender!r}: not for {self.id}")
+
+        here: dict[type, Performer] = {
+            Refuse: refuse,
+            StepDown: functools.partial(self._step_down, sender),
+        }
+        await self.enact([outcome], here=here)
+
+    async def _send_fence(self, outcome: SendFence) -> None:
+        self.count("fences_sent")
+        fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
+        await self.tell(outcome.to, fence)
+
+    def _step_down(self, sender: str, outcome: StepDown) -> None:
+        """Once: the machine serves no more after it."""
+        back = self.promoted_from or self._slave(outcome.slave)
+        what = "%s (%s) fenced by %s, which trusts %s: stepping down to %s"
+        log.warning(what, self.id, self.reign, sender, outcome.reign, back)
+        self.count("fenced")
+        self.fenced = True
+        self.switch_to, self.reign = back, self.reigning.reign  # the slave trusts it
+        self.stop_serving()

@@ -12,13 +12,13 @@ import logging
 import time
 from typing import Any
 
-from ..errors import DeadLetter, MiddlewareError, Unroutable
+from ..errors import MiddlewareError, Unroutable
 from ..phoenix.effects import Count, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from . import subscribing
-from .dispatching import MatchHere, on_publish
+from .dispatching import Drop, MatchHere, on_publish
 from .joining import handover_plan
 from .match_restore import RestoringMatcher
 from .messages import (
@@ -32,6 +32,7 @@ from .messages import (
     Subscribe,
     Unsubscribe,
 )
+from .performing import Performer
 from .replica_set import ReplicaTimeout
 from .wiring import Handler, outgoing
 
@@ -119,20 +120,19 @@ class MatchMaster(RestoringMatcher):
     async def _subscribing(
         self, message: Subscribe | Unsubscribe, effects: list[subscribing.Effect]
     ) -> None:
-        """Perform the book's effects in order (subscribing.py)."""
+        """Perform the book's effects in order (subscribing.py): a confirmation waits
+        for the write before it."""
         written: asyncio.Future[None] | None = None
-        for effect in effects:
-            if isinstance(effect, subscribing.Persist):
-                written = await self.replicas.write(effect.key, effect.document)
-                await self._replicated(written)
-            elif isinstance(effect, subscribing.Send):
-                await self.perform(effect)
-            elif isinstance(effect, subscribing.Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, subscribing.Confirm):
-                self._confirm(message, written if effect.after_write else None, effect.outcome)
-            else:
-                raise DeadLetter(effect.reason)
+
+        async def persist(effect: subscribing.Persist) -> None:
+            nonlocal written
+            written = await self.replicas.write(effect.key, effect.document)
+            await self._replicated(written)
+
+        def confirm(effect: subscribing.Confirm) -> None:
+            self._confirm(message, written if effect.after_write else None, effect.outcome)
+
+        await self.enact(effects, here={subscribing.Persist: persist, subscribing.Confirm: confirm})
 
     async def _on_advertise(self, message: Advertise) -> None:
         await asyncio.to_thread(
@@ -154,22 +154,30 @@ class MatchMaster(RestoringMatcher):
             inner=self.topology.inner,
             blind=self.topology.blind_dispatch,
         )
-        for effect in effects:
-            if isinstance(effect, Count):
-                first = not self.counters[effect.name]
-                self.count(effect.name, effect.n)
-                if first and effect.name == "dropped_after_rejoin":
-                    log.warning(
-                        "%s: dropping events from before the departure (first: %s)",
-                        self.owner,
-                        message.id,
-                    )
-            elif isinstance(effect, MatchHere):
-                await self._match(message)
-            elif isinstance(effect, Send):
-                started = time.monotonic()
-                await self.perform(effect)
-                self.dispatch.dispatched(effect.to.slave, time.monotonic() - started)
+        here: dict[type, Performer] = {
+            Count: functools.partial(self._publish_count, message),
+            MatchHere: lambda _: self._match(message),
+            Send: self._dispatch,
+        }
+        await self.enact(effects, here=here)
+
+    def _publish_count(self, message: Publish, effect: Count) -> None:
+        first = not self.counters[effect.name]
+        self.count(effect.name, effect.n)
+        if first and effect.name == "dropped_after_rejoin":
+            log.warning(
+                "%s: dropping events from before the departure (first: %s)", self.owner, message.id
+            )
+
+    async def _dispatch(self, effect: Send) -> None:
+        """An event to the slave chosen; how long the send took goes to the choice."""
+        started = time.monotonic()
+        await self.perform(effect)
+        self.dispatch.dispatched(effect.to.slave, time.monotonic() - started)
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {**super().performers, Drop: lambda _: None}
 
     async def _unsubscribe(self, message: Unsubscribe) -> None:
         """Forget the subscription here and in the replicas (a tombstone), and tell the

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .. import heap
-from ..phoenix.effects import After
+from ..phoenix.effects import Count
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..phoenix.ring import master_index
@@ -27,6 +28,7 @@ from .messages import (
     Recover,
     Recovered,
 )
+from .performing import Inputs
 from .replica_set import ReplicaSet
 from .replicas import live
 from .restoring import Read, ReadAhead, Restore, RestorePlan, restore_plan
@@ -138,26 +140,30 @@ class RestoringMatcher(MatchBroker, Master):
         plan = self._restore_plan(message)
         effects = self.read_ahead.recover(message.cluster, plan, prepare=message.prepare)
         restore: asyncio.Future[Restorable] | None = None
-        for effect in effects:
-            if isinstance(effect, Read):
-                self._readings[effect.reading] = self._read_departed(message)
-            elif isinstance(effect, After):
-                cluster, reading = effect.key
-                loop = asyncio.get_running_loop()
-                loop.call_later(effect.after_s, self._forget_read, cluster, reading)
-            elif isinstance(effect, Restore):
-                restore = self._readings.pop(effect.reading)
-            else:
-                self.count(effect.name, effect.n)
+
+        def read(effect: Read) -> None:
+            self._readings[effect.reading] = self._read_departed(message)
+
+        def take(effect: Restore) -> None:
+            nonlocal restore
+            restore = self._readings.pop(effect.reading)
+
+        await self.enact(effects, self.reading_ahead, here={Read: read, Restore: take})
         self._drop_unused_reads()
         if restore is not None:
             with heap.paused():  # no cycles among them; the index task keeps it so (heap.py)
                 await self._restore(message, restore)
 
-    def _forget_read(self, cluster: str, reading: int) -> None:
-        for effect in self.read_ahead.forget(cluster, reading):
-            self.count(effect.name, effect.n)
+    @functools.cached_property
+    def reading_ahead(self) -> Inputs:
+        """The read-ahead's timer input: a read nobody took is forgotten."""
+        return Inputs(timer=self._forget_read)
+
+    def _forget_read(self, key: Any) -> list[Count]:
+        cluster, reading = key
+        forgotten = self.read_ahead.forget(cluster, reading)
         self._drop_unused_reads()
+        return forgotten
 
     def _drop_unused_reads(self) -> None:
         kept = self.read_ahead.in_use()

@@ -17,7 +17,6 @@ from typing import Any
 from .. import tracing
 from ..errors import DeadLetter
 from ..phoenix.ids import RoleId
-from . import copies as copies_plan
 from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
 from .delivery import CopySender
 from .holding import ReplicaHolder
@@ -31,6 +30,7 @@ from .messages import (
     heartbeat_value,
 )
 from .peer import Role
+from .performing import Performer
 from .registry import Registry
 from .replicas import TOMBSTONE, live
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
@@ -172,15 +172,17 @@ class MatchBroker(Role):
             (key, confirm, result)
             for (key, confirm), result in zip(queues.items(), outcomes, strict=True)
         ]
-        for effect in settle(settled, copies.departed, message.again):
-            if isinstance(effect, copies_plan.Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, Gone):
-                log.warning("subscriber queue %s of cluster %s is gone", effect.queue, effect.home)
-            elif isinstance(effect, Carry):
-                await self._carry(stamped, effect)
-            else:  # after the others' copies went out: kept with why
-                raise DeadLetter(effect.reason)
+        # a refusal comes after the others' copies went out: kept with why
+        carry = functools.partial(self._carry, stamped)
+        await self.enact(settle(settled, copies.departed, message.again), here={Carry: carry})
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {**super().performers, Gone: self._gone}
+
+    @staticmethod
+    def _gone(effect: Gone) -> None:
+        log.warning("subscriber queue %s of cluster %s is gone", effect.queue, effect.home)
 
     async def _carry(self, stamped: Publish, effect: Carry) -> None:
         carried = Copy(

@@ -30,6 +30,7 @@ from ..transport import AsyncClient, Delivery
 from .batching import Batcher, PriorityGate
 from .beats import Beater, beat_thread, signal_ttl_ms
 from .messages import Answer, Beat, Configure, Fence, Message, Routed, Takeover, encode
+from .performing import Performing
 from .replica_set import ReplicaSet
 from .role_metrics import ROLE_EVENTS
 from .switching import Become, become, configured, take_over
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 WARM_AFTER_PROMOTION_S = 1.0
 
 
-class Peer:
+class Peer(Performing):
     """One role's voice: sends, tells and beats over its process's connections."""
 
     id: RoleId  # set by each role before it serves

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RetryableError
 from ..phoenix.ids import RoleId
 from .messages import Ack, Heartbeat, Read, Snapshot
-from .replicas import Effect, GaveUp, Persist, ReplicaLog, Send, Written
+from .performing import Performer
+from .replicas import Effect, GaveUp, Persist, ReplicaLog, Written
 from .store import StateStore
 from .wiring import Handler
 
@@ -68,24 +70,23 @@ class ReplicaSet:
         return self.log.entries
 
     async def _apply(self, effects: Iterable[Effect]) -> None:
-        for effect in effects:
-            if isinstance(effect, Persist):
-                # in a thread: the store may be busy (a snapshot, another process's
-                # transaction), and the loop goes on meanwhile; stores keep the newest
-                # version whatever the order
-                await asyncio.to_thread(
-                    self.store.save,
-                    self.owner,
-                    self.kind,
-                    effect.key,
-                    effect.document,
-                    effect.version,
-                )
-                self._dirty = True
-            elif isinstance(effect, Send):  # ahead of any event backlog in its inbox
-                await self.role.perform(effect)
-            else:
-                self._resolve(effect)
+        """The replica log's effects, by the role's performer (its sends go ahead of any
+        event backlog in a slave's inbox); the store writes and the W-of-N waits are
+        this set's."""
+        await self.role.enact(effects, here=self.performers)
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {Persist: self._persist, Written: self._resolve, GaveUp: self._resolve}
+
+    async def _persist(self, effect: Persist) -> None:
+        """In a thread: the store may be busy (a snapshot, another process's
+        transaction), and the loop goes on meanwhile; stores keep the newest version
+        whatever the order."""
+        await asyncio.to_thread(
+            self.store.save, self.owner, self.kind, effect.key, effect.document, effect.version
+        )
+        self._dirty = True
 
     def _resolve(self, effect: Written | GaveUp) -> None:
         future = self.written.pop(effect.version, None)
@@ -212,8 +213,7 @@ class ReplicaSet:
         return self.log.sender(message).slave
 
     async def on_ack(self, message: Ack) -> None:
-        for effect in self.log.on_ack(message):
-            self._resolve(effect)
+        await self._apply(self.log.on_ack(message))
 
     async def on_snapshot(self, message: Snapshot) -> None:
         if self.log.page(message):

@@ -7,7 +7,6 @@ routers (``detours.py``), and the route/relay/carry loop performed from the mach
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
@@ -16,8 +15,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..errors import DeadLetter
-from ..phoenix.effects import Send
 from ..phoenix.ids import RoleId, RoleKind
 from ..phoenix.ring import ChordRing
 from ..phoenix.ring import Handover as Arc
@@ -29,7 +26,6 @@ from .departures import (
 from .detours import Detours
 from .forwarding import (
     JOINING,
-    Count,
     Forwarding,
     LinkReported,
     Now,
@@ -54,6 +50,7 @@ from .messages import (
     RoutedMessage,
     encode,
 )
+from .performing import Performer
 from .replica_set import ReplicaSet
 from .router import KeptEvents, RouterLogic
 from .store import open_store, ring_owner
@@ -228,40 +225,40 @@ class RingRouter(Master):
     async def _forward(self, effects: list[ForwardingEffect]) -> None:
         """Perform the route/relay/carry effects in order; what a send or a wait gives
         back goes to the machine, and what it returns is performed next."""
-        pending = collections.deque(effects)
-        while pending:
-            effect = pending.popleft()
-            after: list[ForwardingEffect] = []
-            if isinstance(effect, Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, WriteEntry):
-                entry = None if effect.entry is None else effect.entry.to_document()
-                await self.replicas.write(effect.event_type, entry)
-            elif isinstance(effect, SendOn):
-                path = await self.detours.forward(effect.cluster, effect.message, effect.priority)
-                after = self.forwarding.sent(effect, path, self._now(), self._holds())
-            elif isinstance(effect, Send):  # to this cluster's match master
-                await self.perform(effect)
-            elif isinstance(effect, WaitRestored):
-                restored = self._restored_event(effect.key)
-                if restored is not None:
-                    await restored.wait()
-                after = self.forwarding.restored(effect.message, self._holds())
-            elif isinstance(effect, PutHere):
-                await self._put_here(effect.copy)
-            elif isinstance(effect, LinkReported):
-                self.detours.reported_down(effect.cluster)
-            elif isinstance(effect, RouteAgain):
-                log.warning(
-                    "%s: %d events kept for %s routed again",
-                    self.id,
-                    len(effect.events),
-                    effect.departed,
-                )
-                self._background(self._route_again(effect.events))
-            else:
-                raise DeadLetter(effect.reason)
-            pending.extendleft(reversed(after))
+        await self.enact(effects)
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {
+            **super().performers,
+            WriteEntry: self._write_entry,
+            SendOn: self._send_on,
+            WaitRestored: self._wait_restored,
+            PutHere: lambda effect: self._put_here(effect.copy),
+            LinkReported: lambda effect: self.detours.reported_down(effect.cluster),
+            RouteAgain: self._routed_again,
+        }
+
+    async def _write_entry(self, effect: WriteEntry) -> None:
+        entry = None if effect.entry is None else effect.entry.to_document()
+        await self.replicas.write(effect.event_type, entry)
+
+    async def _send_on(self, effect: SendOn) -> list[ForwardingEffect]:
+        """Over the direct link or a detour; the path it went back to the machine."""
+        path = await self.detours.forward(effect.cluster, effect.message, effect.priority)
+        return self.forwarding.sent(effect, path, self._now(), self._holds())
+
+    async def _wait_restored(self, effect: WaitRestored) -> list[ForwardingEffect]:
+        restored = self._restored_event(effect.key)
+        if restored is not None:
+            await restored.wait()
+        return self.forwarding.restored(effect.message, self._holds())
+
+    def _routed_again(self, effect: RouteAgain) -> None:
+        log.warning(
+            "%s: %d events kept for %s routed again", self.id, len(effect.events), effect.departed
+        )
+        self._background(self._route_again(effect.events))
 
     async def _put_here(self, copy: Copy) -> None:
         result = await self.copies.put(

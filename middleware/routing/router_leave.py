@@ -7,12 +7,12 @@ the departed router's table (``takeover.py`` decides).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from typing import Any
 
-from ..phoenix.effects import After, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
@@ -24,15 +24,14 @@ from .departures import (
     RecordLeft,
     RouteKept,
     TakeOverArc,
+    TellMatchRoles,
     entries_of_arc,
 )
 from .departures import Effect as DepartureEffect
-from .forwarding import (
-    Count,
-)
 from .messages import (
     Leave,
 )
+from .performing import Inputs, Performer
 from .replicas import live
 from .ring_router import RingRouter
 from .role_metrics import LEAVE_S
@@ -65,39 +64,51 @@ class LeavingRouter(RingRouter):
 
     async def _depart(self, effects: list[DepartureEffect]) -> None:
         """Perform what ``Departures`` returned, in order."""
-        for effect in effects:
-            if isinstance(effect, Count):
-                self.count(effect.name, effect.n)
-            elif isinstance(effect, Send):
-                await self.perform(effect)
-            elif isinstance(effect, LeaveHere):
-                await self._leave(effect.cluster, effect.by)
-            elif isinstance(effect, PlanPrepare):
-                plan = await self._plan(effect.cluster, effect.successor)
-                process = self.connections.process_queue
-                await self._depart(self.departures.prepare(effect, plan, process))
-            elif isinstance(effect, AfterRingApplied):
-                self._background(self._leave_when_ring_applied(effect.cluster, effect.by))
-            elif isinstance(effect, RecordLeft):
-                self._record_ring_change(effect.cluster, "left")
-            elif isinstance(effect, TakeOverArc):
-                self._recovering[effect.cluster] = (effect.arc, asyncio.Event())
-                request, now = uuid.uuid4().hex, time.monotonic()
-                started = self.takeover.left(effect.cluster, request, now, effect.arc)
-                self._background(self._take_over_arc(started))
-            elif isinstance(effect, RouteKept):
-                self.detours.left(effect.cluster)
-                self._route_kept(effect.cluster)
-            else:
-                told = effect.message
-                log.warning(
-                    "%s left the ring (found by %s); its arc goes to %s",
-                    told.cluster,
-                    told.by,
-                    effect.successor,
-                )
-                for role in self._match_roles():
-                    await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
+        await self.enact(effects)
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {
+            **super().performers,
+            LeaveHere: lambda effect: self._leave(effect.cluster, effect.by),
+            PlanPrepare: self._plan_prepare,
+            AfterRingApplied: lambda effect: self._background(
+                self._leave_when_ring_applied(effect.cluster, effect.by)
+            ),
+            RecordLeft: lambda effect: self._record_ring_change(effect.cluster, "left"),
+            TakeOverArc: self._start_take_over,
+            RouteKept: self._route_kept_of,
+            TellMatchRoles: self._tell_match_roles,
+            ReadTable: lambda effect: self._background(self._read_departed_table(effect.cluster)),
+            MakePlan: lambda effect: self._background(self._make_plan(effect.cluster)),
+            Adopt: self._adopt,
+            Released: self._released,
+        }
+
+    async def _plan_prepare(self, effect: PlanPrepare) -> list[DepartureEffect]:
+        plan = await self._plan(effect.cluster, effect.successor)
+        return self.departures.prepare(effect, plan, self.connections.process_queue)
+
+    def _start_take_over(self, effect: TakeOverArc) -> None:
+        self._recovering[effect.cluster] = (effect.arc, asyncio.Event())
+        request, now = uuid.uuid4().hex, time.monotonic()
+        started = self.takeover.left(effect.cluster, request, now, effect.arc)
+        self._background(self._take_over_arc(started))
+
+    def _route_kept_of(self, effect: RouteKept) -> None:
+        self.detours.left(effect.cluster)
+        self._route_kept(effect.cluster)
+
+    async def _tell_match_roles(self, effect: TellMatchRoles) -> None:
+        told = effect.message
+        log.warning(
+            "%s left the ring (found by %s); its arc goes to %s",
+            told.cluster,
+            told.by,
+            effect.successor,
+        )
+        for role in self._match_roles():
+            await self.send(self.cluster, self.control_of(role), told, MAX_PRIORITY)
 
     async def _leave_when_ring_applied(self, cluster: str, by: str) -> None:
         await self._ring_applied.wait()
@@ -214,34 +225,22 @@ class LeavingRouter(RingRouter):
         plan (``recovery/capacity.py``: match masters added when the departed cluster had
         more), RECOVERY to each master it names; the arc's events wait until every one
         answered (or ``read_timeout_s``) and the departed router's table was read."""
-        for effect in effects:
-            if isinstance(effect, ReadTable):
-                self._background(self._read_departed_table(effect.cluster))
-            elif isinstance(effect, MakePlan):
-                self._background(self._make_plan(effect.cluster))
-            elif isinstance(effect, Adopt):
-                plan: CapacityPlan = effect.plan
-                arc = self._recovering[effect.cluster][0]
-                self.logic.adopted[effect.cluster] = (arc, plan.masters)
-                self._record_adoption(effect.cluster, arc, plan)
-                if plan.match_broker_map:
-                    log.info(
-                        "%s: matchBrokerMap for %s: %s",
-                        self.id,
-                        effect.cluster,
-                        plan.match_broker_map,
-                    )
-            elif isinstance(effect, Send):
-                await self.perform(effect)
-            elif isinstance(effect, After):
-                asyncio.get_running_loop().call_later(
-                    effect.after_s, self._restore_bound_passed, str(effect.key)
-                )
-            else:
-                self._released(effect)
+        await self.enact(effects, self.taking_over)
 
-    def _restore_bound_passed(self, request: str) -> None:
-        self._background(self._take_over_arc(self.takeover.expired(request, time.monotonic())))
+    @functools.cached_property
+    def taking_over(self) -> Inputs:
+        """The arc take-over's timer input: a request's restore bound passed."""
+        return Inputs(timer=lambda key: self.takeover.expired(str(key), time.monotonic()))
+
+    def _adopt(self, effect: Adopt) -> None:
+        plan: CapacityPlan = effect.plan
+        arc = self._recovering[effect.cluster][0]
+        self.logic.adopted[effect.cluster] = (arc, plan.masters)
+        self._record_adoption(effect.cluster, arc, plan)
+        if plan.match_broker_map:
+            log.info(
+                "%s: matchBrokerMap for %s: %s", self.id, effect.cluster, plan.match_broker_map
+            )
 
     async def _read_departed_table(self, cluster: str) -> None:
         held = self._recovering.get(cluster)

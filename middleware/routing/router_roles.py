@@ -13,11 +13,11 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ..errors import DeadLetter
-from ..phoenix.effects import After, Send
+from ..phoenix.effects import After, Send, Sent
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
@@ -28,7 +28,9 @@ from .joining import (
     HandBackEffect,
     Hold,
     NotHandedOver,
+    Release,
 )
+from .joining import Retire as RetireAdded
 from .messages import (
     Advertise,
     Copy,
@@ -45,6 +47,7 @@ from .messages import (
     Unsubscribed,
 )
 from .peer import WARM_AFTER_PROMOTION_S
+from .performing import Inputs, Performer
 from .replicas import TOMBSTONE, live
 from .router_leave import LeavingRouter
 from .store import open_store, ring_owner
@@ -77,7 +80,7 @@ class RouterMaster(LeavingRouter):
         router that starts after a leave, e.g. a promoted slave, must not route to the
         departed cluster again and take its arc over a second time)."""
         records = await asyncio.to_thread(self.store.load, ring_owner(self.topology.prefix), "ring")
-        self._hold_if_joining(live(records).get(self.cluster, (0, None))[1])
+        await self._hold_if_joining(live(records).get(self.cluster, (0, None))[1])
         for cluster, (_, record) in sorted(live(records).items()):
             if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
                 continue
@@ -106,12 +109,12 @@ class RouterMaster(LeavingRouter):
             )
         self._ring_applied.set()
 
-    def _hold_if_joining(self, record: Any) -> None:
+    async def _hold_if_joining(self, record: Any) -> None:
         """This cluster joins the ring now: its arc's events wait here, as a take-over's
         do, until the previous owner's hand-over is all routed here (joining.py)."""
         state = record.get("state") if isinstance(record, dict) else None
         ring = self.ring
-        self._join_effects(
+        await self._join_effects(
             self.join_hold.start(
                 recorded=state if isinstance(state, str) else None,
                 listed_as_joined=self._spec.joined,
@@ -121,46 +124,50 @@ class RouterMaster(LeavingRouter):
             )
         )
 
-    def _join_effects(self, effects: list[JoinEffect]) -> None:
+    async def _join_effects(self, effects: list[JoinEffect]) -> None:
         """Perform what the join hold returned (joining.py)."""
-        for effect in effects:
-            if isinstance(effect, Hold):
-                ring = self.ring
-                arc = Arc(
-                    self.cluster,
-                    ring.successors(self.cluster, 1)[0],
-                    ring_id(ring.predecessor(self.cluster)),
-                    ring_id(self.cluster),
-                )
-                self._joining = (arc, asyncio.Event())
-                asyncio.get_running_loop().call_later(
-                    effect.bound_s,
-                    lambda: self._join_effects(self.join_hold.expired(time.monotonic())),
-                )
-                log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
-                continue
-            if self._joining is not None:
-                self._joining[1].set()
-            expected = "?" if effect.expected is None else effect.expected
-            if effect.timed_out:
-                self.count("handover_wait_expired")
-                log.warning(
-                    "%s: the arc's hand-over not all here after %.1f s (%d of %s routed): "
-                    "its events go on",
-                    self.id,
-                    effect.took_s,
-                    effect.handed,
-                    expected,
-                )
-            else:
-                self.count("handovers_received")
-                log.info(
-                    "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
-                    "%.3f s after the start",
-                    self.id,
-                    effect.handed,
-                    effect.took_s,
-                )
+        await self.enact(effects, self.joining)
+
+    @functools.cached_property
+    def joining(self) -> Inputs:
+        """The join hold's timer input: its bound passed."""
+        return Inputs(timer=lambda _: self.join_hold.expired(time.monotonic()))
+
+    def _hold(self, effect: Hold) -> list[After]:
+        ring = self.ring
+        arc = Arc(
+            self.cluster,
+            ring.successors(self.cluster, 1)[0],
+            ring_id(ring.predecessor(self.cluster)),
+            ring_id(self.cluster),
+        )
+        self._joining = (arc, asyncio.Event())
+        log.info("%s: joining the ring: the arc's events wait for its hand-over", self.id)
+        return [After(effect.bound_s, "join")]
+
+    def _release(self, effect: Release) -> None:
+        if self._joining is not None:
+            self._joining[1].set()
+        expected = "?" if effect.expected is None else effect.expected
+        if effect.timed_out:
+            self.count("handover_wait_expired")
+            log.warning(
+                "%s: the arc's hand-over not all here after %.1f s (%d of %s routed): "
+                "its events go on",
+                self.id,
+                effect.took_s,
+                effect.handed,
+                expected,
+            )
+        else:
+            self.count("handovers_received")
+            log.info(
+                "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
+                "%.3f s after the start",
+                self.id,
+                effect.handed,
+                effect.took_s,
+            )
 
     async def _on_handed_subscription(self, message: Subscribe | Unsubscribe) -> None:
         """One subscription of the arc this cluster joins with (or one removed while the
@@ -171,12 +178,12 @@ class RouterMaster(LeavingRouter):
         try:
             await self._route(message, held=False)
         finally:
-            self._join_effects(self.join_hold.routed(time.monotonic()))
+            await self._join_effects(self.join_hold.routed(time.monotonic()))
 
     async def _on_handed_over(self, message: HandedOver) -> None:
         if message.cluster != self.cluster:
             raise DeadLetter(f"handed_over: for {message.cluster}, not {self.cluster}")
-        self._join_effects(self.join_hold.told(message.count, time.monotonic()))
+        await self._join_effects(self.join_hold.told(message.count, time.monotonic()))
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -251,47 +258,47 @@ class RouterMaster(LeavingRouter):
 
     async def _hand_back(self, effects: list[HandBackEffect]) -> None:
         """Perform what the hand-back returned (joining.HandBack)."""
-        for effect in effects:
-            if isinstance(effect, Send):
-                sent = await self.perform(effect)
-                if sent is not None:  # the count told to the joiner, or not
-                    if sent.error is None:
-                        told = effect.message
-                        log.info(
-                            "%s: %d subscriptions of %s's arc handed over",
-                            self.id,
-                            told.count,
-                            told.cluster,
-                        )
-                    now = time.monotonic()
-                    await self._hand_back(self.hand_back.sent(sent.then, sent.error, now))
-            elif isinstance(effect, After):
-                self._after_hand_back(
-                    effect.after_s, functools.partial(self.hand_back.expired, effect.key)
-                )
-            elif isinstance(effect, NotHandedOver):
-                if effect.told:
-                    log.warning(
-                        "%s: hand-over count (%d) not told to %s: %s",
-                        self.id,
-                        effect.count,
-                        effect.cluster,
-                        effect.error,
-                    )
-                else:  # the added masters left running: nothing of theirs is lost
-                    log.warning(
-                        "%s: the match masters did not hand %s's arc over in time",
-                        self.id,
-                        effect.cluster,
-                    )
-            else:
-                masters = [RoleId.from_owner(owner) for owner in effect.masters]
-                await self._retire_added(effect.cluster, masters, effect.moved)
+        await self.enact(effects, self.handing_back)
 
-    def _after_hand_back(self, delay: float, later: Callable[[], list[HandBackEffect]]) -> None:
-        asyncio.get_running_loop().call_later(
-            delay, lambda: self._background(self._hand_back(later()))
-        )
+    @functools.cached_property
+    def handing_back(self) -> Inputs:
+        """The hand-back's inputs: its timers (a request's bound, a retry) and how the
+        count told to the joiner went."""
+        return Inputs(timer=self.hand_back.expired, sent=self._count_told)
+
+    def _count_told(self, effect: Send, sent: Sent) -> list[HandBackEffect]:
+        if sent.error is None:
+            told = effect.message
+            log.info(
+                "%s: %d subscriptions of %s's arc handed over", self.id, told.count, told.cluster
+            )
+        return self.hand_back.sent(sent.then, sent.error, time.monotonic())
+
+    @functools.cached_property
+    def performers(self) -> dict[type, Performer]:
+        return {
+            **super().performers,
+            Hold: self._hold,
+            Release: self._release,
+            NotHandedOver: self._not_handed_over,
+            RetireAdded: lambda effect: self._retire_added(
+                effect.cluster, [RoleId.from_owner(owner) for owner in effect.masters], effect.moved
+            ),
+        }
+
+    def _not_handed_over(self, effect: NotHandedOver) -> None:
+        if effect.told:
+            log.warning(
+                "%s: hand-over count (%d) not told to %s: %s",
+                self.id,
+                effect.count,
+                effect.cluster,
+                effect.error,
+            )
+        else:  # the added masters left running: nothing of theirs is lost
+            log.warning(
+                "%s: the match masters did not hand %s's arc over in time", self.id, effect.cluster
+            )
 
     async def _retire_added(self, cluster: str, masters: list[RoleId], moved: int) -> None:
         """Stop the masters a take-over added, once they handed ``cluster``'s arc back."""

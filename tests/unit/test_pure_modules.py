@@ -64,6 +64,7 @@ DRIVERS = {
     "store",
     "confirms",
     "peer",
+    "performing",
     "serving",
     "router_roles",
     "match_roles",
