@@ -129,12 +129,17 @@ def settle(
 @dataclass
 class MatchedReceipts:
     """The ids of events matched here that entered at another cluster, per that
-    cluster, until the next MATCHED to its router (one ``Send`` per chunk of ids)."""
+    cluster, until the next MATCHED to its router: one ``Send`` per chunk of ids, the
+    next once the one before was sent (``sent``); a send that fails ends the others
+    (the entry router keeps those events a while longer)."""
 
     cluster: str  # this match broker's: an event that entered here owes nobody
     every_s: float = 0.02
     chunk: int = 4096
     waiting: dict[str, list[str]] = field(default_factory=dict)
+    #: the chunks not sent yet, by the ``then`` of the send before them
+    rest: dict[tuple[str, int], list[list[str]]] = field(default_factory=dict)
+    _rounds: int = 0
 
     def matched(self, hops: Sequence[str], event_id: str | None) -> list[After]:
         entry = hops[0] if hops else self.cluster
@@ -145,11 +150,24 @@ class MatchedReceipts:
         return [After(self.every_s, entry)] if len(waiting) == 1 else []
 
     def due(self, entry: str) -> list[Send]:
-        """MATCHED to ``entry``'s router, a chunk of ids each (a send that fails ends
-        the others: the entry router keeps those events a while longer)."""
+        """The timer for ``entry`` fired: MATCHED to its router's control queue, the
+        first chunk of ids (the others follow it)."""
         ids = self.waiting.pop(entry, [])
-        router = RoleId.router(entry)
-        return [
-            Send(router, Matched(by=self.cluster, ids=ids[start : start + self.chunk]), then=entry)
-            for start in range(0, len(ids), self.chunk)
-        ]
+        if not ids:
+            return []
+        chunks = [ids[start : start + self.chunk] for start in range(0, len(ids), self.chunk)]
+        self._rounds += 1
+        then = (entry, self._rounds)
+        self.rest[then] = chunks[1:]
+        return [self._send(then, chunks[0])]
+
+    def sent(self, then: tuple[str, int], error: str | None) -> list[Send]:
+        """How the send of a chunk ended: the next chunk, unless it failed."""
+        rest = self.rest.pop(then, [])
+        if error is not None or not rest:
+            return []
+        self.rest[then] = rest[1:]
+        return [self._send(then, rest[0])]
+
+    def _send(self, then: tuple[str, int], ids: list[str]) -> Send:
+        return Send(RoleId.router(then[0]), Matched(by=self.cluster, ids=ids), then=then)

@@ -30,7 +30,7 @@ from .messages import (
     heartbeat_value,
 )
 from .peer import Role
-from .performing import Performer
+from .performing import Inputs, Performer
 from .registry import Registry
 from .replicas import TOMBSTONE, live
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
@@ -64,7 +64,6 @@ class MatchBroker(Role):
         #: the next ``Matched`` to that cluster's router goes (copies.py; a Matched lost
         #: with its cluster: its events come twice)
         self.receipts = MatchedReceipts(self.cluster, every_s=self.MATCHED_EVERY_S)
-        self._receipts: set[asyncio.Future[None]] = set()
 
     def index_type(self, event_type: str, limit: int | None = None) -> None:
         """Index the restored subscriptions of one type (match masters restore them),
@@ -119,23 +118,14 @@ class MatchBroker(Role):
         """The event's copies are confirmed: tell the router it entered the ring at
         (another cluster's; it keeps the event until then), batched (copies.py)."""
         for timer in self.receipts.matched(message.hops, message.id):
-            asyncio.get_running_loop().call_later(timer.after_s, self._send_matched, timer.key)
+            self.set_timer(timer, self.receipting)
 
-    def _send_matched(self, key: str) -> None:
-        entry = str(key)
-        chunks = self.receipts.due(entry)
-        if not chunks:
-            return
-
-        async def send() -> None:
-            for chunk in chunks:
-                sent = await self.perform(chunk)
-                if sent is not None and sent.error is not None:
-                    return  # the entry router keeps the others a while longer
-
-        task = asyncio.ensure_future(send())
-        self._receipts.add(task)
-        task.add_done_callback(self._receipts.discard)
+    @functools.cached_property
+    def receipting(self) -> Inputs:
+        """The receipts' inputs: an entry cluster's timer, how a chunk's send went."""
+        return Inputs(
+            timer=self.receipts.due, sent=lambda _, sent: self.receipts.sent(sent.then, sent.error)
+        )
 
     async def _deliver(self, message: Publish, matched: set[str]) -> None:
         """One copy per subscriber queue, however many of its subscriptions matched, on

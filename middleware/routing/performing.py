@@ -81,7 +81,7 @@ class Performing:
             effect = pending.popleft()
             kind = type(effect)
             if kind is After:
-                self._later(effect, inputs)
+                self.set_timer(effect, inputs)
                 continue
             performer = (here or {}).get(kind) or self.performers.get(kind)
             if performer is None:
@@ -94,7 +94,7 @@ class Performing:
             if more:
                 pending.extendleft(reversed(list(more)))
 
-    def _later(self, effect: After, inputs: Inputs) -> None:
+    def set_timer(self, effect: After, inputs: Inputs) -> None:
         """The machine's timer input for ``effect.key``, ``effect.after_s`` from now (a
         new input: nothing of the one that set it is bound); what it returns is
         performed beside serving."""

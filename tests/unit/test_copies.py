@@ -66,9 +66,24 @@ def test_receipts_are_owed_only_to_another_entry_cluster_batched_by_one_timer() 
     assert receipts.matched(["A"], "e2") == []  # the timer runs already
     assert receipts.matched(["A"], "e3") == []
     router = RoleId.router("A")
-    assert receipts.due("A") == [  # to A's router's control queue, a chunk each
-        Send(router, Matched(by="B", ids=["e1", "e2"]), then="A"),
-        Send(router, Matched(by="B", ids=["e3"]), then="A"),
-    ]
+    # to A's router's control queue, a chunk each, the next once the one before was sent
+    first = receipts.due("A")
+    assert first == [Send(router, Matched(by="B", ids=["e1", "e2"]), then=("A", 1))]
     assert receipts.due("A") == []
     assert receipts.matched(["A"], "e4") == [After(0.02, "A")]  # a new batch
+    assert receipts.sent(("A", 1), None) == [
+        Send(router, Matched(by="B", ids=["e3"]), then=("A", 1))
+    ]
+    assert receipts.sent(("A", 1), None) == []  # all sent
+    assert receipts.rest == {}
+
+
+def test_a_receipt_that_fails_ends_the_chunks_after_it() -> None:
+    receipts = MatchedReceipts("B", every_s=0.02, chunk=1)
+    for event in ("e1", "e2", "e3"):
+        receipts.matched(["A"], event)
+    [send] = receipts.due("A")
+    assert send.message.ids == ["e1"]
+    assert receipts.sent(send.then, "link down") == []  # A's router keeps e2, e3 longer
+    assert receipts.rest == {}
+    assert receipts.sent(send.then, None) == []  # told twice: nothing more
