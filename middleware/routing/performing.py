@@ -77,13 +77,16 @@ class Performing:
         performer returns is performed next, before the rest.  A ``Refuse`` raises
         there (``DeadLetter``), after the effects before it were done."""
         pending = collections.deque(effects)
+        table = self.performers
         while pending:
             effect = pending.popleft()
             kind = type(effect)
             if kind is After:
                 self.set_timer(effect, inputs)
                 continue
-            performer = (here or {}).get(kind) or self.performers.get(kind)
+            performer = here.get(kind) if here is not None else None
+            if performer is None:
+                performer = table.get(kind)
             if performer is None:
                 raise TypeError(f"{type(self).__name__} performs no {kind.__name__}")
             more = performer(effect)
