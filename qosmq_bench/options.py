@@ -5,11 +5,20 @@ builds its parser)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from middleware.cliargs import integer, names, number, numbers
 
-__all__ = ["MECHANISMS", "add_departed_masters", "steal_arguments", "timeliness_arguments"]
+__all__ = [
+    "LINK_FAULTS",
+    "MECHANISMS",
+    "ROLE_KINDS",
+    "add_departed_masters",
+    "fault_arguments",
+    "steal_arguments",
+    "timeliness_arguments",
+]
 
 #: name -> the live switches (``qosmq phoenix configure``); with ``inner`` off the match
 #: masters take turns over themselves and their slaves (the paper's base system)
@@ -29,6 +38,27 @@ MECHANISMS: dict[str, dict[str, Any]] = {
         "batch_max": 1,
     },
 }
+
+
+#: the role kinds the recovery experiment kills, the link faults the links experiment injects
+ROLE_KINDS = ("router", "router_slave", "match", "match_slave")
+LINK_FAULTS = ("cut", "blackhole")
+
+
+def fault_arguments(
+    parser: argparse.ArgumentParser, *, kinds: Sequence[str], faults_help: str
+) -> None:
+    """``--kinds`` (recovery: the role kinds killed) and ``--faults`` (links: the link
+    faults injected), the same for ``qosmq bench phoenix`` and the Spark fault job."""
+    parser.add_argument(
+        "--kinds",
+        type=names(ROLE_KINDS),
+        default=",".join(kinds),
+        help="recovery: the role kinds killed",
+    )
+    parser.add_argument(
+        "--faults", type=names(LINK_FAULTS), default=",".join(LINK_FAULTS), help=faults_help
+    )
 
 
 def add_departed_masters(parser: argparse.ArgumentParser) -> None:

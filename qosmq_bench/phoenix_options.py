@@ -9,7 +9,7 @@ from pathlib import Path
 from middleware.cli_help import renamed
 from middleware.cliargs import integer, integers, names, number, out_file, path
 
-from .options import add_departed_masters, timeliness_arguments
+from .options import ROLE_KINDS, add_departed_masters, fault_arguments, timeliness_arguments
 
 __all__ = ["PHOENIX_OPTIONS", "PHOENIX_REPEATS", "add_phoenix_arguments"]
 
@@ -121,11 +121,10 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
         type=number(0.1, 3600),
         help="leave: the topology's leave_after_s (default: the topology's, 3.0)",
     )
-    phoenix.add_argument(
-        "--faults",
-        type=names(("cut", "blackhole")),
-        default="cut,blackhole",
-        help="link: cut (connections reset, new ones refused), blackhole (open, silent)",
+    fault_arguments(
+        phoenix,
+        kinds=ROLE_KINDS,
+        faults_help="link: cut (connections reset, new ones refused), blackhole (open, silent)",
     )
     phoenix.add_argument(
         "--down",
@@ -137,12 +136,6 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
         "--link-timeout",
         type=number(0.01, 60),
         help="link: the topology's link_timeout_s (default: the topology's, 1.0)",
-    )
-    phoenix.add_argument(
-        "--kinds",
-        type=names(("router", "router_slave", "match", "match_slave")),
-        default="router,router_slave,match,match_slave",
-        help="recovery: the role kinds killed",
     )
     phoenix.add_argument(
         "--heartbeat-interval",

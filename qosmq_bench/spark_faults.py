@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from middleware.cli_help import not_for, renamed
-from middleware.cliargs import Parser, integer, names, number, path
+from middleware.cliargs import Parser, integer, number, path
 from middleware.settings import Settings
 
 from . import spark_common
-from .options import add_departed_masters
+from .options import add_departed_masters, fault_arguments
 from .spark_common import (
     add_uri,
     drive,
@@ -77,18 +77,7 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Argumen
     )
     renamed(p, "--runs", "--repeats")
     p.add_argument("--rates", type=str, default="200", help="events/s, comma list")
-    p.add_argument(
-        "--kinds",
-        type=names(("router", "router_slave", "match", "match_slave")),
-        default="router,match",
-        help="recovery: the role kinds killed",
-    )
-    p.add_argument(
-        "--faults",
-        type=names(("cut", "blackhole")),
-        default="cut,blackhole",
-        help="link: the faults injected",
-    )
+    fault_arguments(p, kinds=("router", "match"), faults_help="link: the faults injected")
     p.add_argument(
         "--subscriptions",
         type=integer(1, 10_000_000),
