@@ -368,7 +368,9 @@ class Master(Role):
 
     async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
         """Perform a fencing decision (recovery/fencing.py); ``sender`` is named in what
-        a refusal and a step-down say."""
+        a refusal and a step-down say; None: nothing to do."""
+        if outcome is None:
+            return
 
         def refuse(effect: Refuse) -> None:
             raise DeadLetter(f"{effect.reason} from {sender!r}: not for {self.id}")

@@ -163,6 +163,7 @@ def test_every_effect_a_roles_machines_return_has_a_performer() -> None:
     """Each kind's machines (their ``Effect`` unions) against its performer table;
     ``After`` is the timer every machine may set, and the few types bound to the input
     being handled are performed by ``here`` where that input is handled (named)."""
+    from middleware.recovery import fencing
     from middleware.routing import (
         copies,
         departures,
@@ -180,6 +181,7 @@ def test_every_effect_a_roles_machines_return_has_a_performer() -> None:
     from middleware.routing.router_roles import RouterMaster, RouterSlave
 
     bound = {  # performed by ``here`` in the handler named
+        fencing.StepDown: "Master._rival",
         dispatching.MatchHere: "MatchMaster._on_publish",
         subscribing.Persist: "MatchMaster._subscribing",
         subscribing.Confirm: "MatchMaster._subscribing",
@@ -195,6 +197,7 @@ def test_every_effect_a_roles_machines_return_has_a_performer() -> None:
             joining.Effect,
             joining.HandBackEffect,
             supervision.Effect,
+            fencing.RivalOutcome,
         ],
         RouterSlave: [follower.Effect],
         MatchMaster: [
@@ -203,11 +206,22 @@ def test_every_effect_a_roles_machines_return_has_a_performer() -> None:
             restoring.Effect,
             copies.Effect,
             supervision.Effect,
+            fencing.RivalOutcome,
         ],
         MatchSlave: [follower.Effect, copies.Effect],
     }
     for cls, unions in machines.items():
         role = _role(cls, {"id": "B"})
         returned = set().union(*(_types(u) for u in unions))
-        missing = returned - set(role.performers) - set(bound) - {After}
+        missing = returned - set(role.performers) - set(bound) - {After, type(None)}
         assert not missing, f"{cls.__name__} performs none of {sorted(t.__name__ for t in missing)}"
+
+
+def test_a_fencing_decision_of_nothing_to_do_performs_nothing() -> None:
+    """``fencing.RivalOutcome`` may be None (a beat of its own reign, a rival not
+    served yet): the master performs nothing and raises nothing."""
+    from middleware.routing.router_roles import RouterMaster
+
+    role = _role(RouterMaster, {"id": "B"})
+    asyncio.run(role._rival(None, "B/router-slave-0"))
+    assert not role.counters
