@@ -126,6 +126,7 @@ class Batcher:
         self.max_messages, self.max_bytes = max_messages, max_bytes
         self.linger_s = linger_s  # at priority 0; less the more urgent (linger_for)
         self._open: dict[tuple[str, str], _Open] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it sends on
         #: per inbox: the loop time of its last send and the smoothed gap between sends
         #: (None: one send seen so far); a batch lingers only where more messages are
         #: expected within the linger (``_streaming``)
@@ -149,7 +150,9 @@ class Batcher:
             self.batches += 1
             return await self._publish_many(cluster, queue, [body], [tag], priority)
         key = (cluster, queue)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or not loop.is_running():  # (asyncio's lookup costs a getpid())
+            loop = self._loop = asyncio.get_running_loop()
         if self.linger_s > 0 and priority < MAX_PRIORITY:  # the top priority never waits
             self._sent_at(key, loop.time())
         batch = self._open.get(key)
