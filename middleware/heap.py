@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
-__all__ = ["FullCollections", "freeze", "paused", "settle", "young_threshold"]
+__all__ = ["FullCollections", "freeze", "paused", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +131,3 @@ def paused() -> Iterator[None]:
         _paused -= 1
         if _paused == 0 and _resume:
             gc.enable()
-
-
-def young_threshold(allocations: int) -> None:
-    """Collect the young generation after ``allocations`` tracked objects more (CPython's
-    first threshold; the others stay): fewer collections of a busy role's events in
-    flight, and fewer of them promoted to older generations."""
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(allocations, older, oldest)

@@ -244,13 +244,6 @@ class Settings(BaseSettings):
         description="Phoenix roles: freeze the tables loaded at start so full garbage "
         "collections skip them",
     )
-    gc_young_threshold: int = Field(
-        700,
-        ge=100,
-        le=1_000_000,
-        description="Phoenix roles: tracked allocations between young-generation garbage "
-        "collections (CPython's first threshold; 700 is its own default)",
-    )
     management_urls: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
         description="the management API of each node, tried in turn: comma-separated "

@@ -91,7 +91,6 @@ class Serving:
         if not await self._prepared(role, stop):
             return
         prepared = time.monotonic()
-        heap.young_threshold(role.settings.gc_young_threshold)
         if role.settings.gc_freeze:  # what it loaded is never traversed again (heap.py)
             heap.settle(f"{role.role} of {role.cluster}")
         inbox = role.inbox_of(role.id)
