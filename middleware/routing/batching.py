@@ -87,6 +87,7 @@ class _Open:
     priority: int = 0  # the highest of its messages'
     closed: bool = False  # full: no message joins it any more
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # full, or more urgent
+    expiry: asyncio.TimerHandle | None = None  # its senders' earliest bound (``send``)
 
 
 #: the weight of the newest gap between two sends to an inbox is 1 / GAP_SMOOTHING
@@ -141,14 +142,25 @@ class Batcher:
         await self._publish(cluster, queue, encode(bodies), priority)
 
     async def send(
-        self, cluster: str, queue: str, body: bytes, priority: int, tag: Any = None
+        self,
+        cluster: str,
+        queue: str,
+        body: bytes,
+        priority: int,
+        tag: Any = None,
+        *,
+        bound: float | None = None,
     ) -> Any:
         """Send ``body`` (with ``tag``, for ``publish_many``); returns once the AMQP
-        message that carries it was published, with what ``publish_many`` returned."""
+        message that carries it was published, with what ``publish_many`` returned.
+        ``bound``: raise ``TimeoutError`` if that has not happened within ``bound``
+        seconds (the publish goes on); a batch holds one timer, for the earliest bound
+        among its senders, instead of a task and a timer per message."""
         if self.max_messages <= 1:
             self.sent += 1
             self.batches += 1
-            return await self._publish_many(cluster, queue, [body], [tag], priority)
+            sending = self._publish_many(cluster, queue, [body], [tag], priority)
+            return await (sending if bound is None else asyncio.wait_for(sending, bound))
         key = (cluster, queue)
         loop = self._loop
         if loop is None or not loop.is_running():  # (asyncio's lookup costs a getpid())
@@ -168,12 +180,34 @@ class Batcher:
         if priority > batch.priority:
             batch.priority = priority
             batch.wake.set()  # a more urgent message: it may wait less
+        if bound is not None:
+            self._bound(loop, key, batch, bound)
         if len(batch.bodies) >= self.max_messages or batch.size >= self.max_bytes:
             self._close(key, batch)  # full: the next send opens a new batch
             batch.closed = True
             batch.wake.set()
         # shielded: a sender that is cancelled does not cancel the others' publish
         return await asyncio.shield(batch.future)
+
+    def _bound(
+        self, loop: asyncio.AbstractEventLoop, key: tuple[str, str], batch: _Open, bound: float
+    ) -> None:
+        """The batch's timer set for the earliest bound among its senders."""
+        deadline = loop.time() + bound
+        if batch.expiry is None or deadline < batch.expiry.when():
+            if batch.expiry is not None:
+                batch.expiry.cancel()
+            batch.expiry = loop.call_at(deadline, self._expire, key, batch, bound)
+
+    def _expire(self, key: tuple[str, str], batch: _Open, bound: float) -> None:
+        """A sender's bound passed before its batch was published: every sender of the
+        batch hears it (the publish goes on; no message joins the batch any more)."""
+        self._close(key, batch)
+        batch.closed = True
+        batch.wake.set()
+        if not batch.future.done():
+            batch.future.set_exception(TimeoutError(f"not published within {bound} s"))
+            batch.future.exception()  # every sender awaits it; none left is not an error
 
     @classmethod
     def of(cls, publish: Publish, topology: PhoenixTopology) -> Batcher:
@@ -234,10 +268,15 @@ class Batcher:
             batch.future.cancel()
             raise
         except Exception as exc:
-            batch.future.set_exception(exc)
-            batch.future.exception()  # every sender awaits it; none left is not an error
+            if not batch.future.done():  # (expired: its senders heard that already)
+                batch.future.set_exception(exc)
+                batch.future.exception()  # every sender awaits it; none left is no error
         else:
-            batch.future.set_result(result)
+            if not batch.future.done():
+                batch.future.set_result(result)
+        finally:
+            if batch.expiry is not None:
+                batch.expiry.cancel()
 
 
 class PriorityGate:

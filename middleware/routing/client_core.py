@@ -18,6 +18,7 @@ from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import Delivery, QueueKind, QueueSpec
 from ..transport.delivery import Action, Outcome, outcome_of
+from ..unique import random_hex
 from .batching import split
 from .matching import Event, Filter, FilterError
 from .messages import (
@@ -77,7 +78,7 @@ class ClientCore:
     def publication(self, event: Event | dict[str, Any]) -> Publish:
         event = event if isinstance(event, Event) else Event.parse(event)
         # the id lets the type's owner route it once, however often it is sent again
-        return Publish(event_type=event.event_type, event=event, id=uuid.uuid4().hex[:16])
+        return Publish(event_type=event.event_type, event=event, id=random_hex(8))
 
     def subscription(
         self,

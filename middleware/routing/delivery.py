@@ -51,9 +51,11 @@ class CopySender:
         *,
         topology: PhoenixTopology,
         client_for: Callable[[str], Awaitable[AsyncClient]],
+        known: Callable[[str], AsyncClient | None] = lambda _: None,
     ) -> None:
         self.topology = topology
         self.client_for = client_for
+        self.known = known  # a cluster's client when connected before: no wait, no task
         self.pace = QueuePace(
             hold_s=topology.e2e_hold_s, probe_s=topology.e2e_probe_s, window=topology.e2e_window
         )
@@ -99,7 +101,7 @@ class CopySender:
         if not local and not self._may_try(home, time.monotonic()):
             return CopyOutcome(Outcome.UNREACHABLE, f"cluster {home} unreachable a moment ago")
         try:
-            client = await asyncio.wait_for(self.client_for(home), bound)
+            client = self.known(home) or await self._connected(home, bound)
             if not local and not client.ready:
                 raise LinkDown(f"no connection to cluster {home}'s RabbitMQ (failing over)")
             if confirm == "e2e":
@@ -111,7 +113,7 @@ class CopySender:
                     return outcome
                 return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
             if self._batcher.max_messages > 1:  # ``priority``: how long it may linger
-                await asyncio.wait_for(self._batcher.send(home, queue, body, priority), bound)
+                await self._batcher.send(home, queue, body, priority, bound=bound)
             else:
                 await asyncio.wait_for(client.publish(outgoing_body(body, queue)), bound)
             self._down.pop(home, None)
@@ -126,9 +128,15 @@ class CopySender:
             self._down[home] = time.monotonic() + self.topology.link_retry_s
             return CopyOutcome(Outcome.UNREACHABLE, f"{type(exc).__name__}: {exc}")
 
+    async def _connected(self, home: str, bound: float | None) -> AsyncClient:
+        """``home``'s client when none was connected before: within ``bound``."""
+        return await asyncio.wait_for(self.client_for(home), bound)
+
     async def _publish_copies(self, home: str, queue: str, body: bytes, priority: int) -> None:
         """One AMQP message of a batch of copies (``put`` checked the home's link)."""
-        client = await self.client_for(home)
+        client = self.known(home)
+        if client is None:
+            client = await self.client_for(home)
         await client.publish(outgoing_body(body, queue))
 
     def _may_try(self, home: str, now: float) -> bool:

@@ -16,7 +16,6 @@ an arc being restored, and asks ``step`` again when a next hop left the ring mea
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from ..phoenix.effects import Box, Send
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import PhoenixTopology
 from ..phoenix.ring import ChordRing, Handover, master_index
+from ..unique import random_hex
 from .messages import Copy, Publish, RoutedMessage, Subscribe, Unsubscribe, Unsubscribed
 from .records import LatencyEntry, RecordError
 from .timeliness import LatencyMap
@@ -62,7 +62,7 @@ class RouterLogic:
         topology: PhoenixTopology,
         ring: ChordRing,
         *,
-        new_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
+        new_id: Callable[[], str] = lambda: random_hex(8),
         keep_ids: int = KEEP_IDS,
     ) -> None:
         self.cluster, self.topology, self.ring = cluster, topology, ring

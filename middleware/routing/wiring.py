@@ -96,6 +96,11 @@ class Connections:
         self._cluster_clients: dict[str, AsyncClient] = {}  # cluster -> its client
         self._connecting: dict[str, asyncio.Future[AsyncClient]] = {}  # key -> first connect
 
+    def known(self, cluster: str) -> AsyncClient | None:
+        """``cluster``'s client if one was connected (or is connecting in the background)
+        before: what ``client_for`` returns at once, without awaiting."""
+        return self._cluster_clients.get(cluster)
+
     async def client_for(self, cluster: str) -> AsyncClient:
         client = self._cluster_clients.get(cluster)  # the hot path: every forward, delivery
         if client is not None:

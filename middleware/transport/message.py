@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import ssl
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..settings import Settings
+from ..unique import random_hex
 
 __all__ = ["OutgoingMessage", "new_message_id", "tls_context"]
 
 
 def new_message_id() -> str:
-    return uuid.uuid4().hex
+    return random_hex(16)
 
 
 @dataclass(frozen=True, slots=True)

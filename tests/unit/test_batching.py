@@ -231,6 +231,41 @@ def test_a_cancelled_sender_does_not_cancel_the_others_publish() -> None:
     assert len(split(publish.published[0][2])[0]) == 3  # all three left together
 
 
+def test_a_bound_fails_every_sender_of_a_batch_not_published_within_it() -> None:
+    async def run() -> tuple[_Recorder, list[object], float, list[object]]:
+        publish = _Recorder(delay=0.2)  # a confirm that comes late
+        batcher = Batcher(publish, max_messages=32)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        sends = [batcher.send("A", "q", _body(0), 0, bound=0.05)]  # the earliest bound
+        sends += [batcher.send("A", "q", _body(i), 0, bound=1.0) for i in (1, 2)]
+        sends.append(batcher.send("A", "q", _body(3), 0))  # no bound of its own
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        waited = loop.time() - began
+        later = await asyncio.gather(batcher.send("A", "q", _body(4), 0, bound=1.0))
+        await asyncio.sleep(0.25)  # the late publish was not cancelled: it went on
+        return publish, results, waited, later
+
+    publish, results, waited, later = asyncio.run(run())
+    assert all(isinstance(r, TimeoutError) for r in results)
+    assert waited < 0.15  # at the earliest bound, not the publish's 0.2 s
+    assert later == [None]  # the next batch is a new one, published within its bound
+    assert [len(split(p[2])[0]) for p in publish.published] == [4, 1]
+
+
+def test_a_batch_published_within_its_bound_leaves_no_timer_behind() -> None:
+    async def run() -> tuple[list[object], int]:
+        batcher = Batcher(_Recorder(), max_messages=32)
+        sends = (batcher.send("A", "q", _body(i), 0, bound=5.0) for i in range(3))
+        results = await asyncio.gather(*sends)
+        scheduled = asyncio.get_running_loop()._scheduled  # type: ignore[attr-defined]
+        return results, len([h for h in scheduled if not h.cancelled()])
+
+    results, timers = asyncio.run(run())
+    assert results == [None, None, None]
+    assert timers == 0  # its expiry was cancelled with the publish
+
+
 def test_split_keeps_the_good_elements_and_names_each_bad_one() -> None:
     bad = {"kind": "publish"}  # no event_type
     body = b"[" + _body(1) + b"," + json.dumps(bad).encode() + b"," + _body(2) + b"]"
