@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -217,6 +218,8 @@ class ConsumerCore:
         self._in_progress: dict[tuple[str, str], bytes] = {}  # key -> body digest
         # per delivery object (handler and settle hook see the same one): the answer to repeat
         self._skipped: dict[int, Receipt | None] = {}
+        # elements refused for reusing a handled id, by (queue, id, digest): refused once
+        self._refused: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()
         self.receipts_sent = 0
         self.batches_sent = 0
         self.suppressed = 0
@@ -259,6 +262,18 @@ class ConsumerCore:
             return earlier
         log.warning("message id %s reused on %s by another element: refused", element_id, queue)
         return Receipt(element_id, queue, ok=False, reason="duplicate message id")
+
+    def first_refusal(self, queue: str, element_id: str, digest: bytes) -> bool:
+        """Whether this element (refused by :meth:`element_earlier`) is refused for the
+        first time: a batch that comes back whole (another of its elements asked
+        ``Requeue``), or a resend of the same element, is not refused again."""
+        key = (queue, element_id, digest)
+        if key in self._refused:
+            return False
+        self._refused[key] = None
+        if len(self._refused) > self.dedup.capacity:
+            self._refused.popitem(last=False)
+        return True
 
     def element_handled(self, queue: str, element_id: str, digest: bytes) -> None:
         """An element was handled: a later copy of it (alone or in another message) is

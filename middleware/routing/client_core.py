@@ -183,11 +183,12 @@ class ClientCore:
         failed: list[tuple[bytes, Outcome]],
     ) -> bool:
         """An e2e batch's event this queue handled already (alone or in another batch):
-        skipped; one whose id came with other content is dead-lettered with why."""
+        skipped; one whose id came with other content is dead-lettered with why (once:
+        the same element coming again is skipped too)."""
         earlier = consumer.element_earlier(queue, *name)
         if earlier is None:
             return False
-        if not earlier.ok:
+        if not earlier.ok and consumer.first_refusal(queue, *name):
             why = f"{earlier.reason}: {name[0]} was handled here with other content"
             failed.append((encode(message), Outcome(Action.DEAD_LETTER, why)))
         return True

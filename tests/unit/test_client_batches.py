@@ -109,6 +109,12 @@ def test_an_e2e_event_handled_once_is_skipped_after_and_a_requeue_sends_the_batc
     # the same id with other content: another message reusing it, dead-lettered with why
     assert ClientCore.handled_before(consumer, "q", message, ("e1:q", b"other"), failed)
     assert failed[0][1].action is Action.DEAD_LETTER and "duplicate" in failed[0][1].reason
+    # that element again (its batch came back whole, or a resend of it): skipped, not
+    # dead-lettered twice; another content under the id is refused on its own
+    assert ClientCore.handled_before(consumer, "q", message, ("e1:q", b"other"), failed)
+    assert len(failed) == 1
+    assert ClientCore.handled_before(consumer, "q", message, ("e1:q", b"third"), failed)
+    assert len(failed) == 2
     # Requeue with a check of its own: the whole delivery goes back, the event not kept
     again = ("e2:q", b"digest-2")
     assert ClientCore.element_settled(consumer, "q", message, again, Requeue("x"), [])
