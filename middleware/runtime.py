@@ -11,27 +11,15 @@ mostly aiormq's framing and pydantic, so the gain is a few per cent (docs/transp
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigurationError
 
-__all__ = [
-    "CpuScheduling",
-    "EventLoopName",
-    "loop_factory",
-    "loop_name",
-    "run",
-    "schedule_cpu",
-    "uvloop_installed",
-]
+__all__ = ["EventLoopName", "loop_factory", "loop_name", "run", "uvloop_installed"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 EventLoopName = Literal["auto", "asyncio", "uvloop"]
-CpuScheduling = Literal["batch", "normal"]
 
 
 def _uvloop() -> Any:
@@ -77,28 +65,3 @@ def run(main: Coroutine[Any, Any, T], *, event_loop: EventLoopName = "auto") -> 
         raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
-
-
-def schedule_cpu(choice: CpuScheduling) -> str:
-    """Put every thread of this process (and the threads and processes it starts later)
-    under the kernel's policy for ``choice``; returns the policy it runs under.
-
-    ``batch`` is Linux's ``SCHED_BATCH``: a thread that wakes does not preempt the one
-    running on its core, so a busy process keeps its core (and its caches) for its
-    slice instead of being switched out whenever another role's message arrives.  No
-    privilege is needed; a service's ordinary processes still go first when they wake.
-    Where the OS has no such policy (or refuses it) the process runs as it was."""
-    policy = getattr(os, "SCHED_BATCH", None) if choice == "batch" else None
-    if policy is None:
-        return "normal" if choice == "normal" else "unchanged (no SCHED_BATCH here)"
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]  # the calling thread
-    try:
-        for thread in threads:
-            os.sched_setscheduler(thread, policy, os.sched_param(0))
-    except OSError as exc:
-        log.warning("could not run under SCHED_BATCH: %s", exc)
-        return f"unchanged ({exc})"
-    return "batch"

@@ -40,7 +40,7 @@ from pydantic_settings import (
 )
 
 from .errors import ConfigurationError
-from .runtime import CpuScheduling, EventLoopName, uvloop_installed
+from .runtime import EventLoopName, uvloop_installed
 
 __all__ = [
     "LOCAL_CLUSTER_URLS",
@@ -238,13 +238,6 @@ class Settings(BaseSettings):
     )
     event_loop: EventLoopName = Field(
         "auto", description="auto: uvloop where installed, else asyncio's own loop"
-    )
-    cpu_scheduling: CpuScheduling = Field(
-        "batch",
-        description="Phoenix roles, Linux: batch runs the role process under SCHED_BATCH "
-        "(a waking role does not preempt a running one; less switching, about a tenth "
-        "less CPU per event at the knee on a 2-core machine); normal keeps the kernel's "
-        "default policy",
     )
     gc_freeze: bool = Field(
         True,

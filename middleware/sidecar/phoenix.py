@@ -107,7 +107,6 @@ def _serve(role: Any, settings: Any) -> int:
         print(f"metrics: http://{settings.metrics_host}:{port}/metrics", file=sys.stderr)
 
     print(f"event loop: {runtime.loop_name(settings.event_loop)}", file=sys.stderr)
-    print(f"cpu scheduling: {runtime.schedule_cpu(settings.cpu_scheduling)}", file=sys.stderr)
 
     async def main() -> None:
         stop = asyncio.Event()
