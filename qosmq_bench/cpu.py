@@ -10,12 +10,6 @@ a process at 20 % CPU that waits another 30 % is held back by the machine, not b
 own work.  And the run queue: runnable threads (``procs_running``, the reader not
 counted) sampled every 0.2 s, averaged; above the core count, work waits for a core.
 Where ``/proc`` is missing (not Linux) the readings are ``None``.
-
-And how fast the machine was meanwhile: every ``PROBE_EVERY_S`` the sampler times a
-fixed piece of pure Python (:func:`speed_probe`) in its own thread's CPU time; the
-cell's median is ``probe_ms``.  On a shared VM the same work takes up to 1.6 times as
-long from one minute to the next with no steal reported (2026-11-28, results), so two
-cells' CPU per event compare only beside their ``probe_ms``.
 """
 
 from __future__ import annotations
@@ -31,13 +25,11 @@ from middleware.routing import RoleId, RoleKind
 __all__ = [
     "CLIENT_BOUND_PCT",
     "MACHINE_BOUND_PCT",
-    "PROBE_EVERY_S",
     "RUNNABLE_PCT",
     "CpuMeter",
     "busiest_by_kind",
     "limit",
     "role_kind",
-    "speed_probe",
 ]
 
 #: A benchmark cell is bound by a process at this % of one core (Python runs a
@@ -80,29 +72,6 @@ def _machine() -> tuple[int, int, int] | None:
     return total - idle - steal, steal, total
 
 
-#: how often the sampler times :func:`speed_probe` (about 1 ms of one core each time)
-PROBE_EVERY_S = 0.5
-
-
-def speed_probe(rounds: int = 4000) -> float:
-    """Milliseconds of this thread's CPU a fixed piece of interpreter work takes (dict
-    stores, integer arithmetic, attribute-free calls: what the layer's Python does most)."""
-    started = time.thread_time()
-    table: dict[int, int] = {}
-    total = 0
-    for i in range(rounds):
-        table[i & 255] = i
-        total += len(str(i)) + table.get(i & 127, 0)
-    return 1000 * (time.thread_time() - started)
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[len(ordered) // 2], 3)
-
-
 def _running() -> int | None:
     """Runnable threads now, this reader excluded."""
     try:
@@ -128,21 +97,17 @@ class CpuMeter:
         self._seconds = {name: _process_seconds(pid) for name, pid in self.processes.items()}
         self._delays = {name: _run_delay_seconds(pid) for name, pid in self.processes.items()}
         self._samples: list[int] = []
-        self._probes: list[float] = []
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, name="run-queue", daemon=True)
         self._sampler.start()
         return self
 
     def _sample(self) -> None:
-        probe_at = time.monotonic()
         while not self._stop.wait(0.2):
-            if time.monotonic() >= probe_at:
-                self._probes.append(speed_probe())
-                probe_at += PROBE_EVERY_S
             value = _running()
-            if value is not None:
-                self._samples.append(value)
+            if value is None:
+                return
+            self._samples.append(value)
 
     def __exit__(self, *exc: object) -> None:
         wall = max(1e-9, time.monotonic() - self._wall)
@@ -150,7 +115,6 @@ class CpuMeter:
         self._sampler.join()
         samples = self._samples
         self.result["run_queue"] = round(sum(samples) / len(samples), 2) if samples else None
-        self.result["probe_ms"] = _median(self._probes)
         machine = _machine()
         if machine and self._machine and machine[2] > self._machine[2]:
             busy, steal, total = (

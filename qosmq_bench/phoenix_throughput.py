@@ -199,7 +199,6 @@ def _step(
         "cpu_pct": cpu,
         "machine_pct": meter.result["machine_pct"],
         "steal_pct": meter.result["steal_pct"],
-        "probe_ms": meter.result["probe_ms"],  # the machine's speed meanwhile (cpu.py)
         "delivered_share": round(share, 3),
         "cpu_ms_per_event": round(1000 * total_s / events, 3),
         "cpu_ms_per_delivered_event": round(1000 * total_s / delivered, 3) if delivered else None,
@@ -306,18 +305,17 @@ def summarize_throughput(result: Mapping[str, Any]) -> str:
         f"idle: roles {idle['roles_pct']} % of one core, brokers "
         f"{idle['cpu_pct'].get('brokers')} %, messages/s {idle['messages_per_s']}",
         "",
-        "| offered/s | delivered/s | mean ms | p99 ms | machine % | probe ms | CPU ms/event | "
+        "| offered/s | delivered/s | mean ms | p99 ms | machine % | CPU ms/event | "
         "above idle | by group (ms/event) | messages/event | copies owed / lost / dup "
         "| limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in result["steps"]:
         groups = ", ".join(f"{k} {v}" for k, v in sorted(s["cpu_ms_per_event_by_group"].items()))
         hops = ", ".join(f"{k} {v}" for k, v in s["messages_per_event"].items())
         lines.append(
             f"| {s['offered_per_s']} | {s['delivered_per_s']} | {s['mean_ms']} | {s['p99_ms']} "
-            f"| {s['machine_pct']} | {s.get('probe_ms')} | {s['cpu_ms_per_event']} "
-            f"| {s['cpu_ms_per_event_above_idle']} "
+            f"| {s['machine_pct']} | {s['cpu_ms_per_event']} | {s['cpu_ms_per_event_above_idle']} "
             f"| {groups} | {hops} "
             f"| {s.get('copies_owed')} / {s.get('lost')} / {s.get('duplicates')} "
             f"| {s['limit']}{' (behind)' if s['behind'] else ''} |"
