@@ -1,0 +1,134 @@
+"""The CPU one Python AMQP hop costs per message: a diagnostic, not a benchmark of the layer.
+
+A relay process consumes ``bench-relay.in`` (prefetch 64), publishes each body on to
+``bench-relay.out`` with a publisher confirm and acknowledges the delivery once it is
+confirmed: what a Phoenix role does with each message.  This process feeds it at a
+fixed rate and drains the output.  Printed per cell: the relay's CPU per message, summed
+over its threads from ``/proc/PID/task/*/schedstat`` (Linux), and its context switches
+per message.  ``raw``: the relay on plain aio-pika; ``layer``: on ``AsyncClient``.
+
+    QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+
+from middleware import runtime
+from middleware.settings import Settings
+from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
+
+IN, OUT = "bench-relay.in", "bench-relay.out"
+BODY = b'{"kind": "publish", "event": {"event_type": "x", "attributes": {"a": 1, "b": "' + (
+    b"x" * 50 + b'"}}}'
+)
+
+
+async def _declare(client: AsyncClient) -> None:
+    for queue in (IN, OUT):
+        await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+
+
+async def relay(kind: str) -> None:
+    settings = Settings()
+    if kind == "raw":
+        import aio_pika
+
+        host, port, _ = settings.nodes[0]
+        password = settings.password.get_secret_value()
+        connection = await aio_pika.connect(f"amqp://{settings.username}:{password}@{host}:{port}/")
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.set_qos(prefetch_count=64)
+        queue = await channel.declare_queue(IN, durable=True)
+        await channel.declare_queue(OUT, durable=True)
+
+        async def on_raw(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await channel.default_exchange.publish(
+                aio_pika.Message(message.body, delivery_mode=2), routing_key=OUT
+            )
+            await message.ack()
+
+        await queue.consume(on_raw)
+    else:
+        client = await AsyncClient(settings=settings).connect()
+        await _declare(client)
+
+        async def on_layer(delivery) -> None:  # type: ignore[no-untyped-def]
+            await client.publish(OutgoingMessage(delivery.body, "", OUT))
+
+        await client.consume(IN, on_layer, prefetch=64)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+async def feed(rate: float, seconds: float) -> int:
+    """Publish ``rate`` messages a second for ``seconds``; return once all came out."""
+    arrived = [0]
+    async with AsyncClient(settings=Settings()) as client:
+        await _declare(client)
+
+        async def sink(_delivery) -> None:  # type: ignore[no-untyped-def]
+            arrived[0] += 1
+
+        await client.consume(OUT, sink, prefetch=256)
+        pending: set[asyncio.Task[None]] = set()
+        started, sent = time.monotonic(), 0
+        while time.monotonic() - started < seconds:
+            while sent < int((time.monotonic() - started) * rate):
+                task = asyncio.create_task(client.publish(OutgoingMessage(BODY, "", IN)))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                sent += 1
+            await asyncio.sleep(0.002)
+        await asyncio.gather(*pending)
+        while arrived[0] < sent:  # noqa: ASYNC110 - a diagnostic, polled
+            await asyncio.sleep(0.05)
+    return sent
+
+
+def _threads(pid: int) -> tuple[float, int]:
+    """(CPU seconds, context switches) summed over the process's threads."""
+    cpu, switches = 0.0, 0
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        with open(f"{task}/schedstat") as fh:
+            cpu += int(fh.read().split()[0]) / 1e9
+        with open(f"{task}/status") as fh:
+            switches += sum(int(n) for n in re.findall(r"ctxt_switches:\s+(\d+)", fh.read()))
+    return cpu, switches
+
+
+def cell(kind: str, rate: float, seconds: float) -> str:
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--relay", kind], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        runtime.run(feed(rate, 3))  # warm up
+        cpu0, switches0 = _threads(process.pid)
+        sent = runtime.run(feed(rate, seconds))
+        cpu1, switches1 = _threads(process.pid)
+    finally:
+        process.kill()
+        process.wait()
+    return (
+        f"{kind:5s} {rate:6.0f}/s: {1e6 * (cpu1 - cpu0) / sent:5.0f} us CPU per message, "
+        f"{(switches1 - switches0) / sent:.2f} context switches per message ({sent} messages)"
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--relay"]:
+        runtime.run(relay(sys.argv[2]))
+    else:
+        rates = [float(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "170").split(",")]
+        duration = float(sys.argv[2]) if len(sys.argv) > 2 else 15.0
+        assert os.path.exists("/proc/self/task"), "needs Linux /proc"
+        for rate in rates:
+            for kind in ("raw", "layer"):
+                print(cell(kind, rate, duration), flush=True)
