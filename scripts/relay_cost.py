@@ -22,11 +22,11 @@ import time
 
 from middleware import runtime
 from middleware.settings import Settings
-from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
+from middleware.transport import AsyncClient, Delivery, OutgoingMessage, QueueKind, QueueSpec
 
 IN, OUT = "bench-relay.in", "bench-relay.out"
-BODY = b'{"kind": "publish", "event": {"event_type": "x", "attributes": {"a": 1, "b": "' + (
-    b"x" * 50 + b'"}}}'
+BODY = b'{"kind": "publish", "event": {"event_type": "x", "attributes": {"a": 1, "b": "%s"}}}' % (
+    b"x" * 50
 )
 
 
@@ -59,7 +59,7 @@ async def relay(kind: str) -> None:
         client = await AsyncClient(settings=settings).connect()
         await _declare(client)
 
-        async def on_layer(delivery) -> None:  # type: ignore[no-untyped-def]
+        async def on_layer(delivery: Delivery) -> None:
             await client.publish(OutgoingMessage(delivery.body, "", OUT))
 
         await client.consume(IN, on_layer, prefetch=64)
@@ -73,7 +73,7 @@ async def feed(rate: float, seconds: float) -> int:
     async with AsyncClient(settings=Settings()) as client:
         await _declare(client)
 
-        async def sink(_delivery) -> None:  # type: ignore[no-untyped-def]
+        async def sink(_delivery: Delivery) -> None:
             arrived[0] += 1
 
         await client.consume(OUT, sink, prefetch=256)
@@ -108,7 +108,8 @@ def cell(kind: str, rate: float, seconds: float) -> str:
         [sys.executable, __file__, "--relay", kind], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        if process.stdout is None or process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the {kind} relay did not start")
         runtime.run(feed(rate, 3))  # warm up
         cpu0, switches0 = _threads(process.pid)
         sent = runtime.run(feed(rate, seconds))
