@@ -11,7 +11,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .. import heap
@@ -43,13 +44,30 @@ log = logging.getLogger(__name__)
 
 #: restored subscriptions: event type -> {subscription id: document}
 Restorable = dict[str, dict[str, dict[str, Any]]]
+#: the departed owners' ``StateStore.fingerprint`` of their subscriptions
+Prints = dict[str, tuple[int, int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What a read of departed masters' subscriptions found, and the store's
+    fingerprints taken before it began (a read kept ahead is checked against them)."""
+
+    found: Restorable
+    prints: Prints
+
+
+def _fingerprints(store: StateStore, owners: Sequence[str]) -> Prints:
+    """(In a thread) the fingerprints of ``owners``' subscriptions."""
+    return {owner: store.fingerprint(owner, "subscription") for owner in owners}
 
 
 def _restorable(
     store: StateStore, owners: list[str], arc: Arc, masters: int, index: int
-) -> Restorable:
+) -> Reading:
     """(In a thread) the subscriptions of ``owners`` in ``arc`` that the router sends to
     match master ``index`` of ``masters``: event type -> {sid: doc}."""
+    prints = _fingerprints(store, owners)  # before: a write during the read shows later
     by_type: Restorable = {}
     mine: dict[str, bool] = {}
     for owner in owners:
@@ -63,7 +81,7 @@ def _restorable(
                 )
             if mine[event_type]:
                 by_type.setdefault(event_type, {})[sid] = doc
-    return by_type
+    return Reading(by_type, prints)
 
 
 class RestoringMatcher(MatchBroker, Master):
@@ -89,7 +107,7 @@ class RestoringMatcher(MatchBroker, Master):
         #: departed clusters' subscriptions read ahead (a router suspected the departure),
         #: kept by the reads they were read by (restoring.py): read number -> result
         self.read_ahead = ReadAhead(self.STANDBY_S)
-        self._readings: dict[int, asyncio.Future[Restorable]] = {}
+        self._readings: dict[int, asyncio.Future[Reading]] = {}
 
     async def _on_join_back(self, message: Join) -> None:
         """A departed cluster is back: deliver to it again; what was read ahead for it
@@ -139,7 +157,7 @@ class RestoringMatcher(MatchBroker, Master):
         master's own."""
         plan = self._restore_plan(message)
         effects = self.read_ahead.recover(message.cluster, plan, prepare=message.prepare)
-        restore: asyncio.Future[Restorable] | None = None
+        restore: asyncio.Future[Reading] | None = None
 
         def read(effect: Read) -> None:
             self._readings[effect.reading] = self._read_departed(message)
@@ -170,12 +188,24 @@ class RestoringMatcher(MatchBroker, Master):
         for reading in [r for r in self._readings if r not in kept]:
             del self._readings[reading]
 
-    async def _restore(self, message: Recover, reading: asyncio.Future[Restorable]) -> None:
+    async def _restore(self, message: Recover, reading: asyncio.Future[Reading]) -> None:
         try:
-            by_type = await reading
+            read = await reading
         except Exception as exc:  # the read ahead failed: read now
             log.warning("%s: reading %s's state ahead failed (%s)", self.name, message.cluster, exc)
-            by_type = await self._read_departed(message)
+            read = await self._read_departed(message)
+        owners = list(self._restore_plan(message).owners)
+        if await asyncio.to_thread(_fingerprints, self.store, owners) != read.prints:
+            # read ahead when a router suspected the leave, and a subscription was made
+            # or removed after that: what the departed masters hold now is read again
+            log.warning(
+                "%s: %s's subscriptions changed since they were read ahead: reading again",
+                self.name,
+                message.cluster,
+            )
+            self.count("read_again")
+            read = await self._read_departed(message)
+        by_type = read.found
         self.departed.add(message.cluster)
         found, refused = self.registry.restore(by_type)
         self.book.local_types.update(by_type)
@@ -213,12 +243,12 @@ class RestoringMatcher(MatchBroker, Master):
                 ):
                     self.store.save(self.owner, "advertisement", event_type, doc, version)
 
-    def _read_departed(self, message: Recover) -> asyncio.Future[Restorable]:
+    def _read_departed(self, message: Recover) -> asyncio.Future[Reading]:
         arc = Arc(message.cluster, message.cluster, *message.arc)
         plan = self._restore_plan(message)
         owners, masters = plan.owners, plan.masters
 
-        async def read() -> Restorable:
+        async def read() -> Reading:
             # 200 000 documents, no cycles: without the pause, full collections of the
             # growing heap (0.3-1.2 s each, eight of them) doubled the read (heap.py)
             with heap.paused():

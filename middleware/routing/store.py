@@ -51,6 +51,12 @@ class StateStore(Protocol):
     def load(self, owner: str, kind: str) -> dict[str, tuple[int, Document]]:
         """Every document of ``owner`` and ``kind``: key -> (version, document)."""
 
+    def fingerprint(self, owner: str, kind: str) -> tuple[int, int, int]:
+        """(how many documents ``owner`` has of ``kind``, the sum and the largest of their
+        versions), without reading the documents: a save of a newer version, a new key,
+        a delete or a snapshot that changes the set changes it (versions only grow), so a
+        read compared with it later knows whether it is still current."""
+
     def snapshot(
         self, owner: str, kind: str, documents: Mapping[str, tuple[int, Document]]
     ) -> None:
@@ -119,6 +125,16 @@ class SQLiteStateStore:
             ).fetchall()
         return {key: (version, json.loads(doc)) for key, version, doc in rows}
 
+    def fingerprint(self, owner: str, kind: str) -> tuple[int, int, int]:
+        _check(kind)
+        with self._lock:
+            n, total, top = self._db.execute(
+                "SELECT count(*), coalesce(sum(version), 0), coalesce(max(version), 0) "
+                "FROM state WHERE owner = ? AND kind = ?",
+                (owner, kind),
+            ).fetchone()
+        return int(n), int(total), int(top)
+
     def snapshot(
         self, owner: str, kind: str, documents: Mapping[str, tuple[int, Document]]
     ) -> None:
@@ -177,6 +193,16 @@ class MongoStateStore:
             d["key"]: (d["version"], d["doc"])
             for d in self._collection(kind).find({"owner": owner})
         }
+
+    def fingerprint(self, owner: str, kind: str) -> tuple[int, int, int]:
+        """The versions only (a projection: the documents stay in the server)."""
+        versions = [
+            int(d["version"])
+            for d in self._collection(kind).find(
+                {"owner": owner}, projection={"version": True, "_id": False}
+            )
+        ]
+        return len(versions), sum(versions), max(versions, default=0)
 
     def snapshot(
         self, owner: str, kind: str, documents: Mapping[str, tuple[int, Document]]

@@ -104,6 +104,30 @@ def test_newer_version_wins(store: StateStore) -> None:
     }
 
 
+def test_a_fingerprint_changes_with_every_change_of_an_owners_documents(
+    store: StateStore,
+) -> None:
+    """What a read kept ahead of a leave is checked with: every change shows, another
+    owner's or kind's does not, and a snapshot of the same documents changes nothing."""
+    assert store.fingerprint("A/m", "subscription") == (0, 0, 0)
+    seen = []
+    for change in (
+        lambda: store.save("A/m", "subscription", "s1", {"x": 1}, 1),
+        lambda: store.save("A/m", "subscription", "s2", {"x": 2}, 2),
+        lambda: store.save("A/m", "subscription", "s1", {"_deleted": True}, 3),  # tombstone
+        lambda: store.delete("A/m", "subscription", "s2"),
+    ):
+        change()
+        seen.append(store.fingerprint("A/m", "subscription"))
+    assert seen == [(1, 1, 1), (2, 3, 2), (2, 5, 3), (1, 3, 3)]
+    before = store.fingerprint("A/m", "subscription")
+    store.save("B/m", "subscription", "s9", {"x": 9}, 7)
+    store.save("A/m", "advertisement", "t", {"x": 9}, 8)
+    store.save("A/m", "subscription", "s1", {"x": 0}, 1)  # an older version: ignored
+    store.snapshot("A/m", "subscription", store.load("A/m", "subscription"))
+    assert store.fingerprint("A/m", "subscription") == before
+
+
 def test_snapshot_replaces_one_owner_and_kind(store: StateStore) -> None:
     store.save("A/m", "advertisement", "old", {"x": 1}, 1)
     store.save("B/m", "advertisement", "keep", {"x": 2}, 1)
