@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from .messages import Message, parse, parse_many, validate
 
-__all__ = ["Batcher", "PriorityGate", "encode", "split"]
+__all__ = ["STRETCH_MAX", "Batcher", "PriorityGate", "bounded", "encode", "split"]
 
 Publish = Callable[[str, str, bytes, int], Awaitable[None]]  # cluster, queue, body, priority
 #: cluster, queue, the batch's bodies and the tags they were sent with, priority: what it
@@ -88,12 +88,45 @@ class _Open:
     closed: bool = False  # full: no message joins it any more
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # full, or more urgent
     expiry: asyncio.TimerHandle | None = None  # its senders' earliest bound (``send``)
+    #: the destination's confirm count (``progress``) when the batch went to be published
+    #: (None: not yet), and when its bound may stretch no more
+    mark: int | None = None
+    cap: float | None = None
 
 
 #: the weight of the newest gap between two sends to an inbox is 1 / GAP_SMOOTHING
 GAP_SMOOTHING = 4
 #: inboxes whose gaps a batcher keeps at most (replies go to per-client addresses)
 MAX_INBOXES_TRACKED = 4096
+#: how many times its bound a send may wait in all while its destination's link keeps
+#: confirming other publishes (``bounded``; a silent link fails it at one bound)
+STRETCH_MAX = 10
+
+
+async def bounded(
+    sending: Awaitable[Any], bound: float | None, progress: Callable[[], int] | None = None
+) -> Any:
+    """``sending``'s result within ``bound`` seconds, else ``TimeoutError`` (``sending``
+    cancelled).  With ``progress`` (the destination link's confirm count), the bound
+    passes again, up to ``STRETCH_MAX`` bounds in all, while the link confirmed
+    something during the last one: the broker or this machine is slow, the link is not
+    silent.  A link that confirms nothing for a whole bound (cut, blackholed) fails the
+    send as before; a busy one no longer turns each slow confirm into a resend around
+    it (a duplicate, and more load where the load was the cause)."""
+    if bound is None:
+        return await sending
+    if progress is None:
+        return await asyncio.wait_for(sending, bound)
+    task = asyncio.ensure_future(sending)
+    for _ in range(STRETCH_MAX):
+        mark = progress()
+        done, _ = await asyncio.wait((task,), timeout=bound)
+        if done:
+            return task.result()
+        if progress() == mark:  # nothing confirmed on the link for a whole bound
+            break
+    task.cancel()
+    raise TimeoutError(f"not confirmed within {bound} s")
 
 
 def linger_for(priority: int, linger_s: float, top: int = MAX_PRIORITY) -> float:
@@ -119,7 +152,10 @@ class Batcher:
         max_bytes: int = 256_000,
         linger_s: float = 0.0,
         publish_many: PublishMany | None = None,
+        progress: Callable[[str], int] | None = None,
     ) -> None:
+        """``progress``: a destination cluster's confirm count (``AsyncClient.confirmed``
+        of its link): a bound stretches while it grows (``bounded``)."""
         if (publish is None) == (publish_many is None):
             raise ValueError("a Batcher takes publish or publish_many")
         self._publish = publish
@@ -134,6 +170,8 @@ class Batcher:
         self._gaps: dict[tuple[str, str], tuple[float, float | None]] = {}
         self._flushing: set[asyncio.Task[None]] = set()
         self.sent = self.batches = 0  # messages, AMQP messages (for the counters)
+        self.progress = progress
+        self.stretched = 0  # bounds that passed again while the link confirmed others
 
     async def _encoded(
         self, cluster: str, queue: str, bodies: list[bytes], _tags: list[Any], priority: int
@@ -160,7 +198,10 @@ class Batcher:
             self.sent += 1
             self.batches += 1
             sending = self._publish_many(cluster, queue, [body], [tag], priority)
-            return await (sending if bound is None else asyncio.wait_for(sending, bound))
+            progress = self.progress
+            return await bounded(
+                sending, bound, None if progress is None else lambda: progress(cluster)
+            )
         key = (cluster, queue)
         loop = self._loop
         if loop is None or not loop.is_running():  # (asyncio's lookup costs a getpid())
@@ -194,6 +235,8 @@ class Batcher:
     ) -> None:
         """The batch's timer set for the earliest bound among its senders."""
         deadline = loop.time() + bound
+        if batch.cap is None:
+            batch.cap = loop.time() + STRETCH_MAX * bound
         if batch.expiry is None or deadline < batch.expiry.when():
             if batch.expiry is not None:
                 batch.expiry.cancel()
@@ -201,7 +244,18 @@ class Batcher:
 
     def _expire(self, key: tuple[str, str], batch: _Open, bound: float) -> None:
         """A sender's bound passed before its batch was published: every sender of the
-        batch hears it (the publish goes on; no message joins the batch any more)."""
+        batch hears it (the publish goes on; no message joins the batch any more).
+        Unless the batch is being published and its link confirmed something since it
+        went (or since the bound passed last): then the bound passes again (``bounded``)."""
+        progress = self.progress
+        if progress is not None and batch.mark is not None and batch.cap is not None:
+            now = progress(key[0])
+            loop = self._loop or asyncio.get_running_loop()
+            if now != batch.mark and loop.time() + bound <= batch.cap:
+                batch.mark = now
+                self.stretched += 1
+                batch.expiry = loop.call_at(loop.time() + bound, self._expire, key, batch, bound)
+                return
         self._close(key, batch)
         batch.closed = True
         batch.wake.set()
@@ -260,6 +314,8 @@ class Batcher:
             self._close(key, batch)
             self.sent += len(batch.bodies)
             self.batches += 1
+            if self.progress is not None:
+                batch.mark = self.progress(cluster)
             result = await self._publish_many(
                 cluster, queue, batch.bodies, batch.tags, batch.priority
             )

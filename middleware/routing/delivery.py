@@ -16,6 +16,7 @@ sent again alone or in another batch, after a match master's death, is suppresse
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -27,7 +28,7 @@ from ..confirms.tracking import CONTENT_HEADER, ELEMENTS_HEADER, encode_elements
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..phoenix.protocol import PhoenixTopology
 from ..transport import AsyncClient
-from .batching import Batcher, encode
+from .batching import Batcher, bounded, encode
 from .copies import CopyOutcome, Outcome, event_content
 from .wiring import outgoing_body
 
@@ -69,6 +70,7 @@ class CopySender:
             self._publish_copies,
             max_messages=topology.copy_batch_max,
             linger_s=topology.batch_linger_ms / 1000,
+            progress=self._confirmed,
         )
         #: e2e copies: tagged (id, content name, link bound), a batch is one held message
         self._e2e_batcher = Batcher(
@@ -114,8 +116,8 @@ class CopySender:
                 return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
             if self._batcher.max_messages > 1:  # ``priority``: how long it may linger
                 await self._batcher.send(home, queue, body, priority, bound=bound)
-            else:
-                await asyncio.wait_for(client.publish(outgoing_body(body, queue)), bound)
+            else:  # the bound stretches while the link confirms others (``bounded``)
+                await bounded(client.publish(outgoing_body(body, queue)), bound, self._link(home))
             self._down.pop(home, None)
             return CopyOutcome(Outcome.DELIVERED)
         except Unroutable:
@@ -127,6 +129,14 @@ class CopySender:
                 raise
             self._down[home] = time.monotonic() + self.topology.link_retry_s
             return CopyOutcome(Outcome.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+
+    def _link(self, home: str) -> Callable[[], int]:
+        return functools.partial(self._confirmed, home)
+
+    def _confirmed(self, home: str) -> int:
+        """How many publishes ``home``'s link has had confirmed (its progress)."""
+        client = self.known(home)
+        return -1 if client is None else client.confirmed
 
     async def _connected(self, home: str, bound: float | None) -> AsyncClient:
         """``home``'s client when none was connected before: within ``bound``."""

@@ -83,6 +83,7 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         self.settings = settings
         self.topology = TopologyRecord()
         self.reconnects = 0
+        self.confirmed = 0
         #: what the broker of the current (or last) connection said it is
         self.server: BrokerInfo | None = None
         self._rotation = NodeRotation(settings)

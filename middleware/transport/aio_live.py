@@ -73,6 +73,9 @@ class ClientState:
     settings: Settings
     topology: TopologyRecord
     reconnects: int
+    #: publishes the broker confirmed on this client, ever: a caller bounding its own
+    #: wait tells a slow link (confirms still coming) from a silent one by it
+    confirmed: int
     server: BrokerInfo | None
     refused_closes: int
     _rotation: NodeRotation

@@ -145,6 +145,7 @@ class Publishing(ClientState):
                     elif isinstance(error, PublishNacked):
                         await self._replace_confirm_channel(live, channel)
                 raise error from exc
+        self.confirmed += 1
         metrics.PUBLISHED_CONFIRMED.inc()
 
     async def _resend_watched(self, message: OutgoingMessage, attempt: int) -> None:

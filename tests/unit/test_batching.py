@@ -10,7 +10,15 @@ import pytest
 
 from middleware.errors import DeadLetter, Unroutable
 from middleware.phoenix.protocol import MAX_PRIORITY
-from middleware.routing.batching import Batcher, PriorityGate, encode, linger_for, split
+from middleware.routing.batching import (
+    STRETCH_MAX,
+    Batcher,
+    PriorityGate,
+    bounded,
+    encode,
+    linger_for,
+    split,
+)
 from middleware.routing.messages import Publish, parse
 
 
@@ -251,6 +259,80 @@ def test_a_bound_fails_every_sender_of_a_batch_not_published_within_it() -> None
     assert waited < 0.15  # at the earliest bound, not the publish's 0.2 s
     assert later == [None]  # the next batch is a new one, published within its bound
     assert [len(split(p[2])[0]) for p in publish.published] == [4, 1]
+
+
+class _Link:
+    """A destination link's confirm count, going up every ``every`` seconds while it
+    carries traffic (None: silent, as a cut or blackholed link)."""
+
+    def __init__(self, every: float | None) -> None:
+        self.confirmed, self.every = 0, every
+
+    async def run(self) -> None:
+        while self.every is not None:
+            await asyncio.sleep(self.every)
+            self.confirmed += 1
+
+    def progress(self, _cluster: str = "") -> int:
+        return self.confirmed
+
+
+def _timed(link: _Link, send: object) -> tuple[object, float]:
+    async def run() -> tuple[object, float]:
+        ticking = asyncio.create_task(link.run())
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            result: object = await send()  # type: ignore[operator]
+        except TimeoutError as exc:
+            result = exc
+        ticking.cancel()
+        return result, loop.time() - began
+
+    return asyncio.run(run())
+
+
+def test_a_bound_stretches_while_the_link_confirms_others() -> None:
+    """A busy broker or machine: the confirm comes after 2.5 bounds, and the link
+    confirmed other publishes meanwhile: the send is not failed (it would be carried
+    around the link and arrive twice)."""
+    link = _Link(every=0.01)
+    result, took = _timed(link, lambda: bounded(asyncio.sleep(0.25, "ok"), 0.1, link.progress))
+    assert result == "ok" and took >= 0.25
+
+
+def test_a_silent_link_fails_a_send_at_its_bound() -> None:
+    link = _Link(every=None)
+    result, took = _timed(link, lambda: bounded(asyncio.sleep(5, "ok"), 0.1, link.progress))
+    assert isinstance(result, TimeoutError) and took < 0.2
+
+
+def test_a_stretched_bound_ends_at_its_cap() -> None:
+    """The link confirms others forever, never this one: STRETCH_MAX bounds in all."""
+    link = _Link(every=0.01)
+    result, took = _timed(link, lambda: bounded(asyncio.sleep(5, "ok"), 0.05, link.progress))
+    assert isinstance(result, TimeoutError)
+    assert STRETCH_MAX * 0.05 <= took < STRETCH_MAX * 0.05 + 0.2
+
+
+@pytest.mark.parametrize("every", [0.01, None])
+def test_a_batch_bound_stretches_only_while_the_link_confirms_others(
+    every: float | None,
+) -> None:
+    link = _Link(every)
+    batcher = Batcher(_Recorder(delay=0.25), max_messages=32, progress=link.progress)
+
+    async def send() -> list[object]:
+        sends = [batcher.send("A", "q", _body(i), 0, bound=0.1) for i in range(3)]
+        return await asyncio.gather(*sends, return_exceptions=True)
+
+    results, took = _timed(link, send)
+    if every is None:  # silent: every sender hears it at the bound
+        assert isinstance(results, list) and all(isinstance(r, TimeoutError) for r in results)
+        assert took < 0.2 and batcher.stretched == 0
+    else:
+        assert results == [None, None, None] and took >= 0.25
+        assert batcher.stretched >= 2
 
 
 def test_a_batch_published_within_its_bound_leaves_no_timer_behind() -> None:
