@@ -30,8 +30,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..phoenix.effects import Count, Refuse, Send
+from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
-from .messages import HOME_LEFT, MAYBE_DELIVERED, Copy, Matched, Publish, RoutedMessage
+from .messages import (
+    HOME_LEFT,
+    MAYBE_DELIVERED,
+    Copy,
+    Matched,
+    Publish,
+    RoutedMessage,
+    Subscribe,
+    Unsubscribe,
+)
 from .router import Forward, KeptEvents, RouterLogic, WriteEntry
 
 __all__ = [
@@ -147,6 +157,17 @@ class Forwarding:
                 effects.append(Count("duplicates_dropped"))
             return effects
         return effects + self._step(forwarded, holds if held else (), held)
+
+    def handed(self, message: Subscribe | Unsubscribe, now: Now, holds: Holds = ()) -> list[Effect]:
+        """A subscription (or a removal) of the arc this cluster joins with, handed over by
+        the previous owner: routed as any other, never held by the arc it is for, and at
+        the top priority.  The arc's events are let go once these are routed, and one of
+        a higher priority (its type's level as the entry router counted it) would
+        otherwise pass a subscription in the match master's inbox and be matched
+        without it."""
+        return self.route(
+            message.model_copy(update={"priority": MAX_PRIORITY}), now, holds, held=False
+        )
 
     def sent(
         self, effect: SendOn, path: Sequence[str] | None, now: Now, holds: Holds = ()

@@ -173,10 +173,10 @@ class RouterMaster(LeavingRouter):
         """One subscription of the arc this cluster joins with (or one removed while the
         previous owner held it), from the previous owner's match master (to this control
         queue, so that the arc's events held in the inbox do not keep it out): routed to
-        this cluster's match master like any other."""
+        this cluster's match master like any other (``Forwarding.handed``)."""
         await self._ring_applied.wait()
         try:
-            await self._route(message, held=False)
+            await self._forward(self.forwarding.handed(message, self._now(), self._holds()))
         finally:
             await self._join_effects(self.join_hold.routed(time.monotonic()))
 

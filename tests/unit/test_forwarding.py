@@ -8,7 +8,7 @@ import pytest
 
 from middleware.errors import DeadLetter
 from middleware.phoenix.effects import Send
-from middleware.phoenix.protocol import PhoenixTopology
+from middleware.phoenix.protocol import MAX_PRIORITY, PhoenixTopology
 from middleware.phoenix.ring import ChordRing, Handover, ring_id
 from middleware.routing.forwarding import (
     JOINING,
@@ -123,6 +123,21 @@ def test_a_handed_over_subscription_is_not_held_by_the_arc_it_belongs_to() -> No
     subscribe = Subscribe(event_type=event_type, subscription_id="s", queue="q", latency_level=1)
     effects = machine.route(subscribe, NOW, [(JOINING, arc)], held=False)
     assert isinstance(effects[-1], Send)
+
+
+def test_a_handed_over_subscription_goes_ahead_of_any_event_of_its_type() -> None:
+    """The joiner lets its arc's events go once the hand-over is routed: a subscription
+    at its level's priority (level 5: 0) would be passed in the match master's inbox by
+    an event the entry router stamped with a higher one, matched without it."""
+    machine, event_type = _machine("B"), _type_owned_by("B")
+    arc = Handover("B", "C", ring_id(event_type) - 1, ring_id(event_type))
+    handed = Subscribe(event_type=event_type, subscription_id="s", queue="q", latency_level=5)
+    send = machine.handed(handed, NOW, [(JOINING, arc)])[-1]
+    assert isinstance(send, Send) and send.priority == MAX_PRIORITY
+    event = machine.route(_publish(event_type, id="e", hops=["A"], priority=9), NOW)[-1]
+    assert isinstance(event, Send) and event.priority <= send.priority
+    plain = machine.route(handed.model_copy(update={"subscription_id": "t"}), NOW)[-1]
+    assert isinstance(plain, Send) and plain.priority < MAX_PRIORITY  # not handed: its level
 
 
 def test_a_detour_goes_on_to_its_next_hop_and_from_here_when_that_hop_left() -> None:
