@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,9 +39,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
+from .linkbound import STRETCH_MAX, bounded
 from .messages import Message, parse, parse_many, validate
 
-__all__ = ["STRETCH_MAX", "Batcher", "PriorityGate", "bounded", "encode", "split"]
+__all__ = ["Batcher", "PriorityGate", "encode", "split"]
 
 Publish = Callable[[str, str, bytes, int], Awaitable[None]]  # cluster, queue, body, priority
 #: cluster, queue, the batch's bodies and the tags they were sent with, priority: what it
@@ -98,35 +100,6 @@ class _Open:
 GAP_SMOOTHING = 4
 #: inboxes whose gaps a batcher keeps at most (replies go to per-client addresses)
 MAX_INBOXES_TRACKED = 4096
-#: how many times its bound a send may wait in all while its destination's link keeps
-#: confirming other publishes (``bounded``; a silent link fails it at one bound)
-STRETCH_MAX = 10
-
-
-async def bounded(
-    sending: Awaitable[Any], bound: float | None, progress: Callable[[], int] | None = None
-) -> Any:
-    """``sending``'s result within ``bound`` seconds, else ``TimeoutError`` (``sending``
-    cancelled).  With ``progress`` (the destination link's confirm count), the bound
-    passes again, up to ``STRETCH_MAX`` bounds in all, while the link confirmed
-    something during the last one: the broker or this machine is slow, the link is not
-    silent.  A link that confirms nothing for a whole bound (cut, blackholed) fails the
-    send as before; a busy one no longer turns each slow confirm into a resend around
-    it (a duplicate, and more load where the load was the cause)."""
-    if bound is None:
-        return await sending
-    if progress is None:
-        return await asyncio.wait_for(sending, bound)
-    task = asyncio.ensure_future(sending)
-    for _ in range(STRETCH_MAX):
-        mark = progress()
-        done, _ = await asyncio.wait((task,), timeout=bound)
-        if done:
-            return task.result()
-        if progress() == mark:  # nothing confirmed on the link for a whole bound
-            break
-    task.cancel()
-    raise TimeoutError(f"not confirmed within {bound} s")
 
 
 def linger_for(priority: int, linger_s: float, top: int = MAX_PRIORITY) -> float:
@@ -153,9 +126,11 @@ class Batcher:
         linger_s: float = 0.0,
         publish_many: PublishMany | None = None,
         progress: Callable[[str], int] | None = None,
+        stretched: Callable[[], None] = lambda: None,
     ) -> None:
         """``progress``: a destination cluster's confirm count (``AsyncClient.confirmed``
-        of its link): a bound stretches while it grows (``bounded``)."""
+        of its link): a bound stretches while it grows (``bounded``; ``stretched`` is
+        called each time)."""
         if (publish is None) == (publish_many is None):
             raise ValueError("a Batcher takes publish or publish_many")
         self._publish = publish
@@ -170,7 +145,7 @@ class Batcher:
         self._gaps: dict[tuple[str, str], tuple[float, float | None]] = {}
         self._flushing: set[asyncio.Task[None]] = set()
         self.sent = self.batches = 0  # messages, AMQP messages (for the counters)
-        self.progress = progress
+        self.progress, self._on_stretch = progress, stretched
         self.stretched = 0  # bounds that passed again while the link confirmed others
 
     async def _encoded(
@@ -195,13 +170,7 @@ class Batcher:
         seconds (the publish goes on); a batch holds one timer, for the earliest bound
         among its senders, instead of a task and a timer per message."""
         if self.max_messages <= 1:
-            self.sent += 1
-            self.batches += 1
-            sending = self._publish_many(cluster, queue, [body], [tag], priority)
-            progress = self.progress
-            return await bounded(
-                sending, bound, None if progress is None else lambda: progress(cluster)
-            )
+            return await self._alone(cluster, queue, body, priority, tag, bound)
         key = (cluster, queue)
         loop = self._loop
         if loop is None or not loop.is_running():  # (asyncio's lookup costs a getpid())
@@ -253,7 +222,7 @@ class Batcher:
             loop = self._loop or asyncio.get_running_loop()
             if now != batch.mark and loop.time() + bound <= batch.cap:
                 batch.mark = now
-                self.stretched += 1
+                self._stretched()
                 batch.expiry = loop.call_at(loop.time() + bound, self._expire, key, batch, bound)
                 return
         self._close(key, batch)
@@ -262,6 +231,21 @@ class Batcher:
         if not batch.future.done():
             batch.future.set_exception(TimeoutError(f"not published within {bound} s"))
             batch.future.exception()  # every sender awaits it; none left is not an error
+
+    async def _alone(
+        self, cluster: str, queue: str, body: bytes, priority: int, tag: Any, bound: float | None
+    ) -> Any:
+        """One AMQP message for one message (``max_messages`` 1)."""
+        self.sent += 1
+        self.batches += 1
+        sending = self._publish_many(cluster, queue, [body], [tag], priority)
+        progress = self.progress
+        linked = None if progress is None else functools.partial(progress, cluster)
+        return await bounded(sending, bound, linked, self._stretched)
+
+    def _stretched(self) -> None:
+        self.stretched += 1
+        self._on_stretch()
 
     @classmethod
     def of(cls, publish: Publish, topology: PhoenixTopology) -> Batcher:

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
@@ -28,8 +29,9 @@ from ..confirms.tracking import CONTENT_HEADER, ELEMENTS_HEADER, encode_elements
 from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
 from ..phoenix.protocol import PhoenixTopology
 from ..transport import AsyncClient
-from .batching import Batcher, bounded, encode
+from .batching import Batcher, encode
 from .copies import CopyOutcome, Outcome, event_content
+from .linkbound import bounded
 from .wiring import outgoing_body
 
 __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
@@ -53,8 +55,10 @@ class CopySender:
         topology: PhoenixTopology,
         client_for: Callable[[str], Awaitable[AsyncClient]],
         known: Callable[[str], AsyncClient | None] = lambda _: None,
+        count: Callable[[str], None] = lambda _: None,
     ) -> None:
-        self.topology = topology
+        self.topology = topology  # ``count``: the role's (``copy_bounds_stretched``)
+        self._stretched = functools.partial(count, "copy_bounds_stretched")
         self.client_for = client_for
         self.known = known  # a cluster's client when connected before: no wait, no task
         self.pace = QueuePace(
@@ -71,6 +75,7 @@ class CopySender:
             max_messages=topology.copy_batch_max,
             linger_s=topology.batch_linger_ms / 1000,
             progress=self._confirmed,
+            stretched=self._stretched,
         )
         #: e2e copies: tagged (id, content name, link bound), a batch is one held message
         self._e2e_batcher = Batcher(
@@ -114,10 +119,7 @@ class CopySender:
                     )
                     return outcome
                 return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
-            if self._batcher.max_messages > 1:  # ``priority``: how long it may linger
-                await self._batcher.send(home, queue, body, priority, bound=bound)
-            else:  # the bound stretches while the link confirms others (``bounded``)
-                await bounded(client.publish(outgoing_body(body, queue)), bound, self._link(home))
+            await self._broker_copy(client, home, queue, body, priority, bound)
             self._down.pop(home, None)
             return CopyOutcome(Outcome.DELIVERED)
         except Unroutable:
@@ -130,8 +132,34 @@ class CopySender:
             self._down[home] = time.monotonic() + self.topology.link_retry_s
             return CopyOutcome(Outcome.UNREACHABLE, f"{type(exc).__name__}: {exc}")
 
-    def _link(self, home: str) -> Callable[[], int]:
-        return functools.partial(self._confirmed, home)
+    @classmethod
+    def for_role(cls, role: Any) -> CopySender:
+        """The copies of a Phoenix role (``peer.Role``): its clusters' clients, counted
+        in its counters."""
+        known = role.connections.known
+        return cls(
+            topology=role.topology, client_for=role.client_for, known=known, count=role.count
+        )
+
+    async def _broker_copy(
+        self,
+        client: AsyncClient,
+        home: str,
+        queue: str,
+        body: bytes,
+        priority: int,
+        bound: float | None,
+    ) -> None:
+        """A broker-confirmed copy, batched or alone; its bound stretches while the link
+        confirms others (``bounded``; a copy's bound passing again is counted
+        ``copy_bounds_stretched``: the link or the machine is slow).  ``priority``: how
+        long a batched copy may linger."""
+        if self._batcher.max_messages > 1:
+            await self._batcher.send(home, queue, body, priority, bound=bound)
+            return
+        progress = functools.partial(self._confirmed, home)
+        publish = client.publish(outgoing_body(body, queue))
+        await bounded(publish, bound, progress, self._stretched)
 
     def _confirmed(self, home: str) -> int:
         """How many publishes ``home``'s link has had confirmed (its progress)."""

@@ -57,9 +57,7 @@ class MatchBroker(Role):
         self.owner = self.id.owner  # subscriptions are the master's
         self.registry = Registry(self.cluster)  # records, indexed; where matches go
         self.predictor = QueuePredictor(window_s=self.HEARTBEAT_S)
-        self.copies = CopySender(
-            topology=self.topology, client_for=self.client_for, known=self.connections.known
-        )
+        self.copies = CopySender.for_role(self)
         #: clusters that left the ring: deliveries to their subscribers are dead-lettered
         self.departed: set[str] = set()
         #: ids of events matched here, by the cluster they entered the ring at, until

@@ -84,9 +84,7 @@ class RingRouter(Master):
         #: when this router saw each departed cluster leave (its join record names it)
         self._left_at: dict[str, float] = {}
         #: copies carried here for this cluster's subscribers (``_on_copy``)
-        self.copies = CopySender(
-            topology=self.topology, client_for=self.client_for, known=self.connections.known
-        )
+        self.copies = CopySender.for_role(self)
         #: departed clusters whose arc this router took over: (arc, restored)
         self._recovering: dict[str, tuple[Arc, asyncio.Event]] = {}
         #: RECOVERY requests: (match masters yet to answer, restored so far, all answered)

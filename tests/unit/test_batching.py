@@ -10,15 +10,8 @@ import pytest
 
 from middleware.errors import DeadLetter, Unroutable
 from middleware.phoenix.protocol import MAX_PRIORITY
-from middleware.routing.batching import (
-    STRETCH_MAX,
-    Batcher,
-    PriorityGate,
-    bounded,
-    encode,
-    linger_for,
-    split,
-)
+from middleware.routing.batching import Batcher, PriorityGate, encode, linger_for, split
+from middleware.routing.linkbound import STRETCH_MAX, bounded
 from middleware.routing.messages import Publish, parse
 
 

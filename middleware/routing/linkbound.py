@@ -1,0 +1,45 @@
+"""A send to another cluster's RabbitMQ within a bound that tells a slow link from a
+silent one (``bounded``): the link's confirm count (``AsyncClient.confirmed``) going up
+during a bound says the broker or this machine is slow, not that the link failed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["STRETCH_MAX", "bounded"]
+
+#: how many times its bound a send may wait in all while its destination's link keeps
+#: confirming other publishes (``bounded``; a silent link fails it at one bound)
+STRETCH_MAX = 10
+
+
+async def bounded(
+    sending: Awaitable[Any],
+    bound: float | None,
+    progress: Callable[[], int] | None = None,
+    stretched: Callable[[], None] = lambda: None,
+) -> Any:
+    """``sending``'s result within ``bound`` seconds, else ``TimeoutError`` (cancelled).
+    With ``progress`` (the link's confirm count) the bound passes again, up to
+    ``STRETCH_MAX`` bounds in all (``stretched`` called each time), while the link
+    confirmed something during the last one: the broker or this machine is slow, the
+    link is not silent.  A cut or blackholed link confirms nothing and fails the send
+    at its bound; a busy one no longer turns a slow confirm into a resend around it (a
+    duplicate, and more load where load was the cause)."""
+    if bound is None:
+        return await sending
+    if progress is None:
+        return await asyncio.wait_for(sending, bound)
+    task = asyncio.ensure_future(sending)
+    for _ in range(STRETCH_MAX):
+        mark = progress()
+        done, _ = await asyncio.wait((task,), timeout=bound)
+        if done:
+            return task.result()
+        if progress() == mark:  # nothing confirmed on the link for a whole bound
+            break
+        stretched()
+    task.cancel()
+    raise TimeoutError(f"not confirmed within {bound} s")
