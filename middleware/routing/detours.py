@@ -22,17 +22,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import (
-    DeadLetter,
-    EntityNotFound,
-    LinkDown,
-    MiddlewareError,
-    NotConnected,
-    RetryableError,
-)
+from ..errors import DeadLetter, LinkDown, MiddlewareError, NotConnected, RetryableError
 from ..phoenix.ids import RoleId
 from ..recovery import flood
 from ..recovery.links import LinkTable, Started
+from .linkbound import inbox_answers
 from .messages import Copy, Found, Message, Probe, RoutedMessage
 from .role_metrics import DETOURS, FLOOD_MESSAGES, LINKS_DOWN, REROUTE_S
 
@@ -366,24 +360,11 @@ class Detours:
         return True
 
     async def _answers(self, dest: str, bound: float | None = None) -> bool:
-        """A round trip to ``dest``'s routing master's inbox over the direct link.  An
-        inbox not there yet answers too: ``dest``'s RabbitMQ answered over the link, and
-        its routing master has not declared its inbox (a deployment starting on a busy
-        machine: taken for a failed link, a router up first declared the others gone
-        3 s later, for good).  A cluster whose roles died keeps its inbox, and answers
-        the same way: its roles' recovery is not a leave."""
+        """A round trip to ``dest``'s routing master's inbox over the direct link
+        (``linkbound.inbox_answers``: an inbox not declared yet answers)."""
         bound = self.topology.link_timeout_s if bound is None else bound
-        try:
-            client = await asyncio.wait_for(self._client_for(dest), bound)
-            if not client.ready:
-                return False
-            inbox = RoleId.router(dest).inbox(self.prefix)
-            await asyncio.wait_for(client.queue_length(inbox), bound)
-        except EntityNotFound:
-            return True
-        except (MiddlewareError, TimeoutError):
-            return False
-        return True
+        inbox = RoleId.router(dest).inbox(self.prefix)
+        return await inbox_answers(self._client_for(dest), inbox, bound)
 
     def joined(self, cluster: str) -> None:
         """``cluster`` (re)joined the ring: it may be found gone again later."""

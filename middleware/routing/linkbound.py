@@ -1,6 +1,8 @@
-"""A send to another cluster's RabbitMQ within a bound that tells a slow link from a
-silent one (``bounded``): the link's confirm count (``AsyncClient.confirmed``) going up
-during a bound says the broker or this machine is slow, not that the link failed."""
+"""Links to another cluster's RabbitMQ, bounded: a send within a bound that tells a slow
+link from a silent one (``bounded``: the link's confirm count, ``AsyncClient.confirmed``,
+going up during a bound says the broker or this machine is slow, not that the link
+failed), and the round trip a routing master checks a neighbour with
+(``inbox_answers``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["STRETCH_MAX", "bounded"]
+from ..errors import EntityNotFound, MiddlewareError
+from ..transport import AsyncClient
+
+__all__ = ["STRETCH_MAX", "bounded", "inbox_answers"]
 
 #: how many times its bound a send may wait in all while its destination's link keeps
 #: confirming other publishes (``bounded``; a silent link fails it at one bound)
@@ -43,3 +48,22 @@ async def bounded(
         stretched()
     task.cancel()
     raise TimeoutError(f"not confirmed within {bound} s")
+
+
+async def inbox_answers(connect: Awaitable[AsyncClient], inbox: str, bound: float) -> bool:
+    """A round trip to ``inbox`` over a link (its client from ``connect``), each step
+    within ``bound``.  An inbox not declared yet answers too: the RabbitMQ behind the
+    link answered, and the routing master whose inbox it is is not up yet (a deployment
+    starting on a busy machine: taken for a failed link, a router up first declared
+    the others gone 3 s later, for good).  A cluster whose roles died keeps its inbox
+    and answers the same way: its roles' recovery is not a leave."""
+    try:
+        client = await asyncio.wait_for(connect, bound)
+        if not client.ready:
+            return False
+        await asyncio.wait_for(client.queue_length(inbox), bound)
+    except EntityNotFound:
+        return True
+    except (MiddlewareError, TimeoutError):
+        return False
+    return True
