@@ -16,18 +16,21 @@ import os
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from middleware.localcluster import FaultProxy
 from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import ChordRing, PhoenixDeployment
 from middleware.settings import Settings
 from middleware.transport import AsyncClient
-from qosmq_bench.phoenix_deploy import phoenix_cli
+from qosmq_bench.phoenix_deploy import Deployment, phoenix_cli
+from qosmq_bench.phoenix_recovery import _wait_all_served
 
 T = TypeVar("T")
 
@@ -78,6 +81,28 @@ def running(
     finally:
         if deployed.state_file.exists():
             deployed.down()
+
+
+@contextmanager
+def proxied(
+    directory: Path, name: str, urls: list[str], clusters: list[str], **kwargs: Any
+) -> Iterator[tuple[Deployment, dict[tuple[str, str], FaultProxy]]]:
+    """A deployment of ``clusters`` whose every inter-cluster link goes through a fault
+    proxy of its own (``kwargs``: ``Deployment``'s), up and every role served inside
+    the block; the proxies by (from, to), closed after."""
+    port = urllib.parse.urlsplit(urls[0]).port or 5672
+    proxies = {(a, b): FaultProxy(port) for a in clusters for b in clusters if a != b}
+    try:
+        links = {pair: proxy.url for pair, proxy in proxies.items()}
+        deployment = Deployment(
+            directory, prefix=name, amqp_urls=urls, clusters=clusters, links=links, **kwargs
+        )
+        with deployment.running():
+            _wait_all_served(deployment.phoenix(), 180)
+            yield deployment, proxies
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
 
 
 def cli(deployed: PhoenixDeployment, command: str, *arguments: str) -> str:

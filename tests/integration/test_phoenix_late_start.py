@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.parse
 
 import pytest
 
-from middleware.localcluster import FaultProxy
 from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient
 from middleware.routing.store import open_store, ring_owner
 from middleware.transport import AsyncClient
-from qosmq_bench.phoenix_deploy import Deployment
-from qosmq_bench.phoenix_recovery import _wait_all_served
-from tests.integration.phoenix_support import event, owned_by, until_delivered
+from tests.integration.phoenix_support import event, owned_by, proxied, until_delivered
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 CLUSTERS = ["A", "B", "C"]
@@ -41,56 +37,41 @@ def test_a_cluster_whose_router_is_not_up_yet_is_not_declared_gone(
     queue = f"{name}.subscriber"
     # links of their own (each through a proxy that is never faulted): routers check
     # only neighbours they reach over a link of their own, not one RabbitMQ they share
-    port = urllib.parse.urlsplit(brokers.urls[0]).port or 5672
-    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
-    deployment = Deployment(
-        tmp_path / "deployment",
-        prefix=name,
-        amqp_urls=brokers.urls,
-        routing_slaves=0,
-        match_slaves=0,
-        clusters=CLUSTERS,
-        links={pair: proxy.url for pair, proxy in proxies.items()},
+    deploying = proxied(
+        tmp_path / "deployment", name, brokers.urls, CLUSTERS, routing_slaves=0, match_slaves=0
     )
-    try:
-        with deployment.running():
-            deployed = deployment.phoenix()
-            _wait_all_served(deployed, 180)
-            topology = deployment.topology
-            detection = (
-                topology.neighbour_check_s + topology.flood_timeout_s + topology.leave_after_s
-            )
+    with deploying as (deployment, _):
+        deployed = deployment.phoenix()
+        topology = deployment.topology
+        detection = topology.neighbour_check_s + topology.flood_timeout_s + topology.leave_after_s
 
-            async def subscribe() -> None:
-                async with AsyncClient(settings=settings) as client:
-                    at_a = PhoenixClient(client, topology=topology, cluster="A")
-                    await at_a.subscribe(EVENT_TYPE, [("v", ">=", 0)], 3, queue, wait_s=60)
-                    deployed.kill(RoleId.router("C"))
-                    await client.delete_queue(RoleId.router("C").inbox(name))
+        async def subscribe() -> None:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                await at_a.subscribe(EVENT_TYPE, [("v", ">=", 0)], 3, queue, wait_s=60)
+                deployed.kill(RoleId.router("C"))
+                await client.delete_queue(RoleId.router("C").inbox(name))
 
-            asyncio.run(subscribe())
-            time.sleep(3 * detection)  # three times what a leave takes to be declared
-            store = open_store(str(deployment.store_path))
-            try:
-                records = store.load(ring_owner(name), "ring")
-            finally:
-                store.close()
-            assert records.get("C", (0, {}))[1].get("state") != "left", records
-            deployed.start(RoleId.router("C"))
+        asyncio.run(subscribe())
+        time.sleep(3 * detection)  # three times what a leave takes to be declared
+        store = open_store(str(deployment.store_path))
+        try:
+            records = store.load(ring_owner(name), "ring")
+        finally:
+            store.close()
+        assert records.get("C", (0, {}))[1].get("state") != "left", records
+        deployed.start(RoleId.router("C"))
 
-            async def delivered() -> list:
-                async with AsyncClient(settings=settings) as client:
-                    at_a = PhoenixClient(client, topology=topology, cluster="A")
-                    got = await until_delivered(
-                        client,
-                        queue,
-                        lambda k: at_a.publish(event(EVENT_TYPE, v=k, n=f"late{k}")),
-                        "event of C's type once C's router is up",
-                    )
-                    await client.delete_queue(queue)
-                    return got
+        async def delivered() -> list:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=topology, cluster="A")
+                got = await until_delivered(
+                    client,
+                    queue,
+                    lambda k: at_a.publish(event(EVENT_TYPE, v=k, n=f"late{k}")),
+                    "event of C's type once C's router is up",
+                )
+                await client.delete_queue(queue)
+                return got
 
-            assert asyncio.run(delivered())
-    finally:
-        for proxy in proxies.values():
-            proxy.close()
+        assert asyncio.run(delivered())

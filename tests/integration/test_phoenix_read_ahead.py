@@ -17,21 +17,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import urllib.parse
 
 import pytest
 
-from middleware.localcluster import FaultProxy
 from middleware.phoenix.ids import RoleId
 from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
 from middleware.transport import AsyncClient
-from qosmq_bench.phoenix_deploy import Deployment
-from qosmq_bench.phoenix_recovery import _serving, _wait_all_served
+from qosmq_bench.phoenix_recovery import _serving
 from tests.integration.phoenix_support import (
     event,
     eventually,
     owned_by,
+    proxied,
     role_metrics,
     sample,
     until_delivered,
@@ -53,68 +51,60 @@ def test_a_subscription_made_after_the_read_ahead_is_restored_at_the_leave(
     settings, brokers, tmp_path, name, monkeypatch
 ) -> None:
     monkeypatch.setenv("QOSMQ_METRICS_PORT", "0")  # each role process: a free port
-    port = urllib.parse.urlsplit(brokers.urls[0]).port or 5672
-    proxies = {(a, b): FaultProxy(port) for a in CLUSTERS for b in CLUSTERS if a != b}
     queue = f"{name}.subscriber"
-    try:
-        deployment = Deployment(
-            tmp_path / "deployment",
-            prefix=name,
-            amqp_urls=brokers.urls,
-            routing_slaves=0,
-            match_slaves=1,
-            clusters=CLUSTERS,
-            links={pair: proxy.url for pair, proxy in proxies.items()},
-            # the cut below makes C suspected, never gone: only the leave does that
-            fields={"leave_after_s": 10.0},
-        )
-        with deployment.running():
-            phoenix = deployment.phoenix()
-            _wait_all_served(phoenix, 180)
-            master = RoleId.match(SUCCESSOR, 0)
-            into = [proxy for (_, to), proxy in proxies.items() if to == GONE]
+    deploying = proxied(
+        tmp_path / "deployment",
+        name,
+        brokers.urls,
+        CLUSTERS,
+        routing_slaves=0,
+        match_slaves=1,
+        # the cut below makes C suspected, never gone: only the leave does that
+        fields={"leave_after_s": 10.0},
+    )
+    with deploying as (deployment, proxies):
+        phoenix = deployment.phoenix()
+        master = RoleId.match(SUCCESSOR, 0)
+        into = [proxy for (_, to), proxy in proxies.items() if to == GONE]
+        for proxy in into:
+            proxy.cut()
+        try:  # a router suspects C: the successor reads C's subscriptions now
+            eventually(
+                lambda: _outcome(phoenix, master, "prepared") >= 1,
+                f"read ahead of {GONE}'s subscriptions at {master}",
+                timeout=8.0,
+                interval=0.25,
+            )
+        finally:
             for proxy in into:
+                proxy.heal()
+
+        async def subscribe() -> None:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
+                await at_a.subscribe(EVENT_TYPE, [("v", ">=", 0)], 1, queue, wait_s=60)
+
+        asyncio.run(subscribe())  # confirmed by C's match master, after the read
+
+        for role, (_, pid) in _serving(phoenix).items():  # C leaves
+            if role.cluster == GONE:
+                os.kill(pid, signal.SIGKILL)
+        for (a, b), proxy in proxies.items():
+            if GONE in (a, b):
                 proxy.cut()
-            try:  # a router suspects C: the successor reads C's subscriptions now
-                eventually(
-                    lambda: _outcome(phoenix, master, "prepared") >= 1,
-                    f"read ahead of {GONE}'s subscriptions at {master}",
-                    timeout=8.0,
-                    interval=0.25,
+
+        async def delivered() -> list:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
+                got = await until_delivered(
+                    client,
+                    queue,
+                    lambda k: at_a.publish(event(EVENT_TYPE, v=k, n=f"after{k}")),
+                    f"event of {GONE}'s type after {GONE} left",
+                    seconds=90.0,
                 )
-            finally:
-                for proxy in into:
-                    proxy.heal()
+                await client.delete_queue(queue)
+                return got
 
-            async def subscribe() -> None:
-                async with AsyncClient(settings=settings) as client:
-                    at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
-                    await at_a.subscribe(EVENT_TYPE, [("v", ">=", 0)], 1, queue, wait_s=60)
-
-            asyncio.run(subscribe())  # confirmed by C's match master, after the read
-
-            for role, (_, pid) in _serving(phoenix).items():  # C leaves
-                if role.cluster == GONE:
-                    os.kill(pid, signal.SIGKILL)
-            for (a, b), proxy in proxies.items():
-                if GONE in (a, b):
-                    proxy.cut()
-
-            async def delivered() -> list:
-                async with AsyncClient(settings=settings) as client:
-                    at_a = PhoenixClient(client, topology=deployment.topology, cluster="A")
-                    got = await until_delivered(
-                        client,
-                        queue,
-                        lambda k: at_a.publish(event(EVENT_TYPE, v=k, n=f"after{k}")),
-                        f"event of {GONE}'s type after {GONE} left",
-                        seconds=90.0,
-                    )
-                    await client.delete_queue(queue)
-                    return got
-
-            assert asyncio.run(delivered())
-            assert _outcome(phoenix, master, "restored") >= 1
-    finally:
-        for proxy in proxies.values():
-            proxy.close()
+        assert asyncio.run(delivered())
+        assert _outcome(phoenix, master, "restored") >= 1
