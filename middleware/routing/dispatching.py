@@ -11,7 +11,7 @@ inbox (then it tells ``Dispatch.dispatched`` how long the send took), and ``Coun
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,14 +65,20 @@ def on_publish(
     now: float,
     inner: bool,
     blind: str,
+    owing: Collection[int] = (),
 ) -> list[Effect]:
     """One event (``message``, a PUBLISH) at the match master ``master``.  ``stale``:
     :func:`matched_elsewhere`; ``local``: its type is one the slaves do not hold (a
-    take-over's, indexed here only)."""
+    take-over's, indexed here only); ``owing``: the slaves that have not acknowledged a
+    subscription of its type yet (its replica may still be behind this event in their
+    inbox: a subscription handed over at a join came with the arc's events), not
+    dispatched to."""
     if stale:
         return [Count("dropped_after_rejoin"), Drop("matched by the successor while left")]
     if local:
         return [MatchHere()]
+    if owing:
+        live = [slave for slave in live if slave not in owing]
     target = dispatch.choose(predictor, live, now) if inner else dispatch.choose_blind(live, blind)
     if target is None:
         return [MatchHere()]

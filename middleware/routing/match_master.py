@@ -126,7 +126,9 @@ class MatchMaster(RestoringMatcher):
 
         async def persist(effect: subscribing.Persist) -> None:
             nonlocal written
-            written = await self.replicas.write(effect.key, effect.document)
+            document = effect.document  # tagged with its type: see _owing
+            tag = document.get("event_type") if document is not None else None
+            written = await self.replicas.write(effect.key, document, tag)
             await self._replicated(written)
 
         def confirm(effect: subscribing.Confirm) -> None:
@@ -153,6 +155,7 @@ class MatchMaster(RestoringMatcher):
             now=now,
             inner=self.topology.inner,
             blind=self.topology.blind_dispatch,
+            owing=self._owing(message.event_type),
         )
         here: dict[type, Performer] = {
             Count: functools.partial(self._publish_count, message),
@@ -160,6 +163,13 @@ class MatchMaster(RestoringMatcher):
             Send: self._dispatch,
         }
         await self.enact(effects, here=here)
+
+    def _owing(self, event_type: str) -> set[int]:
+        """The slaves that have not acknowledged a subscription of ``event_type`` yet."""
+        log_ = self.replicas.log
+        if not log_.unacked:  # most events: nothing written lately
+            return set()
+        return {slave.slave for slave in log_.owing(event_type)}
 
     def _publish_count(self, message: Publish, effect: Count) -> None:
         first = not self.counters[effect.name]

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RetryableError
@@ -182,11 +182,13 @@ class ReplicaSet:
         self._dirty = True
         await self.persist_once()
 
-    async def write(self, key: str, document: dict[str, Any] | None) -> asyncio.Future[None]:
+    async def write(
+        self, key: str, document: dict[str, Any] | None, tag: Hashable = None
+    ) -> asyncio.Future[None]:
         """Persist and replicate one entry (None: delete, as a tombstone); the future
-        resolves once W of N replicas hold it."""
+        resolves once W of N replicas hold it (``tag``: see ``ReplicaLog.owing``)."""
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        version, effects = self.log.write(key, document)
+        version, effects = self.log.write(key, document, tag)
         self.written[version] = written
         await self._apply(effects)
         return written

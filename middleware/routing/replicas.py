@@ -13,7 +13,7 @@ resolve a version as ``Written`` or ``GaveUp`` on it).  The role's driver
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +176,10 @@ class ReplicaLog:
         self.version = 0
         self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
         self.pending: dict[int, set[str]] = {}  # version -> replicas that acked it
+        #: versions some replica has not acknowledged yet, beyond W: version -> (the
+        #: write's tag, those replicas); and each tag's versions (``owing``)
+        self.unacked: dict[int, tuple[Hashable, set[RoleId]]] = {}
+        self._tagged: dict[Hashable, set[int]] = {}
         self.reads: dict[str, _Read] = {}
 
     @property
@@ -188,12 +192,20 @@ class ReplicaLog:
             key=key, state_kind=self.kind, version=version, table=document, reply_to=self.reply_to
         )
 
-    def write(self, key: str, document: dict[str, Any] | None) -> tuple[int, list[Effect]]:
+    def write(
+        self, key: str, document: dict[str, Any] | None, tag: Hashable = None
+    ) -> tuple[int, list[Effect]]:
         """One entry (None: delete, as a tombstone): its version and the effects, in
-        order: persist it here, resolve or give up versions, replicate it."""
+        order: persist it here, resolve or give up versions, replicate it.  With a
+        ``tag``, :meth:`owing` names the replicas that have not acknowledged it yet."""
         self.version += 1
         version, document = self.version, TOMBSTONE if document is None else document
         self.entries[key] = (version, document)
+        if tag is not None and self.replicas:
+            self.unacked[version] = (tag, set(self.replicas))
+            self._tagged.setdefault(tag, set()).add(version)
+            while len(self.unacked) > self.max_pending:  # a replica silent for long
+                self._settle(next(iter(self.unacked)))
         effects: list[Effect] = [Persist(key, version, document)]
         self.pending[version] = set()
         effects += self.acked(version, MASTER)
@@ -205,9 +217,28 @@ class ReplicaLog:
         effects += [Send(replica, entry, box=Box.INBOX) for replica in self.replicas]
         return version, effects
 
+    def owing(self, tag: Hashable) -> set[RoleId]:
+        """The replicas that have not acknowledged a write tagged ``tag`` yet."""
+        versions = self._tagged.get(tag)
+        if not versions:
+            return set()
+        return set().union(*(self.unacked[v][1] for v in versions))
+
+    def _settle(self, version: int) -> None:
+        tag, _ = self.unacked.pop(version)
+        versions = self._tagged[tag]
+        versions.discard(version)
+        if not versions:
+            del self._tagged[tag]
+
     def acked(self, version: int, replica: str) -> list[Written]:
         """``replica`` holds ``version``: ``Written`` once W distinct replicas do (once;
         an ack for a version already written or given up changes nothing)."""
+        owed = self.unacked.get(version)
+        if owed is not None:
+            owed[1].difference_update([r for r in owed[1] if r.owner == replica])
+            if not owed[1]:
+                self._settle(version)
         acks = self.pending.get(version)
         if acks is None:
             return []

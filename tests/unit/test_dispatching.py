@@ -37,6 +37,7 @@ def _publish(
     inner: bool = True,
     blind: str = "round_robin",
     live: tuple[int, ...] = (0, 1),
+    owing: tuple[int, ...] = (),
 ) -> list:
     return on_publish(
         EVENT,
@@ -49,6 +50,7 @@ def _publish(
         now=10.0,
         inner=inner,
         blind=blind,
+        owing=owing,
     )
 
 
@@ -81,3 +83,14 @@ def test_inner_keeps_an_event_when_nothing_waits_here_and_blind_takes_turns() ->
     }  # the master and each live slave once in three
     assert _publish(dispatch, inner=False, blind="master") == [MatchHere()]
     assert _publish(Dispatch(), inner=False, live=()) == [MatchHere()]  # no slave reports
+
+
+def test_a_slave_that_has_not_acknowledged_a_subscription_of_the_type_gets_no_event() -> None:
+    """A subscription handed over at a join comes with the arc's events: its replica
+    may still be behind them in a slave's inbox, which would match them without it."""
+    dispatch = Dispatch()
+    for j in (0, 1):
+        dispatch.reported(j, 0.0, 1000.0, 10.0)
+    turns = {tuple(_publish(dispatch, inner=False, owing=(1,))) for _ in range(4)}
+    assert turns == {(MatchHere(),), (Count("dispatched"), _to(0))}
+    assert _publish(dispatch, inner=False, owing=(0, 1)) == [MatchHere()]

@@ -79,6 +79,31 @@ def test_writes_never_acknowledged_are_given_up_oldest_first() -> None:
     assert log.acked(1, SLAVES[0].owner) == []  # an ack after giving up changes nothing
 
 
+def test_a_tagged_write_is_owed_by_each_replica_until_it_acknowledges() -> None:
+    log = _log()
+    log.write("s1", {"q": 1}, tag="quotes")
+    log.write("s2", {"q": 2}, tag="quotes")
+    log.write("s3", {"q": 3}, tag="news")
+    log.write("s4", {"q": 4})  # untagged: owed by nobody
+    assert log.owing("quotes") == set(SLAVES) and log.owing("trades") == set()
+    log.on_ack(Ack(broker=SLAVES[0].owner, version=1))
+    log.on_ack(Ack(broker=SLAVES[0].owner, version=2))
+    assert log.owing("quotes") == {SLAVES[1]}  # written at W already; slave 1 still owes
+    log.on_ack(Ack(broker=SLAVES[1].owner, version=2))
+    assert log.owing("quotes") == {SLAVES[1]}  # version 1 still
+    log.on_ack(Ack(broker=SLAVES[1].owner, version=1))
+    assert log.owing("quotes") == set() and log.owing("news") == set(SLAVES)
+    assert set(log.unacked) == {3}
+
+
+def test_what_a_silent_replica_owes_is_forgotten_beyond_max_pending() -> None:
+    log = _log(max_pending=2)
+    for i in range(4):
+        log.write(f"s{i}", {"q": i}, tag=f"t{i}")
+    assert sorted(log.unacked) == [3, 4]
+    assert log.owing("t0") == set() and log.owing("t3") == set(SLAVES)
+
+
 def test_a_delete_is_a_tombstone_and_a_read_repairs_the_masters_copy() -> None:
     log = _log()
     own = {"a": (1, {"v": 1}), "b": (2, {"v": 2})}  # the master's copy missed v3, v4

@@ -1,0 +1,138 @@
+"""A first join under load loses nothing: a cluster joins the ring while events of a type
+in the arc it takes stream in, and every event whose publish was confirmed reaches the
+subscriber queue.
+
+The old owner's match master hands its dispatch over master and slaves (``inner`` off,
+round robin), so when the newcomer takes the arc, events of it are in flight in the old
+owner's routing master, match master and both match slaves' inboxes; the hand-over
+(subscriptions to the newcomer, tombstones to the old owner's slaves) must not overtake
+them. Real role processes, ``qosmq phoenix join`` as a user runs it, and the test's own
+count of what reached the subscriber queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from middleware.errors import MiddlewareError
+from middleware.phoenix.ids import RoleId
+from middleware.routing import ChordRing
+from middleware.routing.client import PhoenixClient
+from middleware.transport import AsyncClient
+from tests.integration.phoenix_support import (
+    attribute,
+    cli,
+    event,
+    running,
+    take,
+    until_delivered,
+)
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
+RING = ChordRing(["A", "B", "C"])
+JOINER = next(f"D{i}" for i in range(500) if RING.owner(f"D{i}") == "B")
+AFTER = ChordRing(["A", "B", "C", JOINER])
+EVENT_TYPE = next(
+    f"flow{i}"
+    for i in range(20000)
+    if RING.owner(f"flow{i}") == "B" and AFTER.owner(f"flow{i}") == JOINER
+)
+RATE = 150  # events a second, alternately at A and C
+JOIN_AT = 2.0  # the join starts this far into the stream
+AFTER_S = 3.0  # the stream goes on this long after the join's end
+
+
+def test_events_in_flight_at_a_first_join_reach_the_subscriber(
+    settings, brokers, tmp_path, name
+) -> None:
+    queue = f"{name}.subscriber"
+    clusters: dict[str, dict[str, object]] = {
+        "A": {},
+        "B": {"match_slaves": 2},
+        "C": {},
+        JOINER: {"joined": False, "match_slaves": 2},
+    }
+    fields = {"inner": False, "blind_dispatch": "round_robin"}
+    by: Counter[RoleId] = Counter()  # the match broker of each copy
+    with running(tmp_path, name, settings, ",".join(brokers.urls), clusters, fields) as deployed:
+        topology = deployed.topology
+
+        async def stream() -> tuple[set[int], Counter[int], str, int]:
+            confirmed: set[int] = set()
+            arrived: Counter[int] = Counter()
+            async with AsyncClient(settings=settings) as client:
+                sides = [PhoenixClient(client, topology=topology, cluster=c) for c in "AC"]
+                await sides[0].subscribe(EVENT_TYPE, [("v", "=", 1)], 2, queue, wait_s=60)
+                # the path is live before the stream (probes: negative n, not counted)
+                await until_delivered(
+                    client,
+                    queue,
+                    lambda k: sides[0].publish(event(EVENT_TYPE, v=1, n=-1 - k)),
+                    "a probe before the stream",
+                )
+
+                async def publish(n: int) -> None:
+                    try:
+                        await sides[n % 2].publish(event(EVENT_TYPE, v=1, n=n))
+                    except MiddlewareError:
+                        return  # refused: not the layer's to deliver
+                    confirmed.add(n)
+
+                tasks: set[asyncio.Task[None]] = set()
+                join: asyncio.Task[str] | None = None
+                start = time.monotonic()
+                sent = 0
+                joined_at = None
+                # the stream runs on until AFTER_S seconds past the join's end
+                while joined_at is None or time.monotonic() - joined_at < AFTER_S:
+                    elapsed = time.monotonic() - start
+                    assert elapsed < 120, "the join did not finish in 120 s"
+                    if join is None and elapsed >= JOIN_AT:
+                        join = asyncio.create_task(
+                            asyncio.to_thread(cli, deployed, "join", "--cluster", JOINER)
+                        )
+                    if joined_at is None and join is not None and join.done():
+                        joined_at = time.monotonic()
+                    for _ in range(int(RATE * elapsed) - sent):  # owed by the clock
+                        task = asyncio.create_task(publish(sent))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                        sent += 1
+                    await asyncio.sleep(0.01)
+                await asyncio.gather(*tasks)
+                assert join is not None
+                joined = join.result()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not confirmed <= set(arrived):
+                    for message in await take(client, queue):
+                        if (n := attribute(message)) >= 0:
+                            arrived[n] += 1
+                            by[RoleId.from_owner(message["broker"])] += 1
+                    await asyncio.sleep(0.5)
+                await asyncio.sleep(2.0)  # a late duplicate shows here
+                for message in await take(client, queue):
+                    if (n := attribute(message)) >= 0:
+                        arrived[n] += 1
+                        by[RoleId.from_owner(message["broker"])] += 1
+                await client.delete_queue(queue)
+            return confirmed, arrived, joined, sent
+
+        confirmed, arrived, joined, sent = asyncio.run(stream())
+    assert JOINER in joined, joined
+    lost = sorted(confirmed - set(arrived))
+    duplicated = sorted(n for n, k in arrived.items() if k > 1)
+    print(
+        f"\n{len(confirmed)} confirmed, {len(lost)} lost, {len(duplicated)} duplicated "
+        f"across the join of {JOINER}"
+    )
+    print(f"matched by: { {str(r): k for r, k in sorted(by.items(), key=str)} }")
+    # the cell happened: the old owner's slaves matched events before the join, the
+    # newcomer after it
+    assert {r.slave for r in by if r.cluster == "B" and r.kind.is_slave} == {0, 1}, by
+    assert any(r.cluster == JOINER for r in by), by
+    assert len(confirmed) > 0.9 * sent, (len(confirmed), sent)
+    assert not lost, f"{len(lost)} confirmed events lost across the join: {lost[:20]}"
+    assert not duplicated, f"{len(duplicated)} duplicated: {duplicated[:20]}"
