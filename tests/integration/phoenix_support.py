@@ -120,6 +120,21 @@ def owned_by(clusters: list[str], owner: str, prefix: str, skip: int = 0) -> str
     return next(owned)
 
 
+def joining(clusters: list[str], carved_from: str, prefix: str) -> tuple[str, str]:
+    """A newcomer whose arc is carved out of ``carved_from``'s, and an event type
+    (``prefix`` and a number) inside that arc: ``carved_from``'s now, the newcomer's
+    after it joins."""
+    ring = ChordRing(clusters)
+    joiner = next(f"D{i}" for i in range(500) if ring.owner(f"D{i}") == carved_from)
+    after = ChordRing([*clusters, joiner])
+    event_type = next(
+        f"{prefix}{i}"
+        for i in range(20000)
+        if ring.owner(f"{prefix}{i}") == carved_from and after.owner(f"{prefix}{i}") == joiner
+    )
+    return joiner, event_type
+
+
 def eventually(
     check: Callable[[], T],
     what: str,

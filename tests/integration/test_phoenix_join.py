@@ -25,20 +25,14 @@ from tests.integration.phoenix_support import (
     cli,
     event,
     eventually,
+    joining,
     running,
     until_delivered,
 )
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RING = ChordRing(["A", "B", "C"])
-# a newcomer whose arc is carved out of B's, and an event type inside that arc
-JOINER = next(f"D{i}" for i in range(500) if RING.owner(f"D{i}") == "B")
-AFTER = ChordRing(["A", "B", "C", JOINER])
-EVENT_TYPE = next(
-    f"ticks{i}"
-    for i in range(20000)
-    if RING.owner(f"ticks{i}") == "B" and AFTER.owner(f"ticks{i}") == JOINER
-)
+JOINER, EVENT_TYPE = joining(["A", "B", "C"], "B", "ticks")
 PATH = [RoleId.router(c).owner for c in RING.route("A", EVENT_TYPE)]  # where it was subscribed
 ROUTERS = [*PATH, RoleId.router(JOINER).owner]
 

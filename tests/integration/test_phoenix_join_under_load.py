@@ -19,27 +19,20 @@ import pytest
 
 from middleware.errors import MiddlewareError
 from middleware.phoenix.ids import RoleId
-from middleware.routing import ChordRing
 from middleware.routing.client import PhoenixClient
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import (
     attribute,
     cli,
     event,
+    joining,
     running,
     take,
     until_delivered,
 )
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
-RING = ChordRing(["A", "B", "C"])
-JOINER = next(f"D{i}" for i in range(500) if RING.owner(f"D{i}") == "B")
-AFTER = ChordRing(["A", "B", "C", JOINER])
-EVENT_TYPE = next(
-    f"flow{i}"
-    for i in range(20000)
-    if RING.owner(f"flow{i}") == "B" and AFTER.owner(f"flow{i}") == JOINER
-)
+JOINER, EVENT_TYPE = joining(["A", "B", "C"], "B", "flow")
 RATE = 150  # events a second, alternately at A and C
 JOIN_AT = 2.0  # the join starts this far into the stream
 AFTER_S = 3.0  # the stream goes on this long after the join's end
