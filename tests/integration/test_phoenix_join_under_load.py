@@ -1,9 +1,10 @@
 """A first join under load loses nothing: a cluster joins the ring while events of a type
 in the arc it takes stream in, and every event whose publish was confirmed reaches the
-subscriber queue.
+subscriber, a broker-confirmed one (the test takes its queue) and an e2e one (the
+Phoenix client consumes it and sends the receipts).
 
-The old owner's match master hands its dispatch over master and slaves (``inner`` off,
-round robin), so when the newcomer takes the arc, events of it are in flight in the old
+The old owner's match master dispatches round robin over itself and its slaves (``inner``
+off), so when the newcomer takes the arc, events of it are in flight in the old
 owner's routing master, match master and both match slaves' inboxes; the hand-over
 (subscriptions to the newcomer, tombstones to the old owner's slaves) must not overtake
 them. Real role processes, ``qosmq phoenix join`` as a user runs it, and the test's own
@@ -20,6 +21,8 @@ import pytest
 from middleware.errors import MiddlewareError
 from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient
+from middleware.routing.matching import Event
+from middleware.routing.messages import Publish
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import (
     attribute,
@@ -28,7 +31,6 @@ from tests.integration.phoenix_support import (
     joining,
     running,
     take,
-    until_delivered,
 )
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
@@ -38,8 +40,9 @@ JOIN_AT = 2.0  # the join starts this far into the stream
 AFTER_S = 3.0  # the stream goes on this long after the join's end
 
 
+@pytest.mark.parametrize("confirm", ["broker", "e2e"])
 def test_events_in_flight_at_a_first_join_reach_the_subscriber(
-    settings, brokers, tmp_path, name
+    settings, brokers, tmp_path, name, confirm: str
 ) -> None:
     queue = f"{name}.subscriber"
     clusters: dict[str, dict[str, object]] = {
@@ -56,16 +59,42 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
         async def stream() -> tuple[set[int], Counter[int], str, int]:
             confirmed: set[int] = set()
             arrived: Counter[int] = Counter()
+            handed: list[tuple[int, str]] = []  # (n, match broker) the e2e consumer had
             async with AsyncClient(settings=settings) as client:
                 sides = [PhoenixClient(client, topology=topology, cluster=c) for c in "AC"]
-                await sides[0].subscribe(EVENT_TYPE, [("v", "=", 1)], 2, queue, wait_s=60)
-                # the path is live before the stream (probes: negative n, not counted)
-                await until_delivered(
-                    client,
-                    queue,
-                    lambda k: sides[0].publish(event(EVENT_TYPE, v=1, n=-1 - k)),
-                    "a probe before the stream",
+                await sides[0].subscribe(
+                    EVENT_TYPE, [("v", "=", 1)], 2, queue, confirm=confirm, wait_s=60
                 )
+
+                async def on_event(got: Event, message: Publish) -> None:
+                    handed.append((int(got.attributes["n"]), str(message.broker)))
+
+                if confirm == "e2e":  # receipts go back as the handler returns
+                    await sides[0].consume(queue, on_event, e2e=True)
+
+                async def receive() -> list[tuple[int, str]]:
+                    """(n, match broker) of what arrived since the last call."""
+                    if confirm == "e2e":
+                        new = handed[:]
+                        del handed[: len(new)]
+                        return new
+                    return [(attribute(m), m["broker"]) for m in await take(client, queue)]
+
+                def count(received: list[tuple[int, str]]) -> bool:
+                    """Counts the stream's events; whether a probe came (negative n)."""
+                    for n, broker in received:
+                        if n >= 0:
+                            arrived[n] += 1
+                            by[RoleId.from_owner(broker)] += 1
+                    return any(n < 0 for n, _ in received)
+
+                # the path is live before the stream
+                probes = 0
+                while not count(await receive()):
+                    assert probes < 150, "no probe delivered in 60 s"
+                    await sides[0].publish(event(EVENT_TYPE, v=1, n=-1 - probes))
+                    probes += 1
+                    await asyncio.sleep(0.4)
 
                 async def publish(n: int) -> None:
                     try:
@@ -100,16 +129,10 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
                 joined = join.result()
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and not confirmed <= set(arrived):
-                    for message in await take(client, queue):
-                        if (n := attribute(message)) >= 0:
-                            arrived[n] += 1
-                            by[RoleId.from_owner(message["broker"])] += 1
+                    count(await receive())
                     await asyncio.sleep(0.5)
                 await asyncio.sleep(2.0)  # a late duplicate shows here
-                for message in await take(client, queue):
-                    if (n := attribute(message)) >= 0:
-                        arrived[n] += 1
-                        by[RoleId.from_owner(message["broker"])] += 1
+                count(await receive())
                 await client.delete_queue(queue)
             return confirmed, arrived, joined, sent
 
@@ -118,8 +141,8 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
     lost = sorted(confirmed - set(arrived))
     duplicated = sorted(n for n, k in arrived.items() if k > 1)
     print(
-        f"\n{len(confirmed)} confirmed, {len(lost)} lost, {len(duplicated)} duplicated "
-        f"across the join of {JOINER}"
+        f"\n{confirm}: {len(confirmed)} confirmed, {len(lost)} lost, "
+        f"{len(duplicated)} duplicated across the join of {JOINER}"
     )
     print(f"matched by: { {str(r): k for r, k in sorted(by.items(), key=str)} }")
     # the cell happened: the old owner's slaves matched events before the join, the
