@@ -99,7 +99,10 @@ class MatchMaster(RestoringMatcher):
             )
             await self.send(joiner, control, subscribe)
             self.registry.remove(sid)
-            await self.replicas.write(sid, None)
+            # behind the events of the arc dispatched to the slaves before now: a
+            # tombstone ahead of them in a slave's inbox would have it match them
+            # without the subscription, and nothing else carries them to it
+            await self.replicas.write(sid, None, behind=True)
         for sid, event_type in plan.removals:
             removal = Unsubscribe(event_type=event_type, subscription_id=sid, handed_over=True)
             await self.send(joiner, control, removal)

@@ -183,12 +183,18 @@ class ReplicaSet:
         await self.persist_once()
 
     async def write(
-        self, key: str, document: dict[str, Any] | None, tag: Hashable = None
+        self,
+        key: str,
+        document: dict[str, Any] | None,
+        tag: Hashable = None,
+        *,
+        behind: bool = False,
     ) -> asyncio.Future[None]:
         """Persist and replicate one entry (None: delete, as a tombstone); the future
-        resolves once W of N replicas hold it (``tag``: see ``ReplicaLog.owing``)."""
+        resolves once W of N replicas hold it (``tag``, ``behind``: see
+        ``ReplicaLog.write``)."""
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        version, effects = self.log.write(key, document, tag)
+        version, effects = self.log.write(key, document, tag, behind=behind)
         self.written[version] = written
         await self._apply(effects)
         return written

@@ -7,7 +7,9 @@ so a read always sees the latest acknowledged write.
 :class:`ReplicaLog` is a master's side of one replicated table as a state machine: it
 takes writes, acks, snapshot pages and admissions and returns what to do (``Persist``
 an entry, ``Send`` a message to a replica's inbox, ahead of any event backlog there,
-resolve a version as ``Written`` or ``GaveUp`` on it).  The role's driver
+or behind it for a write that must not overtake the events already dispatched to the
+replica (``write(..., behind=True)``), resolve a version as ``Written`` or ``GaveUp`` on
+it).  The role's driver
 (``replica_set.ReplicaSet``) does the I/O and keeps the futures.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 from ..errors import DeadLetter
 from ..phoenix.effects import Box, Send
 from ..phoenix.ids import RoleId
+from ..phoenix.protocol import MAX_PRIORITY
 from .messages import Ack, Heartbeat, Read, Replicate, Snapshot
 
 __all__ = [
@@ -148,6 +151,16 @@ class ReadResult:
 MASTER = "master"  # how the master's own copy acknowledges a write
 
 
+@dataclass(slots=True)
+class _Owed:
+    """A write some replicas have not acknowledged yet, kept beyond W for ``owing`` (by
+    its ``tag``) or for the order of a key written ``behind`` the events."""
+
+    tag: Hashable
+    key: str | None  # set when it was sent behind the events
+    replicas: set[RoleId]
+
+
 class ReplicaLog:
     """A master's replicated table: versions, entries, writes waiting for W acks, reads
     collecting R replies.  No I/O: every method returns the effects to carry out.
@@ -176,10 +189,12 @@ class ReplicaLog:
         self.version = 0
         self.entries: dict[str, tuple[int, dict[str, Any]]] = {}  # tombstones included
         self.pending: dict[int, set[str]] = {}  # version -> replicas that acked it
-        #: versions some replica has not acknowledged yet, beyond W: version -> (the
-        #: write's tag, those replicas); and each tag's versions (``owing``)
-        self.unacked: dict[int, tuple[Hashable, set[RoleId]]] = {}
+        #: versions some replica has not acknowledged yet, beyond W, of tagged writes
+        #: and writes sent behind the events; each tag's versions (``owing``) and each
+        #: key's versions sent behind (a later write of the key goes behind them too)
+        self.unacked: dict[int, _Owed] = {}
         self._tagged: dict[Hashable, set[int]] = {}
+        self._behind: dict[Hashable, set[int]] = {}
         self.reads: dict[str, _Read] = {}
 
     @property
@@ -193,17 +208,30 @@ class ReplicaLog:
         )
 
     def write(
-        self, key: str, document: dict[str, Any] | None, tag: Hashable = None
+        self,
+        key: str,
+        document: dict[str, Any] | None,
+        tag: Hashable = None,
+        *,
+        behind: bool = False,
     ) -> tuple[int, list[Effect]]:
         """One entry (None: delete, as a tombstone): its version and the effects, in
         order: persist it here, resolve or give up versions, replicate it.  With a
-        ``tag``, :meth:`owing` names the replicas that have not acknowledged it yet."""
+        ``tag``, :meth:`owing` names the replicas that have not acknowledged it yet.
+        ``behind``: replicated at the lowest priority, behind every event already in
+        the replicas' inboxes (a hand-over's tombstone: the events dispatched before it
+        were for the subscription); a later write of the key goes behind too while a
+        replica owes one sent so, so that the two never swap."""
         self.version += 1
         version, document = self.version, TOMBSTONE if document is None else document
         self.entries[key] = (version, document)
-        if tag is not None and self.replicas:
-            self.unacked[version] = (tag, set(self.replicas))
-            self._tagged.setdefault(tag, set()).add(version)
+        behind = behind or key in self._behind
+        if (tag is not None or behind) and self.replicas:
+            self.unacked[version] = _Owed(tag, key if behind else None, set(self.replicas))
+            if tag is not None:
+                self._tagged.setdefault(tag, set()).add(version)
+            if behind:
+                self._behind.setdefault(key, set()).add(version)
             while len(self.unacked) > self.max_pending:  # a replica silent for long
                 self._settle(next(iter(self.unacked)))
         effects: list[Effect] = [Persist(key, version, document)]
@@ -214,7 +242,10 @@ class ReplicaLog:
             del self.pending[oldest]
             effects.append(GaveUp(oldest))
         entry = self._replicate(key, version, document)
-        effects += [Send(replica, entry, box=Box.INBOX) for replica in self.replicas]
+        priority = 0 if behind else MAX_PRIORITY
+        effects += [
+            Send(replica, entry, box=Box.INBOX, priority=priority) for replica in self.replicas
+        ]
         return version, effects
 
     def owing(self, tag: Hashable) -> set[RoleId]:
@@ -222,22 +253,24 @@ class ReplicaLog:
         versions = self._tagged.get(tag)
         if not versions:
             return set()
-        return set().union(*(self.unacked[v][1] for v in versions))
+        return set().union(*(self.unacked[v].replicas for v in versions))
 
     def _settle(self, version: int) -> None:
-        tag, _ = self.unacked.pop(version)
-        versions = self._tagged[tag]
-        versions.discard(version)
-        if not versions:
-            del self._tagged[tag]
+        owed = self.unacked.pop(version)
+        for index, at in ((self._tagged, owed.tag), (self._behind, owed.key)):
+            versions = index.get(at)
+            if versions is not None:
+                versions.discard(version)
+                if not versions:
+                    del index[at]
 
     def acked(self, version: int, replica: str) -> list[Written]:
         """``replica`` holds ``version``: ``Written`` once W distinct replicas do (once;
         an ack for a version already written or given up changes nothing)."""
         owed = self.unacked.get(version)
         if owed is not None:
-            owed[1].difference_update([r for r in owed[1] if r.owner == replica])
-            if not owed[1]:
+            owed.replicas.difference_update([r for r in owed.replicas if r.owner == replica])
+            if not owed.replicas:
                 self._settle(version)
         acks = self.pending.get(version)
         if acks is None:

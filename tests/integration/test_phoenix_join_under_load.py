@@ -1,7 +1,9 @@
 """A first join under load loses nothing: a cluster joins the ring while events of a type
 in the arc it takes stream in, and every event whose publish was confirmed reaches the
 subscriber, a broker-confirmed one (the test takes its queue) and an e2e one (the
-Phoenix client consumes it and sends the receipts).
+Phoenix client consumes it and sends the receipts), and with the old owner's match
+slaves frozen (SIGSTOP) across the join, so that the hand-over finds events of the arc
+queued in their inboxes.
 
 The old owner's match master dispatches round robin over itself and its slaves (``inner``
 off), so when the newcomer takes the arc, events of it are in flight in the old
@@ -13,6 +15,9 @@ count of what reached the subscriber queue."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from collections import Counter
 
@@ -36,14 +41,24 @@ from tests.integration.phoenix_support import (
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 JOINER, EVENT_TYPE = joining(["A", "B", "C"], "B", "flow")
 RATE = 150  # events a second, alternately at A and C
+#: with the slaves frozen: more than their prefetch waits in each inbox before the
+#: master reads them as silent and dispatches around them
+FROZEN_RATE = 300
 JOIN_AT = 2.0  # the join starts this far into the stream
 AFTER_S = 3.0  # the stream goes on this long after the join's end
 
 
-@pytest.mark.parametrize("confirm", ["broker", "e2e"])
+@pytest.mark.parametrize("cell", ["broker", "e2e", "frozen slaves"])
 def test_events_in_flight_at_a_first_join_reach_the_subscriber(
-    settings, brokers, tmp_path, name, confirm: str
+    settings, brokers, tmp_path, name, cell: str
 ) -> None:
+    """``frozen slaves``: B's match slaves are stopped from the join's start to its end
+    (the master neither replaces them nor reads them as gone meanwhile), so the events
+    dispatched to them wait in their inboxes while B's master hands the arc over and
+    writes its tombstones; resumed, they must match those events before the tombstones."""
+    confirm = "e2e" if cell == "e2e" else "broker"
+    frozen = cell == "frozen slaves"
+    rate = FROZEN_RATE if frozen else RATE
     queue = f"{name}.subscriber"
     clusters: dict[str, dict[str, object]] = {
         "A": {},
@@ -51,10 +66,18 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
         "C": {},
         JOINER: {"joined": False, "match_slaves": 2},
     }
-    fields = {"inner": False, "blind_dispatch": "round_robin"}
+    fields: dict[str, object] = {"inner": False, "blind_dispatch": "round_robin"}
+    if frozen:
+        fields["replace_after_s"] = 120.0
     by: Counter[RoleId] = Counter()  # the match broker of each copy
     with running(tmp_path, name, settings, ",".join(brokers.urls), clusters, fields) as deployed:
         topology = deployed.topology
+        slaves = [deployed.pids()[RoleId.match_slave("B", 0, j)] for j in (0, 1)]
+
+        def signal_slaves(sig: signal.Signals) -> None:
+            for pid in slaves:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
 
         async def stream() -> tuple[set[int], Counter[int], str, int]:
             confirmed: set[int] = set()
@@ -113,12 +136,16 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
                     elapsed = time.monotonic() - start
                     assert elapsed < 120, "the join did not finish in 120 s"
                     if join is None and elapsed >= JOIN_AT:
+                        if frozen:
+                            signal_slaves(signal.SIGSTOP)
                         join = asyncio.create_task(
                             asyncio.to_thread(cli, deployed, "join", "--cluster", JOINER)
                         )
                     if joined_at is None and join is not None and join.done():
                         joined_at = time.monotonic()
-                    for _ in range(int(RATE * elapsed) - sent):  # owed by the clock
+                        if frozen:
+                            signal_slaves(signal.SIGCONT)
+                    for _ in range(int(rate * elapsed) - sent):  # owed by the clock
                         task = asyncio.create_task(publish(sent))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
@@ -136,12 +163,15 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
                 await client.delete_queue(queue)
             return confirmed, arrived, joined, sent
 
-        confirmed, arrived, joined, sent = asyncio.run(stream())
+        try:
+            confirmed, arrived, joined, sent = asyncio.run(stream())
+        finally:
+            signal_slaves(signal.SIGCONT)
     assert JOINER in joined, joined
     lost = sorted(confirmed - set(arrived))
     duplicated = sorted(n for n, k in arrived.items() if k > 1)
     print(
-        f"\n{confirm}: {len(confirmed)} confirmed, {len(lost)} lost, "
+        f"\n{cell}: {len(confirmed)} confirmed, {len(lost)} lost, "
         f"{len(duplicated)} duplicated across the join of {JOINER}"
     )
     print(f"matched by: { {str(r): k for r, k in sorted(by.items(), key=str)} }")

@@ -104,6 +104,41 @@ def test_what_a_silent_replica_owes_is_forgotten_beyond_max_pending() -> None:
     assert log.owing("t0") == set() and log.owing("t3") == set(SLAVES)
 
 
+def _priorities(effects: list[Any]) -> set[int]:
+    return {e.priority for e in effects if isinstance(e, Send)}
+
+
+def test_a_write_behind_the_events_goes_at_the_lowest_priority_and_keeps_its_key_behind() -> None:
+    """A hand-over's tombstone goes behind the events already in the slaves' inboxes;
+    a later write of the same key follows it there until every replica acknowledged
+    it (it would otherwise overtake it and be deleted by it), other keys do not."""
+    log = _log()
+    _, effects = log.write("s1", None, behind=True)
+    assert _priorities(effects) == {0}
+    assert _priorities(log.write("s2", {"q": 2})[1]) == {9}  # another key: ahead
+    assert _priorities(log.write("s1", {"q": 1})[1]) == {0}  # behind the tombstone
+    for version in (1, 3):
+        log.on_ack(Ack(broker=SLAVES[0].owner, version=version))
+    assert _priorities(log.write("s1", {"q": 3})[1]) == {0}  # slave 1 still owes them
+    for version in (1, 3, 4):
+        log.on_ack(Ack(broker=SLAVES[1].owner, version=version))
+    log.on_ack(Ack(broker=SLAVES[0].owner, version=4))
+    assert _priorities(log.write("s1", {"q": 4})[1]) == {9}  # acknowledged: ahead again
+    assert set(log.unacked) == set()
+
+
+def test_writes_behind_a_silent_replica_are_forgotten_beyond_max_pending() -> None:
+    log = _log(max_pending=2)
+    for version in range(1, 4):
+        log.write("s1", {"q": version}, behind=version == 1)
+    assert sorted(log.unacked) == [2, 3]  # v1 forgotten; v2 and v3 went behind it
+    log.write("s2", {"q": 0})
+    for version in (2, 3):
+        for slave in SLAVES:
+            log.on_ack(Ack(broker=slave.owner, version=version))
+    assert _priorities(log.write("s1", {"q": 9})[1]) == {9}
+
+
 def test_a_delete_is_a_tombstone_and_a_read_repairs_the_masters_copy() -> None:
     log = _log()
     own = {"a": (1, {"v": 1}), "b": (2, {"v": 2})}  # the master's copy missed v3, v4
