@@ -285,12 +285,13 @@ class HandedOver(_Message):
     """The previous owner's routing master -> the joining cluster's routing master's
     control queue: every subscription of the arc it took was sent (``count``, to that
     control queue, before this): the joiner stops holding the arc's events once it has
-    routed them all."""
+    routed them all.  No ``count``: still under way (its match masters have not all
+    answered): the joiner's bound runs again from now."""
 
     kind: Literal[Kind.HANDED_OVER] = Kind.HANDED_OVER
     cluster: _Cluster  # the joiner
     by: _Cluster  # the previous owner
-    count: int = Field(ge=0)
+    count: int | None = Field(None, ge=0)
 
 
 class Matched(_Message):

@@ -6,13 +6,18 @@ sending it the arc's subscriptions (those made while it was away among them, and
 ones removed meanwhile).  An event matched before they are all there would miss them.
 So the joining cluster's routing master holds its arc's events from its start until the
 previous owner's routing master has said how many it sent (``handed_over``) and that many
-were routed here, or until a bound passes (``handover_wait_s``).
+were routed here, or until a bound passes (``handover_wait_s``) with no word from it.
+While its match masters have not all answered, the previous owner says it is still
+handing over (a ``handed_over`` without a count) every quarter of that bound, and each
+such word starts the bound again: a previous owner behind with its own events (its match
+masters take the hand-over after the arc's events already in their inboxes) is waited
+for, one gone is not.
 
 The router's driver (``router_roles.py``) feeds it what happened with the time — its start with
 the ring record it read of itself, each hand-over message routed, the count told, the
 bound passed — and performs what it returns: :class:`Hold` (hold the arc's events, and
-call :meth:`JoinHold.expired` after ``bound_s``) and :class:`Release` (let them go on,
-with what to log).
+call :meth:`JoinHold.expired` after ``bound_s``), ``After`` (call it again then: a word
+came meanwhile) and :class:`Release` (let them go on, with what to log).
 
 The previous owner's side is :class:`HandBack`: its routing master asks each of its match
 masters to hand the arc over (a ``Send`` of HANDOVER to each), counts their answers
@@ -67,7 +72,7 @@ class Release:
     timed_out: bool
 
 
-Effect = Hold | Release
+Effect = Hold | Release | After
 
 
 class JoinHold:
@@ -77,7 +82,9 @@ class JoinHold:
         self.holding = False
         self.handed = 0  # hand-over messages routed here
         self.expected: int | None = None  # the previous owner's count
+        self.bound_s = 0.0
         self._since = 0.0
+        self._word: float | None = None  # the previous owner said it is handing over
 
     @staticmethod
     def joins(recorded: str | None, listed_as_joined: bool) -> bool:
@@ -98,7 +105,7 @@ class JoinHold:
         """The router starts, with the ring record of its own cluster (its ``state``)."""
         if not self.joins(recorded, listed_as_joined) or bound_s <= 0 or clusters < 2:
             return []
-        self.holding, self._since = True, now
+        self.holding, self._since, self.bound_s = True, now, bound_s
         return [Hold(bound_s)]
 
     def routed(self, now: float) -> list[Effect]:
@@ -111,10 +118,19 @@ class JoinHold:
         self.expected = count
         return self._complete(now)
 
+    def noted(self, now: float) -> list[Effect]:
+        """The previous owner's routing master is still handing the arc over: the bound
+        runs from now."""
+        if self.holding:
+            self._word = now
+        return []
+
     def expired(self, now: float) -> list[Effect]:
-        """The bound passed."""
+        """The bound passed (since the start, or the last word, when there was one)."""
         if not self.holding:
             return []
+        if self._word is not None and (left := self._word + self.bound_s - now) > 0:
+            return [After(left, "join")]
         self.holding = False
         return [Release(self.handed, self.expected, now - self._since, timed_out=True)]
 
@@ -167,8 +183,10 @@ class HandBack:
 
     ``answer_s``: how long its match masters may take to answer (``read_timeout_s``);
     ``tell_s``: how long the count is tried on the joiner (``handover_wait_s``, the
-    joiner's own hold); ``retry_s``: between tries; ``cluster``: the router's own;
-    ``reply_to``: where its match masters answer (its process queue)."""
+    joiner's own hold; a quarter of it: how often the joiner hears, until they all
+    answered, that the hand-over is under way); ``retry_s``: between tries;
+    ``cluster``: the router's own; ``reply_to``: where its match masters answer (its
+    process queue)."""
 
     answer_s: float
     tell_s: float
@@ -196,7 +214,7 @@ class HandBack:
         effects: list[HandBackEffect] = [
             Send(RoleId.from_owner(owner), give, box=Box.INBOX, priority=0) for owner in asked
         ]
-        return [*effects, After(self.answer_s, request)]
+        return [*effects, After(self.answer_s, request), *self._under_way(request)]
 
     def answered(self, request: str, master: str, count: int, now: float) -> list[HandBackEffect]:
         """``master`` sent ``count``; the last answer starts telling the joiner."""
@@ -213,10 +231,16 @@ class HandBack:
     def expired(self, key: str | tuple[str, str]) -> list[HandBackEffect]:
         """A timer: the masters' bound passed (``key``: the request): if some never
         answered, the round ends here and the masters a take-over added stay (nothing of
-        theirs is lost); or (``("tell", request)``) the count is to be told again."""
+        theirs is lost); or (``("tell", request)``) the count is to be told again; or
+        (``("note", request)``) the joiner is to hear again that it is under way."""
         if isinstance(key, tuple):
-            held = self.rounds.get(key[1])
-            return [] if held is None else [self._tell(key[1], held)]
+            kind, request = key
+            held = self.rounds.get(request)
+            if held is None:
+                return []
+            if kind == "note":
+                return [] if held.tell_until is not None else self._under_way(request)
+            return [self._tell(request, held)]
         held = self.rounds.get(key)
         if held is None or held.tell_until is not None:
             return []
@@ -242,6 +266,18 @@ class HandBack:
         return [
             NotHandedOver(held.cluster, held.count, told=True, error=error),
             *self._retire(held),
+        ]
+
+    def _under_way(self, request: str) -> list[HandBackEffect]:
+        """A ``handed_over`` without a count to the joiner's routing master (one bounded
+        try: the next one follows), and the next in a quarter of its bound."""
+        held, every = self.rounds[request], self.tell_s / 4
+        if every <= 0:
+            return []  # the joiner does not hold
+        note = HandedOver(cluster=held.cluster, by=self.cluster, count=None)
+        return [
+            Send(RoleId.router(held.cluster), note, bound_s=every, missed="handover_notes_missed"),
+            After(every, ("note", request)),
         ]
 
     def _tell(self, request: str, held: _Round) -> Send:

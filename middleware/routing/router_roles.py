@@ -183,7 +183,11 @@ class RouterMaster(LeavingRouter):
     async def _on_handed_over(self, message: HandedOver) -> None:
         if message.cluster != self.cluster:
             raise DeadLetter(f"handed_over: for {message.cluster}, not {self.cluster}")
-        await self._join_effects(self.join_hold.told(message.count, time.monotonic()))
+        now = time.monotonic()
+        if message.count is None:  # still under way at the previous owner
+            await self._join_effects(self.join_hold.noted(now))
+            return
+        await self._join_effects(self.join_hold.told(message.count, now))
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:

@@ -1,9 +1,10 @@
 """A first join under load loses nothing: a cluster joins the ring while events of a type
 in the arc it takes stream in, and every event whose publish was confirmed reaches the
 subscriber, a broker-confirmed one (the test takes its queue) and an e2e one (the
-Phoenix client consumes it and sends the receipts), and with the old owner's match
-slaves frozen (SIGSTOP) across the join, so that the hand-over finds events of the arc
-queued in their inboxes.
+Phoenix client consumes it and sends the receipts); also with the old owner's match
+slaves stopped (SIGSTOP) across the join, so that the hand-over finds events of the arc
+queued in their inboxes, and with its match master stopped past the joiner's bound, so
+that the hand-over comes late (``CELLS``).
 
 The old owner's match master dispatches round robin over itself and its slaves (``inner``
 off), so when the newcomer takes the arc, events of it are in flight in the old
@@ -20,6 +21,7 @@ import os
 import signal
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 
@@ -40,25 +42,45 @@ from tests.integration.phoenix_support import (
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 JOINER, EVENT_TYPE = joining(["A", "B", "C"], "B", "flow")
-RATE = 150  # events a second, alternately at A and C
-#: with the slaves frozen: more than their prefetch waits in each inbox before the
-#: master reads them as silent and dispatches around them
-FROZEN_RATE = 300
 JOIN_AT = 2.0  # the join starts this far into the stream
 AFTER_S = 3.0  # the stream goes on this long after the join's end
 
 
-@pytest.mark.parametrize("cell", ["broker", "e2e", "frozen slaves"])
+@dataclass(frozen=True)
+class Cell:
+    confirm: str = "broker"
+    rate: int = 150  # events a second, alternately at A and C
+    #: B's roles stopped (SIGSTOP) at the join's start, resumed this long after its end
+    frozen: tuple[RoleId, ...] = ()
+    thaw_s: float = 0.0
+    fields: tuple[tuple[str, object], ...] = ()
+
+
+SLAVES = (RoleId.match_slave("B", 0, 0), RoleId.match_slave("B", 0, 1))
+CELLS = {
+    "broker": Cell(),
+    "e2e": Cell(confirm="e2e"),
+    # the events dispatched to B's slaves wait in their inboxes while B's master hands
+    # the arc over and writes its tombstones; resumed, the slaves must match them before
+    # the tombstones.  300/s: more than their prefetch waits in each inbox before the
+    # master reads them as silent and dispatches around them (it neither replaces them
+    # nor reads them as gone meanwhile)
+    "frozen slaves": Cell(rate=300, frozen=SLAVES, fields=(("replace_after_s", 120.0),)),
+    # B's master, behind (here: stopped) when the join comes, takes the hand-over after
+    # the events already in its inbox, later than the joiner's bound: the joiner must
+    # hold the arc's events while B's router says the hand-over is under way (its
+    # slaves do not elect a successor within the 20 s their detection takes here)
+    "frozen master": Cell(
+        frozen=(RoleId.match("B", 0),), thaw_s=7.0, fields=(("heartbeat_misses", 100),)
+    ),
+}
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
 def test_events_in_flight_at_a_first_join_reach_the_subscriber(
     settings, brokers, tmp_path, name, cell: str
 ) -> None:
-    """``frozen slaves``: B's match slaves are stopped from the join's start to its end
-    (the master neither replaces them nor reads them as gone meanwhile), so the events
-    dispatched to them wait in their inboxes while B's master hands the arc over and
-    writes its tombstones; resumed, they must match those events before the tombstones."""
-    confirm = "e2e" if cell == "e2e" else "broker"
-    frozen = cell == "frozen slaves"
-    rate = FROZEN_RATE if frozen else RATE
+    confirm, rate = CELLS[cell].confirm, CELLS[cell].rate
     queue = f"{name}.subscriber"
     clusters: dict[str, dict[str, object]] = {
         "A": {},
@@ -66,16 +88,14 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
         "C": {},
         JOINER: {"joined": False, "match_slaves": 2},
     }
-    fields: dict[str, object] = {"inner": False, "blind_dispatch": "round_robin"}
-    if frozen:
-        fields["replace_after_s"] = 120.0
+    fields = {"inner": False, "blind_dispatch": "round_robin", **dict(CELLS[cell].fields)}
     by: Counter[RoleId] = Counter()  # the match broker of each copy
     with running(tmp_path, name, settings, ",".join(brokers.urls), clusters, fields) as deployed:
         topology = deployed.topology
-        slaves = [deployed.pids()[RoleId.match_slave("B", 0, j)] for j in (0, 1)]
+        frozen = [deployed.pids()[role] for role in CELLS[cell].frozen]
 
-        def signal_slaves(sig: signal.Signals) -> None:
-            for pid in slaves:
+        def signal_frozen(sig: signal.Signals) -> None:
+            for pid in frozen:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
 
@@ -131,20 +151,23 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
                 start = time.monotonic()
                 sent = 0
                 joined_at = None
+                thaw_at: float | None = None  # when the frozen roles resume
                 # the stream runs on until AFTER_S seconds past the join's end
-                while joined_at is None or time.monotonic() - joined_at < AFTER_S:
+                after_s = AFTER_S + CELLS[cell].thaw_s
+                while joined_at is None or time.monotonic() - joined_at < after_s:
                     elapsed = time.monotonic() - start
                     assert elapsed < 120, "the join did not finish in 120 s"
                     if join is None and elapsed >= JOIN_AT:
-                        if frozen:
-                            signal_slaves(signal.SIGSTOP)
+                        signal_frozen(signal.SIGSTOP)
                         join = asyncio.create_task(
                             asyncio.to_thread(cli, deployed, "join", "--cluster", JOINER)
                         )
                     if joined_at is None and join is not None and join.done():
                         joined_at = time.monotonic()
-                        if frozen:
-                            signal_slaves(signal.SIGCONT)
+                        thaw_at = joined_at + CELLS[cell].thaw_s
+                    if thaw_at is not None and time.monotonic() >= thaw_at:
+                        signal_frozen(signal.SIGCONT)
+                        thaw_at = None
                     for _ in range(int(rate * elapsed) - sent):  # owed by the clock
                         task = asyncio.create_task(publish(sent))
                         tasks.add(task)
@@ -166,7 +189,7 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
         try:
             confirmed, arrived, joined, sent = asyncio.run(stream())
         finally:
-            signal_slaves(signal.SIGCONT)
+            signal_frozen(signal.SIGCONT)
     assert JOINER in joined, joined
     lost = sorted(confirmed - set(arrived))
     duplicated = sorted(n for n, k in arrived.items() if k > 1)

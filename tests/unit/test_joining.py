@@ -49,6 +49,21 @@ def test_the_bound_lets_the_events_go_and_says_how_far_it_got() -> None:
     assert hold.told(1, 5.125) == []
 
 
+def test_word_that_the_hand_over_is_under_way_starts_the_bound_again() -> None:
+    """A previous owner behind with its own events is waited for as long as it says it
+    is handing over; once it falls silent, the bound passes from its last word."""
+    hold, _ = started("left")
+    assert hold.noted(4.0) == []
+    assert hold.expired(5.0) == [After(4.0, "join")]  # 5 s from the word, not the start
+    hold.noted(8.0)
+    assert hold.expired(9.0) == [After(4.0, "join")]
+    assert hold.told(0, 12.0) == [Release(0, 0, 12.0, timed_out=False)]
+    hold, _ = started("left")
+    hold.noted(1.0)
+    assert hold.expired(6.0) == [Release(0, None, 6.0, timed_out=True)]  # silent 5 s
+    assert hold.noted(6.5) == [] and hold.expired(11.5) == []  # released once
+
+
 def test_who_joins() -> None:
     assert started(None, listed=False)[1] == [Hold(5.0)]  # listed as joining later
     assert started("joined", listed=False)[1] == []  # a router promoted after the join
@@ -75,6 +90,15 @@ def _tell(count: int) -> Send:
     return Send(RoleId.router("D"), told, priority=0, then="r1")
 
 
+def _under_way() -> list:
+    note = HandedOver(cluster="D", by="S", count=None)
+    every = 5.0 / 4
+    return [
+        Send(RoleId.router("D"), note, bound_s=every, missed="handover_notes_missed"),
+        After(every, ("note", "r1")),
+    ]
+
+
 def test_the_hand_back_asks_every_master_then_tells_the_sum_then_retires() -> None:
     back, effects = _round()
     give = Handover(cluster="D", arc=(1, 2), request="r1", reply_to="S.process.p")
@@ -82,6 +106,7 @@ def test_the_hand_back_asks_every_master_then_tells_the_sum_then_retires() -> No
         Send(RoleId.from_owner(M0), give, box=Box.INBOX, priority=0),
         Send(RoleId.from_owner(M1), give, box=Box.INBOX, priority=0),
         After(10.0, "r1"),
+        *_under_way(),
     ]
     assert back.answered("r1", M0, 3, now=1.0) == []
     assert back.answered("r1", M0, 3, now=1.0) == []  # twice: counted once
@@ -104,6 +129,20 @@ def test_a_count_that_cannot_be_told_is_tried_until_the_joiners_bound() -> None:
     ]  # nothing to retire: none added
     assert back.rounds == {} and back.told("r1") == []
     assert back.expired(("tell", "r1")) == []  # a retry's timer after the round ended
+
+
+def test_the_joiner_hears_the_hand_over_is_under_way_until_the_masters_all_answered() -> None:
+    back, _ = _round()
+    assert back.expired(("note", "r1")) == _under_way()  # M0 and M1 still at it
+    back.answered("r1", M0, 1, now=2.0)
+    assert back.expired(("note", "r1")) == _under_way()
+    assert back.answered("r1", M1, 1, now=3.0) == [_tell(2)]
+    assert back.expired(("note", "r1")) == []  # the count is being told: no more word
+    back, _ = _round()
+    back.expired("r1")  # the masters' bound passed: the round ended, the joiner's runs
+    assert back.expired(("note", "r1")) == []
+    quiet = HandBack(answer_s=10.0, tell_s=0.0, cluster="S")  # the joiner does not hold
+    assert quiet.start("r2", "D", (1, 2), [M0])[-1] == After(10.0, "r2")
 
 
 def test_masters_that_do_not_answer_in_time_keep_the_added_ones_running() -> None:
