@@ -13,11 +13,16 @@ from typing import Any
 from ..errors import EntityNotFound, MiddlewareError
 from ..transport import AsyncClient
 
-__all__ = ["STRETCH_MAX", "bounded", "inbox_answers"]
+__all__ = ["READ_FIRST_S", "STRETCH_MAX", "bounded", "inbox_answers"]
 
 #: how many times its bound a send may wait in all while its destination's link keeps
 #: confirming other publishes (``bounded``; a silent link fails it at one bound)
 STRETCH_MAX = 10
+#: once a bound passed, what is already here is read before the send is failed: a
+#: process that was stopped or starved wakes with its timers due and the confirms that
+#: came meanwhile still unread in its socket (a frozen match slave, resumed, took its
+#: links for failed and carried copies around them: duplicates)
+READ_FIRST_S = 0.05
 
 
 async def bounded(
@@ -35,15 +40,15 @@ async def bounded(
     duplicate, and more load where load was the cause)."""
     if bound is None:
         return await sending
-    if progress is None:
-        return await asyncio.wait_for(sending, bound)
     task = asyncio.ensure_future(sending)
-    for _ in range(STRETCH_MAX):
-        mark = progress()
+    for _ in range(STRETCH_MAX if progress is not None else 1):
+        mark = progress() if progress is not None else 0
         done, _ = await asyncio.wait((task,), timeout=bound)
+        if not done and (progress is None or progress() == mark):  # about to fail it
+            done, _ = await asyncio.wait((task,), timeout=READ_FIRST_S)
         if done:
             return task.result()
-        if progress() == mark:  # nothing confirmed on the link for a whole bound
+        if progress is None or progress() == mark:  # nothing confirmed for a bound
             break
         stretched()
     task.cancel()

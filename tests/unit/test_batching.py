@@ -4,6 +4,7 @@ test of Phoenix)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 
 import pytest
@@ -298,6 +299,38 @@ def test_a_silent_link_fails_a_send_at_its_bound() -> None:
     link = _Link(every=None)
     result, took = _timed(link, lambda: bounded(asyncio.sleep(5, "ok"), 0.1, link.progress))
     assert isinstance(result, TimeoutError) and took < 0.2
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_confirm_that_came_while_the_process_did_not_run_is_read_before_the_bound_fails(
+    linked: bool,
+) -> None:
+    """The process is stopped (SIGSTOP) or starved past the bound while the confirm
+    comes: it wakes with the bound's timer due and the confirm still to be read (a few
+    loop turns away here, as the socket read, the frame parse and the publish's own
+    coroutine are): the send is not failed (it would be carried around a working link
+    and arrive twice)."""
+    link = _Link(every=None)  # nothing else confirmed on the link meanwhile
+
+    async def send() -> object:
+        loop = asyncio.get_running_loop()
+        confirm: asyncio.Future[str] = loop.create_future()
+
+        def read(turns: int) -> None:
+            if turns:
+                loop.call_soon(read, turns - 1)
+            else:
+                confirm.set_result("ok")
+
+        def stopped() -> None:
+            time.sleep(0.15)  # the whole loop: the bound passes meanwhile
+            read(5)
+
+        loop.call_later(0.01, stopped)
+        return await bounded(confirm, 0.1, link.progress if linked else None)
+
+    result, _ = _timed(link, send)
+    assert result == "ok"
 
 
 def test_a_stretched_bound_ends_at_its_cap() -> None:
