@@ -53,6 +53,7 @@ class Cell:
     #: B's roles stopped (SIGSTOP) at the join's start, resumed this long after its end
     frozen: tuple[RoleId, ...] = ()
     thaw_s: float = 0.0
+    thaw: signal.Signals = signal.SIGCONT  # or SIGKILL: stopped, then killed
     fields: tuple[tuple[str, object], ...] = ()
 
 
@@ -66,6 +67,10 @@ CELLS = {
     # master reads them as silent and dispatches around them (it neither replaces them
     # nor reads them as gone meanwhile)
     "frozen slaves": Cell(rate=300, frozen=SLAVES, fields=(("replace_after_s", 120.0),)),
+    # the same backlog, and then the stopped slaves are killed: their replacements take
+    # it from the inboxes after B's master has sent them the whole table, the hand-over's
+    # tombstones in it
+    "frozen, then killed slaves": Cell(rate=300, frozen=SLAVES, thaw=signal.SIGKILL),
     # B's master, behind (here: stopped) when the join comes, takes the hand-over after
     # the events already in its inbox, later than the joiner's bound: the joiner must
     # hold the arc's events while B's router says the hand-over is under way (its
@@ -166,7 +171,7 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
                         joined_at = time.monotonic()
                         thaw_at = joined_at + CELLS[cell].thaw_s
                     if thaw_at is not None and time.monotonic() >= thaw_at:
-                        signal_frozen(signal.SIGCONT)
+                        signal_frozen(CELLS[cell].thaw)
                         thaw_at = None
                     for _ in range(int(rate * elapsed) - sent):  # owed by the clock
                         task = asyncio.create_task(publish(sent))
