@@ -19,6 +19,12 @@ bound passed — and performs what it returns: :class:`Hold` (hold the arc's eve
 call :meth:`JoinHold.expired` after ``bound_s``), ``After`` (call it again then: a word
 came meanwhile) and :class:`Release` (let them go on, with what to log).
 
+A match master that handed an arc over keeps it in :class:`HandedArcs`: an event, a
+subscribe or an unsubscribe of the arc that reaches it afterwards was routed by a
+routing master that had not heard of the join (one stopped across it and resumed before
+it was fenced routes the deliveries it held with its old ring) and is passed on to the
+joiner's routing master, never matched here without the subscriptions handed over.
+
 The previous owner's side is :class:`HandBack`: its routing master asks each of its match
 masters to hand the arc over (a ``Send`` of HANDOVER to each), counts their answers
 within a bound (``After``, keyed by request: then :meth:`HandBack.expired`), tells the
@@ -33,9 +39,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from ..phoenix.effects import After, Box, Send
+from ..phoenix.effects import After, Box, Count, Send
 from ..phoenix.ids import RoleId
 from .messages import HandedOver, Handover
 
@@ -45,6 +51,7 @@ __all__ = [
     "Effect",
     "HandBack",
     "HandBackEffect",
+    "HandedArcs",
     "Hold",
     "JoinHold",
     "NotHandedOver",
@@ -310,3 +317,48 @@ def handover_plan(
     return HandoverPlan(
         list(held), [(sid, event_type) for sid, event_type in removed.items() if covers(event_type)]
     )
+
+
+class HandedArcs:
+    """The arcs one match master handed over, by joiner, each as its ``covers`` test."""
+
+    MAX_TYPES = 65536  # event types whose answer is kept (then forgotten, all at once)
+
+    def __init__(self) -> None:
+        self._arcs: dict[str, Callable[[str], bool]] = {}
+        self._types: dict[str, str | None] = {}  # event type -> the joiner it went to
+
+    def handed(self, joiner: str, covers: Callable[[str], bool]) -> None:
+        self._arcs[joiner] = covers
+        self._types.clear()
+
+    def left(self, cluster: str) -> None:
+        """``cluster`` left the ring: its arc is no longer passed on to it (the take-over
+        of the arc brings its subscriptions here, or to whom the ring gives it)."""
+        if self._arcs.pop(cluster, None) is not None:
+            self._types.clear()
+
+    def joiner(self, event_type: str) -> str | None:
+        """The joiner that holds ``event_type``'s subscriptions now (None: not handed)."""
+        if not self._arcs:
+            return None
+        if event_type not in self._types:
+            if len(self._types) >= self.MAX_TYPES:
+                self._types.clear()
+            self._types[event_type] = next(
+                (joiner for joiner, covers in self._arcs.items() if covers(event_type)), None
+            )
+        return self._types[event_type]
+
+    def pass_on(self, message: Any) -> list[Send | Count]:
+        """A routed message (an event, a subscribe, an unsubscribe) to the inbox of the
+        routing master of the joiner its type went to, at its priority; none when its
+        type was not handed over."""
+        joiner = self.joiner(message.event_type)
+        if joiner is None:
+            return []
+        to = RoleId.router(joiner)
+        return [
+            Count("passed_on_after_handover"),
+            Send(to, message, box=Box.INBOX, priority=message.priority),
+        ]

@@ -19,13 +19,14 @@ from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from . import subscribing
 from .dispatching import Drop, MatchHere, on_publish
-from .joining import handover_plan
+from .joining import HandedArcs, handover_plan
 from .match_restore import RestoringMatcher
 from .messages import (
     Advertise,
     Confirmation,
     Handover,
     Heartbeat,
+    Leave,
     Publish,
     Recover,
     Recovered,
@@ -81,6 +82,7 @@ class MatchMaster(RestoringMatcher):
         removals of the arc this master remembers (joining.handover_plan)."""
         covers = Arc(joiner, self.cluster, *arc).covers
         plan = handover_plan(self.registry.in_arc(covers), self.book.removed_adopted, covers)
+        self.handed_arcs.handed(joiner, covers)  # what reaches this master late goes on
         # to its control queue: the joiner holds the arc's events in its inbox until
         # these are there (its ``handover_wait_s``)
         control = self.control_of(RoleId.router(joiner))
@@ -117,7 +119,18 @@ class MatchMaster(RestoringMatcher):
             done = Recovered(request=message.request, broker=self.owner, restored=moved)
             await self.send(self.cluster, message.reply_to, done, MAX_PRIORITY)
 
+    @functools.cached_property
+    def handed_arcs(self) -> HandedArcs:
+        return HandedArcs()
+
+    async def _on_leave(self, message: Leave) -> None:
+        await super()._on_leave(message)
+        self.handed_arcs.left(message.cluster)
+
     async def _on_subscribe(self, message: Subscribe) -> None:
+        if moved := self.handed_arcs.pass_on(message):
+            await self.enact(moved)  # routed here after its arc was handed over
+            return
         await self._subscribing(message, self.book.subscribe(message))
 
     async def _subscribing(
@@ -147,7 +160,7 @@ class MatchMaster(RestoringMatcher):
     async def _on_publish(self, message: Publish) -> None:
         """Drop it, match it here or dispatch it to a slave (``dispatching.py``)."""
         now = time.monotonic()
-        effects = on_publish(
+        effects = self.handed_arcs.pass_on(message) or on_publish(
             message,
             self.id,
             stale=self._matched_elsewhere(message),
@@ -183,7 +196,11 @@ class MatchMaster(RestoringMatcher):
             )
 
     async def _dispatch(self, effect: Send) -> None:
-        """An event to the slave chosen; how long the send took goes to the choice."""
+        """An event to the slave chosen; how long the send took goes to the choice (or
+        on to the joiner its arc was handed to)."""
+        if not effect.to.is_slave:
+            await self.perform(effect)
+            return
         started = time.monotonic()
         await self.perform(effect)
         self.dispatch.dispatched(effect.to.slave, time.monotonic() - started)
@@ -195,6 +212,9 @@ class MatchMaster(RestoringMatcher):
     async def _unsubscribe(self, message: Unsubscribe) -> None:
         """Forget the subscription here and in the replicas (a tombstone), and tell the
         routing masters that counted its latency level to take it out of latencyMap."""
+        if moved := self.handed_arcs.pass_on(message):
+            await self.enact(moved)
+            return
         await self._subscribing(message, self.book.unsubscribe(message))
 
     @staticmethod

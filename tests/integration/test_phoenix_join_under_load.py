@@ -55,6 +55,7 @@ class Cell:
     thaw_s: float = 0.0
     thaw: signal.Signals = signal.SIGCONT  # or SIGKILL: stopped, then killed
     fields: tuple[tuple[str, object], ...] = ()
+    routing_slaves: int = 0  # B's
 
 
 SLAVES = (RoleId.match_slave("B", 0, 0), RoleId.match_slave("B", 0, 1))
@@ -71,6 +72,9 @@ CELLS = {
     # it from the inboxes after B's master has sent them the whole table, the hand-over's
     # tombstones in it
     "frozen, then killed slaves": Cell(rate=300, frozen=SLAVES, thaw=signal.SIGKILL),
+    # B's routing master stopped from the join's start: its slave takes over, hears the
+    # join and hands the arc over
+    "frozen router": Cell(frozen=(RoleId.router("B"),), thaw_s=3.0, routing_slaves=1),
     # B's master, behind (here: stopped) when the join comes, takes the hand-over after
     # the events already in its inbox, later than the joiner's bound: the joiner must
     # hold the arc's events while B's router says the hand-over is under way (its
@@ -89,7 +93,7 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
     queue = f"{name}.subscriber"
     clusters: dict[str, dict[str, object]] = {
         "A": {},
-        "B": {"match_slaves": 2},
+        "B": {"match_slaves": 2, "routing_slaves": CELLS[cell].routing_slaves},
         "C": {},
         JOINER: {"joined": False, "match_slaves": 2},
     }

@@ -4,8 +4,8 @@ test of Phoenix)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import json
+import time
 
 import pytest
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from middleware.phoenix.effects import After, Box, Send
+from middleware.phoenix.effects import After, Box, Count, Send
 from middleware.phoenix.ids import RoleId
 from middleware.routing.joining import (
     HandBack,
+    HandedArcs,
     Hold,
     JoinHold,
     NotHandedOver,
@@ -13,7 +14,8 @@ from middleware.routing.joining import (
     Retire,
     handover_plan,
 )
-from middleware.routing.messages import HandedOver, Handover
+from middleware.routing.matching import Event
+from middleware.routing.messages import HandedOver, Handover, Publish
 
 
 def started(recorded: str | None = "left", listed: bool = True) -> tuple[JoinHold, list]:
@@ -166,3 +168,34 @@ def test_the_plan_hands_over_the_arcs_subscriptions_and_removals_only() -> None:
         [("s1", "record-1")], {"s2": "in-arc", "s3": "elsewhere"}, lambda t: t == "in-arc"
     )
     assert plan.subscriptions == [("s1", "record-1")] and plan.removals == [("s2", "in-arc")]
+
+
+# ------------------------------------------- what reaches a master after its hand-over
+
+
+def test_what_reaches_a_master_after_its_arc_was_handed_over_goes_on_to_the_joiner() -> None:
+    """Routed there by a routing master that had not heard of the join (stopped across
+    it and resumed before it was fenced): passed on to the joiner's routing master, at
+    its priority, until the joiner leaves the ring again."""
+    arcs = HandedArcs()
+    late = Publish(event_type="quotes", event=Event(event_type="quotes", attributes={}), priority=4)
+    assert arcs.pass_on(late) == []  # nothing handed over: matched here
+    arcs.handed("D", lambda event_type: event_type.startswith("q"))
+    assert arcs.pass_on(late) == [
+        Count("passed_on_after_handover"),
+        Send(RoleId.router("D"), late, box=Box.INBOX, priority=4),
+    ]
+    other = late.model_copy(update={"event_type": "news"})
+    assert arcs.pass_on(other) == [] and arcs.joiner("news") is None
+    arcs.left("X")  # another cluster: no change
+    assert arcs.joiner("quotes") == "D"
+    arcs.left("D")  # the arc is taken over again: matched where the ring sends it
+    assert arcs.pass_on(late) == []
+
+
+def test_the_answers_kept_per_event_type_stay_bounded() -> None:
+    arcs = HandedArcs()
+    arcs.MAX_TYPES = 4
+    arcs.handed("D", lambda event_type: event_type.endswith("0"))
+    assert [arcs.joiner(f"t{i}") for i in range(10)] == ["D" if i == 0 else None for i in range(10)]
+    assert len(arcs._types) <= 4
