@@ -10,6 +10,13 @@ slave each was (``slave-0`` above ``slave-1``).  Masters put their reign in ever
 COORDINATOR; each slave trusts the highest reign it has heard (:class:`Trust`) and answers
 a beat of a lower one with FENCE, upon which that master steps down to the slave role it
 left (or, for the master as started, to the one its successor left).
+
+Between its return and that FENCE the old master would act on what it held with what
+it knew: a routing master that routed the deliveries it had with its old ring, to a
+match master that had handed their arc to a joiner meanwhile, lost them.  So a master
+that notices it did not run for longer than its slaves' detection (:class:`Doubt`)
+acts on nothing until a slave's beat says the slaves still trust its reign (a beat
+naming a newer one steps it down as a FENCE does), or no slave is heard for a while.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from enum import StrEnum
 from ..phoenix.effects import Refuse
 
 __all__ = [
+    "Doubt",
     "Refuse",
     "Reign",
     "Reigning",
@@ -185,3 +193,38 @@ class Reigning:
         if isinstance(outcome, StepDown):
             self.stepped_down, self.reign = outcome, outcome.reign  # the slave trusts it
         return outcome
+
+
+@dataclass
+class Doubt:
+    """A master's own pauses, from the times it is looked at (``tick``, at least every
+    half ``floor_s``, and before each inbox message): after a gap longer than
+    ``floor_s`` (its slaves' detection: they may have elected a successor meanwhile) it
+    doubts its reign until :meth:`trusted` (a slave's beat naming it) or until
+    ``bound_s`` passed (no slave heard: none can have elected either)."""
+
+    floor_s: float
+    bound_s: float
+    last: float | None = None
+    since: float | None = None  # doubting since
+    doubts: int = 0  # how many times it began to doubt
+
+    def tick(self, now: float) -> None:
+        if self.last is not None and now - self.last > self.floor_s and self.since is None:
+            self.since = now
+            self.doubts += 1
+        self.last = now
+
+    def wait_s(self, now: float) -> float:
+        """How long to wait before acting on an inbox message (0: act now)."""
+        self.tick(now)
+        if self.since is None:
+            return 0.0
+        left = self.since + self.bound_s - now
+        if left <= 0:
+            self.since = None
+            return 0.0
+        return left
+
+    def trusted(self) -> None:
+        self.since = None

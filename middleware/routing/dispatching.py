@@ -17,6 +17,7 @@ from typing import Any
 
 from ..phoenix.effects import Box, Count, Send
 from ..phoenix.ids import RoleId
+from ..recovery.fencing import Reign
 from .timeliness import Dispatch, QueuePredictor
 
 __all__ = ["Drop", "Effect", "MatchHere", "matched_elsewhere", "on_publish"]
@@ -66,13 +67,14 @@ def on_publish(
     inner: bool,
     blind: str,
     owing: Collection[int] = (),
+    reign: tuple[int, int] = (0, 0),
 ) -> list[Effect]:
     """One event (``message``, a PUBLISH) at the match master ``master``.  ``stale``:
     :func:`matched_elsewhere`; ``local``: its type is one the slaves do not hold (a
     take-over's, indexed here only); ``owing``: the slaves that have not acknowledged a
     subscription of its type yet (its replica may still be behind this event in their
     inbox: a subscription handed over at a join came with the arc's events), not
-    dispatched to."""
+    dispatched to; ``reign``: the master's, on what it dispatches (``from_older_reign``)."""
     if stale:
         return [Count("dropped_after_rejoin"), Drop("matched by the successor while left")]
     if local:
@@ -83,4 +85,12 @@ def on_publish(
     if target is None:
         return [MatchHere()]
     slave = RoleId.match_slave(master.cluster, master.index, target)
-    return [Count("dispatched"), Send(slave, message, box=Box.INBOX, priority=message.priority)]
+    signed = message.model_copy(update={"reign": reign})
+    return [Count("dispatched"), Send(slave, signed, box=Box.INBOX, priority=message.priority)]
+
+
+def from_older_reign(sent_by: tuple[int, int] | None, trusted: Reign) -> bool:
+    """An event a master dispatched to this slave under a reign older than the one the
+    slave trusts (that master was stopped and resumed, and sent what it held before its
+    fence reached it): the master reigning now is to handle it, with its own state."""
+    return sent_by is not None and Reign(*sent_by) < trusted

@@ -18,12 +18,17 @@ from ..errors import DeadLetter, MiddlewareError
 from ..phoenix.ids import RoleId
 from ..phoenix.protocol import Kind
 from ..recovery import FailureDetector
-from ..recovery.fencing import Refuse, Reign, Reigning, RivalOutcome, SendFence, Stale, StepDown
+from ..recovery.fencing import (
+    Reign,
+    SendFence,
+    Stale,
+)
 from ..transport import Delivery
 from .beats import LeaseWatch
-from .messages import Beat, Fence, Message, Read, Replicate, Retire, Vote
-from .peer import WARM_AFTER_PROMOTION_S, Role
+from .messages import Beat, Message, Read, Replicate, Retire, Vote
+from .peer import WARM_AFTER_PROMOTION_S
 from .performing import Inputs, Performer
+from .reigns import Reigns
 from .replica_set import ReplicaSet, answer_read
 from .serving import each
 from .supervision import Check, Note, Provision, Supervision
@@ -36,7 +41,7 @@ __all__ = ["Master"]
 log = logging.getLogger(__name__)
 
 
-class Master(Role):
+class Master(Reigns):
     """What every master does beside its own role: its slaves and its reign."""
 
     replicas: ReplicaSet  # the table its slaves hold (each master's own)
@@ -55,16 +60,7 @@ class Master(Role):
         )
         #: each slave's lease as this master watches it (beats.py)
         self.slave_watches: dict[int, LeaseWatch] = {}
-
-    @functools.cached_property
-    def reigning(self) -> Reigning:
-        """Its reign against rival ones: fence them, or step down once (pure)."""
-        spec = self.topology.cluster(self.cluster)
-        return Reigning(
-            self.reign,
-            None if self.promoted_from is None else self.promoted_from.slave,
-            frozenset(r.slave for r in self.id.slaves(spec)),
-        )
+        self.doubting(topology.heartbeat_interval_s * topology.heartbeat_misses, self.live)
 
     @functools.cached_property
     def control_handlers(self) -> dict[type, Handler]:
@@ -85,6 +81,7 @@ class Master(Role):
             # start saw one).  A promoted master beats at once: its slaves watch already.
             await self.serving.wait()
         self.live.watch([r.slave for r in every], time.monotonic())  # silent from now on
+        self._ticking()
         if self.provisioner is not None:
             # a promoted master warms once the switch is behind it: the zygote's imports
             # (0.7 s of CPU) made the switch itself 0.3 s slower on 2 cores
@@ -168,6 +165,11 @@ class Master(Role):
         await self._supervise(effects)
         if not serving:
             return  # a second process: no sign of life of the one serving the role
+        theirs = Reign(message.epoch, message.by)
+        if theirs > self.reign:  # its slaves follow a successor: as their FENCE would
+            await self._rival(self.reigning.fence(theirs), message.broker)
+            return
+        self._trusts(message)
         if slave not in replicas.replicas:
             if slave == self.promoted_from:
                 await self._stop_draining()
@@ -271,11 +273,6 @@ class Master(Role):
             log.info("%s: could not look at %s (%s): taken as there", self.id, queue, exc)
             return True
 
-    def _slave(self, number: int) -> RoleId:
-        return next(
-            r for r in self.id.slaves(self.topology.cluster(self.cluster)) if r.slave == number
-        )
-
     async def _replacement(self, effect: Provision) -> None:
         """Ask the provisioner for a process serving the slave; tell the machine."""
         slave = self._slave(effect.slave)
@@ -357,41 +354,3 @@ class Master(Role):
                     by=self.reign.by,
                 )
                 await self.signal(sender, coordinator)
-
-    async def _on_fence(self, message: Fence) -> None:
-        """A slave trusts a newer reign than this master's: step down to the slave role
-        this process left when it took over, or (the master as started) the one the newer
-        master left.  An older or equal reign, or one no slave can have, changes nothing
-        (``fencing.fenced`` decides)."""
-        reign = Reign(message.epoch, message.by)
-        await self._rival(self.reigning.fence(reign), message.broker)
-
-    async def _rival(self, outcome: RivalOutcome, sender: str) -> None:
-        """Perform a fencing decision (recovery/fencing.py); ``sender`` is named in what
-        a refusal and a step-down say; None: nothing to do."""
-        if outcome is None:
-            return
-
-        def refuse(effect: Refuse) -> None:
-            raise DeadLetter(f"{effect.reason} from {sender!r}: not for {self.id}")
-
-        here: dict[type, Performer] = {
-            Refuse: refuse,
-            StepDown: functools.partial(self._step_down, sender),
-        }
-        await self.enact([outcome], here=here)
-
-    async def _send_fence(self, outcome: SendFence) -> None:
-        self.count("fences_sent")
-        fence = Fence(broker=self.id.owner, epoch=outcome.reign.epoch, by=outcome.reign.by)
-        await self.tell(outcome.to, fence)
-
-    def _step_down(self, sender: str, outcome: StepDown) -> None:
-        """Once: the machine serves no more after it."""
-        back = self.promoted_from or self._slave(outcome.slave)
-        what = "%s (%s) fenced by %s, which trusts %s: stepping down to %s"
-        log.warning(what, self.id, self.reign, sender, outcome.reign, back)
-        self.count("fenced")
-        self.fenced = True
-        self.switch_to, self.reign = back, self.reigning.reign  # the slave trusts it
-        self.stop_serving()

@@ -172,6 +172,7 @@ class MatchMaster(RestoringMatcher):
             inner=self.topology.inner,
             blind=self.topology.blind_dispatch,
             owing=self._owing(message.event_type),
+            reign=(self.reign.epoch, self.reign.by),
         )
         here: dict[type, Performer] = {
             Count: functools.partial(self._publish_count, message),

@@ -19,6 +19,7 @@ from ..errors import DeadLetter
 from ..phoenix.ids import RoleId
 from .copies import Carry, Gone, MatchedReceipts, copy_id, event_content, settle
 from .delivery import CopySender
+from .dispatching import from_older_reign
 from .holding import ReplicaHolder
 from .messages import (
     Copy,
@@ -134,7 +135,7 @@ class MatchBroker(Role):
         whose home cannot be reached now is handed to this cluster's routing master,
         which carries it there over the ring; one subscriber never costs another its
         copy."""
-        stamped = message.model_copy(update={"broker": self.name})
+        stamped = message.model_copy(update={"broker": self.name, "reign": None})
         body = encode(stamped)
         copies = self.registry.copies(matched, self.departed)
         queues = copies.queues
@@ -278,7 +279,17 @@ class MatchSlave(MatchBroker, ReplicaHolder):
 
     @functools.cached_property
     def inbox_handlers(self) -> dict[type, Handler]:
-        return {**self.replica_handlers(), Publish: self._match}
+        return {**self.replica_handlers(), Publish: self._dispatched}
+
+    async def _dispatched(self, message: Publish) -> None:
+        """An event its master sent: matched here, or (``from_older_reign``) passed to the
+        master reigning now."""
+        if from_older_reign(message.reign, self.trust.reign):
+            self.count("older_reign_dispatch_passed_on")
+            back = message.model_copy(update={"reign": None})
+            await self.send(self.cluster, self.inbox_of(self.id.master), back, message.priority)
+            return
+        await self._match(message)
 
     async def report(self, t: float) -> None:
         await self.send(

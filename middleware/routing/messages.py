@@ -130,6 +130,10 @@ class Publish(Routed):
     #: routed again after a cluster it had reached left the ring: that cluster may have
     #: matched and delivered it before it went (its MATCHED went with it)
     again: bool = False
+    #: set by a match master dispatching it to a slave: its reign (epoch, by); a slave
+    #: that trusts a newer one passes it to the master reigning now, never matches it
+    #: with a state that master may have changed (a hand-over's tombstones)
+    reign: tuple[int, int] | None = None
 
 
 #: how a dead letter for a copy whose subscriber's home cluster left the ring begins (then

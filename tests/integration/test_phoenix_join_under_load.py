@@ -82,6 +82,9 @@ CELLS = {
     "frozen master": Cell(
         frozen=(RoleId.match("B", 0),), thaw_s=7.0, fields=(("heartbeat_misses", 100),)
     ),
+    # the same stop with the default detection: a slave elected in its place takes the
+    # hand-over from the inbox; the resumed master is fenced
+    "frozen master, successor elected": Cell(frozen=(RoleId.match("B", 0),), thaw_s=3.0),
 }
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from middleware.phoenix.effects import Box, Count, Send
 from middleware.phoenix.ids import RoleId
+from middleware.recovery.fencing import Reign
 from middleware.routing.dispatching import (
     Drop,
     MatchHere,
+    from_older_reign,
     matched_elsewhere,
     on_publish,
 )
@@ -16,17 +19,22 @@ from middleware.routing.timeliness import Dispatch, QueuePredictor
 
 
 @dataclass(frozen=True)
-class _Event:  # what the choice reads of a PUBLISH
+class _Event:  # what the choice reads of a PUBLISH, and how it signs one it dispatches
     priority: int = 3
+    reign: tuple[int, int] | None = None
+
+    def model_copy(self, *, update: dict[str, Any]) -> _Event:
+        return replace(self, **update)
 
 
 EVENT = _Event()
 MASTER = RoleId.match("B", 1)
 
 
-def _to(slave: int) -> Send:
-    """The event to ``slave``'s inbox, at its priority."""
-    return Send(RoleId.match_slave("B", 1, slave), EVENT, box=Box.INBOX, priority=3)
+def _to(slave: int, reign: tuple[int, int] = (0, 0)) -> Send:
+    """The event to ``slave``'s inbox, at its priority, signed with the master's reign."""
+    signed = replace(EVENT, reign=reign)
+    return Send(RoleId.match_slave("B", 1, slave), signed, box=Box.INBOX, priority=3)
 
 
 def _publish(
@@ -94,3 +102,36 @@ def test_a_slave_that_has_not_acknowledged_a_subscription_of_the_type_gets_no_ev
     turns = {tuple(_publish(dispatch, inner=False, owing=(1,))) for _ in range(4)}
     assert turns == {(MatchHere(),), (Count("dispatched"), _to(0))}
     assert _publish(dispatch, inner=False, owing=(0, 1)) == [MatchHere()]
+
+
+def test_a_slave_passes_on_what_a_master_of_an_older_reign_dispatched() -> None:
+    """A master stopped and resumed before its fence reached it sends what it held with
+    its old reign: the slave, which trusts the successor's, hands it to the master that
+    reigns now (a tombstone that master wrote would otherwise lose it)."""
+    dispatch = Dispatch()
+    for j in (0, 1):
+        dispatch.reported(j, 0.0, 1000.0, 10.0)
+    signed = {
+        tuple(
+            on_publish(
+                EVENT,
+                MASTER,
+                stale=False,
+                local=False,
+                dispatch=dispatch,
+                predictor=QueuePredictor(window_s=1.0),
+                live=(0,),
+                now=10.0,
+                inner=False,
+                blind="round_robin",
+                reign=(2, -1),
+            )
+        )
+        for _ in range(2)
+    }
+    assert (Count("dispatched"), _to(0, (2, -1))) in signed
+    assert from_older_reign((0, 0), Reign(1, -1))  # the master as started, superseded
+    assert from_older_reign((1, -2), Reign(1, -1))  # the same epoch won by a lower slave
+    assert not from_older_reign((1, -1), Reign(1, -1))
+    assert not from_older_reign((2, -2), Reign(1, -1))  # newer than it knows: its own
+    assert not from_older_reign(None, Reign(3, -1))  # not dispatched (a pass-on)

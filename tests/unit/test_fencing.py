@@ -7,6 +7,7 @@ from middleware.recovery import (
     Trust,
     Verdict,
 )
+from middleware.recovery.fencing import Doubt
 
 
 def test_a_slave_trusts_the_newest_reign_and_fences_older_ones() -> None:
@@ -72,3 +73,26 @@ def test_a_reigning_master_steps_down_once_and_serves_no_more() -> None:
     assert winner.serving
     assert winner.fence(Reign.of_winner(2, 0)) == StepDown(1, Reign.of_winner(2, 0))
     assert not winner.serving
+
+
+def test_a_master_doubts_its_reign_after_a_pause_past_its_slaves_detection() -> None:
+    """Ticks every half floor; a gap past the floor (a SIGSTOP, a starved machine) makes
+    it wait before acting until a slave's beat trusts it, or the bound passes."""
+    doubt = Doubt(floor_s=1.0, bound_s=2.5)
+    for now in (0.0, 0.5, 1.0, 1.5):
+        doubt.tick(now)
+    assert doubt.wait_s(1.9) == 0.0  # 0.4 s since the last tick: no pause
+    assert doubt.wait_s(5.0) == 2.5  # stopped 3.1 s: wait for its slaves
+    assert doubt.wait_s(6.0) == 1.5 and doubt.doubts == 1  # one doubt, still on
+    doubt.trusted()  # a slave's beat names its reign
+    assert doubt.wait_s(6.1) == 0.0
+    doubt.tick(9.0)  # stopped again: nobody says anything
+    assert doubt.wait_s(9.0) == 2.5 and doubt.wait_s(11.5) == 0.0  # the bound passed
+    assert doubt.doubts == 2 and doubt.wait_s(11.6) == 0.0
+
+
+def test_a_late_tick_of_a_busy_loop_is_no_doubt() -> None:
+    doubt = Doubt(floor_s=1.0, bound_s=2.5)
+    doubt.tick(0.0)
+    doubt.tick(0.9)  # the half-floor tick came 0.4 s late
+    assert doubt.wait_s(1.0) == 0.0 and doubt.doubts == 0
