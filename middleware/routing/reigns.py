@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 
-from ..errors import DeadLetter
+from ..errors import DeadLetter, Requeue
 from ..phoenix.ids import RoleId
 from ..recovery import FailureDetector
 from ..recovery.fencing import (
@@ -68,6 +68,8 @@ class Reigns(Role):
             self._trust.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._trust.wait(), wait)
+            if self.fenced:  # stepped down meanwhile: the master reigning now handles it
+                raise Requeue(f"{self.id} stepped down")
         await super().handle(message)
 
     def _ticking(self) -> None:
