@@ -46,6 +46,7 @@ def _publish(
     blind: str = "round_robin",
     live: tuple[int, ...] = (0, 1),
     owing: tuple[int, ...] = (),
+    reign: tuple[int, int] = (0, 0),
 ) -> list:
     return on_publish(
         EVENT,
@@ -59,6 +60,7 @@ def _publish(
         inner=inner,
         blind=blind,
         owing=owing,
+        reign=reign,
     )
 
 
@@ -111,24 +113,7 @@ def test_a_slave_passes_on_what_a_master_of_an_older_reign_dispatched() -> None:
     dispatch = Dispatch()
     for j in (0, 1):
         dispatch.reported(j, 0.0, 1000.0, 10.0)
-    signed = {
-        tuple(
-            on_publish(
-                EVENT,
-                MASTER,
-                stale=False,
-                local=False,
-                dispatch=dispatch,
-                predictor=QueuePredictor(window_s=1.0),
-                live=(0,),
-                now=10.0,
-                inner=False,
-                blind="round_robin",
-                reign=(2, -1),
-            )
-        )
-        for _ in range(2)
-    }
+    signed = {tuple(_publish(dispatch, inner=False, live=(0,), reign=(2, -1))) for _ in range(2)}
     assert (Count("dispatched"), _to(0, (2, -1))) in signed
     assert from_older_reign((0, 0), Reign(1, -1))  # the master as started, superseded
     assert from_older_reign((1, -2), Reign(1, -1))  # the same epoch won by a lower slave
