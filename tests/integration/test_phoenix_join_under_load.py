@@ -216,4 +216,8 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
     assert any(r.cluster == JOINER for r in by), by
     assert len(confirmed) > 0.9 * sent, (len(confirmed), sent)
     assert not lost, f"{len(lost)} confirmed events lost across the join: {lost[:20]}"
-    assert not duplicated, f"{len(duplicated)} duplicated: {duplicated[:20]}"
+    if CELLS[cell].thaw is not signal.SIGKILL:
+        # a killed slave's event whose copy was out and whose ack was not is handled
+        # again by its replacement: broker-confirmed subscribers are at least once
+        # (docs/phoenix-recovery.md); the kill cells count only what is lost
+        assert not duplicated, f"{len(duplicated)} duplicated: {duplicated[:20]}"
