@@ -5,9 +5,10 @@ A relay process consumes ``bench-relay.in`` (prefetch 64), publishes each body o
 confirmed: what a Phoenix role does with each message.  This process feeds it at a
 fixed rate and drains the output.  Printed per cell: the relay's CPU per message, summed
 over its threads from ``/proc/PID/task/*/schedstat`` (Linux), and its context switches
-per message.  ``raw``: the relay on plain aio-pika; ``layer``: on ``AsyncClient``.
+per message.  ``raw``: the relay on plain aio-pika; ``layer``: on ``AsyncClient``;
+``lean``: on a minimal AMQP connection with pamqp framing (``lean_relay.py``, a floor).
 
-    QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15
+    QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15 [raw,layer,lean]
 """
 
 from __future__ import annotations
@@ -103,10 +104,20 @@ def _threads(pid: int) -> tuple[float, int]:
     return cpu, switches
 
 
+async def _declared() -> None:
+    async with AsyncClient(settings=Settings()) as client:
+        await _declare(client)
+
+
 def cell(kind: str, rate: float, seconds: float) -> str:
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--relay", kind], stdout=subprocess.PIPE, text=True
+    runtime.run(_declared())
+    here = os.path.dirname(os.path.abspath(__file__))
+    command = (
+        [sys.executable, os.path.join(here, "lean_relay.py")]
+        if kind == "lean"
+        else [sys.executable, __file__, "--relay", kind]
     )
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         if process.stdout is None or process.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the {kind} relay did not start")
@@ -129,7 +140,8 @@ if __name__ == "__main__":
     else:
         rates = [float(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "170").split(",")]
         duration = float(sys.argv[2]) if len(sys.argv) > 2 else 15.0
+        kinds = (sys.argv[3] if len(sys.argv) > 3 else "raw,layer").split(",")
         assert os.path.exists("/proc/self/task"), "needs Linux /proc"
         for rate in rates:
-            for kind in ("raw", "layer"):
+            for kind in kinds:
                 print(cell(kind, rate, duration), flush=True)
