@@ -8,7 +8,7 @@ over its threads from ``/proc/PID/task/*/schedstat`` (Linux), and its context sw
 per message.  ``raw``: the relay on plain aio-pika; ``layer``: on ``AsyncClient``;
 ``lean``: on a minimal AMQP connection with pamqp framing (``lean_relay.py``, a floor).
 
-    QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15 [raw,layer,lean]
+    QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15 raw,layer
 """
 
 from __future__ import annotations
