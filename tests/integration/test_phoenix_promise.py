@@ -6,10 +6,11 @@ catch-up begins (the master logs its admission and sends it the whole table); of
 B's routing slaves; of B's routing master.
 
 Counted by the test itself, not by the roles: every event whose publish the broker
-confirmed reaches both subscribers at A (one with broker confirms, read by the test; one
-with ``confirm="e2e"``, whose handler the test counts), and the e2e handler is given no
-event twice. Afterwards one live process serves each of B's roles, and the replacement
-killed during its catch-up was replaced again."""
+confirmed reaches the three subscribers at A (one with broker confirms, read by the test;
+two with ``confirm="e2e"``, one on each client face, asyncio and pika, whose handlers the
+test counts), and neither e2e handler is given an event twice. Afterwards one live
+process serves each of B's roles, and the replacement killed during its catch-up was
+replaced again."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import pytest
 
 from middleware.localcluster.manager import pid_alive
 from middleware.phoenix.ids import RoleId
-from middleware.routing.client import PhoenixClient
+from middleware.routing.client import PhoenixClient, SyncPhoenixClient
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import (
     deployment as phoenix,
@@ -51,6 +52,7 @@ TABLE = 300  # subscriptions that match nothing: a catch-up that takes a while
 class Run:
     published: int = 0
     handled: list[int] = field(default_factory=list)  # what the e2e handler was given
+    handled_sync: list[int] = field(default_factory=list)  # the sync face's e2e handler
     got: list[int] = field(default_factory=list)  # what the broker-confirm queue held
     kills: dict[str, float] = field(default_factory=dict)  # what, when (after the start)
 
@@ -75,9 +77,18 @@ def _kill_during_catch_up(deployment, run: Run, start: float) -> None:
     run.kills["slave-0 replacement in catch-up"] = time.monotonic() - start
 
 
+def _sync_face(settings, topology, queue: str, run: Run, stop: threading.Event) -> None:
+    """The e2e subscriber on the pika face, in a thread of its own until ``stop``."""
+    with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
+        at_a.consume(queue, lambda ev, _m: run.handled_sync.append(ev.attributes["n"]), e2e=True)
+        at_a.run(until=stop.is_set)
+
+
 async def _scenario(settings, topology, deployment, event_type: str, name: str) -> Run:
     run = Run()
     broker_queue, e2e_queue = f"{name}.broker", f"{name}.e2e"
+    sync_queue = f"{name}.e2e-sync"
+    stop = threading.Event()
     async with AsyncClient(settings=settings) as client:
         at_a = PhoenixClient(client, topology=topology, cluster="A")
         at_c = PhoenixClient(client, topology=topology, cluster="C")
@@ -85,6 +96,11 @@ async def _scenario(settings, topology, deployment, event_type: str, name: str) 
             await at_a.subscribe(event_type, [("n", "=", -10 - k)], 1, f"{name}.none")
         await at_a.subscribe(event_type, [("n", ">=", -1)], 1, broker_queue)
         await at_a.subscribe(event_type, [("n", ">=", -1)], 1, e2e_queue, confirm="e2e")
+        await at_a.subscribe(event_type, [("n", ">=", -1)], 1, sync_queue, confirm="e2e")
+        sync = threading.Thread(
+            target=_sync_face, args=(settings, topology, sync_queue, run, stop), daemon=True
+        )
+        sync.start()
 
         async def handler(ev, message) -> None:
             run.handled.append(ev.attributes["n"])
@@ -95,11 +111,12 @@ async def _scenario(settings, topology, deployment, event_type: str, name: str) 
             await at_c.publish(event(event_type, n=-1))
             await asyncio.sleep(0.3)
             run.got += [m["event"]["attributes"]["n"] for m in await take(client, broker_queue)]
-            return -1 in run.handled and -1 in run.got
+            return -1 in run.handled and -1 in run.got and -1 in run.handled_sync
 
-        await eventually_async(probed, "a probe through both subscriptions", 90, interval=0)
+        await eventually_async(probed, "a probe through the three subscriptions", 90, interval=0)
         await asyncio.sleep(0.5)
         run.handled.clear()
+        run.handled_sync.clear()
         await take(client, broker_queue)
         run.got.clear()
 
@@ -127,11 +144,17 @@ async def _scenario(settings, topology, deployment, event_type: str, name: str) 
         async def all_there() -> bool:
             run.got += [m["event"]["attributes"]["n"] for m in await take(client, broker_queue)]
             wanted = set(range(run.published))
-            return wanted <= set(run.got) and wanted <= set(run.handled)
+            return (
+                wanted <= set(run.got)
+                and wanted <= set(run.handled)
+                and wanted <= set(run.handled_sync)
+            )
 
-        await eventually_async(all_there, "every event at both subscribers", 60, strict=False)
+        await eventually_async(all_there, "every event at the three subscribers", 60, strict=False)
         await asyncio.sleep(2.0)  # late duplicates show here
         await all_there()
+        stop.set()
+        await asyncio.to_thread(sync.join, 10)
         await at_a.close()
     return run
 
@@ -150,8 +173,11 @@ def test_no_event_is_lost_and_e2e_sees_none_twice_through_four_kills(
         lost_e2e = sorted(wanted - set(run.handled))
         assert not lost_broker, f"{len(lost_broker)} lost (broker confirms): {lost_broker[:20]}"
         assert not lost_e2e, f"{len(lost_e2e)} lost (e2e): {lost_e2e[:20]}"
-        twice = sorted({n for n in run.handled if run.handled.count(n) > 1})
-        assert not twice, f"the e2e handler was given {len(twice)} events twice: {twice[:20]}"
+        lost_sync = sorted(wanted - set(run.handled_sync))
+        assert not lost_sync, f"{len(lost_sync)} lost (e2e, sync face): {lost_sync[:20]}"
+        for face, handled in (("asyncio", run.handled), ("sync", run.handled_sync)):
+            twice = sorted({n for n in handled if handled.count(n) > 1})
+            assert not twice, f"the {face} e2e handler was given {len(twice)} twice: {twice[:20]}"
         assert "slave-0 replacement in catch-up" in run.kills, run.kills
 
         # one live process serves each of B's roles (the replacement killed in its
@@ -169,8 +195,8 @@ def test_no_event_is_lost_and_e2e_sees_none_twice_through_four_kills(
         eventually(served_once, "each of B's roles served by one live process", 30)
         duplicates = len(run.got) - len(set(run.got))
         print(
-            f"\n{run.published} events at A and C, kills at {run.kills}: 0 lost at either "
-            f"subscriber, 0 twice at the e2e one, {duplicates} duplicates at the broker one"
+            f"\n{run.published} events at A and C, kills at {run.kills}: 0 lost at any "
+            f"subscriber, 0 twice at the e2e ones, {duplicates} duplicates at the broker one"
         )
     finally:
         deployment.down()
