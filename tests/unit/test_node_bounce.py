@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from qosmq_bench.phoenix_chaos import NodeBounce
+from qosmq_bench.node_fault import NodeBounce
 
 
 class _Cluster:
