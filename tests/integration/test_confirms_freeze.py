@@ -1,0 +1,136 @@
+"""E2e confirms with the publisher or the consumer frozen (SIGSTOP), on both faces.
+
+A process that stops running for a while (a VM pause, a long GC, a laptop lid, SIGSTOP)
+keeps its connections: nothing fails over, the broker holds what it gave it, and its
+timers are all overdue when it runs again.  The promises:
+
+- a publisher frozen for longer than its whole receipt budget (``receipt_timeout`` times
+  ``max_attempts``) confirms every message once it runs again: the receipts that
+  arrived meanwhile count, no message is failed for the pause;
+- a consumer frozen for longer than ``receipt_timeout`` but within the budget makes the
+  publisher resend (the broker counts more publishes than messages) and every message
+  is still confirmed and handled once;
+- a consumer frozen past the budget gets its messages a named ``ReceiptTimeout`` and
+  nothing else: each of them is still handled, once, after it runs again.
+
+Publisher and consumer are processes of their own (``tests/e2e_freeze_process.py``);
+the test counts what each handled from its own file and the publishes from the broker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from middleware.settings import Settings
+from middleware.transport import QueueKind, QueueSpec, SyncClient
+from middleware.transport.management import management_get, vhost_path
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.chaos]
+
+COUNT, RATE = 300, 50.0
+ROOT = Path(__file__).resolve().parents[2]
+
+#: (who is frozen, seconds, receipt_timeout, max_attempts)
+CASES = {
+    "publisher past its budget": ("publisher", 5.0, 1.0, 3),
+    "consumer within the budget": ("consumer", 2.5, 1.5, 4),
+    "consumer past the budget": ("consumer", 5.0, 1.0, 3),
+}
+
+
+def _spawn(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tests.e2e_freeze_process", *args]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _handled(path: Path) -> Counter[str]:
+    return Counter(path.read_text().split()) if path.exists() else Counter()
+
+
+def _broker_publishes(settings: Settings, queue: str, at_least: int) -> int:
+    """The broker's own count of publishes into ``queue`` (its statistics lag a few
+    seconds: wait until they show at least ``at_least`` or stop changing)."""
+    path = f"/api/queues/{vhost_path(settings)}/{queue}"
+    seen, deadline = -1, time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats: dict[str, Any] = management_get(settings, path).get("message_stats") or {}
+        seen = int(stats.get("publish", 0))
+        if seen >= at_least:
+            break
+        time.sleep(1)
+    return seen
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_frozen_e2e_process_loses_nothing_and_handles_nothing_twice(
+    case: str, face: str, settings: Settings, brokers: Any, name: str, tmp_path: Path
+) -> None:
+    frozen, freeze_s, receipt_timeout, attempts = CASES[case]
+    env = {
+        **os.environ,
+        "QOSMQ_AMQP_URLS": ",".join(brokers.urls),
+        "QOSMQ_CONFIRMS__RECEIPT_TIMEOUT": str(receipt_timeout),
+        "QOSMQ_CONFIRMS__MAX_ATTEMPTS": str(attempts),
+    }
+    with SyncClient(settings=settings) as admin:
+        admin.declare_queue(QueueSpec(name, kind=QueueKind.CLASSIC))
+    handled_file, published_file = tmp_path / "handled", tmp_path / "published"
+    consumer = _spawn(env, "consumer", face, name, str(handled_file))
+    publisher = None
+    try:
+        publisher = _spawn(env, "publisher", face, name, str(published_file), str(COUNT), str(RATE))
+        time.sleep(1.5)  # a part of the stream confirmed before the freeze
+        target = publisher if frozen == "publisher" else consumer
+        os.kill(target.pid, signal.SIGSTOP)
+        time.sleep(freeze_s)
+        os.kill(target.pid, signal.SIGCONT)
+        assert publisher.wait(120) == 0
+        deadline = time.monotonic() + 30
+        while len(_handled(handled_file)) < COUNT and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(receipt_timeout)  # a late duplicate would show by now
+    finally:
+        for proc in (publisher, consumer):
+            if proc is not None:
+                _stop(proc)
+    rows = [json.loads(line) for line in published_file.read_text().splitlines()]
+    assert rows[-1] == ["done"]
+    confirmed = {row[1] for row in rows if row[0] == "ok"}
+    failed = {row[1]: row[2] for row in rows if row[0] == "err"}
+    handled = _handled(handled_file)
+    assert len(confirmed) + len(failed) == COUNT
+    assert confirmed <= set(handled), "a confirmed message was never handled"
+    assert set(handled) == {f"m{i}" for i in range(COUNT)}, "a message was never handled"
+    assert max(handled.values()) == 1, "a handler ran twice for one message"
+    if case == "consumer past the budget":
+        assert failed, "the freeze outlasted the budget: some publishes must have failed"
+        assert all(error.startswith("ReceiptTimeout(") for error in failed.values()), failed
+    else:
+        assert failed == {}
+    if frozen == "consumer":
+        # the freeze outlasted a receipt timeout: the publisher resent, the broker saw it
+        assert _broker_publishes(settings, name, COUNT + 1) > COUNT
+    with SyncClient(settings=settings) as admin:
+        admin.delete_queue(name)
