@@ -76,7 +76,7 @@ def test_a_killed_node_loses_no_enqueue_and_keeps_the_producers_order(
             except MiddlewareError as exc:
                 failed.append(repr(exc)[:200])
             await asyncio.sleep(0.003)
-        while (await queues.recover()).remaining:
+        while (await queues.recover()).remaining:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
         await queues.close()
         await queues.client.close()
