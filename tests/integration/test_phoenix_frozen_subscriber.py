@@ -1,0 +1,116 @@
+"""Phoenix e2e subscribers frozen (SIGSTOP) under a stream, on both client faces.
+
+Two subscriber processes (``tests/phoenix_subscriber_process.py``: the asyncio
+``PhoenixClient`` and the pika ``SyncPhoenixClient``), each on an e2e subscription of
+its own at A to events B matches, are frozen for 8 s while events go on at 50/s, then
+run again.  The freeze outlasts ``e2e_hold_s`` (2 s): the match master stops waiting
+for their receipts, counts their copies once their RabbitMQ holds them (the subscriber
+*lags*, one probe copy a second waits for a receipt again) and goes on; the copies wait
+in their queues.  Once they run again each handler gets every event, once, and a
+receipt in time ends the lag (docs/phoenix.md, "What a subscriber can count on").  The
+test counts from each process's own file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from middleware.routing.client import PhoenixClient
+from middleware.transport import AsyncClient
+from tests.integration.phoenix_support import event, owned_by, running
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.chaos, pytest.mark.slow]
+
+FACES = ("async", "sync")
+RATE, SECONDS, FREEZE_AT, FREEZE_S = 50, 12.0, 3.0, 8.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _handled(path: Path) -> list[int]:
+    return [int(n) for n in path.read_text().split()] if path.exists() else []
+
+
+def test_frozen_e2e_subscribers_miss_nothing_and_see_nothing_twice(
+    settings: Any, brokers: Any, tmp_path: Path, name: str
+) -> None:
+    urls = ",".join(brokers.urls)
+    event_type = owned_by(["A", "B"], "B", "frozen")
+    clusters: dict[str, dict[str, object]] = {
+        c: {"routing_slaves": 1, "match_slaves": 1} for c in "AB"
+    }
+    files = {face: tmp_path / f"{face}.handled" for face in FACES}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    with running(tmp_path, name, settings, urls, clusters) as deployed:
+
+        async def scenario() -> int:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=deployed.topology, cluster="A")
+                for face in FACES:
+                    queue = f"{name}.{face}"
+                    await at_a.subscribe(event_type, [("n", ">=", -1)], 1, queue, confirm="e2e")
+                    cmd = [sys.executable, "-m", "tests.phoenix_subscriber_process", face]
+                    cmd += [str(deployed.topology_file), "A", queue, str(files[face])]
+                    env = {**os.environ, "QOSMQ_AMQP_URLS": urls}
+                    procs[face] = subprocess.Popen(  # noqa: ASYNC220 - waits for "ready" alone
+                        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
+                    )
+                    stdout = procs[face].stdout
+                    assert stdout is not None and stdout.readline().strip() == "ready"
+                deadline = time.monotonic() + 60  # both paths live end to end
+                while time.monotonic() < deadline:
+                    await at_a.publish(event(event_type, n=-1))
+                    await asyncio.sleep(0.5)
+                    if all(-1 in _handled(files[face]) for face in FACES):
+                        break
+                assert all(-1 in _handled(files[face]) for face in FACES), "no probe handled"
+                published, start, frozen, frozen_at = 0, time.monotonic(), False, 0.0
+                while (now := time.monotonic() - start) < SECONDS:
+                    if not frozen and now >= FREEZE_AT:
+                        for proc in procs.values():
+                            os.kill(proc.pid, signal.SIGSTOP)
+                        frozen, frozen_at = True, now
+                    if frozen and frozen_at and now >= frozen_at + FREEZE_S:
+                        for proc in procs.values():
+                            os.kill(proc.pid, signal.SIGCONT)
+                        frozen_at = 0.0
+                    await at_a.publish(event(event_type, n=published))
+                    published += 1
+                    await asyncio.sleep(1 / RATE)
+                if frozen_at:
+                    for proc in procs.values():
+                        os.kill(proc.pid, signal.SIGCONT)
+                wanted = set(range(published))
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not all(  # noqa: ASYNC110
+                    wanted <= set(_handled(files[face])) for face in FACES
+                ):
+                    await asyncio.sleep(0.2)
+                await asyncio.sleep(3.0)  # copies sent again would be handled by now
+                await at_a.close()
+            return published
+
+        try:
+            published = asyncio.run(scenario())
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+                proc.wait(10)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+    for face in FACES:
+        handled = [n for n in _handled(files[face]) if n >= 0]
+        missing = sorted(set(range(published)) - set(handled))
+        assert not missing, f"{face}: {len(missing)} of {published} never handled: {missing[:20]}"
+        twice = sorted({n for n in handled if handled.count(n) > 1})
+        assert not twice, f"{face}: {len(twice)} handled twice: {twice[:20]}"
