@@ -87,9 +87,9 @@ def register(sub: Any) -> None:
     queues.set_defaults(run=_run_queues)
     loss = cmds.add_parser(
         "node-loss",
-        help="confirm modes through a SIGKILLed RabbitMQ node (needs the local cluster)",
+        help="confirm modes through a lost RabbitMQ node (needs the local cluster)",
     )
-    from .node_loss import SCENARIOS
+    from .node_loss import FAULTS, SCENARIOS
 
     loss.add_argument(
         "--scenarios",
@@ -110,6 +110,12 @@ def register(sub: Any) -> None:
         type=number(0, 3600, above=True),
         default=30.0,
         help="seconds each node stays down",
+    )
+    loss.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default="kill",
+        help="kill: SIGKILL (a crash); stop: a graceful stop (a rolling restart)",
     )
     loss.add_argument("--state-dir", type=path, default=Path(".qosmq"), help="the local cluster")
     loss.add_argument("--out", type=out_file, help="also write the rows to this JSON file")
@@ -363,6 +369,7 @@ def _run_node_loss(args: argparse.Namespace) -> int:
                     scenario=scenario,
                     rate=rate,
                     down_s=args.down,
+                    fault=args.fault,
                     progress=lambda line: print(line, file=sys.stderr, flush=True),
                 ),
                 event_loop=args.settings.event_loop,

@@ -1,4 +1,4 @@
-"""``qosmq bench node-loss``: confirm modes through a SIGKILLed RabbitMQ node, per phase.
+"""``qosmq bench node-loss``: confirm modes through a lost RabbitMQ node, per phase.
 
 Three workloads side by side at ``rate`` publishes/s each, against a local cluster the
 benchmark can kill nodes of: ``e2e-async`` and ``e2e-sync`` (e2e confirms over a fanout
@@ -7,13 +7,16 @@ publisher) and ``broker-async`` (publisher confirms to a quorum queue, the paper
 baseline mode, whose recovery the layer already had: the reference in the same run).
 
 Scenarios: ``publisher-node`` (every client and every queue leader on the node that is
-killed), ``leader-node`` (the queue leaders' node killed, the clients elsewhere) and
-``two-nodes`` (the publisher node killed and restarted, then the node the clients
-failed over to). Each node stays down ``down_s``.  Every publish is timed by the
-benchmark itself and every delivery counted by its own consumers: per workload and
-phase, the confirm latencies, the first confirm of a publish sent after the kill, the
-longest gap between confirms, errors by kind, and (over the run) confirmed messages
-some queue never handled (lost) and handler runs beyond one per queue (duplicates).
+lost), ``leader-node`` (the queue leaders' node lost, the clients elsewhere) and
+``two-nodes`` (the publisher node lost and restarted, then the node the clients failed
+over to). Each node stays down ``down_s``. ``fault``: ``kill`` (SIGKILL, a crash) or
+``stop`` (a graceful stop, as a rolling restart does: the node closes its clients'
+connections with ``CONNECTION_FORCED`` and hands its queue leaders over). Every publish
+is timed by the benchmark itself and every delivery counted by its own consumers: per
+workload and phase, the confirm latencies, the first confirm of a publish sent after
+the loss, the longest gap between confirms, errors by kind, and (over the run)
+confirmed messages some queue never handled (lost) and handler runs beyond one per
+queue (duplicates).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = ["SCENARIOS", "WORKLOADS", "run_node_loss"]
 log = logging.getLogger(__name__)
 
 SCENARIOS = ("publisher-node", "leader-node", "two-nodes")
+FAULTS = ("kill", "stop")
 WORKLOADS = ("e2e-async", "e2e-sync", "broker-async")
 
 
@@ -87,8 +91,11 @@ def _ordered(urls: tuple[str, ...], first: int) -> tuple[str, ...]:
 class _Run:
     """One scenario: the topology, the clients, the publishing, the kills."""
 
-    def __init__(self, cluster: LocalCluster, settings: Settings, *, rate: float) -> None:
+    def __init__(
+        self, cluster: LocalCluster, settings: Settings, *, rate: float, fault: str = "kill"
+    ) -> None:
         self.cluster, self.settings, self.rate = cluster, settings, rate
+        self.lose = {"kill": cluster.kill, "stop": cluster.stop}[fault]
         self.urls = tuple(settings.amqp_urls)
         self.names = [n.short_name for n in cluster.layout.nodes]
         prefix = f"nodeloss-{uuid.uuid4().hex[:8]}"
@@ -203,7 +210,7 @@ class _Run:
 
     async def fault(self, name: str, down_s: float) -> None:
         self.events.append((f"kill {name}", time.monotonic()))
-        await asyncio.to_thread(self.cluster.kill, name)
+        await asyncio.to_thread(self.lose, name)
         self.events.append((f"killed {name}", time.monotonic()))
         await asyncio.sleep(down_s)
         self.events.append((f"start {name}", time.monotonic()))
@@ -230,12 +237,15 @@ async def run_node_loss(
     down_s: float = 30.0,
     warmup_s: float = 5.0,
     after_s: float = 10.0,
+    fault: str = "kill",
     progress: Callable[[str], None] = lambda _line: None,
 ) -> list[dict[str, Any]]:
     """Run one scenario; return a row per workload and phase (see the module doc)."""
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
-    run = _Run(cluster, settings, rate=rate)
+    if fault not in FAULTS:
+        raise ValueError(f"fault {fault!r}: one of {', '.join(FAULTS)}")
+    run = _Run(cluster, settings, rate=rate, fault=fault)
     clients_at, leaders_at = (1, 0) if scenario == "leader-node" else (0, 0)
     await run.declare(leaders_at)
     consumers = await run.consume(clients_at)
@@ -249,7 +259,7 @@ async def run_node_loss(
     await asyncio.sleep(warmup_s)
     victims = run.names[:2] if scenario == "two-nodes" else run.names[:1]
     for victim in victims:
-        progress(f"{scenario}: killing {victim} for {down_s:.0f} s")
+        progress(f"{scenario}: {fault} {victim}, down {down_s:.0f} s")
         await run.fault(victim, down_s)
         await asyncio.sleep(after_s)
     run._stop.set()

@@ -1,8 +1,9 @@
-"""Confirm modes through a SIGKILLed RabbitMQ node: e2e confirms go on while it is down.
+"""Confirm modes through a lost RabbitMQ node: e2e confirms go on while it is down.
 
 Each scenario runs the node-loss benchmark's three workloads side by side (e2e on the
 asyncio and on the sync publisher over a fanout to three quorum queues, and publisher
-confirms to a quorum queue), kills a node for longer than ``receipt_timeout`` and counts
+confirms to a quorum queue), kills (or gracefully stops) a node for longer than
+``receipt_timeout`` and counts
 every publish and every delivery itself.  Before the watched channel, no e2e message
 reached a consumer until the killed node was back: the first confirm came after the
 restart and publishes failed with ``ReceiptTimeout``.
@@ -21,14 +22,29 @@ pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest
 DOWN_S = 8.0  # longer than the receipt timeout below
 
 
-@pytest.mark.parametrize("scenario", ["publisher-node", "leader-node", "two-nodes"])
-def test_e2e_confirms_go_on_while_a_node_is_down(scenario, settings, local_cluster) -> None:
+@pytest.mark.parametrize(
+    ("scenario", "fault"),
+    [
+        ("publisher-node", "kill"),
+        ("leader-node", "kill"),
+        ("two-nodes", "kill"),
+        ("publisher-node", "stop"),  # a graceful stop, as a rolling restart does
+    ],
+)
+def test_e2e_confirms_go_on_while_a_node_is_down(scenario, fault, settings, local_cluster) -> None:
     fast = settings.model_copy(
         update={"confirms": settings.confirms.model_copy(update={"receipt_timeout": 5.0})}
     )
     rows = asyncio.run(
         run_node_loss(
-            local_cluster, fast, scenario=scenario, rate=20, down_s=DOWN_S, warmup_s=3, after_s=3
+            local_cluster,
+            fast,
+            scenario=scenario,
+            rate=20,
+            down_s=DOWN_S,
+            warmup_s=3,
+            after_s=3,
+            fault=fault,
         )
     )
     by = {(r["workload"], r["phase"]): r for r in rows}

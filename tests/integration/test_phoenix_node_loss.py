@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100
 
 
-def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
-    settings, brokers, local_cluster, tmp_path: Path, name: str
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_rabbitmq_node_lost_under_load_loses_no_confirmed_event(
+    fault, settings, brokers, local_cluster, tmp_path: Path, name: str
 ) -> None:
     event_type, topology, deployment = _deployment(
         settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}, {"inbox_mirrors": 2}
@@ -55,13 +56,13 @@ def test_a_rabbitmq_node_killed_under_load_loses_no_confirmed_event(
         victim = info["node"]  # where B's routing master's inbox lives
 
         confirmed, got, failed = asyncio.run(
-            _stream(settings, topology, event_type, queue, local_cluster, victim)
+            _stream(settings, topology, event_type, queue, local_cluster, victim, fault)
         )
         lost = sorted(confirmed - got)
-        assert not lost, f"{len(lost)} confirmed events lost after {victim} died: {lost[:20]}"
+        assert not lost, f"{len(lost)} confirmed events lost after {victim} ({fault}): {lost[:20]}"
         # the stream went on through the failover (publishes stall while it runs)
         assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
-        print(f"\n{victim} killed: {len(confirmed)} confirmed, 0 lost, {failed} refused")
+        print(f"\n{victim} ({fault}): {len(confirmed)} confirmed, 0 lost, {failed} refused")
     finally:
         deployment.down()
 
@@ -111,17 +112,20 @@ async def _declare_subscriber_queue(settings, url: str, queue: str) -> None:
         await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
 
 
-async def _stream(settings, topology, event_type, queue, local_cluster, victim):
-    """6 s of events at A, ``victim`` killed one second in; (confirmed, got, failed)."""
+async def _stream(settings, topology, event_type, queue, local_cluster, victim, fault="kill"):
+    """6 s of events at A, ``victim`` killed (or stopped gracefully: ``fault``) one second
+    in, the events going on while it stops; (confirmed, got, failed)."""
     confirmed: set[int] = set()
     failed = 0
     async with AsyncClient(settings=settings) as client:
         at_a = PhoenixClient(client, topology=topology, cluster="A")
         start = time.monotonic()
         n = 0
+        losing = None
         while time.monotonic() - start < 6.0:
             if n == RATE:  # one second in
-                await asyncio.to_thread(local_cluster.kill, victim)
+                lose = getattr(local_cluster, fault)
+                losing = asyncio.create_task(asyncio.to_thread(lose, victim))
             try:
                 await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
                 confirmed.add(n)
@@ -129,6 +133,8 @@ async def _stream(settings, topology, event_type, queue, local_cluster, victim):
                 failed += 1  # refused or failed: the publisher knows, not lost
             n += 1
             await asyncio.sleep(1 / RATE)
+        assert losing is not None
+        await losing
         got: set[int] = set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not confirmed <= got:

@@ -40,9 +40,10 @@ def _with_spool(settings: Settings, path: Path) -> Settings:
     return settings.model_copy(update={"queues": queues})
 
 
+@pytest.mark.parametrize("fault", ["kill", "stop"])
 @pytest.mark.parametrize("face", ["async", "sync"])
-def test_a_killed_node_loses_no_enqueue_and_keeps_the_producers_order(
-    face: str, settings: Settings, local_cluster: Any, name: str, tmp_path: Path
+def test_a_lost_node_loses_no_enqueue_and_keeps_the_producers_order(
+    face: str, fault: str, settings: Settings, local_cluster: Any, name: str, tmp_path: Path
 ) -> None:
     first = settings.starting_at(0)
     node = local_cluster.layout.nodes[0].short_name
@@ -105,7 +106,7 @@ def test_a_killed_node_loses_no_enqueue_and_keeps_the_producers_order(
         else:
             producer = asyncio.create_task(async_producer())
         await asyncio.sleep(3)
-        local_cluster.kill(node)
+        await asyncio.to_thread(getattr(local_cluster, fault), node)
         await asyncio.sleep(6)
         await asyncio.to_thread(local_cluster.start, node)
         await asyncio.wait_for(producer, 120)
