@@ -17,6 +17,7 @@ from typing import NoReturn
 __all__ = [
     "ERROR_PREFIX",
     "Parser",
+    "broker_name",
     "integer",
     "integers",
     "names",
@@ -129,6 +130,27 @@ def names(choices: Iterable[str]) -> Callable[[str], str]:
         return ",".join(items)
 
     parse.__name__ = "comma list"
+    return parse
+
+
+def broker_name(most_bytes: int) -> Callable[[str], str]:
+    """A name the broker will carry (a topic, a queue): not empty, no control
+    characters, at most ``most_bytes`` of UTF-8 (AMQP names end at 255 bytes, and the
+    layer adds suffixes to some)."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("an empty name")
+        if any(ord(c) < 32 or ord(c) == 127 for c in text):
+            raise argparse.ArgumentTypeError(f"{text!r} has control characters")
+        size = len(text.encode("utf-8"))
+        if size > most_bytes:
+            raise argparse.ArgumentTypeError(
+                f"a name of {size} bytes (at most {most_bytes} in UTF-8)"
+            )
+        return text
+
+    parse.__name__ = "name"
     return parse
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from .. import runtime
 from ..balancer import BalancerSidecar, declare_replicated_topic
 from ..cli_help import renamed
-from ..cliargs import integer, number
+from ..cliargs import broker_name, integer, number
 from ..observability import start_metrics_server
 
 __all__ = ["register"]
@@ -22,7 +22,10 @@ def register(sub: Any) -> None:
     roles = sidecar.add_subparsers(title="sidecars", required=True)
     bal = roles.add_parser("balancer", help="sample a replicated topic and publish load reports")
     bal.add_argument(
-        "--topic", required=True, help="the topic whose replicas this sidecar measures"
+        "--topic",
+        required=True,
+        type=broker_name(200),  # its replicas are <topic>.r<i>; the reports name it
+        help="the topic whose replicas this sidecar measures",
     )
     bal.add_argument(
         "--replicas", type=integer(1, 64), default=2, help="queue replicas of the topic"

@@ -105,6 +105,21 @@ def test_cluster_arguments_out_of_range(argv, says, capsys, tmp_path) -> None:
     assert says in err
 
 
+@pytest.mark.parametrize(
+    "topic, says",
+    [
+        ("", "--topic: an empty name"),
+        ("a\x01b", "has control characters"),
+        ("t" * 201, "a name of 201 bytes (at most 200 in UTF-8)"),
+        ("é" * 101, "a name of 202 bytes"),
+    ],
+)
+def test_a_balancer_topic_the_broker_cannot_carry_is_refused_at_once(topic, says, capsys) -> None:
+    """Refused when parsed, before any connection (the broker here is unreachable)."""
+    err = _cli(capsys, ["sidecar", "balancer", "--topic", topic])
+    assert says in err and "connection" not in err
+
+
 def test_spool_status_of_a_missing_file_creates_nothing(capsys, tmp_path) -> None:
     path = tmp_path / "absent.sqlite3"
     err = _cli(capsys, ["spool", "status", "--path", str(path)])
