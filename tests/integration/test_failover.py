@@ -51,9 +51,18 @@ class Publisher(threading.Thread):
         self.client.close()
 
 
-@pytest.mark.parametrize("kind", ["async", "async-uvloop", "sync"])
-def test_consumer_keeps_receiving_after_its_node_is_killed(
-    kind, settings, brokers, local_cluster, name
+@pytest.mark.parametrize(
+    ("kind", "fault"),
+    [
+        ("async", "kill"),
+        ("async-uvloop", "kill"),
+        ("sync", "kill"),
+        ("async", "stop"),  # a graceful stop: CONNECTION_FORCED, as in a rolling restart
+        ("sync", "stop"),
+    ],
+)
+def test_consumer_keeps_receiving_after_its_node_is_lost(
+    kind, fault, settings, brokers, local_cluster, name
 ) -> None:
     urls = brokers.urls
     consumer = Face(kind, _with_urls(settings, *urls))  # connects to node 1 first
@@ -67,7 +76,7 @@ def test_consumer_keeps_receiving_after_its_node_is_killed(
         consumer.pump(20, until=lambda: len(got) >= 100)
         victim = brokers.node_of_url(consumer.client.connected_node)
         dead = consumer.client._live.connection if consumer.kind == "async" else None
-        local_cluster.kill(victim)
+        getattr(local_cluster, fault)(victim)
         killed_at = len(got)
         consumer.pump(30, until=lambda: len(got) >= killed_at + 200)
         if dead is not None:
