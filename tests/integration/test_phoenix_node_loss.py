@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 
 from middleware.errors import MiddlewareError
 from middleware.phoenix.ids import RoleId
-from middleware.routing.client import PhoenixClient
+from middleware.routing.client import PhoenixClient, SyncPhoenixClient
 from middleware.transport import AsyncClient, QueueKind, QueueSpec
 from middleware.transport.management import management_get
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe
@@ -27,9 +28,12 @@ pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize(
+    ("fault", "face"),
+    [("kill", "async"), ("stop", "sync")],  # a graceful stop, as a rolling restart does
+)
 def test_a_rabbitmq_node_lost_under_load_loses_no_confirmed_event(
-    fault, settings, brokers, local_cluster, tmp_path: Path, name: str
+    fault, face, settings, brokers, local_cluster, tmp_path: Path, name: str
 ) -> None:
     event_type, topology, deployment = _deployment(
         settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}, {"inbox_mirrors": 2}
@@ -56,13 +60,16 @@ def test_a_rabbitmq_node_lost_under_load_loses_no_confirmed_event(
         victim = info["node"]  # where B's routing master's inbox lives
 
         confirmed, got, failed = asyncio.run(
-            _stream(settings, topology, event_type, queue, local_cluster, victim, fault)
+            _stream(settings, topology, event_type, queue, local_cluster, victim, fault, face)
         )
         lost = sorted(confirmed - got)
         assert not lost, f"{len(lost)} confirmed events lost after {victim} ({fault}): {lost[:20]}"
         # the stream went on through the failover (publishes stall while it runs)
         assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
-        print(f"\n{victim} ({fault}): {len(confirmed)} confirmed, 0 lost, {failed} refused")
+        print(
+            f"\n{victim} ({fault}, {face} publisher): {len(confirmed)} confirmed, 0 lost, "
+            f"{failed} refused"
+        )
     finally:
         deployment.down()
 
@@ -112,29 +119,60 @@ async def _declare_subscriber_queue(settings, url: str, queue: str) -> None:
         await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
 
 
-async def _stream(settings, topology, event_type, queue, local_cluster, victim, fault="kill"):
+def _sync_stream(settings, topology, event_type, local_cluster, victim, fault):
+    """As ``_stream``'s publishing, on the pika face: (confirmed, failed)."""
+    confirmed: set[int] = set()
+    failed = 0
+    losing = None
+    with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < 6.0:
+            if n == RATE:  # one second in
+                losing = threading.Thread(target=getattr(local_cluster, fault), args=(victim,))
+                losing.start()
+            try:
+                at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                confirmed.add(n)
+            except MiddlewareError:
+                failed += 1  # refused or failed: the publisher knows, not lost
+            n += 1
+            time.sleep(1 / RATE)
+    assert losing is not None
+    losing.join(120)
+    return confirmed, failed
+
+
+async def _stream(
+    settings, topology, event_type, queue, local_cluster, victim, fault="kill", face="async"
+):
     """6 s of events at A, ``victim`` killed (or stopped gracefully: ``fault``) one second
     in, the events going on while it stops; (confirmed, got, failed)."""
     confirmed: set[int] = set()
     failed = 0
     async with AsyncClient(settings=settings) as client:
-        at_a = PhoenixClient(client, topology=topology, cluster="A")
-        start = time.monotonic()
-        n = 0
-        losing = None
-        while time.monotonic() - start < 6.0:
-            if n == RATE:  # one second in
-                lose = getattr(local_cluster, fault)
-                losing = asyncio.create_task(asyncio.to_thread(lose, victim))
-            try:
-                await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
-                confirmed.add(n)
-            except MiddlewareError:
-                failed += 1  # refused or failed: the publisher knows, not lost
-            n += 1
-            await asyncio.sleep(1 / RATE)
-        assert losing is not None
-        await losing
+        if face == "sync":
+            confirmed, failed = await asyncio.to_thread(
+                _sync_stream, settings, topology, event_type, local_cluster, victim, fault
+            )
+        else:
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            start = time.monotonic()
+            n = 0
+            losing = None
+            while time.monotonic() - start < 6.0:
+                if n == RATE:  # one second in
+                    lose = getattr(local_cluster, fault)
+                    losing = asyncio.create_task(asyncio.to_thread(lose, victim))
+                try:
+                    await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                    confirmed.add(n)
+                except MiddlewareError:
+                    failed += 1  # refused or failed: the publisher knows, not lost
+                n += 1
+                await asyncio.sleep(1 / RATE)
+            assert losing is not None
+            await losing
         got: set[int] = set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not confirmed <= got:
