@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,11 +32,12 @@ import pytest
 from middleware.settings import Settings
 from middleware.transport import QueueKind, QueueSpec, SyncClient
 from middleware.transport.management import management_get, vhost_path
+from tests.processes import spawn_ready, stop
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.chaos]
 
 COUNT, RATE = 300, 50.0
-ROOT = Path(__file__).resolve().parents[2]
+MODULE = "tests.e2e_freeze_process"
 
 #: (who is frozen, seconds, receipt_timeout, max_attempts)
 CASES = {
@@ -46,22 +45,6 @@ CASES = {
     "consumer within the budget": ("consumer", 2.5, 1.5, 4),
     "consumer past the budget": ("consumer", 5.0, 1.0, 3),
 }
-
-
-def _spawn(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "tests.e2e_freeze_process", *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-    proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def _handled(path: Path) -> Counter[str]:
@@ -97,10 +80,11 @@ def test_a_frozen_e2e_process_loses_nothing_and_handles_nothing_twice(
     with SyncClient(settings=settings) as admin:
         admin.declare_queue(QueueSpec(name, kind=QueueKind.CLASSIC))
     handled_file, published_file = tmp_path / "handled", tmp_path / "published"
-    consumer = _spawn(env, "consumer", face, name, str(handled_file))
+    consumer = spawn_ready(MODULE, "consumer", face, name, str(handled_file), env=env)
     publisher = None
     try:
-        publisher = _spawn(env, "publisher", face, name, str(published_file), str(COUNT), str(RATE))
+        args = (face, name, str(published_file), str(COUNT), str(RATE))
+        publisher = spawn_ready(MODULE, "publisher", *args, env=env)
         time.sleep(1.5)  # a part of the stream confirmed before the freeze
         target = publisher if frozen == "publisher" else consumer
         os.kill(target.pid, signal.SIGSTOP)
@@ -114,7 +98,7 @@ def test_a_frozen_e2e_process_loses_nothing_and_handles_nothing_twice(
     finally:
         for proc in (publisher, consumer):
             if proc is not None:
-                _stop(proc)
+                stop(proc)
     rows = [json.loads(line) for line in published_file.read_text().splitlines()]
     assert rows[-1] == ["done"]
     confirmed = {row[1] for row in rows if row[0] == "ok"}

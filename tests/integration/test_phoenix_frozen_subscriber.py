@@ -21,7 +21,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import pytest
 from middleware.routing.client import PhoenixClient
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import event, owned_by, running
+from tests.processes import spawn_ready, stop
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.chaos, pytest.mark.slow]
 
@@ -39,16 +39,12 @@ RATE, SECONDS, FREEZE_AT = 50, 12.0, 3.0
 FAULTS = {"frozen": signal.SIGSTOP, "killed": signal.SIGKILL}
 FAULT_S = {"frozen": 8.0, "killed": 3.0}  # frozen for, or dead for until a new process
 PREFETCH = 128  # the subscriber's (Settings.prefetch)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spawn(face: str, topology: Path, queue: str, out: Path, urls: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "tests.phoenix_subscriber_process", face]
-    cmd += [str(topology), "A", queue, str(out)]
     env = {**os.environ, "QOSMQ_AMQP_URLS": urls}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
+    args = (face, str(topology), "A", queue, str(out))
+    return spawn_ready("tests.phoenix_subscriber_process", *args, env=env)
 
 
 def _handled(path: Path) -> list[int]:
@@ -125,12 +121,7 @@ def test_e2e_subscribers_frozen_or_killed_miss_nothing(
             published = asyncio.run(scenario())
         finally:
             for proc in procs.values():
-                if proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGCONT)
-                    proc.kill()
-                proc.wait(10)
-                if proc.stdout is not None:
-                    proc.stdout.close()
+                stop(proc)
     for face in FACES:
         handled = [n for n in _handled(files[face]) if n >= 0]
         missing = sorted(set(range(published)) - set(handled))
