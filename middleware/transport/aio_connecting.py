@@ -21,7 +21,7 @@ from ..errors import (
     MiddlewareError,
     NotConnected,
 )
-from . import metrics
+from . import metrics, quiet
 from .aio_live import (
     ClientState,
     Down,
@@ -46,6 +46,7 @@ class Connecting(ClientState):
 
     async def _open(self, node: Node) -> None:
         """Connect to ``node``, open channels, replay the topology; raise translated errors."""
+        quiet.install()  # a lost connection: one line, not aiormq's traceback
         # aio_pika.connect() drops a connection whose handshake failed without closing it;
         # its __del__ then makes a close() coroutine that, collected off the loop, is never
         # awaited.  Build it here so that a failed connect is closed on this loop.

@@ -18,6 +18,7 @@ from middleware.localcluster.proxy import FaultProxy
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from tests.conftest import Face, LoopThread
+from tests.processes import spawn_ready, stop
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest.mark.slow]
 
@@ -95,6 +96,43 @@ def test_consumer_keeps_receiving_after_its_node_is_lost(
     assert brokers.node_of_url(consumer.client.connected_node) != victim
     consumer.call("delete_queue", name)
     consumer.close()
+
+
+def test_a_lost_node_is_one_line_in_a_process_that_configured_no_logging(
+    settings, brokers, local_cluster, name, tmp_path
+) -> None:
+    """aiormq logs its reader's end with a traceback; the layer says the loss in one line."""
+    urls = brokers.urls
+    publisher = SyncClient(settings=_with_urls(settings, urls[1], urls[2])).connect()
+    publisher.declare_queue(QueueSpec(name))  # on node 2: the consumer's node 1 dies
+    handled, stderr_file = tmp_path / "handled", tmp_path / "stderr"
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(urls)}
+
+    def publish_and_wait(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            publisher.publish(OutgoingMessage(b"x", "", name, message_id=f"m{i}"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if handled.exists() and len(handled.read_text().splitlines()) >= first + count:
+                return
+            time.sleep(0.1)
+        pytest.fail(f"the consumer did not handle {first + count} messages")
+
+    with stderr_file.open("w") as stderr:
+        proc = spawn_ready(
+            "tests.e2e_consumer_process", name, str(handled), "0", env=env, stderr=stderr
+        )
+        try:
+            publish_and_wait(0, 50)
+            local_cluster.kill(brokers.node_of_url(urls[0]))
+            publish_and_wait(50, 50)
+        finally:
+            stop(proc)
+    publisher.delete_queue(name)
+    publisher.close()
+    said = stderr_file.read_text()
+    assert "lost" in said and "failing over" in said, said  # the fault bit, and was said
+    assert "Traceback" not in said, said
 
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
