@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
+from .errors import InvalidArgument
+from .names import check_name
+
 __all__ = [
     "ERROR_PREFIX",
     "Parser",
@@ -135,20 +138,14 @@ def names(choices: Iterable[str]) -> Callable[[str], str]:
 
 def broker_name(most_bytes: int) -> Callable[[str], str]:
     """A name the broker will carry (a topic, a queue): not empty, no control
-    characters, at most ``most_bytes`` of UTF-8 (AMQP names end at 255 bytes, and the
-    layer adds suffixes to some)."""
+    characters, valid UTF-8 of at most ``most_bytes`` bytes (AMQP names end at 255
+    bytes, and the layer adds suffixes to some): ``names.check_name``."""
 
     def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError("an empty name")
-        if any(ord(c) < 32 or ord(c) == 127 for c in text):
-            raise argparse.ArgumentTypeError(f"{text!r} has control characters")
-        size = len(text.encode("utf-8"))
-        if size > most_bytes:
-            raise argparse.ArgumentTypeError(
-                f"a name of {size} bytes (at most {most_bytes} in UTF-8)"
-            )
-        return text
+        try:
+            return check_name(text, "the name", most_bytes)
+        except InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     parse.__name__ = "name"
     return parse

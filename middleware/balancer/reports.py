@@ -8,16 +8,32 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import InvalidArgument
+from ..names import check_name
 
-__all__ = ["REPORT_EXCHANGE", "LoadReport", "ReplicaLoad", "Sampler", "replica_names"]
+__all__ = [
+    "REPORT_EXCHANGE",
+    "TOPIC_MAX_BYTES",
+    "LoadReport",
+    "ReplicaLoad",
+    "Sampler",
+    "replica_names",
+]
 
 #: Direct exchange the sidecars publish to, routing key = topic name.
 REPORT_EXCHANGE = "qosmq.balancer.reports"
 
 
+#: a topic's longest name in UTF-8 bytes: its replicas are ``<topic>.r<i>`` and a
+#: publisher's report inbox ``qosmq.balancer.inbox.<topic>.<id>``, names of at most 255
+TOPIC_MAX_BYTES = 200
+
+
 def replica_names(topic: str, replicas: int) -> list[str]:
-    if replicas < 1:
-        raise ValueError("a replicated topic needs at least one replica")
+    """The replica queues of ``topic``; :class:`InvalidArgument` for a topic the broker
+    could not carry or fewer than one replica."""
+    check_name(topic, "the topic", TOPIC_MAX_BYTES)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise InvalidArgument(f"a replicated topic needs at least one replica, got {replicas!r}")
     return [f"{topic}.r{i}" for i in range(replicas)]
 
 

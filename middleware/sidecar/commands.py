@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import runtime
 from ..balancer import BalancerSidecar, declare_replicated_topic
+from ..balancer.reports import TOPIC_MAX_BYTES
 from ..cli_help import renamed
 from ..cliargs import broker_name, integer, number
 from ..observability import start_metrics_server
@@ -24,7 +25,7 @@ def register(sub: Any) -> None:
     bal.add_argument(
         "--topic",
         required=True,
-        type=broker_name(200),  # its replicas are <topic>.r<i>; the reports name it
+        type=broker_name(TOPIC_MAX_BYTES),  # replicas <topic>.r<i>; the reports name it
         help="the topic whose replicas this sidecar measures",
     )
     bal.add_argument(

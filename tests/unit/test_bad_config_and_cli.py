@@ -108,10 +108,11 @@ def test_cluster_arguments_out_of_range(argv, says, capsys, tmp_path) -> None:
 @pytest.mark.parametrize(
     "topic, says",
     [
-        ("", "--topic: an empty name"),
+        ("", "--topic: the name is empty"),
         ("a\x01b", "has control characters"),
-        ("t" * 201, "a name of 201 bytes (at most 200 in UTF-8)"),
-        ("é" * 101, "a name of 202 bytes"),
+        ("t" * 201, "is 201 bytes long (at most 200 in UTF-8)"),
+        ("é" * 101, "is 202 bytes long"),
+        ("a\udcffb", "is not valid UTF-8 text"),  # bytes of argv that are not UTF-8
     ],
 )
 def test_a_balancer_topic_the_broker_cannot_carry_is_refused_at_once(topic, says, capsys) -> None:

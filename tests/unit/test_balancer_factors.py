@@ -202,3 +202,29 @@ def test_a_missing_replica_is_never_chosen_and_none_left_is_unroutable() -> None
         with pytest.raises(Unroutable):
             publisher.choose(exclude={0, 2})
     asyncio.run(asyncio.sleep(0))
+
+
+@pytest.mark.parametrize(
+    ("topic", "replicas", "says"),
+    [
+        ("", 3, "the topic is empty"),
+        ("a\nb", 3, "control characters"),
+        ("t" * 201, 3, "201 bytes long"),
+        (None, 3, "must be a string"),
+        ("t", 0, "at least one replica"),
+        ("t", True, "at least one replica"),
+    ],
+)
+def test_the_library_refuses_a_topic_the_broker_cannot_carry(topic, replicas, says) -> None:
+    import asyncio
+
+    from middleware.balancer import BalancedPublisher, declare_replicated_topic
+    from middleware.errors import InvalidArgument
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient
+
+    settings = Settings.load()
+    with pytest.raises(InvalidArgument, match=says):
+        BalancedPublisher(AsyncClient(settings=settings), topic=topic, replicas=replicas)
+    with pytest.raises(InvalidArgument, match=says):  # before any connection is tried
+        asyncio.run(declare_replicated_topic(settings, topic, replicas))
