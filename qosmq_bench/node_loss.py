@@ -53,10 +53,12 @@ from middleware.transport import (
 
 from .stats import percentile
 
-__all__ = ["SCENARIOS", "WORKLOADS", "run_node_loss"]
+__all__ = ["FAULTS", "SCENARIOS", "WORKLOADS", "run_node_loss"]
 log = logging.getLogger(__name__)
 
 SCENARIOS = ("publisher-node", "leader-node", "two-nodes")
+#: how the node is lost: the ``LocalCluster`` method that loses it (SIGKILL, or a
+#: graceful stop as a rolling restart does)
 FAULTS = ("kill", "stop")
 WORKLOADS = ("e2e-async", "e2e-sync", "broker-async")
 
@@ -95,7 +97,7 @@ class _Run:
         self, cluster: LocalCluster, settings: Settings, *, rate: float, fault: str = "kill"
     ) -> None:
         self.cluster, self.settings, self.rate = cluster, settings, rate
-        self.lose = {"kill": cluster.kill, "stop": cluster.stop}[fault]
+        self.lose = getattr(cluster, fault)  # one of FAULTS, checked by run_node_loss
         self.urls = tuple(settings.amqp_urls)
         self.names = [n.short_name for n in cluster.layout.nodes]
         prefix = f"nodeloss-{uuid.uuid4().hex[:8]}"

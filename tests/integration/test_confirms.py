@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ from middleware.transport import (
     SyncClient,
 )
 from tests.conftest import LoopThread
+from tests.processes import spawn_ready, stop
 
 pytestmark = pytest.mark.rabbit
 
@@ -272,13 +272,11 @@ def test_consumer_process_killed_holding_unacked_messages(
         "QOSMQ_AMQP_URLS": ",".join(brokers.urls),
         "QOSMQ_CONFIRMS__RECEIPT_BATCH": str(batch),
     }
-    cmd = [sys.executable, "-m", "tests.e2e_consumer_process", name, str(out), "0.004"]
-    root = Path(__file__).resolve().parents[2]
 
     def spawn() -> subprocess.Popen[str]:
-        proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        return proc
+        return spawn_ready(
+            "tests.e2e_processes", "consumer", "async", name, str(out), "0.004", env=env
+        )
 
     loop = LoopThread()
     client = AsyncClient(settings=_fast(settings, receipt_timeout=3, max_attempts=6))
@@ -314,11 +312,7 @@ def test_consumer_process_killed_holding_unacked_messages(
     finally:
         for proc in (first, second):
             if proc is not None:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait(10)
-                if proc.stdout is not None:
-                    proc.stdout.close()
+                stop(proc)
         loop.run(client.delete_queue(name))
         loop.run(publisher.close())
         loop.run(client.close())

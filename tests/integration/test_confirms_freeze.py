@@ -13,7 +13,7 @@ timers are all overdue when it runs again.  The promises:
 - a consumer frozen past the budget gets its messages a named ``ReceiptTimeout`` and
   nothing else: each of them is still handled, once, after it runs again.
 
-Publisher and consumer are processes of their own (``tests/e2e_freeze_process.py``);
+Publisher and consumer are processes of their own (``tests/e2e_processes.py``);
 the test counts what each handled from its own file and the publishes from the broker.
 """
 
@@ -37,7 +37,7 @@ from tests.processes import spawn_ready, stop
 pytestmark = [pytest.mark.rabbit, pytest.mark.chaos]
 
 COUNT, RATE = 300, 50.0
-MODULE = "tests.e2e_freeze_process"
+MODULE = "tests.e2e_processes"
 
 #: (who is frozen, seconds, receipt_timeout, max_attempts)
 CASES = {
@@ -48,7 +48,11 @@ CASES = {
 
 
 def _handled(path: Path) -> Counter[str]:
-    return Counter(path.read_text().split()) if path.exists() else Counter()
+    return (
+        Counter(line.split()[1] for line in path.read_text().splitlines())
+        if path.exists()
+        else Counter()
+    )
 
 
 def _broker_publishes(settings: Settings, queue: str, at_least: int) -> int:

@@ -120,7 +120,7 @@ def test_a_lost_node_is_one_line_in_a_process_that_configured_no_logging(
 
     with stderr_file.open("w") as stderr:
         proc = spawn_ready(
-            "tests.e2e_consumer_process", name, str(handled), "0", env=env, stderr=stderr
+            "tests.e2e_processes", "consumer", "async", name, str(handled), env=env, stderr=stderr
         )
         try:
             publish_and_wait(0, 50)
@@ -182,7 +182,14 @@ def test_no_confirmed_message_is_lost_when_the_publishers_node_is_killed(
 
 
 @pytest.mark.parametrize(
-    ("fault", "kind"), [("cut", "async"), ("blackhole", "async"), ("cut", "async-uvloop")]
+    ("fault", "kind"),
+    [
+        ("cut", "async"),
+        ("blackhole", "async"),
+        ("cut", "async-uvloop"),
+        ("cut", "sync"),
+        ("blackhole", "sync"),
+    ],
 )
 def test_link_failure_through_the_proxy_is_survived(fault, kind, settings, brokers, name) -> None:
     ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in brokers.urls]

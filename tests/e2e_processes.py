@@ -1,8 +1,9 @@
-"""An e2e publisher or consumer as its own process, for tests that SIGSTOP it.
+"""An e2e publisher or consumer as its own process, for tests that SIGKILL or SIGSTOP it.
 
-usage: python -m tests.e2e_freeze_process consumer FACE QUEUE OUTFILE
-       python -m tests.e2e_freeze_process publisher FACE QUEUE OUTFILE COUNT RATE
-FACE is ``async`` or ``sync``.  The consumer appends each handled message id to OUTFILE;
+usage: python -m tests.e2e_processes consumer FACE QUEUE OUTFILE [DELAY_S]
+       python -m tests.e2e_processes publisher FACE QUEUE OUTFILE COUNT RATE
+FACE is ``async`` or ``sync``.  The consumer (prefetch 50) handles each message in
+DELAY_S (default 0) and then appends ``queue message_id`` to OUTFILE;
 the publisher appends one JSON line per publish (``["ok", id]`` once confirmed, or
 ``["err", id, error]``) and ``["done"]`` at the end.  Each prints ``ready`` once it can
 take messages.  Brokers and confirm settings come from the environment (QOSMQ_*).
@@ -27,21 +28,28 @@ from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery, SyncClient
 
 
-def consume(face: str, queue: str, out: TextIO) -> None:
+def consume(face: str, queue: str, out: TextIO, delay: float) -> None:
+    settings = Settings.load(prefetch=50)
     if face == "sync":
-        client = SyncClient(settings=Settings.load()).connect()
+        client = SyncClient(settings=settings).connect()
         consumer = SyncConfirmConsumer(client)
-        consumer.consume(queue, lambda d: out.write(f"{d.message_id}\n"))
+
+        def handle_sync(d: Delivery) -> None:
+            time.sleep(delay)
+            out.write(f"{d.queue} {d.message_id}\n")
+
+        consumer.consume(queue, handle_sync)
         print("ready", flush=True)
         consumer.run()
         return
 
     async def main() -> None:
-        client = await AsyncClient(settings=Settings.load()).connect()
+        client = await AsyncClient(settings=settings).connect()
         consumer = AsyncConfirmConsumer(client)
 
         async def handle(d: Delivery) -> None:
-            out.write(f"{d.message_id}\n")
+            await asyncio.sleep(delay)
+            out.write(f"{d.queue} {d.message_id}\n")
 
         await consumer.consume(queue, handle)
         print("ready", flush=True)
@@ -97,6 +105,6 @@ if __name__ == "__main__":
     role, face, queue, path = sys.argv[1:5]
     with open(path, "a", buffering=1) as out:
         if role == "consumer":
-            consume(face, queue, out)
+            consume(face, queue, out, float(sys.argv[5]) if len(sys.argv) > 5 else 0.0)
         else:
             publish(face, queue, out, int(sys.argv[5]), float(sys.argv[6]))
