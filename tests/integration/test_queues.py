@@ -101,13 +101,21 @@ def _sample(series: str, path: str) -> float:
     return value
 
 
-def test_sync_face_verbs_spool_and_recover(settings, brokers, tmp_path, name) -> None:
+@pytest.mark.parametrize("fault", ["cut", "blackhole"])
+def test_sync_face_verbs_spool_and_recover(fault, settings, brokers, tmp_path, name) -> None:
+    """``blackhole``: the link stays open and silent, new ones are refused: the enqueue
+    waits for the missed heartbeats (2 s here) and spools."""
     proxy = FaultProxy(int(brokers.urls[0].rstrip("/").rsplit(":", 1)[1]))
     try:
-        queues = SyncQueues(SyncClient(settings=_via(proxy, settings, tmp_path))).start()
+        via = _via(proxy, settings, tmp_path).model_copy(update={"heartbeat": 2})
+        queues = SyncQueues(SyncClient(settings=via)).start()
         queues.create_queue(name)
         assert queues.enqueue(name, b"a", message_id="a").status is EnqueueStatus.CONFIRMED
-        proxy.cut(refuse=True)
+        if fault == "cut":
+            proxy.cut(refuse=True)
+        else:
+            proxy.blackhole()
+            proxy.refusing = True
         assert queues.enqueue(name, b"b", message_id="b").status is EnqueueStatus.SPOOLED
         assert queues.enqueue(name, b"c", message_id="c").status is EnqueueStatus.SPOOLED
         assert len(queues.spool) == 2
@@ -201,13 +209,17 @@ def test_each_result_code_from_a_real_situation(settings, brokers, tmp_path, nam
 
 @pytest.mark.chaos
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", ["cut", "blackhole"])
 def test_every_link_cut_mid_stream_loses_nothing_and_keeps_order(
-    settings, brokers, tmp_path, name
+    fault, settings, brokers, tmp_path, name
 ) -> None:
+    """``cut``: every connection reset and refused; ``blackhole``: every connection
+    stays open and silent (a partition), new ones refused: the enqueue in flight waits
+    for the missed heartbeats (2 s here), then every enqueue spools."""
     total = 10_000
     proxies = [FaultProxy(int(u.rstrip("/").rsplit(":", 1)[1])) for u in brokers.urls]
     producer_settings = _settings(settings, tmp_path).model_copy(
-        update={"amqp_urls": tuple(p.url for p in proxies)}
+        update={"amqp_urls": tuple(p.url for p in proxies), "heartbeat": 2}
     )
     loop = LoopThread()
     received: list[str] = []
@@ -225,8 +237,12 @@ def test_every_link_cut_mid_stream_loses_nothing_and_keeps_order(
         statuses = {"confirmed": 0, "spooled": 0}
         for i in range(total):
             if i == 3000:
-                for p in proxies:
-                    p.cut(refuse=True)  # every link to every node, at once
+                for p in proxies:  # every link to every node, at once
+                    if fault == "cut":
+                        p.cut(refuse=True)
+                    else:
+                        p.blackhole()
+                        p.refusing = True
             if i == 7000:
                 for p in proxies:
                     p.heal()
