@@ -153,6 +153,20 @@ def _run_phoenix_chaos(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
+def _detection_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The topology's detection fields the command line set (beats, checks)."""
+    return {
+        key: value
+        for key, value in (
+            ("heartbeat_interval_s", args.heartbeat_interval),
+            ("heartbeat_misses", args.heartbeat_misses),
+            ("slave_beat_interval_s", args.slave_beat_interval),
+            ("neighbour_check_s", args.neighbour_check),
+        )
+        if value is not None
+    }
+
+
 def _run_phoenix_throughput(args: argparse.Namespace) -> int:
     from .phoenix_throughput import run_throughput, summarize_throughput
 
@@ -169,6 +183,7 @@ def _run_phoenix_throughput(args: argparse.Namespace) -> int:
         linger_ms=args.batch_linger_ms,
         copy_batch_max=args.copy_batch_max,
         report=lambda row: print(json.dumps(row), flush=True),
+        beats=_detection_fields(args),
     )
     result.update(provenance(args.settings))
     print(summarize_throughput(result))
@@ -275,13 +290,8 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         seconds=args.stream,
         report=report,
         fields={
-            key: value
-            for key, value in (
-                ("heartbeat_interval_s", args.heartbeat_interval),
-                ("heartbeat_misses", args.heartbeat_misses),
-                ("copy_batch_max", args.copy_batch_max),
-            )
-            if value is not None
+            **_detection_fields(args),
+            **({} if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max}),
         },
         confirm=args.subscriber_confirm,
     )

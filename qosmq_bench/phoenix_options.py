@@ -140,12 +140,25 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
     phoenix.add_argument(
         "--heartbeat-interval",
         type=number(0.001, 60),
-        help="recovery: the topology's heartbeat_interval_s (default: the topology's, 0.1)",
+        help="recovery, throughput: the topology's heartbeat_interval_s, how often masters "
+        "beat to their slaves (default: the topology's, 0.2)",
     )
     phoenix.add_argument(
         "--heartbeat-misses",
         type=integer(1, 100),
-        help="recovery: the topology's heartbeat_misses (default: the topology's, 5)",
+        help="recovery, throughput: the topology's heartbeat_misses (default: the topology's, 5)",
+    )
+    phoenix.add_argument(
+        "--slave-beat-interval",
+        type=number(0.001, 60),
+        help="recovery, throughput: the topology's slave_beat_interval_s, how often slaves "
+        "beat to their master (default: the topology's, 0.25)",
+    )
+    phoenix.add_argument(
+        "--neighbour-check",
+        type=number(0, 60),
+        help="recovery, throughput: the topology's neighbour_check_s (0: off; default: the "
+        "topology's, 1.0)",
     )
     phoenix.add_argument(
         "--stream",
@@ -209,8 +222,10 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "down": ("link",),
     "link_timeout": ("link",),
     "kinds": ("recovery",),
-    "heartbeat_interval": ("recovery",),
-    "heartbeat_misses": ("recovery",),
+    "heartbeat_interval": ("recovery", "throughput"),
+    "heartbeat_misses": ("recovery", "throughput"),
+    "slave_beat_interval": ("recovery", "throughput"),
+    "neighbour_check": ("recovery", "throughput"),
     "stream": ("recovery", "link", "leave"),
     "events": ("matching",),
     "symbols": ("matching",),

@@ -241,11 +241,16 @@ def run_throughput(
     linger_ms: float | None = None,
     copy_batch_max: int | None = None,
     report: Callable[[dict[str, Any]], None] = print,
+    beats: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The idle cost, then a row per rate step (see the module's text); ``linger_ms``:
     the topology's ``batch_linger_ms``, ``copy_batch_max`` its ``copy_batch_max`` (None:
-    their defaults)."""
-    fields: dict[str, Any] = {} if linger_ms is None else {"batch_linger_ms": linger_ms}
+    their defaults); ``beats``: more topology fields, the detection's
+    (``heartbeat_interval_s``, ``heartbeat_misses``, ``slave_beat_interval_s``,
+    ``neighbour_check_s``), which set what the idle deployment costs."""
+    fields: dict[str, Any] = dict(beats or {})
+    if linger_ms is not None:
+        fields["batch_linger_ms"] = linger_ms
     if copy_batch_max is not None:
         fields["copy_batch_max"] = copy_batch_max
     workload = Workload(subscriptions)
@@ -291,6 +296,16 @@ def run_throughput(
         "mechanism": mechanism,
         "batch_linger_ms": deployment.topology.batch_linger_ms,
         "copy_batch_max": deployment.topology.copy_batch_max,
+        "detection": {
+            key: getattr(deployment.topology, key)
+            for key in (
+                "heartbeat_interval_s",
+                "heartbeat_misses",
+                "slave_beat_interval_s",
+                "neighbour_check_s",
+                "leases",
+            )
+        },
         "ready_s": round(ready_s, 1),
         "clients_at": list(CLIENTS),
         "idle": idle,
@@ -301,9 +316,11 @@ def run_throughput(
 def summarize_throughput(result: Mapping[str, Any]) -> str:
     """The steps as a Markdown table, the idle cost above it."""
     idle = result["idle"]
+    beats = ", ".join(f"{k} {v}" for k, v in result.get("detection", {}).items())
     lines = [
         f"idle: roles {idle['roles_pct']} % of one core, brokers "
-        f"{idle['cpu_pct'].get('brokers')} %, messages/s {idle['messages_per_s']}",
+        f"{idle['cpu_pct'].get('brokers')} %, messages/s {idle['messages_per_s']}"
+        + (f" ({beats})" if beats else ""),
         "",
         "| offered/s | delivered/s | mean ms | p99 ms | machine % | CPU ms/event | "
         "above idle | by group (ms/event) | messages/event | copies owed / lost / dup "

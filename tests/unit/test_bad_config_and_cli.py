@@ -259,3 +259,34 @@ def test_a_spark_job_refuses_an_option_of_another_experiment(capsys) -> None:
     assert main(["spark", "faults", "--experiment", "link", "--kinds", "router"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "qosmq: error: --kinds is for --experiment recovery, not link", err
+
+
+def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_path) -> None:
+    """``--heartbeat-interval``, ``--heartbeat-misses``, ``--slave-beat-interval`` and
+    ``--neighbour-check`` reach the deployment's topology (what its idle cost depends on)."""
+    import qosmq_bench.phoenix_throughput as throughput
+
+    seen: dict[str, object] = {}
+
+    def run_throughput(settings, **kwargs):  # the deployment is not started here
+        seen.update(kwargs["beats"])
+        return {"idle": {"roles_pct": 0, "cpu_pct": {}, "messages_per_s": {}}, "steps": []}
+
+    monkeypatch.setattr(throughput, "run_throughput", run_throughput)
+    argv = ["bench", "phoenix", "--experiment", "throughput", "--work-dir", str(tmp_path)]
+    extra = ["--heartbeat-interval", "0.5", "--heartbeat-misses", "3"]
+    extra += ["--slave-beat-interval", "1", "--neighbour-check", "0"]
+    assert main([*argv, *extra]) == 0
+    assert seen == {
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_misses": 3,
+        "slave_beat_interval_s": 1.0,
+        "neighbour_check_s": 0.0,
+    }
+
+
+def test_the_detection_fields_are_refused_where_nothing_reads_them(capsys, tmp_path) -> None:
+    argv = ["bench", "phoenix", "--experiment", "matching", "--slave-beat-interval", "1"]
+    assert main([*argv, "--work-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qosmq: error: --slave-beat-interval is for --experiment recovery")
