@@ -32,11 +32,20 @@ MASTER = RoleId.match("B", 0)
 RATE = 100
 
 
+#: the detection's settings: the defaults (a frozen master found after 1 s), and beats
+#: every second with 3 misses (3 s; the idle cost of docs/phoenix-recovery.md's table)
+BEATS = {
+    "default": {},
+    "lean": {"heartbeat_interval_s": 1.0, "slave_beat_interval_s": 1.0, "heartbeat_misses": 3},
+}
+
+
+@pytest.mark.parametrize("beats", list(BEATS))
 def test_a_subscribe_during_a_freeze_is_kept_and_the_master_steps_down_at_once(
-    settings, brokers, tmp_path: Path, name: str
+    beats, settings, brokers, tmp_path: Path, name: str
 ) -> None:
     event_type, topology, deployment = _deployment(
-        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}
+        settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}, BEATS[beats]
     )
     slave0 = MASTER.slaves(topology.cluster("B"))[0]
     first, late = f"{name}.first", f"{name}.late"
