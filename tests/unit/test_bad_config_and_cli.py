@@ -264,9 +264,11 @@ def test_a_spark_job_refuses_an_option_of_another_experiment(capsys) -> None:
 def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_path) -> None:
     """``--heartbeat-interval``, ``--heartbeat-misses``, ``--slave-beat-interval`` and
     ``--neighbour-check`` reach the deployment's topology (what its idle cost depends on)."""
+    import qosmq_bench.phoenix_commands as commands
     import qosmq_bench.phoenix_throughput as throughput
 
     seen: dict[str, object] = {}
+    monkeypatch.setattr(commands, "brokers_answer", lambda settings: None)  # none here
 
     def run_throughput(settings, **kwargs):  # the deployment is not started here
         seen.update(kwargs["beats"])
