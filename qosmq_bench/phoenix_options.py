@@ -141,24 +141,24 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
         "--heartbeat-interval",
         type=number(0.001, 60),
         help="recovery, throughput: the topology's heartbeat_interval_s, how often masters "
-        "beat to their slaves (default: the topology's, 0.2)",
+        "beat to their slaves (default: the topology's; docs/phoenix.md lists them)",
     )
     phoenix.add_argument(
         "--heartbeat-misses",
         type=integer(1, 100),
-        help="recovery, throughput: the topology's heartbeat_misses (default: the topology's, 5)",
+        help="recovery, throughput: the topology's heartbeat_misses (default: the topology's)",
     )
     phoenix.add_argument(
         "--slave-beat-interval",
         type=number(0.001, 60),
         help="recovery, throughput: the topology's slave_beat_interval_s, how often slaves "
-        "beat to their master (default: the topology's, 0.25)",
+        "beat to their master (default: the topology's)",
     )
     phoenix.add_argument(
         "--neighbour-check",
         type=number(0, 60),
         help="recovery, throughput: the topology's neighbour_check_s (0: off; default: the "
-        "topology's, 1.0)",
+        "topology's)",
     )
     phoenix.add_argument(
         "--stream",
