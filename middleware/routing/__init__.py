@@ -23,6 +23,7 @@ from .replicas import Quorum, Versioned
 from .timeliness import (
     LatencyMap,
     QueuePredictor,
+    QuietReads,
     RemoteBroker,
     choose_broker,
     mean_processing_time,
@@ -80,6 +81,7 @@ __all__ = [
     "PhoenixTopology",
     "Predicate",
     "QueuePredictor",
+    "QuietReads",
     "Quorum",
     "RecordError",
     "RemoteBroker",

@@ -36,7 +36,7 @@ from .registry import Registry
 from .replicas import TOMBSTONE, live
 from .role_metrics import HOPS, INBOX_LENGTH, PREDICTED_T
 from .store import open_store
-from .timeliness import QueuePredictor
+from .timeliness import QueuePredictor, QuietReads
 from .wiring import Handler
 
 __all__ = ["MatchBroker", "MatchSlave"]
@@ -208,21 +208,28 @@ class MatchBroker(Role):
         """Every window: read the inbox backlog from the broker, close the predictor's
         window with it (q = the events waiting in the broker; the ones in progress are
         being served, several at a time, and do not delay a new one by a service time
-        each), and ``report``."""
+        each), and ``report``.  A quiet window after a read that found nothing waiting
+        (``QuietReads``) closes without the read and without the report."""
+        reads = QuietReads()
         while not stop.is_set():
             await asyncio.sleep(self.HEARTBEAT_S)
+            amqp, messages = self.received
+            self.received = [0, 0]
+            if not reads.due(bool(amqp) or not self.predictor.quiet or bool(self.gate.waiting)):
+                self.predictor.close_window(time.monotonic(), 0.0)
+                self.count("quiet_windows")
+                continue
             try:
                 client = await self.client_for(self.cluster)
                 waiting = await client.queue_length(inbox)
                 INBOX_LENGTH.labels(self.cluster, self.role, inbox).set(waiting)
                 # the broker counts AMQP messages, and under load each carries a batch;
                 # the events held here beyond the gate wait too
-                amqp, messages = self.received
                 backlog = waiting * (messages / amqp if amqp else 1.0) + self.gate.waiting
             except Exception as exc:
                 log.info("could not read the backlog of %s: %s", inbox, exc)
                 backlog = None
-            self.received = [0, 0]
+            reads.read(backlog)
             t = self.predictor.close_window(time.monotonic(), backlog)
             PREDICTED_T.labels(self.cluster, self.name).set(t)
             try:

@@ -24,6 +24,7 @@ from ..transport.delivery import outcome_of
 from .batching import PriorityGate, split
 from .messages import Message, encode
 from .role_metrics import INBOX_LENGTH, served_again
+from .timeliness import QuietReads
 from .wiring import process_queue_spec, role_inbox_spec
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class Serving:
         await client.declare_queue(role_inbox_spec(control, role.topology, client))
 
         async def on_control(delivery: Delivery) -> None:
-            await each(role, delivery, lambda m: role.from_control(m, delivery.queue))
+            await each(role, delivery, lambda m: role.from_control(m, delivery.queue), inbox=False)
 
         tags = [await client.consume(control, on_control)]
         # where a FENCE (masters) or a RETIRE (slaves) finds this process
@@ -158,13 +159,20 @@ class Serving:
     async def _watch_inbox(
         self, role: Role, client: AsyncClient, inbox: str, stop: asyncio.Event
     ) -> None:
+        """The inbox-length gauge, read every ``GAUGE_S``; not while the inbox is quiet
+        (``QuietReads``: the last read found it empty and nothing was delivered since),
+        then every tenth time."""
+        reads, seen = QuietReads(), role.received[0]
         while not stop.is_set():
-            try:
-                INBOX_LENGTH.labels(role.cluster, role.role, inbox).set(
-                    await client.queue_length(inbox)
-                )
-            except Exception as exc:  # a metric is not worth a role
-                log.info("could not read the length of %s: %s", inbox, exc)
+            delivered, seen = role.received[0] - seen, role.received[0]
+            if reads.due(bool(delivered)):
+                try:
+                    length = await client.queue_length(inbox)
+                    INBOX_LENGTH.labels(role.cluster, role.role, inbox).set(length)
+                    reads.read(length)
+                except Exception as exc:  # a metric is not worth a role
+                    log.info("could not read the length of %s: %s", inbox, exc)
+                    reads.read(None)
             await asyncio.sleep(self.GAUGE_S)
 
 
@@ -173,14 +181,18 @@ async def each(
     delivery: Delivery,
     handle: Callable[[Message], Awaitable[None]],
     gate: PriorityGate | None = None,
+    *,
+    inbox: bool = True,
 ) -> None:
     """Handle every message a delivery carries (one, or a batch: concurrently, so their
     onward sends batch again), each through ``gate`` when given.  In a batch, a
     malformed element or one whose handling failed is dead-lettered alone, with its
-    reason; the rest are handled."""
+    reason; the rest are handled.  ``inbox``: counted in ``role.received`` (what the
+    inbox took; control messages, beats among them, are not)."""
     messages, malformed = split(delivery.body)
-    role.received[0] += 1
-    role.received[1] += len(messages) + len(malformed)
+    if inbox:
+        role.received[0] += 1
+        role.received[1] += len(messages) + len(malformed)
 
     async def gated(message: Message) -> None:
         if gate is None:

@@ -97,6 +97,9 @@ class _Double:
         self.topology.add(spec)
         return result
 
+    def _own_consumers_of(self, queue: str) -> list[str]:
+        return [tag for tag, entry in self._consumers.items() if entry[0] == queue]
+
     def _delete_queue(self, name: str) -> None:
         self._check_open()
         self.broker.delete_queue(name)
@@ -199,6 +202,8 @@ class InMemoryClient(_Double):
         self._declare(spec)
 
     async def delete_queue(self, name: str) -> None:
+        for tag in self._own_consumers_of(name):  # as the real client: they end here
+            await self.cancel(tag)
         self._delete_queue(name)
 
     async def delete_exchange(self, name: str) -> None:
@@ -354,6 +359,8 @@ class InMemorySyncClient(_Double):
         self._declare(spec)
 
     def delete_queue(self, name: str) -> None:
+        for tag in self._own_consumers_of(name):  # as the real client: they end here
+            self.cancel(tag)
         self._delete_queue(name)
 
     def delete_exchange(self, name: str) -> None:

@@ -280,6 +280,14 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         await self._apply_with_retry(spec)
 
     async def delete_queue(self, name: str) -> None:
+        """Delete the queue, after stopping this client's own consumers of it as
+        ``cancel`` does (their running handlers finish and settle first): a consumer of
+        a queue its own client deleted ends there; it is not subscribed again when a
+        queue of that name is declared later.  (A queue deleted by someone else is the
+        broker's cancel: the consumer is subscribed again once the queue is back.)"""
+        own = [tag for tag, consumer in self._consumers.items() if consumer.spec.queue == name]
+        if own:
+            await self._stop_consumers(own)
         self.topology.forget_queue(name)
         await self._on_temp_channel(lambda ch: ch.queue_delete(name))
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pika
 import pytest
 
 from middleware.errors import (
@@ -49,6 +50,35 @@ def test_publish_consume_roundtrip(contract_face, name) -> None:
         face.call("publish", OutgoingMessage(f"m{i}".encode(), name, "k"))
     face.pump(10, until=lambda: len(got) >= 50)
     assert sorted(got) == sorted(f"m{i}".encode() for i in range(50))
+    face.call("delete_queue", name)
+
+
+def test_a_queue_its_own_client_deleted_ends_that_clients_consumers(contract_face, name) -> None:
+    """A client that deletes a queue it consumes stops its consumers of it first: they
+    are not subscribed again when the queue is declared later (no loop polling for a
+    queue that is gone), and the message published after that waits in the new queue.
+    Counted by another client (a raw pika connection on the real broker)."""
+    face = contract_face
+    face.call("declare_queue", QueueSpec(name))
+    got: list[bytes] = []
+    face.consume(name, lambda d: got.append(d.body))
+    face.call("publish", OutgoingMessage(b"before", "", name))
+    face.pump(10, until=lambda: got == [b"before"])
+    face.call("delete_queue", name)
+    face.call("declare_queue", QueueSpec(name))
+    face.call("publish", OutgoingMessage(b"after", "", name))
+    face.pump(2)  # a re-subscribe (0.1 s, then backing off) would have taken it by now
+    assert got == [b"before"]
+    if face.double:
+        waiting, consumers = face.call("queue_length", name), 0
+    else:
+        connection = pika.BlockingConnection(pika.URLParameters(face.settings.amqp_urls[0]))
+        try:
+            ok = connection.channel().queue_declare(name, passive=True).method
+            waiting, consumers = ok.message_count, ok.consumer_count
+        finally:
+            connection.close()
+    assert (waiting, consumers) == (1, 0)
     face.call("delete_queue", name)
 
 

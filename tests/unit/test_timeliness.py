@@ -10,6 +10,7 @@ import pytest
 from middleware.routing import (
     LatencyMap,
     QueuePredictor,
+    QuietReads,
     choose_broker,
     mean_processing_time,
     predicted_queue,
@@ -156,3 +157,30 @@ def test_blind_dispatch_is_checked_at_start_up_and_on_a_live_switch(tmp_path) ->
     path.write_text('blind_dispatch = "random"\n[[cluster]]\nid = "A"\n')
     with pytest.raises(ConfigurationError, match="blind_dispatch"):
         PhoenixTopology.load(path)
+
+
+def test_a_quiet_inbox_is_read_once_in_ten_windows_and_at_once_when_something_comes() -> None:
+    reads = QuietReads(keepalive=10)
+    assert reads.due(active=False)  # never read: read
+    reads.read(0)
+    # nothing waiting, nothing delivered: nine windows without a read, the tenth reads
+    assert [reads.due(active=False) for _ in range(10)] == [False] * 9 + [True]
+    reads.read(0)
+    assert not reads.due(active=False)
+    assert reads.due(active=True)  # a delivery: read now
+    reads.read(3)
+    assert reads.due(active=False)  # something was waiting: read until it is gone
+    reads.read(None)  # a failed read
+    assert reads.due(active=False)
+
+
+def test_a_predictor_is_quiet_only_with_nothing_arriving_finishing_or_in_progress() -> None:
+    p = QueuePredictor(window_s=0.5)
+    assert p.quiet
+    p.arrived(now=1.0)
+    assert not p.quiet
+    p.close_window(1.5, 0)
+    assert not p.quiet  # still in progress
+    p.completed(now=1.6)
+    p.close_window(2.0, 0)
+    assert p.quiet
