@@ -285,7 +285,7 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         a queue its own client deleted ends there; it is not subscribed again when a
         queue of that name is declared later.  (A queue deleted by someone else is the
         broker's cancel: the consumer is subscribed again once the queue is back.)"""
-        own = [tag for tag, consumer in self._consumers.items() if consumer.spec.queue == name]
+        own = consuming.consumers_of(self._consumers, name)
         if own:
             await self._stop_consumers(own)
         self.topology.forget_queue(name)

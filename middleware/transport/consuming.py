@@ -23,8 +23,10 @@ delivery the broker requeued is handled again (the contract test
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from . import metrics
 from .delivery import Action, Delivery, Outcome, outcome_of, unreadable
@@ -34,6 +36,7 @@ __all__ = [
     "Step",
     "after_handler",
     "before_handler",
+    "consumers_of",
     "resubscribe_after_lost_settle",
     "settle_lost",
     "settle_steps",
@@ -58,6 +61,12 @@ _STEPS: dict[Action, tuple[Step, ...]] = {
     # the copy first: the original is acked only once its copy is published
     Action.DEAD_LETTER: (Step.COPY_TO_DEAD_LETTER, Step.ACK),
 }
+
+
+def consumers_of(consumers: Mapping[str, Any], queue: str) -> list[str]:
+    """The tags of a client's own consumers (recorded with their ``spec``) of ``queue``:
+    what its ``delete_queue`` stops before the delete, on both faces."""
+    return [tag for tag, consumer in consumers.items() if consumer.spec.queue == queue]
 
 
 def before_handler(delivery: Delivery) -> Outcome | None:

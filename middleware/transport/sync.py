@@ -205,7 +205,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
     def delete_queue(self, name: str) -> None:
         """Delete the queue, after cancelling this client's own consumers of it (as the
         asyncio core's ``delete_queue``: they are not subscribed again later)."""
-        for tag in [t for t, consumer in self._consumers.items() if consumer.spec.queue == name]:
+        for tag in consuming.consumers_of(self._consumers, name):
             self.cancel(tag)
         self.topology.forget_queue(name)
         self._call(lambda live: self._on_temp_channel(live, lambda ch: ch.queue_delete(name)))
