@@ -115,10 +115,11 @@ class CopySender:
                 if self._e2e_batcher.max_messages > 1 and copy_id and content:
                     tag = (copy_id, content, bound)
                     outcome: CopyOutcome = await self._e2e_batcher.send(
-                        home, queue, body, priority, tag
+                        home, queue, body, priority, tag, bound=self._e2e_bound(bound)
                     )
                     return outcome
-                return await self._e2e_copy(client, home, queue, body, copy_id, bound, content)
+                alone = self._e2e_copy(client, home, queue, body, copy_id, bound, content)
+                return await bounded(alone, self._e2e_bound(bound))  # type: ignore[no-any-return]
             await self._broker_copy(client, home, queue, body, priority, bound)
             self._down.pop(home, None)
             return CopyOutcome(Outcome.DELIVERED)
@@ -160,6 +161,15 @@ class CopySender:
         progress = functools.partial(self._confirmed, home)
         publish = client.publish(outgoing_body(body, queue))
         await bounded(publish, bound, progress, self._stretched)
+
+    def _e2e_bound(self, bound: float | None) -> float | None:
+        """How long a batched e2e copy waits in all: its receipt's hold and then its
+        link's bound for the broker to take it (``publish_held``), with as much again
+        for getting its turn.  Past it the copy is unreachable (carried around the
+        link), so one wait that never ends cannot hold the event's other copies, and
+        the ones to be carried, for ever; what was sent may still arrive, and the
+        subscriber's duplicate check drops it."""
+        return None if bound is None else 2 * (self.pace.hold_s + bound)
 
     def _confirmed(self, home: str) -> int:
         """How many publishes ``home``'s link has had confirmed (its progress)."""

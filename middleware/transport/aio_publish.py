@@ -11,6 +11,7 @@ installed aiormq.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 
 import aiormq
@@ -20,7 +21,7 @@ from pamqp.header import ContentHeader
 
 from .message import OutgoingMessage
 
-__all__ = ["amqp_timestamp", "basic_publish", "properties", "publish_numbered"]
+__all__ = ["amqp_timestamp", "basic_publish", "properties", "publish_numbered", "queued"]
 
 
 async def basic_publish(
@@ -58,17 +59,51 @@ async def publish_numbered(underlay: aiormq.Channel, message: OutgoingMessage) -
         underlay.delivery_tag += 1
         tag = underlay.delivery_tag
         try:
-            await underlay.write_queue.put(
+            await queued(
+                underlay,
                 ChannelFrame.marshall(
                     frames=frames,  # type: ignore[arg-type]
                     channel_number=underlay.number,
                     drain_future=None,
-                )
+                ),
             )
         except BaseException:
             underlay.delivery_tag -= 1  # the broker has not seen it: reuse the number
             raise
     return tag
+
+
+async def queued(underlay: aiormq.Channel, frame: ChannelFrame) -> None:
+    """Put ``frame`` on the connection's frame queue: at once while it has room (the
+    common case: no task, no wait); when it is full, wait for room unless the channel
+    closes first.  The queue is bounded (``FRAME_BUFFER_SIZE``) and only the
+    connection's writer empties it, so on a connection that was lost with its queue
+    full the wait had no end: the publish hung, holding the channel's lock, and every
+    publish queued behind it hung too (a Phoenix match broker's e2e copies across a cut
+    link never settled, and the copies of those events that should have been carried
+    around the link were never carried).  aiormq's own publish bounds this wait by its
+    timeout; this one ends when the channel closes, raising why it closed."""
+    queue = underlay.write_queue
+    if not underlay.is_closed:
+        try:
+            queue.put_nowait(frame)
+            return
+        except asyncio.QueueFull:
+            pass
+    closing = underlay.closing
+    putting = asyncio.ensure_future(queue.put(frame))
+    try:
+        await asyncio.wait((putting, closing), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not putting.done():
+            putting.cancel()
+        closing.cancel()  # an observer of the close: cancelling it stops observing only
+    if putting.done() and not putting.cancelled():
+        return putting.result()
+    reason = closing.exception() if closing.done() and not closing.cancelled() else None
+    if isinstance(reason, Exception):
+        raise reason
+    raise aiormq.exceptions.ChannelInvalidStateError(f"channel {underlay.number} closed")
 
 
 def properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:

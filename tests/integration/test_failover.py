@@ -339,6 +339,54 @@ def test_an_e2e_publisher_whose_first_start_meets_a_cut_link_starts_clean_after_
     assert handled == 20
 
 
+@pytest.mark.parametrize("how", ["watched", "unconfirmed"])
+def test_publishes_waiting_for_room_on_a_connection_that_closes_all_end(
+    how, settings, brokers, name
+) -> None:
+    """Unconfirmed publishes (``publish_watched``, as a Phoenix e2e copy leaves, or
+    ``publish(confirm=False)``) waiting for room in the connection's frame queue when
+    the connection goes: each ends with a named error, none hangs.  Only the
+    connection's writer empties that queue; once the writer stopped, a publish that
+    waited for room waited forever before, holding its channel's lock, and every publish
+    behind it hung as well.  That is how a Phoenix match broker's copies hung when a
+    link was cut under load (never settled; the copies of those events to be carried
+    around the link never carried).  The moment is held still here by stopping the
+    writer first (aiormq then closes the connection with the broker's handshake); the
+    count is the test's own: the publisher tasks that ended."""
+    publishers = 24
+
+    async def scenario() -> tuple[int, int, list[BaseException]]:
+        async with AsyncClient(settings=settings) as admin:
+            await admin.declare_queue(QueueSpec(name))
+            client = await AsyncClient(settings=settings).connect()
+            message = OutgoingMessage(b"x" * 1024, "", name)
+            await client.publish_watched(message)  # the watched channel is open
+
+            async def publisher() -> None:
+                while True:  # until a publish fails
+                    if how == "watched":
+                        await client.publish_watched(message)
+                    else:
+                        await client.publish(message, confirm=False, retry=False)
+
+            live = client._live
+            underlay = live.connection.transport.connection  # type: ignore[union-attr]
+            underlay._writer_task.cancel()  # nothing empties the frame queue from now
+            tasks = [asyncio.ensure_future(publisher()) for _ in range(publishers)]
+            done, pending = await asyncio.wait(tasks, timeout=15)
+            for task in pending:
+                task.cancel()
+            errors = [t.exception() for t in done if not t.cancelled()]
+            await client.close()
+            await admin.delete_queue(name)
+            return len(done), len(pending), [e for e in errors if e is not None]
+
+    ended, hung, errors = asyncio.run(scenario())
+    assert hung == 0, f"{hung} of {publishers} publishers never ended ({ended} ended)"
+    unnamed = [e for e in errors if not isinstance(e, MiddlewareError)]
+    assert len(errors) == publishers and not unnamed, unnamed[:3]
+
+
 def test_a_sync_consumer_whose_queue_vanishes_during_the_replay_is_restored(
     settings, brokers, name
 ) -> None:
