@@ -14,6 +14,7 @@ from typing import Any
 
 import aiormq
 from aiormq.abc import DeliveredMessage
+from pamqp import commands as spec
 
 from .. import tracing
 from ..errors import (
@@ -28,6 +29,7 @@ from .aio_live import (
     from_delivered,
     on_probe_channel,
 )
+from .aio_publish import settle_frame
 from .delivery import Delivery, Outcome
 from .translate import translate_aio
 
@@ -222,16 +224,17 @@ class ConsumerMachinery(ClientState):
         self, channel: aiormq.abc.AbstractChannel, delivery: Delivery, outcome: Outcome
     ) -> None:
         """Settle on the delivery's channel; the frame leaves with the loop turn's others
-        (``wait=False``: not awaiting its drain; a channel already closed raises)."""
+        (not awaiting its drain; a channel already closed, or closing while the frame
+        waits for room, raises: ``settle_frame``)."""
         tag = delivery.delivery_tag
         for step in consuming.settle_steps(outcome):
             match step:
                 case consuming.Step.ACK:
-                    await channel.basic_ack(tag, wait=False)
+                    await settle_frame(channel, spec.Basic.Ack(delivery_tag=tag))
                 case consuming.Step.REJECT:
-                    await channel.basic_reject(tag, requeue=False, wait=False)
+                    await settle_frame(channel, spec.Basic.Reject(delivery_tag=tag, requeue=False))
                 case consuming.Step.REQUEUE:
-                    await channel.basic_nack(tag, requeue=True, wait=False)
+                    await settle_frame(channel, spec.Basic.Nack(delivery_tag=tag, requeue=True))
                 case consuming.Step.COPY_TO_DEAD_LETTER:
                     await self.dead_letter(delivery, outcome.reason)
 

@@ -15,13 +15,20 @@ import asyncio
 import datetime
 
 import aiormq
-from aiormq.abc import ChannelFrame
+from aiormq.abc import AbstractChannel, ChannelFrame
 from pamqp import commands as spec
 from pamqp.header import ContentHeader
 
 from .message import OutgoingMessage
 
-__all__ = ["amqp_timestamp", "basic_publish", "properties", "publish_numbered", "queued"]
+__all__ = [
+    "amqp_timestamp",
+    "basic_publish",
+    "properties",
+    "publish_numbered",
+    "queued",
+    "settle_frame",
+]
 
 
 async def basic_publish(
@@ -73,7 +80,7 @@ async def publish_numbered(underlay: aiormq.Channel, message: OutgoingMessage) -
     return tag
 
 
-async def queued(underlay: aiormq.Channel, frame: ChannelFrame) -> None:
+async def queued(underlay: AbstractChannel, frame: ChannelFrame) -> None:
     """Put ``frame`` on the connection's frame queue: at once while it has room (the
     common case: no task, no wait); when it is full, wait for room unless the channel
     closes first.  The queue is bounded (``FRAME_BUFFER_SIZE``) and only the
@@ -83,7 +90,7 @@ async def queued(underlay: aiormq.Channel, frame: ChannelFrame) -> None:
     link never settled, and the copies of those events that should have been carried
     around the link were never carried).  aiormq's own publish bounds this wait by its
     timeout; this one ends when the channel closes, raising why it closed."""
-    queue = underlay.write_queue
+    queue: asyncio.Queue[ChannelFrame] = underlay.write_queue  # type: ignore[attr-defined]
     if not underlay.is_closed:
         try:
             queue.put_nowait(frame)
@@ -99,11 +106,24 @@ async def queued(underlay: aiormq.Channel, frame: ChannelFrame) -> None:
             putting.cancel()
         closing.cancel()  # an observer of the close: cancelling it stops observing only
     if putting.done() and not putting.cancelled():
-        return putting.result()
+        putting.result()  # (raises what the put raised)
+        return
     reason = closing.exception() if closing.done() and not closing.cancelled() else None
     if isinstance(reason, Exception):
         raise reason
     raise aiormq.exceptions.ChannelInvalidStateError(f"channel {underlay.number} closed")
+
+
+async def settle_frame(
+    underlay: AbstractChannel, frame: spec.Basic.Ack | spec.Basic.Nack | spec.Basic.Reject
+) -> None:
+    """A delivery's settlement (ack, requeue, reject) queued as aiormq's ``basic_ack``
+    with ``wait=False`` queues it, except that the wait for room ends when the channel
+    closes (``queued``): aiormq's waited for ever on a connection lost with its frame
+    queue full, and the handler's task with it."""
+    if underlay.is_closed:
+        raise aiormq.exceptions.ChannelInvalidStateError(f"channel {underlay.number} closed")
+    await queued(underlay, ChannelFrame.marshall(frames=[frame], channel_number=underlay.number))
 
 
 def properties(message: OutgoingMessage) -> aiormq.spec.Basic.Properties:

@@ -387,6 +387,47 @@ def test_publishes_waiting_for_room_on_a_connection_that_closes_all_end(
     assert len(errors) == publishers and not unnamed, unnamed[:3]
 
 
+def test_settlements_waiting_for_room_on_a_connection_that_closes_all_end(
+    settings, brokers, name
+) -> None:
+    """The consumer's side of the test above: a handler's ack waiting for room in the
+    frame queue of a connection that goes ends (the delivery comes again on the next
+    connection); none is left running.  aiormq's own ``basic_ack`` waited for ever
+    there, and the handler's task with it (a Phoenix role's inbox handlers were still
+    running at its stop).  The count is the test's: handler tasks still running."""
+    fast = settings.model_copy(update={"close_grace": 2.0})
+
+    async def scenario() -> tuple[int, int]:
+        async with AsyncClient(settings=settings) as admin:
+            await admin.declare_queue(QueueSpec(name))
+            for i in range(3000):
+                await admin.publish(
+                    OutgoingMessage(b"x", "", name, message_id=f"m{i}"), confirm=False
+                )
+            client = await AsyncClient(settings=fast).connect()
+            handled = [0]
+            going = asyncio.Event()
+
+            async def handler(delivery) -> None:
+                handled[0] += 1
+                if handled[0] >= 200:
+                    going.set()
+
+            await client.consume(name, handler, prefetch=500)
+            await asyncio.wait_for(going.wait(), 30)
+            underlay = client._live.connection.transport.connection  # type: ignore[union-attr]
+            underlay._writer_task.cancel()  # nothing empties the frame queue from now
+            await asyncio.sleep(3.0)  # the connection closes; the client fails over
+            running = sum(len(tasks) for tasks in client._handling.values())
+            await client.close()
+            await admin.delete_queue(name)
+            return running, handled[0]
+
+    running, handled = asyncio.run(scenario())
+    assert handled >= 200
+    assert running == 0, f"{running} handlers still running 3 s after their connection went"
+
+
 def test_a_sync_consumer_whose_queue_vanishes_during_the_replay_is_restored(
     settings, brokers, name
 ) -> None:
