@@ -163,9 +163,9 @@ class CopySender:
         await bounded(publish, bound, progress, self._stretched)
 
     def _e2e_bound(self, bound: float | None) -> float | None:
-        """How long a batched e2e copy waits in all: its receipt's hold and then its
-        link's bound for the broker to take it (``publish_held``), with as much again
-        for getting its turn.  Past it the copy is unreachable (carried around the
+        """How long an e2e copy (alone or batched) waits in all: its receipt's hold
+        and then its link's bound for the broker to take it (``publish_held``), with as
+        much again for getting its turn.  Past it the copy is unreachable (carried around the
         link), so one wait that never ends cannot hold the event's other copies, and
         the ones to be carried, for ever; what was sent may still arrive, and the
         subscriber's duplicate check drops it."""

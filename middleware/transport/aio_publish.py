@@ -90,13 +90,14 @@ async def queued(underlay: AbstractChannel, frame: ChannelFrame) -> None:
     link never settled, and the copies of those events that should have been carried
     around the link were never carried).  aiormq's own publish bounds this wait by its
     timeout; this one ends when the channel closes, raising why it closed."""
+    if underlay.is_closed:
+        raise aiormq.exceptions.ChannelInvalidStateError(f"channel {underlay.number} closed")
     queue: asyncio.Queue[ChannelFrame] = underlay.write_queue  # type: ignore[attr-defined]
-    if not underlay.is_closed:
-        try:
-            queue.put_nowait(frame)
-            return
-        except asyncio.QueueFull:
-            pass
+    try:
+        queue.put_nowait(frame)
+        return
+    except asyncio.QueueFull:
+        pass
     closing = underlay.closing
     putting = asyncio.ensure_future(queue.put(frame))
     try:
@@ -121,8 +122,6 @@ async def settle_frame(
     with ``wait=False`` queues it, except that the wait for room ends when the channel
     closes (``queued``): aiormq's waited for ever on a connection lost with its frame
     queue full, and the handler's task with it."""
-    if underlay.is_closed:
-        raise aiormq.exceptions.ChannelInvalidStateError(f"channel {underlay.number} closed")
     await queued(underlay, ChannelFrame.marshall(frames=[frame], channel_number=underlay.number))
 
 
