@@ -339,6 +339,14 @@ def test_an_e2e_publisher_whose_first_start_meets_a_cut_link_starts_clean_after_
     assert handled == 20
 
 
+def _stop_writer(client: AsyncClient) -> None:
+    """Stop the writer of ``client``'s connection (aiormq's task): nothing empties the
+    connection's frame queue from now, and aiormq closes the connection, as when a
+    connection is lost with its queue full (the only way to hold that moment still)."""
+    underlay = client._live.connection.transport.connection  # type: ignore[union-attr]
+    underlay._writer_task.cancel()
+
+
 @pytest.mark.parametrize("how", ["watched", "unconfirmed"])
 def test_publishes_waiting_for_room_on_a_connection_that_closes_all_end(
     how, settings, brokers, name
@@ -369,9 +377,7 @@ def test_publishes_waiting_for_room_on_a_connection_that_closes_all_end(
                     else:
                         await client.publish(message, confirm=False, retry=False)
 
-            live = client._live
-            underlay = live.connection.transport.connection  # type: ignore[union-attr]
-            underlay._writer_task.cancel()  # nothing empties the frame queue from now
+            _stop_writer(client)
             tasks = [asyncio.ensure_future(publisher()) for _ in range(publishers)]
             done, pending = await asyncio.wait(tasks, timeout=15)
             for task in pending:
@@ -415,8 +421,7 @@ def test_settlements_waiting_for_room_on_a_connection_that_closes_all_end(
 
             await client.consume(name, handler, prefetch=500)
             await asyncio.wait_for(going.wait(), 30)
-            underlay = client._live.connection.transport.connection  # type: ignore[union-attr]
-            underlay._writer_task.cancel()  # nothing empties the frame queue from now
+            _stop_writer(client)
             await asyncio.sleep(3.0)  # the connection closes; the client fails over
             running = sum(len(tasks) for tasks in client._handling.values())
             await client.close()
