@@ -214,6 +214,30 @@ async def collect(
     return got
 
 
+async def count_arrivals(
+    settings: Settings,
+    queue: str,
+    done: asyncio.Event,
+    arrived: Callable[[dict[str, Any], float], None],
+) -> None:
+    """The test's own counter of a subscriber queue, until ``done``: a consumer of its
+    own connection, each copy (alone, or one of a batch) passed to ``arrived`` with the
+    wall clock of its delivery.  Not ``basic.get``: one get per message (a channel
+    opened for each) drained about 110 copies/s here, so the burst a detour releases
+    waited in the queue up to 0.9 s for the counter, and read as late."""
+    async with AsyncClient(settings=settings) as client:
+
+        async def delivered(d: Any) -> None:
+            at = time.time()
+            parsed = json.loads(d.body)
+            for body in parsed if isinstance(parsed, list) else [parsed]:
+                arrived(body, at)
+
+        tag = await client.consume(queue, delivered, prefetch=1000)
+        await done.wait()
+        await client.cancel(tag)
+
+
 def attribute(message: dict[str, Any], key: str = "n") -> Any:
     """An attribute of the event a subscriber received."""
     return message["event"]["attributes"][key]

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -28,24 +28,15 @@ from middleware.errors import EntityNotFound
 from middleware.phoenix.ids import RoleId, RoleKind
 from middleware.routing.client import PhoenixClient
 from middleware.transport import DEAD_LETTER_QUEUE, AsyncClient
-from tests.integration.phoenix_support import owned_by, running
+from tests.integration.phoenix_support import count_arrivals, owned_by, running
 from tests.integration.test_phoenix_links import RATE, links  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow, pytest.mark.chaos]
 
 
-async def _count_at(settings, queue: str, done: asyncio.Event, arrivals: list) -> None:
-    async with AsyncClient(settings=settings) as client:
-        while True:
-            d = await client.get(queue)
-            if d is None:
-                if done.is_set():
-                    return
-                await asyncio.sleep(0.005)
-                continue
-            parsed = json.loads(d.body)  # one copy, or a batch of them (copy_batch_max)
-            for body in parsed if isinstance(parsed, list) else [parsed]:
-                arrivals.append((body["event"]["attributes"]["n"], time.time()))
+def _stamped(arrivals: list) -> Callable[[dict, float], None]:
+    """``count_arrivals``'s callback: (n, when) of each copy into ``arrivals``."""
+    return lambda body, at: arrivals.append((body["event"]["attributes"]["n"], at))
 
 
 def _all_once(arrivals, published: int) -> int:
@@ -78,7 +69,7 @@ def test_copies_to_a_home_behind_a_failed_link_are_carried_around_it(links, faul
         done = asyncio.Event()
         at_a_arrivals: list = []
         counter = asyncio.create_task(
-            _count_at(links.cluster("A"), at_a_queue, done, at_a_arrivals)
+            count_arrivals(links.cluster("A"), at_a_queue, done, _stamped(at_a_arrivals))
         )
         # X's roles reach Y's RabbitMQ through proxies[X, Y]: that link fails, both ways
         arrivals, published, applied = await links.stream(

@@ -31,7 +31,12 @@ from middleware.routing import ChordRing, PhoenixDeployment, ring_id
 from middleware.routing.client import PhoenixClient
 from middleware.routing.store import open_store, ring_owner
 from middleware.transport import AsyncClient
-from tests.integration.phoenix_support import eventually, management, write_topology
+from tests.integration.phoenix_support import (
+    count_arrivals,
+    eventually,
+    management,
+    write_topology,
+)
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100  # events per second
@@ -191,24 +196,15 @@ class Links:
         self.entered_at: dict[int, float | None] = {}
         done = asyncio.Event()
 
-        async def count() -> None:
-            async with AsyncClient(settings=self.cluster(self.y)) as client:
-                while True:
-                    d = await client.get(self.queue)
-                    if d is None:
-                        if done.is_set():
-                            return
-                        await asyncio.sleep(0.005)
-                        continue
-                    parsed = json.loads(d.body)
-                    # one copy, or a batch of them (``copy_batch_max``)
-                    for body in parsed if isinstance(parsed, list) else [parsed]:
-                        n = body["event"]["attributes"]["n"]
-                        arrivals.append((n, time.time()))
-                        self.entered_at[n] = body.get("entered_at")  # at A's routing master
-                    self.matched_by[str(body.get("broker"))] += 1
+        def arrived(body: dict, at: float) -> None:
+            n = body["event"]["attributes"]["n"]
+            arrivals.append((n, at))
+            self.entered_at[n] = body.get("entered_at")  # at A's routing master
+            self.matched_by[str(body.get("broker"))] += 1
 
-        counter = asyncio.create_task(count())
+        counter = asyncio.create_task(
+            count_arrivals(self.cluster(self.y), self.queue, done, arrived)
+        )
         applied: list[tuple[str, float, int]] = []
         published = 0
         async with AsyncClient(settings=self.cluster("A")) as client:
