@@ -7,6 +7,11 @@ One ``asyncio.Protocol`` that parses every complete frame of a read in place (pa
 everything one read causes leaves in one socket write.  No reconnection, no flow
 control, no error handling beyond stopping: a floor to set beside ``raw`` and ``layer``,
 not a client.  ``python scripts/relay_cost.py 1000 15 lean`` runs it as a cell.
+
+Its halves, for the cells ``lean-in`` and ``lean-out``: ``--mode in`` consumes and acks each
+delivery at once (no publish); ``--mode out RATE`` consumes nothing and, on a line
+``go SECONDS`` on its stdin, publishes RATE messages a second with confirms for that
+long, then prints ``done N`` once all N were confirmed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import os
 import struct
 import sys
+import time
 
 from pamqp import commands as spec
 from pamqp import frame
@@ -22,13 +28,19 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader, ProtocolHeader
 
 IN, OUT = "bench-relay.in", "bench-relay.out"
+BODY = b'{"kind": "publish", "event": {"event_type": "x", "attributes": {"a": 1, "b": "%s"}}}' % (
+    b"x" * 50
+)
 FRAME_END = 0xCE
 _HEAD = struct.Struct(">BHI")
 
 
 class LeanRelay(asyncio.Protocol):
-    def __init__(self, user: str, password: str, ready: asyncio.Future[None]) -> None:
-        self.user, self.password, self.ready = user, password, ready
+    def __init__(
+        self, user: str, password: str, ready: asyncio.Future[None], mode: str = "relay"
+    ) -> None:
+        self.user, self.password, self.ready, self.mode = user, password, ready, mode
+        self.confirmed = 0  # ``out``: publishes the broker confirmed
         self.buffer = bytearray()
         self.out: list[bytes] = []
         self.transport: asyncio.Transport | None = None
@@ -83,8 +95,15 @@ class LeanRelay(asyncio.Protocol):
             return
         body = bytes(self.body)
         self.deliver, self.header = None, None
+        if self.mode == "in":
+            self.send(spec.Basic.Ack(delivery_tag=deliver.delivery_tag or 0))
+            return
+        self.publish(body, deliver.delivery_tag or 0)
+
+    def publish(self, body: bytes, delivery: int = 0) -> None:
+        """One confirmed publish to OUT; ``delivery``: the delivery to ack once confirmed."""
         self.seq += 1
-        self.pending[self.seq] = deliver.delivery_tag or 0
+        self.pending[self.seq] = delivery
         props = spec.Basic.Properties(delivery_mode=2, message_id=os.urandom(8).hex())
         self.send(spec.Basic.Publish(exchange="", routing_key=OUT))
         self.send(ContentHeader(0, len(body), props))
@@ -94,7 +113,8 @@ class LeanRelay(asyncio.Protocol):
         seqs = [s for s in self.pending if s <= tag] if multiple else [tag]
         for seq in sorted(seqs):
             delivery = self.pending.pop(seq, None)
-            if delivery is not None:
+            self.confirmed += delivery is not None
+            if delivery:
                 self.send(spec.Basic.Ack(delivery_tag=delivery))
 
     def _handshake(self, value: object) -> None:
@@ -111,20 +131,44 @@ class LeanRelay(asyncio.Protocol):
         elif isinstance(value, spec.Confirm.SelectOk):
             self.send(spec.Basic.Qos(prefetch_count=64))
         elif isinstance(value, spec.Basic.QosOk):
-            self.send(spec.Basic.Consume(queue=IN))
+            if self.mode == "out":
+                self.ready.set_result(None)
+            else:
+                self.send(spec.Basic.Consume(queue=IN))
         elif isinstance(value, spec.Basic.ConsumeOk):
             self.ready.set_result(None)
         else:
             raise RuntimeError(f"lean relay: unexpected {value!r}")
 
 
-async def relay(host: str, port: int, user: str, password: str) -> None:
+async def relay(host: str, port: int, user: str, password: str, mode: str, rate: float) -> None:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
-    await loop.create_connection(lambda: LeanRelay(user, password, ready), host, port)
+    _, protocol = await loop.create_connection(
+        lambda: LeanRelay(user, password, ready, mode), host, port
+    )
     await ready
     print("ready", flush=True)
-    await asyncio.Event().wait()
+    if mode != "out":
+        await asyncio.Event().wait()
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line.startswith("go"):
+            return
+        seconds = float(line.split()[1])
+        first, sent = protocol.confirmed, 0
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            while sent < int((time.monotonic() - started) * rate):
+                protocol.publish(BODY)
+                sent += 1
+            if protocol.out and protocol.transport is not None:
+                protocol.transport.write(b"".join(protocol.out))
+                protocol.out.clear()
+            await asyncio.sleep(0.002)
+        while protocol.confirmed - first < sent:  # noqa: ASYNC110 - a diagnostic, polled
+            await asyncio.sleep(0.01)
+        print(f"done {sent}", flush=True)
 
 
 if __name__ == "__main__":
@@ -133,5 +177,9 @@ if __name__ == "__main__":
 
     settings = Settings()
     host, port, _ = settings.nodes[0]
-    runtime.run(relay(host, port, settings.username, settings.password.get_secret_value()))
+    args = sys.argv[1:]
+    mode = args[args.index("--mode") + 1] if "--mode" in args else "relay"
+    rate = float(args[args.index("--mode") + 2]) if mode == "out" else 0.0
+    password = settings.password.get_secret_value()
+    runtime.run(relay(host, port, settings.username, password, mode, rate))
     sys.exit(0)

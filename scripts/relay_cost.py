@@ -7,6 +7,9 @@ fixed rate and drains the output.  Printed per cell: the relay's CPU per message
 over its threads from ``/proc/PID/task/*/schedstat`` (Linux), and its context switches
 per message.  ``raw``: the relay on plain aio-pika; ``layer``: on ``AsyncClient``;
 ``lean``: on a minimal AMQP connection with pamqp framing (``lean_relay.py``, a floor).
+A hop's halves apart: ``layer-in`` and ``lean-in`` consume and ack each delivery at
+once (no publish); ``layer-out`` and ``lean-out`` publish at the rate with confirms
+themselves (nothing consumed; the output queue is purged after the cell).
 
     QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15 raw,layer
 """
@@ -56,6 +59,14 @@ async def relay(kind: str) -> None:
             await message.ack()
 
         await queue.consume(on_raw)
+    elif kind == "layer-out":
+        client = await AsyncClient(settings=settings).connect()
+        await _declare(client)
+        print("ready", flush=True)
+        while (line := await asyncio.to_thread(sys.stdin.readline)).startswith("go"):
+            seconds, rate = (float(x) for x in line.split()[1:3])
+            print(f"done {await _publish_at(client, OUT, rate, seconds)}", flush=True)
+        return
     else:
         client = await AsyncClient(settings=settings).connect()
         await _declare(client)
@@ -63,9 +74,46 @@ async def relay(kind: str) -> None:
         async def on_layer(delivery: Delivery) -> None:
             await client.publish(OutgoingMessage(delivery.body, "", OUT))
 
-        await client.consume(IN, on_layer, prefetch=64)
+        async def on_layer_in(delivery: Delivery) -> None:
+            pass  # return: ack
+
+        await client.consume(IN, on_layer_in if kind == "layer-in" else on_layer, prefetch=64)
     print("ready", flush=True)
     await asyncio.Event().wait()
+
+
+async def _publish_at(client: AsyncClient, queue: str, rate: float, seconds: float) -> int:
+    """Publish ``rate`` confirmed messages a second to ``queue`` for ``seconds``; return
+    how many, once all were confirmed."""
+    pending: set[asyncio.Task[None]] = set()
+    started, sent = time.monotonic(), 0
+    while time.monotonic() - started < seconds:
+        while sent < int((time.monotonic() - started) * rate):
+            task = asyncio.create_task(client.publish(OutgoingMessage(BODY, "", queue)))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            sent += 1
+        await asyncio.sleep(0.002)
+    await asyncio.gather(*pending)
+    return sent
+
+
+async def feed_in(rate: float, seconds: float) -> int:
+    """Publish ``rate`` messages a second for ``seconds``; return once the relay took
+    them all (the input queue empty)."""
+    async with AsyncClient(settings=Settings()) as client:
+        await _declare(client)
+        sent = await _publish_at(client, IN, rate, seconds)
+        while await client.queue_length(IN):  # noqa: ASYNC110 - a diagnostic, polled
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # the last acks
+    return sent
+
+
+async def _purge_out() -> None:
+    async with AsyncClient(settings=Settings()) as client:
+        await client.delete_queue(OUT)
+        await _declare(client)
 
 
 async def feed(rate: float, seconds: float) -> int:
@@ -112,24 +160,37 @@ async def _declared() -> None:
 def cell(kind: str, rate: float, seconds: float) -> str:
     runtime.run(_declared())
     here = os.path.dirname(os.path.abspath(__file__))
+    base, _, half = kind.partition("-")
     command = (
         [sys.executable, os.path.join(here, "lean_relay.py")]
-        if kind == "lean"
+        + (["--mode", half, str(rate)] if half else [])
+        if base == "lean"
         else [sys.executable, __file__, "--relay", kind]
     )
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdin is not None and process.stdout is not None
+
+    def run(for_s: float) -> int:
+        if half == "out":
+            process.stdin.write(f"go {for_s} {rate}\n")  # type: ignore[union-attr]
+            process.stdin.flush()  # type: ignore[union-attr]
+            return int(process.stdout.readline().split()[1])  # type: ignore[union-attr]
+        return runtime.run(feed_in(rate, for_s) if half == "in" else feed(rate, for_s))
+
     try:
-        if process.stdout is None or process.stdout.readline().strip() != "ready":
+        if process.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the {kind} relay did not start")
-        runtime.run(feed(rate, 3))  # warm up
+        run(3)  # warm up
         cpu0, switches0 = _threads(process.pid)
-        sent = runtime.run(feed(rate, seconds))
+        sent = run(seconds)
         cpu1, switches1 = _threads(process.pid)
     finally:
         process.kill()
         process.wait()
+        if half == "out":
+            runtime.run(_purge_out())
     return (
-        f"{kind:5s} {rate:6.0f}/s: {1e6 * (cpu1 - cpu0) / sent:5.0f} us CPU per message, "
+        f"{kind:9s} {rate:6.0f}/s: {1e6 * (cpu1 - cpu0) / sent:5.0f} us CPU per message, "
         f"{(switches1 - switches0) / sent:.2f} context switches per message ({sent} messages)"
     )
 
