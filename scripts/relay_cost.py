@@ -126,16 +126,7 @@ async def feed(rate: float, seconds: float) -> int:
             arrived[0] += 1
 
         await client.consume(OUT, sink, prefetch=256)
-        pending: set[asyncio.Task[None]] = set()
-        started, sent = time.monotonic(), 0
-        while time.monotonic() - started < seconds:
-            while sent < int((time.monotonic() - started) * rate):
-                task = asyncio.create_task(client.publish(OutgoingMessage(BODY, "", IN)))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-                sent += 1
-            await asyncio.sleep(0.002)
-        await asyncio.gather(*pending)
+        sent = await _publish_at(client, IN, rate, seconds)
         while arrived[0] < sent:  # noqa: ASYNC110 - a diagnostic, polled
             await asyncio.sleep(0.05)
     return sent
