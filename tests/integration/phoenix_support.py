@@ -28,7 +28,7 @@ from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import ChordRing, PhoenixDeployment
 from middleware.settings import Settings
-from middleware.transport import AsyncClient
+from middleware.transport import AsyncClient, Delivery
 from qosmq_bench.phoenix_deploy import Deployment, phoenix_cli
 from qosmq_bench.phoenix_recovery import _wait_all_served
 
@@ -227,7 +227,7 @@ async def count_arrivals(
     waited in the queue up to 0.9 s for the counter, and read as late."""
     async with AsyncClient(settings=settings) as client:
 
-        async def delivered(d: Any) -> None:
+        async def delivered(d: Delivery) -> None:
             at = time.time()
             parsed = json.loads(d.body)
             for body in parsed if isinstance(parsed, list) else [parsed]:
