@@ -10,6 +10,9 @@ per message.  ``raw``: the relay on plain aio-pika; ``layer``: on ``AsyncClient`
 A hop's halves apart: ``layer-in`` and ``lean-in`` consume and ack each delivery at
 once (no publish); ``layer-out`` and ``lean-out`` publish at the rate with confirms
 themselves (nothing consumed; the output queue is purged after the cell).
+``aiormq-in`` and ``aiormq-out`` are the same halves on aiormq alone (the protocol
+library under aio-pika and the layer): what the layer's own machinery adds is
+``layer-*`` minus ``aiormq-*``.
 
     QOSMQ_AMQP_URLS=amqp://127.0.0.1:5682/ python scripts/relay_cost.py 40,170,1000 15 raw,layer
 """
@@ -23,6 +26,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Any
 
 from middleware import runtime
 from middleware.settings import Settings
@@ -59,6 +63,9 @@ async def relay(kind: str) -> None:
             await message.ack()
 
         await queue.consume(on_raw)
+    elif kind in ("aiormq-in", "aiormq-out"):
+        await _aiormq(settings, kind)
+        return
     elif kind == "layer-out":
         client = await AsyncClient(settings=settings).connect()
         await _declare(client)
@@ -80,6 +87,45 @@ async def relay(kind: str) -> None:
         await client.consume(IN, on_layer_in if kind == "layer-in" else on_layer, prefetch=64)
     print("ready", flush=True)
     await asyncio.Event().wait()
+
+
+async def _aiormq(settings: Settings, kind: str) -> None:
+    """A hop's half on aiormq alone: consume and ack at once, or publish with confirms."""
+    import aiormq
+
+    host, port, _ = settings.nodes[0]
+    password = settings.password.get_secret_value()
+    connection = await aiormq.connect(f"amqp://{settings.username}:{password}@{host}:{port}/")
+    channel = await connection.channel(publisher_confirms=kind == "aiormq-out")
+    for queue in (IN, OUT):
+        await channel.queue_declare(queue, durable=True)
+    if kind == "aiormq-in":
+        await channel.basic_qos(prefetch_count=64)
+
+        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+            assert message.delivery_tag is not None
+            await channel.basic_ack(message.delivery_tag)
+
+        await channel.basic_consume(IN, on_message)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+    print("ready", flush=True)
+    properties = aiormq.spec.Basic.Properties(delivery_mode=2)
+    while (line := await asyncio.to_thread(sys.stdin.readline)).startswith("go"):
+        seconds, rate = (float(x) for x in line.split()[1:3])
+        pending: set[asyncio.Future[Any]] = set()
+        started, sent = time.monotonic(), 0
+        while time.monotonic() - started < seconds:
+            while sent < int((time.monotonic() - started) * rate):
+                confirm: asyncio.Future[Any] = asyncio.ensure_future(
+                    channel.basic_publish(BODY, routing_key=OUT, properties=properties)
+                )
+                pending.add(confirm)
+                confirm.add_done_callback(pending.discard)
+                sent += 1
+            await asyncio.sleep(0.002)
+        await asyncio.gather(*pending)
+        print(f"done {sent}", flush=True)
 
 
 async def _publish_at(client: AsyncClient, queue: str, rate: float, seconds: float) -> int:
