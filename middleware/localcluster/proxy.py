@@ -54,6 +54,8 @@ class FaultProxy:
                     s.close()
 
     def blackhole(self) -> None:
+        """Forward nothing, and no close either (as a partition): each end of an open
+        connection stays open and hears nothing until ``heal`` or ``cut``."""
         self.blackholed = True
 
     def delay(self, seconds: float) -> None:
@@ -97,12 +99,21 @@ class FaultProxy:
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         peers = {a: b, b: a}
+        open_ends = [a, b]
         try:
             while not self._stop.is_set():
-                readable, _, _ = select.select(list(peers), [], [], 0.2)
+                if len(open_ends) < 2 and not self.blackholed:
+                    return  # an end closed while blackholed: the other learns it now
+                readable, _, _ = select.select(open_ends, [], [], 0.2)
                 for sock in readable:
-                    data = sock.recv(65536)
+                    try:
+                        data = sock.recv(65536)
+                    except OSError:  # a reset
+                        data = b""
                     if not data:
+                        if self.blackholed:  # a partition carries no close (or reset)
+                            open_ends.remove(sock)  # either: the other end stays open
+                            continue  # and silent
                         return
                     if self.blackholed:
                         continue

@@ -31,7 +31,7 @@ from .aio_live import (
 )
 from .aio_watch import WatchedReplies
 from .broker_info import BrokerInfo
-from .coalesce import CoalescingConnection
+from .coalesce import CoalescingConnection, WatchedConnection
 from .message import tls_context
 from .outbound import Limits
 from .policy import Node, async_retrying, backoff
@@ -53,7 +53,7 @@ class Connecting(ClientState):
         connection_class = (  # amqps: aiormq's own writer
             CoalescingConnection
             if self.settings.coalesce_writes and not node.tls
-            else aio_pika.Connection
+            else WatchedConnection
         )
         connection = connection_class(
             aio_pika.connection.make_url(

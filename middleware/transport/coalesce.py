@@ -26,13 +26,20 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import ConnectionParameter
-from aiormq.connection import TransportFactory
+from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from aiormq.exceptions import AMQPConnectionError
 from yarl import URL
 
 from . import codec
+from .silence import watch_reader
 
-__all__ = ["CoalescingConnection", "CoalescingTransportFactory", "CoalescingWriter"]
+__all__ = [
+    "CoalescingConnection",
+    "CoalescingTransportFactory",
+    "CoalescingWriter",
+    "WatchedConnection",
+    "WatchedTransportFactory",
+]
 
 STREAM_LIMIT = 2**16  # asyncio.open_connection's default reader limit
 
@@ -110,12 +117,27 @@ class CoalescingTransportFactory(TransportFactory):
         return reader, self.writer
 
 
+class WatchedTransportFactory(TransportFactory):
+    """Another factory's transport, its reader watched for silence (``silence.py``) at
+    the heartbeat the connection asks for (``?heartbeat=``, as aiormq reads it)."""
+
+    def __init__(self, inner: TransportFactory) -> None:
+        self.inner = inner
+
+    async def create(
+        self, url: URL, **kwargs: Any
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await self.inner.create(url, **kwargs)
+        watch_reader(reader, writer.transport, float(url.query.get("heartbeat", "60")))
+        return reader, writer
+
+
 def _factory(value: Any) -> Any:
     return value
 
 
-class CoalescingConnection(aio_pika.Connection):
-    """An aio-pika connection whose frames leave through a :class:`CoalescingWriter`."""
+class WatchedConnection(aio_pika.Connection):
+    """An aio-pika connection on aiormq's own TCP or TLS transport, watched for silence."""
 
     PARAMETERS = (
         *aio_pika.Connection.PARAMETERS,
@@ -123,7 +145,18 @@ class CoalescingConnection(aio_pika.Connection):
     )
 
     def __init__(self, url: URL, **kwargs: Any) -> None:
-        kwargs.setdefault("transport_factory", CoalescingTransportFactory())
+        inner = TLSTransportFactory() if url.scheme == "amqps" else TCPTransportFactory()
+        kwargs.setdefault("transport_factory", WatchedTransportFactory(inner))
+        super().__init__(url, **kwargs)
+
+
+class CoalescingConnection(WatchedConnection):
+    """An aio-pika connection whose frames leave through a :class:`CoalescingWriter`."""
+
+    def __init__(self, url: URL, **kwargs: Any) -> None:
+        kwargs.setdefault(
+            "transport_factory", WatchedTransportFactory(CoalescingTransportFactory())
+        )
         super().__init__(url, **kwargs)
 
     async def connect(self, timeout: Any = None) -> None:  # noqa: ASYNC109  (aio-pika's signature)

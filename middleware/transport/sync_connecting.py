@@ -25,6 +25,7 @@ from . import metrics
 from .broker_info import BrokerInfo
 from .message import tls_context
 from .policy import Node, sync_retrying
+from .silence import SyncSilence
 from .sync_live import (
     SyncClientState,
     SyncLive,
@@ -143,6 +144,13 @@ class SyncConnecting(SyncClientState):
             raise translate_sync(exc) from exc
         self._live = live
         impl = getattr(connection, "_impl", None)
+
+        def silent(reason: str) -> None:  # pika's own way out of a stale connection
+            log.warning("closing a silent connection to %s: %s", node, reason)
+            impl._terminate_stream(pika.exceptions.AMQPHeartbeatTimeout(reason))  # type: ignore[union-attr]
+
+        if impl is not None:
+            SyncSilence(connection, self.settings.heartbeat, silent, time.monotonic)
         self.server = BrokerInfo.from_properties(getattr(impl, "server_properties", None))
         metrics.broker_connected(log, self.server)
         log.debug("connected to %s (%s)", node, self.server.describe())

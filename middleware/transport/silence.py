@@ -1,0 +1,124 @@
+"""A silent link found by RabbitMQ's own rule (logic + two small drivers).
+
+A link that is cut or reset is seen at once (the socket fails).  A *silent* one (a
+partition, a blackholed route: the connection stays open and nothing arrives) is found
+only by heartbeats.  RabbitMQ sends a heartbeat frame every ``heartbeat / 2`` seconds
+when it has nothing else to send, and judges a peer gone after two missed ones; the
+clients judge far later: aiormq after ``3 * (heartbeat + 1)`` seconds of silence (33 s at
+the layer's default 10), pika after one or two checks of ``heartbeat + 5`` seconds (15-30
+s).  Meanwhile every publish, confirm and e2e receipt on the connection waits.
+
+:class:`Silence` is the layer's rule: nothing read for ``1.5 * heartbeat`` seconds
+(three of the broker's beats missed: one more than RabbitMQ allows a client, for a
+broker slow to beat on a loaded machine) and the connection is lost, judged on a tick
+every ``heartbeat / 4`` seconds.  A tick that comes late (the process did not run:
+a blocked event loop, a stopped process, a sync caller busy outside the client) excuses
+the silence so far, since what the broker sent may be waiting unread in the socket.
+The drivers: :func:`watch_reader` (asyncio: the reader of a transport made by aiormq's
+``TransportFactory``, ``coalesce.py``) and :class:`SyncSilence` (pika, on the blocking
+connection's own timers); each closes a connection judged lost, and the client fails
+over as for a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Silence", "SyncSilence", "watch_reader"]
+
+log = logging.getLogger(__name__)
+
+
+class Silence:
+    """Whether a connection has been silent too long (no I/O: give it the times)."""
+
+    def __init__(self, heartbeat: float, now: float) -> None:
+        self.limit = 1.5 * heartbeat  # three of the broker's beats (one every heartbeat / 2)
+        self.interval = heartbeat / 4
+        self.heard = self.ticked = now
+
+    def tick(self, now: float, read: bool) -> bool:
+        """One look, ``read``: anything arrived since the last; True: the link is lost."""
+        late = now - self.ticked > 2 * self.interval
+        self.ticked = now
+        if read or late:
+            self.heard = now
+            return False
+        return now - self.heard >= self.limit
+
+    def describe(self) -> str:
+        return f"nothing received for {self.limit:g} s (three of the broker's heartbeats missed)"
+
+
+def watch_reader(
+    reader: asyncio.StreamReader, transport: asyncio.WriteTransport, heartbeat: float
+) -> None:
+    """Watch a connection's reader; a connection judged lost gets a ``ConnectionError``
+    in its reader (what aiormq's frame reader then raises) and its transport aborted."""
+    if heartbeat <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    silence = Silence(heartbeat, loop.time())
+    feed = reader.feed_data
+    read = [False]
+
+    def stamped(data: bytes) -> None:
+        read[0] = True
+        feed(data)
+
+    reader.feed_data = stamped  # type: ignore[method-assign,assignment]
+
+    def tick() -> None:
+        if transport.is_closing():
+            return
+        heard, read[0] = read[0], False
+        if silence.tick(loop.time(), heard):
+            log.warning("closing a silent connection: %s", silence.describe())
+            reader.set_exception(ConnectionError(silence.describe()))
+            transport.abort()
+            return
+        loop.call_later(silence.interval, tick)
+
+    loop.call_later(silence.interval, tick)
+
+
+class SyncSilence:
+    """The same rule for a pika ``BlockingConnection``: its timers tick while the sync
+    client runs pika's loop (a call, ``run``, a wait for a confirm); ``lost`` is called
+    with the reason when the connection is judged lost."""
+
+    def __init__(
+        self,
+        connection: Any,
+        heartbeat: float,
+        lost: Callable[[str], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.connection = connection
+        self.clock = clock
+        self.lost = lost
+        self.silence = Silence(heartbeat, clock())
+        self.received = self._bytes()
+        self.stopped = heartbeat <= 0
+        if not self.stopped:
+            connection.call_later(self.silence.interval, self._tick)
+
+    def _bytes(self) -> int:
+        return int(getattr(self.connection._impl, "bytes_received", 0))
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def _tick(self) -> None:
+        if self.stopped or not self.connection.is_open:
+            return
+        received, before = self._bytes(), self.received
+        self.received = received
+        if self.silence.tick(self.clock(), received != before):
+            self.stopped = True
+            self.lost(self.silence.describe())
+            return
+        self.connection.call_later(self.silence.interval, self._tick)

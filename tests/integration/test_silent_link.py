@@ -1,0 +1,202 @@
+"""Confirms through a silent link: a blackholed route to the publisher's or a consumer's
+node (the TCP proxy forwards nothing and closes nothing, as a partition does).
+
+Before ``transport/silence.py`` the connection stayed open until aiormq's rule (33 s
+of silence at ``heartbeat`` 10, 9 s at the tests' 2) or pika's (``heartbeat + 5`` s,
+checked once or twice): every confirm through it waited that long.  Now a connection
+that hears nothing for three of the broker's beats (1.5 * heartbeat) is closed and the
+client fails over, so confirms go on while the link is still silent (a consumer's
+messages held by its silent connection come back by the publisher's resend after
+``receipt_timeout``, 5 s).  Every publish and every handling is counted by the
+test's own handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from middleware import runtime
+from middleware.confirms import AsyncConfirmConsumer, AsyncConfirmPublisher, SyncConfirmPublisher
+from middleware.localcluster.proxy import FaultProxy
+from middleware.settings import Settings
+from middleware.transport import (
+    AsyncClient,
+    BindingSpec,
+    Delivery,
+    ExchangeSpec,
+    ExchangeType,
+    QueueKind,
+    QueueSpec,
+    SyncClient,
+)
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos]
+
+RATE = 20.0
+BEFORE_S, SILENT_S, AFTER_S = 3.0, 12.0, 2.0
+
+
+@dataclass
+class _Counts:
+    published: dict[str, tuple[float, float, str | None]] = field(default_factory=dict)
+    handled: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def record(self, mid: str, started: float, error: BaseException | None) -> None:
+        self.published[mid] = (started, time.monotonic(), None if error is None else repr(error))
+
+
+def _urls(settings: Settings, *urls: str) -> Settings:
+    return settings.model_copy(update={"amqp_urls": tuple(urls)})
+
+
+async def _topology(client: AsyncClient, exchange: str, queues: list[str], kind: QueueKind) -> None:
+    await client.declare_exchange(ExchangeSpec(exchange, ExchangeType.FANOUT))
+    for q in queues:
+        await client.declare_queue(QueueSpec(q, kind=kind))
+        await client.bind(BindingSpec(q, exchange))
+
+
+def _publish_sync(
+    settings: Settings, exchange: str, queues: list[str], counts: _Counts, until: float
+) -> None:
+    client = SyncClient(settings=settings).connect()
+    try:
+        client.declare_exchange(ExchangeSpec(exchange, ExchangeType.FANOUT))
+        for q in queues:
+            client.declare_queue(QueueSpec(q, kind=QueueKind.QUORUM))
+            client.bind(BindingSpec(q, exchange))
+        publisher = SyncConfirmPublisher(client, mode="e2e")
+        i = 0
+        while time.monotonic() < until:
+            mid, started = f"m{i}", time.monotonic()
+            try:
+                publisher.publish(b"x" * 100, exchange=exchange, message_id=mid)
+                counts.record(mid, started, None)
+            except Exception as exc:
+                counts.record(mid, started, exc)
+            i += 1
+            client.run(1 / RATE)
+    finally:
+        client.close()
+
+
+async def _publish_async(
+    settings: Settings, mode: str, exchange: str, queues: list[str], counts: _Counts, until: float
+) -> None:
+    client = await AsyncClient(settings=settings).connect()
+    kind = QueueKind.QUORUM if mode == "e2e" else QueueKind.CLASSIC
+    await _topology(client, exchange, queues, kind)
+    publisher = await AsyncConfirmPublisher(client, mode=mode).start()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(mid: str) -> None:
+        started = time.monotonic()
+        try:
+            await publisher.publish(b"x" * 100, exchange=exchange, message_id=mid)
+            counts.record(mid, started, None)
+        except Exception as exc:
+            counts.record(mid, started, exc)
+
+    i = 0
+    while time.monotonic() < until:
+        task = asyncio.create_task(one(f"m{i}"))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        i += 1
+        await asyncio.sleep(1 / RATE)
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    await publisher.close()
+    await client.close()
+
+
+@pytest.mark.parametrize(
+    ("silent", "face", "mode"),
+    [
+        ("publisher", "async", "e2e"),
+        ("publisher", "sync", "e2e"),
+        ("publisher", "async", "broker"),
+        ("consumer", "async", "e2e"),
+    ],
+)
+def test_confirms_go_on_while_a_link_is_silent(silent, face, mode, settings, brokers, name) -> None:
+    ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in brokers.urls]
+    proxy = FaultProxy(ports[0])
+    via = _urls(settings, proxy.url, brokers.urls[-1])  # the silent one, then another node
+    direct = _urls(settings, brokers.urls[-1])
+    queues = [f"{name}.{i}" for i in range(3 if mode == "e2e" else 1)]
+    kind = QueueKind.QUORUM if mode == "e2e" else QueueKind.CLASSIC
+    counts = _Counts()
+    events: dict[str, float] = {}
+
+    def blackhole() -> None:
+        time.sleep(BEFORE_S)
+        events["silent"] = time.monotonic()
+        proxy.blackhole()
+        proxy.refusing = True
+        time.sleep(SILENT_S)
+        events["heal"] = time.monotonic()
+        proxy.heal()
+
+    async def run() -> None:
+        clients = []
+        for i, q in enumerate(queues):
+            at = via if (silent == "consumer" and i == 0) else direct
+            client = await AsyncClient(settings=at).connect()
+            clients.append(client)
+            await _topology(client, name, queues, kind)
+            handled = counts.handled[q] = Counter()
+
+            async def handle(d: Delivery, handled: Counter[str] = handled) -> None:
+                handled[d.message_id or ""] += 1
+
+            if mode == "e2e":
+                await AsyncConfirmConsumer(client).consume(q, handle)
+            else:
+                await client.consume(q, handle)
+        until = time.monotonic() + BEFORE_S + SILENT_S + AFTER_S
+        threading.Thread(target=blackhole, daemon=True).start()
+        publishing = via if silent == "publisher" else direct
+        if face == "sync":
+            await asyncio.to_thread(_publish_sync, publishing, name, queues, counts, until)
+        else:
+            await _publish_async(publishing, mode, name, queues, counts, until)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(  # noqa: ASYNC110 - the test's counters
+            len(h) < len(counts.published) for h in counts.handled.values()
+        ):
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # late redeliveries of the silent consumer's messages
+        for q in queues:
+            await clients[-1].delete_queue(q)
+        for client in clients:
+            await client.close()
+
+    try:
+        runtime.run(run())
+    finally:
+        proxy.close()
+    failed = {m: e for m, (_, _, e) in counts.published.items() if e is not None}
+    assert failed == {}, failed
+    assert len(counts.published) > RATE * (BEFORE_S + AFTER_S)
+    # confirms went on while the link was still silent: a message published after the
+    # route went silent was confirmed before the heal
+    during = [
+        done
+        for started, done, _ in counts.published.values()
+        if events["silent"] <= started and done < events["heal"]
+    ]
+    assert during, "no confirm while the link was silent"
+    # and sooner than the AMQP clients' own rules would have closed the connection
+    # (aiormq: 3 * (heartbeat + 1) s of silence; pika: heartbeat + 5 s, checked twice)
+    longest = max(done - started for started, done, _ in counts.published.values())
+    assert longest < 3 * (settings.heartbeat + 1) - 1.5, f"a confirm waited {longest:.1f} s"
+    for q, handled in counts.handled.items():
+        assert set(handled) >= set(counts.published), f"{q}: confirmed but never handled"
+        if mode == "e2e":
+            assert max(handled.values()) == 1, f"{q}: handled twice"
