@@ -1,20 +1,23 @@
-"""A silent link found by RabbitMQ's own rule (logic + two small drivers).
+"""A silent link found by the broker's clock (logic + two small drivers).
 
 A link that is cut or reset is seen at once (the socket fails).  A *silent* one (a
 partition, a blackholed route: the connection stays open and nothing arrives) is found
-only by heartbeats.  RabbitMQ sends a heartbeat frame every ``heartbeat / 2`` seconds
-when it has nothing else to send, and judges a peer gone after two missed ones; the
-clients judge far later: aiormq after ``3 * (heartbeat + 1)`` seconds of silence (33 s at
-the layer's default 10), pika after one or two checks of ``heartbeat + 5`` seconds (15-30
-s).  Meanwhile every publish, confirm and e2e receipt on the connection waits.
+only by heartbeats.  RabbitMQ's heartbeat sender looks every ``heartbeat / 2`` seconds
+and sends a frame when nothing left the socket since its last look
+(``rabbit_heartbeat.erl``; it goes on while the connection is blocked, when only the
+receiving side's monitor pauses), so a live connection is silent for about one
+``heartbeat`` at most.  The clients judge far later: aiormq after ``3 * (heartbeat +
+1)`` seconds of silence (33 s at the layer's default 10), pika after one or two checks
+of ``heartbeat + 5`` seconds (15-30 s).  Meanwhile every publish, confirm and e2e
+receipt on the connection waits.
 
-:class:`Silence` is the layer's rule: nothing read for ``1.5 * heartbeat`` seconds
-(three of the broker's beats missed: one more than RabbitMQ allows a client, for a
-broker slow to beat on a loaded machine) and the connection is lost, judged on a tick
-every ``heartbeat / 4`` seconds.  A tick that comes late (the process did not run:
-a blocked event loop, a stopped process, a sync caller busy outside the client) excuses
-the silence so far, since what the broker sent may be waiting unread in the socket.
-The drivers: :func:`watch_reader` (asyncio: the reader of a transport made by aiormq's
+:class:`Silence` is the layer's rule: nothing read for ``1.5 * heartbeat`` seconds (half
+a heartbeat past the longest silence of a live connection, for a broker slow to beat on
+a loaded machine) and the connection is lost, judged on a tick every ``heartbeat / 4``
+seconds.  A tick that comes late (the process did not run: a blocked event loop, a
+stopped process, a sync caller busy outside the client) excuses the silence so far,
+since what the broker sent may be waiting unread in the socket.  The drivers:
+:func:`watch_reader` (asyncio: the reader of a transport made by aiormq's
 ``TransportFactory``, ``coalesce.py``) and :class:`SyncSilence` (pika, on the blocking
 connection's own timers); each closes a connection judged lost, and the client fails
 over as for a reset.
@@ -36,7 +39,7 @@ class Silence:
     """Whether a connection has been silent too long (no I/O: give it the times)."""
 
     def __init__(self, heartbeat: float, now: float) -> None:
-        self.limit = 1.5 * heartbeat  # three of the broker's beats (one every heartbeat / 2)
+        self.limit = 1.5 * heartbeat  # a live connection is silent a heartbeat at most
         self.interval = heartbeat / 4
         self.heard = self.ticked = now
 
@@ -50,7 +53,7 @@ class Silence:
         return now - self.heard >= self.limit
 
     def describe(self) -> str:
-        return f"nothing received for {self.limit:g} s (three of the broker's heartbeats missed)"
+        return f"nothing received for {self.limit:g} s (1.5 heartbeats)"
 
 
 def watch_reader(

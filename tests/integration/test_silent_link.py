@@ -4,7 +4,7 @@ node (the TCP proxy forwards nothing and closes nothing, as a partition does).
 Before ``transport/silence.py`` the connection stayed open until aiormq's rule (33 s
 of silence at ``heartbeat`` 10, 9 s at the tests' 2) or pika's (``heartbeat + 5`` s,
 checked once or twice): every confirm through it waited that long.  Now a connection
-that hears nothing for three of the broker's beats (1.5 * heartbeat) is closed and the
+that hears nothing for 1.5 heartbeats (a live one is silent one at most) is closed and the
 client fails over, so confirms go on while the link is still silent (a consumer's
 messages held by its silent connection come back by the publisher's resend after
 ``receipt_timeout``, 5 s).  Every publish and every handling is counted by the

@@ -1,11 +1,11 @@
-"""The silent-link rule: three of the broker's beats missed, a late tick excuses."""
+"""The silent-link rule: 1.5 heartbeats of silence, a late tick excuses."""
 
 from __future__ import annotations
 
 from middleware.transport.silence import Silence
 
 
-def test_a_link_that_reads_nothing_for_three_beats_is_lost_on_the_tick_after() -> None:
+def test_a_link_that_reads_nothing_for_one_and_a_half_heartbeats_is_lost() -> None:
     silence = Silence(2.0, now=0.0)  # broker beats every 1 s, ticks every 0.5 s
     now, verdicts = 0.0, []
     while now < 4.0:
