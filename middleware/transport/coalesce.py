@@ -124,6 +124,11 @@ class WatchedTransportFactory(TransportFactory):
     def __init__(self, inner: TransportFactory) -> None:
         self.inner = inner
 
+    @property
+    def writer(self) -> CoalescingWriter | None:
+        """The inner factory's last :class:`CoalescingWriter` (None: aiormq's own)."""
+        return getattr(self.inner, "writer", None)
+
     async def create(
         self, url: URL, **kwargs: Any
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
