@@ -112,9 +112,6 @@ class SyncSilence:
     def _bytes(self) -> int:
         return int(getattr(self.connection._impl, "bytes_received", 0))
 
-    def stop(self) -> None:
-        self.stopped = True
-
     def _tick(self) -> None:
         if self.stopped or not self.connection.is_open:
             return
