@@ -16,6 +16,9 @@ from ..errors import ConfigurationError
 __all__ = ["MAX_PRIORITY", "ClusterSpec", "Kind", "LinkSpec", "PhoenixTopology"]
 
 MAX_PRIORITY = 9
+#: how long ``phoenix join`` waits for the joiner's roles to serve before it announces the
+#: join (the joiner's router holds its arc's events this long at most without it)
+JOIN_SERVING_TIMEOUT_S = 60.0
 
 
 class Kind(StrEnum):
@@ -113,8 +116,8 @@ class PhoenixTopology(BaseModel):
     read_timeout_s: float = Field(60.0, gt=0)  # how long a master waits for R replica replies
     #: a cluster that joins (or rejoins) the ring holds its arc's events at its routing
     #: master until the previous owner's hand-over of the arc's subscriptions is all
-    #: there, at most this long after the previous owner's last word that it is under
-    #: way (0: not at all): an event matched before would miss the subscriptions made
+    #: there, at most this long after the join's announcement or the previous owner's
+    #: last word that it is under way (0: not at all): an event matched before would miss the subscriptions made
     #: meanwhile at the previous owner
     handover_wait_s: float = Field(5.0, ge=0, le=600)
     #: masters beat to their slaves this often; a slave suspects its master after

@@ -7,6 +7,13 @@ ones removed meanwhile).  An event matched before they are all there would miss 
 So the joining cluster's routing master holds its arc's events from its start until the
 previous owner's routing master has said how many it sent (``handed_over``) and that many
 were routed here, or until a bound passes (``handover_wait_s``) with no word from it.
+The bound runs from the join's announcement, not from the router's start: ``phoenix
+join`` tells every routing master, the joiner's own last, only once all the joiner's
+roles serve, and on a busy machine the last of them may serve more than the bound after
+the router (a bound from the start then let the events go just as the others began
+routing the arc here: 386 of them lost, matched before the subscriptions came).
+Without an announcement the hold ends ``announce_s`` after the start (a join whose
+announcer died before telling: nothing of the arc is routed here by the others then).
 While its match masters have not all answered, the previous owner says it is still
 handing over (a ``handed_over`` without a count) every quarter of that bound, and each
 such word starts the bound again: a previous owner behind with its own events (its match
@@ -90,8 +97,10 @@ class JoinHold:
         self.handed = 0  # hand-over messages routed here
         self.expected: int | None = None  # the previous owner's count
         self.bound_s = 0.0
+        self.announce_s = 0.0  # the longest hold without the join's announcement
+        self.announced = False  # the join was announced here (the others heard it)
         self._since = 0.0
-        self._word: float | None = None  # the previous owner said it is handing over
+        self._word: float | None = None  # the announcement, or the previous owner's word
 
     @staticmethod
     def joins(recorded: str | None, listed_as_joined: bool) -> bool:
@@ -108,12 +117,24 @@ class JoinHold:
         bound_s: float,
         clusters: int,
         now: float,
+        announce_s: float = 0.0,
     ) -> list[Effect]:
-        """The router starts, with the ring record of its own cluster (its ``state``)."""
+        """The router starts, with the ring record of its own cluster (its ``state``);
+        ``announce_s``: how long it holds at most before the join is announced here (the
+        bound, when shorter)."""
         if not self.joins(recorded, listed_as_joined) or bound_s <= 0 or clusters < 2:
             return []
         self.holding, self._since, self.bound_s = True, now, bound_s
+        self.announce_s = max(announce_s, bound_s)
         return [Hold(bound_s)]
+
+    def announce(self, now: float) -> list[Effect]:
+        """The join was announced here: the others route the arc here from now, and the
+        bound runs from now (a timer of its own: the one armed at the start may be later)."""
+        if not self.holding:
+            return []
+        self.announced, self._word = True, now
+        return [After(self.bound_s, "join")]
 
     def routed(self, now: float) -> list[Effect]:
         """One hand-over message (a subscription, or a removal) was routed here."""
@@ -133,10 +154,13 @@ class JoinHold:
         return []
 
     def expired(self, now: float) -> list[Effect]:
-        """The bound passed (since the start, or the last word, when there was one)."""
+        """The bound passed (since the start, or the last word, when there was one);
+        before the announcement, ``announce_s`` from the start."""
         if not self.holding:
             return []
         if self._word is not None and (left := self._word + self.bound_s - now) > 0:
+            return [After(left, "join")]
+        if self._word is None and (left := self._since + self.announce_s - now) > 0:
             return [After(left, "join")]
         self.holding = False
         return [Release(self.handed, self.expected, now - self._since, timed_out=True)]

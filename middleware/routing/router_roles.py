@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import DeadLetter
 from ..phoenix.effects import After, Send, Sent
 from ..phoenix.ids import RoleId
-from ..phoenix.protocol import MAX_PRIORITY
+from ..phoenix.protocol import JOIN_SERVING_TIMEOUT_S, MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..phoenix.ring import ring_id
 from .holding import ReplicaHolder
@@ -121,6 +121,7 @@ class RouterMaster(LeavingRouter):
                 bound_s=self.topology.handover_wait_s,
                 clusters=len(ring.clusters),
                 now=time.monotonic(),
+                announce_s=JOIN_SERVING_TIMEOUT_S + self.topology.handover_wait_s,
             )
         )
 
@@ -210,6 +211,11 @@ class RouterMaster(LeavingRouter):
         return {Join: self._on_join, Copy: self._on_copy, **dict.fromkeys(routed, self._route)}
 
     async def _on_join(self, message: Join) -> None:
+        if message.cluster == self.cluster:  # this cluster's own join, announced
+            if self.join_hold.holding:
+                log.info("%s: the join is announced: the hold's bound runs from now", self.id)
+            await self._join_effects(self.join_hold.announce(time.monotonic()))
+            return
         await self._join(message.cluster)
 
     async def _on_recovered(self, message: Recovered) -> None:

@@ -28,7 +28,7 @@ from .. import runtime
 from ..errors import EntityNotFound, MiddlewareError
 from ..localcluster.manager import pid_alive, spawn_daemon
 from ..phoenix.ids import RoleId
-from ..phoenix.protocol import MAX_PRIORITY, PhoenixTopology
+from ..phoenix.protocol import JOIN_SERVING_TIMEOUT_S, MAX_PRIORITY, PhoenixTopology
 from ..phoenix.ring import ChordRing, master_index
 from ..recovery.fencing import Reign
 from ..routing.messages import Join, encode
@@ -177,8 +177,9 @@ class PhoenixDeployment:
         self._await_serving(pids, timeout)
         return pids
 
-    def join(self, cluster: str, *, timeout: float = 60.0) -> dict[RoleId, int]:
-        """Start a listed cluster's roles, then tell every running routing master."""
+    def join(self, cluster: str, *, timeout: float = JOIN_SERVING_TIMEOUT_S) -> dict[RoleId, int]:
+        """Start a listed cluster's roles, then tell every running routing master, the
+        joiner's own last (its hold on the arc's events runs from then: joining.py)."""
         spec = self.topology.cluster(cluster)
         pids = self.pids()
         if any(r.cluster == spec.id and pid_alive(p) for r, p in pids.items()):
@@ -191,14 +192,14 @@ class PhoenixDeployment:
             pids.update(started)
             self._save(pids)
         self._await_serving(started, timeout)
-        others = sorted({r.cluster for r in pids} - {spec.id})
+        routers = [*sorted({r.cluster for r in pids} - {spec.id}), spec.id]
 
         async def announce() -> None:
             message = encode(Join(cluster=spec.id))
-            for other in others:
-                _, conf = cluster_settings(self.settings, self.topology, other)  # its RabbitMQ
+            for told in routers:
+                _, conf = cluster_settings(self.settings, self.topology, told)  # its RabbitMQ
                 async with AsyncClient(settings=conf) as client:
-                    inbox = RoleId.router(other).inbox(self.topology.prefix)
+                    inbox = RoleId.router(told).inbox(self.topology.prefix)
                     await client.declare_queue(role_inbox_spec(inbox, self.topology, client))
                     await client.publish(OutgoingMessage(message, "", inbox, priority=MAX_PRIORITY))
 

@@ -66,6 +66,43 @@ def test_word_that_the_hand_over_is_under_way_starts_the_bound_again() -> None:
     assert hold.noted(6.5) == [] and hold.expired(11.5) == []  # released once
 
 
+def test_the_bound_runs_from_the_joins_announcement_not_the_routers_start() -> None:
+    """``phoenix join`` announces the join once every role of the joiner serves, which on
+    a busy machine came more than the bound after the router's start: a bound from the
+    start let the events go as the others began routing them here (386 lost)."""
+    hold = JoinHold()
+    effects = hold.start(
+        recorded=None, listed_as_joined=False, bound_s=5.0, clusters=4, now=0.0, announce_s=65.0
+    )
+    assert effects == [Hold(5.0)]
+    assert hold.expired(5.0) == [After(60.0, "join")]  # not announced yet: still held
+    assert hold.announce(6.0) == [After(5.0, "join")] and hold.announced
+    assert hold.expired(8.0) == [After(3.0, "join")]
+    assert hold.expired(11.0) == [Release(0, None, 11.0, timed_out=True)]
+    assert hold.expired(65.0) == []  # the start's timer, late: released once
+    hold2 = JoinHold()
+    hold2.start(
+        recorded="left", listed_as_joined=True, bound_s=5.0, clusters=4, now=0.0, announce_s=65.0
+    )
+    assert hold2.announce(6.0) == [After(5.0, "join")]
+    assert hold2.expired(10.0) == [After(1.0, "join")]  # 5 s from the announcement
+    assert hold2.noted(10.5) == []  # the previous owner's word: from there
+    assert hold2.expired(11.0) == [After(4.5, "join")]
+    assert hold2.told(0, 12.0) == [Release(0, 0, 12.0, timed_out=False)]
+    assert hold2.announce(13.0) == [] and hold2.expired(20.0) == []  # released once
+
+
+def test_without_an_announcement_the_hold_ends_after_announce_s() -> None:
+    """A join whose announcer died before telling: nothing of the arc comes from the
+    others; what the joiner's own publishers sent of it goes on after ``announce_s``."""
+    hold = JoinHold()
+    hold.start(
+        recorded="left", listed_as_joined=True, bound_s=5.0, clusters=4, now=0.0, announce_s=65.0
+    )
+    assert hold.expired(5.0) == [After(60.0, "join")]
+    assert hold.expired(65.0) == [Release(0, None, 65.0, timed_out=True)]
+
+
 def test_who_joins() -> None:
     assert started(None, listed=False)[1] == [Hold(5.0)]  # listed as joining later
     assert started("joined", listed=False)[1] == []  # a router promoted after the join
