@@ -15,6 +15,7 @@ import secrets
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -210,6 +211,20 @@ class LocalCluster:
             "members": sorted(self.running_members()),
             "amqp_urls": [n.amqp_url for n in self.layout.nodes],
         }
+
+    def ctl(self, name: str, *args: str, timeout: float = 60.0) -> str:
+        """Run ``rabbitmqctl`` against one node (by any of its names); its output.  A
+        failure raises :class:`ClusterError` with what the tool printed."""
+        node = self.layout.find(name)
+        argv = [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", node.node_name, *args]
+        env = {**os.environ, **self.layout.base_env()}
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise ClusterError(f"rabbitmqctl {' '.join(args)} took over {timeout:.0f} s") from exc
+        if done.returncode != 0:
+            raise ClusterError(f"rabbitmqctl {' '.join(args)}: {done.stderr.strip()[-500:]}")
+        return done.stdout
 
     def running_members(self) -> set[str]:
         """Running cluster members as seen by the first node that answers its management API."""

@@ -117,8 +117,8 @@ class PhoenixTopology(BaseModel):
     #: a cluster that joins (or rejoins) the ring holds its arc's events at its routing
     #: master until the previous owner's hand-over of the arc's subscriptions is all
     #: there, at most this long after the join's announcement or the previous owner's
-    #: last word that it is under way (0: not at all): an event matched before would miss the subscriptions made
-    #: meanwhile at the previous owner
+    #: last word that it is under way (0: not at all): an event matched before would
+    #: miss the subscriptions made meanwhile at the previous owner
     handover_wait_s: float = Field(5.0, ge=0, le=600)
     #: masters beat to their slaves this often; a slave suspects its master after
     #: ``heartbeat_misses`` silent intervals and the slaves elect who takes over (a dead

@@ -23,6 +23,7 @@ import pytest
 
 from middleware import runtime
 from middleware.confirms import AsyncConfirmConsumer, AsyncConfirmPublisher, SyncConfirmPublisher
+from middleware.localcluster.manager import LocalCluster
 from middleware.localcluster.proxy import FaultProxy
 from middleware.settings import Settings
 from middleware.transport import (
@@ -31,6 +32,7 @@ from middleware.transport import (
     Delivery,
     ExchangeSpec,
     ExchangeType,
+    OutgoingMessage,
     QueueKind,
     QueueSpec,
     SyncClient,
@@ -200,3 +202,55 @@ def test_confirms_go_on_while_a_link_is_silent(silent, face, mode, settings, bro
         assert set(handled) >= set(counts.published), f"{q}: confirmed but never handled"
         if mode == "e2e":
             assert max(handled.values()) == 1, f"{q}: handled twice"
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+def test_a_blocked_connection_is_not_taken_for_a_silent_one(face, settings, brokers, name) -> None:
+    """A memory alarm blocks every publishing connection for as long as it lasts (here 8 s,
+    more than twice the 3 s the rule allows at ``heartbeat`` 2).  RabbitMQ's heartbeat
+    sender goes on beating to a blocked connection (``rabbit_heartbeat.erl``: only the
+    receiver's monitor pauses), so the client hears it and does not fail over: the
+    publish waits for the alarm's end on its own connection, and is confirmed.  The test
+    counts the client's reconnects and times the publish itself."""
+    if brokers.cluster is None:
+        pytest.skip("needs rabbitmqctl on the local cluster's nodes")
+    cluster = brokers.cluster
+    node = cluster.layout.nodes[0].short_name
+    alarm_s = 8.0
+    one = _urls(settings, brokers.urls[0])
+    message = OutgoingMessage(b"x", "", name, message_id="blocked")
+    try:
+        if face == "async":
+
+            async def run() -> tuple[float, int]:
+                async with AsyncClient(settings=one) as client:
+                    await client.declare_queue(QueueSpec(name))
+                    cluster.ctl(node, "set_vm_memory_high_watermark", "0")
+                    threading.Timer(alarm_s, _unblock, (cluster, node)).start()
+                    started = time.monotonic()
+                    await asyncio.wait_for(client.publish(message), 60)
+                    took, reconnects = time.monotonic() - started, client.reconnects
+                    await client.delete_queue(name)
+                    return took, reconnects
+
+            took, reconnects = runtime.run(run())
+        else:
+            client = SyncClient(settings=one).connect()
+            try:
+                client.declare_queue(QueueSpec(name))
+                cluster.ctl(node, "set_vm_memory_high_watermark", "0")
+                threading.Timer(alarm_s, _unblock, (cluster, node)).start()
+                started = time.monotonic()
+                client.publish(message)
+                took, reconnects = time.monotonic() - started, client.reconnects
+                client.delete_queue(name)
+            finally:
+                client.close()
+    finally:
+        _unblock(cluster, node)
+    assert took >= alarm_s - 1.0, f"confirmed after {took:.1f} s: the alarm did not block it"
+    assert reconnects == 0, f"{reconnects} reconnects while blocked (taken for silent)"
+
+
+def _unblock(cluster: LocalCluster, node: str) -> None:
+    cluster.ctl(node, "set_vm_memory_high_watermark", "0.4")  # RabbitMQ's default
