@@ -7,13 +7,12 @@ ones removed meanwhile).  An event matched before they are all there would miss 
 So the joining cluster's routing master holds its arc's events from its start until the
 previous owner's routing master has said how many it sent (``handed_over``) and that many
 were routed here, or until a bound passes (``handover_wait_s``) with no word from it.
-The bound runs from the join's announcement, not from the router's start: ``phoenix
-join`` tells every routing master, the joiner's own last, only once all the joiner's
-roles serve, and on a busy machine the last of them may serve more than the bound after
-the router (a bound from the start then let the events go just as the others began
-routing the arc here: 386 of them lost, matched before the subscriptions came).
-Without an announcement the hold ends ``announce_s`` after the start (a join whose
-announcer died before telling: nothing of the arc is routed here by the others then).
+The bound runs from the join's announcement (``phoenix join`` tells the joiner's router
+last, to its control queue, once all the joiner's roles serve: on a busy machine more
+than the bound after the router's start), at most ``announce_s`` from the start without
+one (its announcer died: the others route nothing of the arc here then).
+A timer more than a quarter of the bound late (the router did not run) gives a quarter
+of the bound more: what came meanwhile may wait unread behind it (``expired``).
 While its match masters have not all answered, the previous owner says it is still
 handing over (a ``handed_over`` without a count) every quarter of that bound, and each
 such word starts the bound again: a previous owner behind with its own events (its match
@@ -101,6 +100,7 @@ class JoinHold:
         self.announced = False  # the join was announced here (the others heard it)
         self._since = 0.0
         self._word: float | None = None  # the announcement, or the previous owner's word
+        self._excused_until = 0.0  # a late timer excused the silence until then
 
     @staticmethod
     def joins(recorded: str | None, listed_as_joined: bool) -> bool:
@@ -158,10 +158,19 @@ class JoinHold:
         before the announcement, ``announce_s`` from the start."""
         if not self.holding:
             return []
-        if self._word is not None and (left := self._word + self.bound_s - now) > 0:
+        if self._word is not None:
+            deadline = self._word + self.bound_s
+        else:
+            deadline = self._since + self.announce_s
+        deadline = max(deadline, self._excused_until)
+        if (left := deadline - now) > 0:
             return [After(left, "join")]
-        if self._word is None and (left := self._since + self.announce_s - now) > 0:
-            return [After(left, "join")]
+        late_s = self.bound_s / 4
+        if now - deadline > late_s:
+            # late: this router did not run (a busy machine, a stop), and a word, the
+            # count or the subscriptions may wait unread: a quarter of the bound more
+            self._excused_until = now + late_s
+            return [After(late_s, "join")]
         self.holding = False
         return [Release(self.handed, self.expected, now - self._since, timed_out=True)]
 

@@ -203,6 +203,7 @@ class RouterMaster(LeavingRouter):
             Subscribe: self._on_handed_subscription,
             Unsubscribe: self._on_handed_subscription,
             HandedOver: self._on_handed_over,
+            Join: self._on_join,  # its own, announced (beside the hand-over it waits for)
         }
 
     @functools.cached_property

@@ -198,10 +198,14 @@ class PhoenixDeployment:
             message = encode(Join(cluster=spec.id))
             for told in routers:
                 _, conf = cluster_settings(self.settings, self.topology, told)  # its RabbitMQ
+                router = RoleId.router(told)
+                # the joiner's own to its control queue, where the hand-over comes: its
+                # inbox may be full of the arc's events it holds until then
+                own = told == spec.id
+                queue = (router.control if own else router.inbox)(self.topology.prefix)
                 async with AsyncClient(settings=conf) as client:
-                    inbox = RoleId.router(told).inbox(self.topology.prefix)
-                    await client.declare_queue(role_inbox_spec(inbox, self.topology, client))
-                    await client.publish(OutgoingMessage(message, "", inbox, priority=MAX_PRIORITY))
+                    await client.declare_queue(role_inbox_spec(queue, self.topology, client))
+                    await client.publish(OutgoingMessage(message, "", queue, priority=MAX_PRIORITY))
 
         runtime.run(announce(), event_loop=self.settings.event_loop)
         return started
