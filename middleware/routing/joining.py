@@ -97,7 +97,6 @@ class JoinHold:
         self.expected: int | None = None  # the previous owner's count
         self.bound_s = 0.0
         self.announce_s = 0.0  # the longest hold without the join's announcement
-        self.announced = False  # the join was announced here (the others heard it)
         self._since = 0.0
         self._word: float | None = None  # the announcement, or the previous owner's word
         self._excused_until = 0.0  # a late timer excused the silence until then
@@ -133,7 +132,7 @@ class JoinHold:
         bound runs from now (a timer of its own: the one armed at the start may be later)."""
         if not self.holding:
             return []
-        self.announced, self._word = True, now
+        self._word = now
         return [After(self.bound_s, "join")]
 
     def routed(self, now: float) -> list[Effect]:
