@@ -106,6 +106,9 @@ class AsyncQueues:
         self._drain_task: asyncio.Task[int] | None = None
         self._dedup = DuplicateFilter(client.settings.confirms.dedup_window)
         self._inboxes: dict[str, asyncio.Queue[QueueMessage]] = {}
+        # (queue, message id) handed to the application and not yet decided: a copy
+        # arriving meanwhile (a redelivery after a lost connection, a resend) waits
+        self._in_hand: dict[tuple[str, str], asyncio.Future[BaseException | None]] = {}
         self._pending_spool: list[tuple[SpoolEntry, asyncio.Future[None]]] = []
         client.on_reconnect(self._on_reconnect)
 
@@ -304,6 +307,14 @@ class AsyncQueues:
         return sent
 
     # ----------------------------------------------------------- consumer
+    def _copy_settled(self, key: tuple[str, str], first: BaseException | None) -> None:
+        """A copy of a message in hand, settled as the application settled the first:
+        acked silently, or dead-lettered with the same reason (a requeued first lets
+        the copy through to the application)."""
+        if first is not None:
+            raise first
+        self._dedup.remember(Receipt(key[1], key[0]))
+
     async def _inbox(self, queue: str) -> asyncio.Queue[QueueMessage]:
         inbox = self._inboxes.get(queue)
         if inbox is None:
@@ -311,13 +322,30 @@ class AsyncQueues:
 
             async def handler(delivery: Delivery) -> None:
                 key = (delivery.queue, delivery.message_id or "")
-                if delivery.message_id and self._dedup.get(*key) is not None:
-                    return  # a resend of a message already acked: ack it again, silently
+                if delivery.message_id:
+                    earlier = self._in_hand.get(key)
+                    while earlier is not None:
+                        # a copy of a message the application holds: one decision
+                        # for both (a redelivery after the connection of the first
+                        # was lost, or a resend, comes while the first is in hand)
+                        first = await asyncio.shield(earlier)
+                        if first is None or isinstance(first, Reject):
+                            return self._copy_settled(key, first)
+                        following = self._in_hand.get(key)  # requeued: the next copy's
+                        earlier = following if following is not earlier else None
+                    if self._dedup.get(*key) is not None:
+                        return  # a resend of a message already acked: ack it again, silently
                 decision: asyncio.Future[BaseException | None] = (
                     asyncio.get_running_loop().create_future()
                 )
-                await inbox.put(QueueMessage(delivery, decision))
-                error = await decision
+                if delivery.message_id:
+                    self._in_hand[key] = decision
+                try:
+                    await inbox.put(QueueMessage(delivery, decision))
+                    error = await asyncio.shield(decision)
+                finally:
+                    if self._in_hand.get(key) is decision:
+                        del self._in_hand[key]
                 if error is not None:
                     raise error
                 if delivery.message_id:

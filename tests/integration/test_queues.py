@@ -69,6 +69,51 @@ def test_verbs_and_explicit_ack(settings, tmp_path, name) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("decision", ["ack", "requeue"])
+def test_a_copy_that_comes_while_the_first_is_in_hand_gets_the_first_ones_decision(
+    decision, settings, tmp_path, name
+) -> None:
+    """Two copies of one message id (a resend, or a redelivery after the first's
+    connection was lost) can both be delivered before the application settles the
+    first: the copy waits, then is acked silently (first acked) or handed over (first
+    requeued).  The test counts the hand-overs itself; the broker's queue counts what
+    is left."""
+
+    async def scenario() -> tuple[list[str], int]:
+        queues = await AsyncQueues(AsyncClient(settings=_settings(settings, tmp_path))).start()
+        await queues.create_queue(name)
+        for body in (b"first", b"copy"):
+            await queues.enqueue(name, body, message_id="same-id")
+        handed: list[str] = []
+        first = await queues.dequeue(name, timeout=10)
+        assert first is not None
+        handed.append(first.body.decode())
+        # both are delivered now (prefetch > 1): the copy must not be handed over yet
+        held = await queues.dequeue(name, timeout=1.5)
+        if held is not None:
+            handed.append(held.body.decode())
+        if decision == "ack":
+            await first.ack()
+        else:
+            await first.reject("again", requeue=True)
+        while (later := await queues.dequeue(name, timeout=1.5)) is not None:
+            handed.append(later.body.decode())
+            await later.ack()
+        await asyncio.sleep(0.5)  # the last settle leaves
+        async with AsyncClient(settings=settings) as counter:
+            left = await counter.queue_length(name)
+        await queues.destroy_queue(name)
+        await queues.client.close()
+        return handed, left
+
+    handed, left = asyncio.run(scenario())
+    if decision == "ack":
+        assert handed == ["first"], "a copy was handed over while the first was in hand"
+    else:
+        assert handed == ["first", "copy"], handed
+    assert left == 0
+
+
 @pytest.mark.cluster
 def test_load_sharing_learns_the_cluster_and_spreads_enqueues(
     settings, brokers, tmp_path, name
