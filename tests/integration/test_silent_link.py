@@ -225,7 +225,7 @@ def test_a_blocked_connection_is_not_taken_for_a_silent_one(face, settings, brok
             async def run() -> tuple[float, int]:
                 async with AsyncClient(settings=one) as client:
                     await client.declare_queue(QueueSpec(name))
-                    cluster.ctl(node, "set_vm_memory_high_watermark", "0")
+                    await asyncio.to_thread(cluster.ctl, node, "set_vm_memory_high_watermark", "0")
                     threading.Timer(alarm_s, _unblock, (cluster, node)).start()
                     started = time.monotonic()
                     await asyncio.wait_for(client.publish(message), 60)
