@@ -305,9 +305,14 @@ class ConsumerCore:
             return self.batcher.add(str(delivery.reply_to), earlier, self._age(delivery))
         key = (delivery.queue, str(delivery.message_id))
         digest = self._in_progress.pop(key, b"")
-        if outcome.action is Action.REQUEUE:
+        # an ack the channel lost: the handler ran and succeeded all the same, so the
+        # receipt is owed and the broker's redelivery meets the duplicate filter, not the
+        # handler.  (A lost reject or dead-letter is handled again: acking its
+        # redelivery as a duplicate would keep it from the dead letters.)
+        decided = Action.ACK if outcome.unsent is Action.ACK else outcome.action
+        if decided is Action.REQUEUE:
             return []  # it will come back and be handled again
-        ok = outcome.action is Action.ACK
+        ok = decided is Action.ACK
         receipt = Receipt(key[1], key[0], ok, outcome.reason, digest)
         self.dedup.remember(receipt)
         return self.batcher.add(str(delivery.reply_to), receipt, self._age(delivery))

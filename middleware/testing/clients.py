@@ -145,7 +145,7 @@ class _Double:
                     requeue = step is consuming.Step.REQUEUE
                     self.broker.settle(consumer, delivery, requeue=requeue)
         except Exception as exc:  # the copy failed: the message goes back, as on a broker
-            outcome = consuming.settle_lost(delivery, exc)
+            outcome = consuming.settle_lost(delivery, exc, outcome)
             self.broker.settle(consumer, delivery, requeue=True)
         return outcome
 

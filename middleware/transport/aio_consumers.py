@@ -215,7 +215,7 @@ class ConsumerMachinery(ClientState):
         try:
             await self._settle(msg.channel, delivery, outcome)
         except Exception as exc:
-            outcome = consuming.settle_lost(delivery, exc)
+            outcome = consuming.settle_lost(delivery, exc, outcome)
             self._after_lost_settle(consumer, msg.channel)
         if consumer.on_settled is not None:
             await consumer.on_settled(delivery, outcome)

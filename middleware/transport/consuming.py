@@ -8,7 +8,7 @@ A face (the asyncio core, the pika face) only executes it::
     for step in settle_steps(outcome):          # the frames (and the dead-letter copy)
         ...execute step...
     # a step raised (the channel or connection died before the settle left):
-    outcome = settle_lost(delivery, exc)        # REQUEUE: the broker gives it back
+    outcome = settle_lost(delivery, exc, outcome)  # REQUEUE: the broker gives it back
     resubscribe_after_lost_settle(...)          # the consumer's channel is gone, not
                                                 # the connection: subscribe it again
 
@@ -97,11 +97,14 @@ def settle_steps(outcome: Outcome) -> tuple[Step, ...]:
     return _STEPS[outcome.action]
 
 
-def settle_lost(delivery: Delivery, error: BaseException) -> Outcome:
+def settle_lost(delivery: Delivery, error: BaseException, decided: Outcome) -> Outcome:
     """A settle step raised: the channel (or its connection) closed before the frame left.
-    The broker requeues what a closed channel held unacked, so the outcome is REQUEUE."""
+    The broker requeues what a closed channel held unacked, so the outcome is REQUEUE,
+    carrying the handler's ``decided`` action as ``unsent`` (a layer that remembers what
+    its handlers did, as the e2e consumer does, answers the redelivery without running
+    the handler again)."""
     log.info("could not settle %s on %s: %s", delivery.message_id, delivery.queue, error)
-    return Outcome(Action.REQUEUE, f"channel lost before settling: {error}")
+    return Outcome(Action.REQUEUE, f"channel lost before settling: {error}", decided.action)
 
 
 def resubscribe_after_lost_settle(*, channel_closed: bool, connection_open: bool) -> bool:

@@ -76,8 +76,13 @@ class Action(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    """What became of a delivery.  ``unsent``: the handler's own decision, when the
+    channel closed before it reached the broker (``action`` is then REQUEUE: the broker
+    gives the delivery back, although the handler ran)."""
+
     action: Action
     reason: str = ""
+    unsent: Action | None = None
 
 
 ACKED = Outcome(Action.ACK)

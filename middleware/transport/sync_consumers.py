@@ -143,7 +143,7 @@ class SyncConsumers(SyncClientState):
         try:
             self._settle(ch, delivery, outcome)
         except Exception as exc:
-            outcome = consuming.settle_lost(delivery, exc)
+            outcome = consuming.settle_lost(delivery, exc, outcome)
             live = self._live
             if live is not None and consuming.resubscribe_after_lost_settle(
                 channel_closed=ch.is_closed, connection_open=live.connection.is_open

@@ -288,6 +288,31 @@ def test_consumer_core_requeue_and_plain_messages_earn_no_receipt() -> None:
     assert len(core.batcher) == 0
 
 
+@pytest.mark.parametrize(
+    ("decided", "handled_again"),
+    [(Action.ACK, False), (Action.REJECT, True), (Action.DEAD_LETTER, True)],
+)
+def test_an_ack_the_channel_lost_still_earns_its_receipt_and_stops_the_redelivery(
+    decided: Action, handled_again: bool
+) -> None:
+    """The handler ran and its ack met a dead channel: the broker redelivers, but the
+    message was handled; its receipt goes out and the redelivery is a duplicate.  A
+    lost reject or dead-letter is handled again (acking it as a duplicate would keep
+    it from the dead letters)."""
+    core = ConsumerCore(ConfirmSettings(receipt_batch=100))
+    first = _delivery()
+    assert core.should_handle(first)
+    lost = Outcome(Action.REQUEUE, "channel lost before settling: closed", unsent=decided)
+    core.settled(first, lost)
+    assert core.should_handle(_delivery()) is handled_again
+    drained = core.batcher.drain()
+    if decided is Action.ACK:
+        ((_reply_to, sent),) = drained
+        assert [r.ok for r in sent] == [True]
+    else:
+        assert drained == []
+
+
 def test_a_named_content_makes_two_differently_stamped_copies_one_message() -> None:
     """``CONTENT_HEADER``: one id, one content name, other bodies (a Phoenix event matched
     by two match brokers): the second is a resend, answered with the first's receipt; a

@@ -40,9 +40,11 @@ def test_the_handler_steers_the_outcome(error, action) -> None:
     assert consuming.after_handler(Delivery(b"x", "q"), error).action is action
 
 
-def test_a_lost_settle_is_requeue_with_its_reason() -> None:
-    outcome = consuming.settle_lost(Delivery(b"x", "q"), RuntimeError("channel 3 closed"))
+def test_a_lost_settle_is_requeue_with_its_reason_and_the_handlers_decision() -> None:
+    decided = Outcome(Action.ACK)
+    outcome = consuming.settle_lost(Delivery(b"x", "q"), RuntimeError("channel 3 closed"), decided)
     assert outcome.action is Action.REQUEUE and "channel 3 closed" in outcome.reason
+    assert outcome.unsent is Action.ACK
 
 
 @pytest.mark.parametrize(
