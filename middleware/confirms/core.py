@@ -313,7 +313,8 @@ class ConsumerCore:
         if decided is Action.REQUEUE:
             return []  # it will come back and be handled again
         ok = decided is Action.ACK
-        receipt = Receipt(key[1], key[0], ok, outcome.reason, digest)
+        reason = outcome.reason if decided is outcome.action else ""  # not the lost channel
+        receipt = Receipt(key[1], key[0], ok, reason, digest)
         self.dedup.remember(receipt)
         return self.batcher.add(str(delivery.reply_to), receipt, self._age(delivery))
 

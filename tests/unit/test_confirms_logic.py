@@ -308,7 +308,7 @@ def test_an_ack_the_channel_lost_still_earns_its_receipt_and_stops_the_redeliver
     drained = core.batcher.drain()
     if decided is Action.ACK:
         ((_reply_to, sent),) = drained
-        assert [r.ok for r in sent] == [True]
+        assert [(r.ok, r.reason) for r in sent] == [(True, "")]
     else:
         assert drained == []
 
