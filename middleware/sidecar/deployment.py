@@ -174,7 +174,11 @@ class PhoenixDeployment:
                     self._held(role).unlink(missing_ok=True)
                     pids[role] = self._spawn(role)
             self._save(pids)
-        self._await_serving(pids, timeout)
+        try:
+            self._await_serving(pids, timeout)
+        except DeploymentError:
+            self.down()  # a failed up leaves no process behind
+            raise
         return pids
 
     def join(self, cluster: str, *, timeout: float = JOIN_SERVING_TIMEOUT_S) -> dict[RoleId, int]:
@@ -191,7 +195,7 @@ class PhoenixDeployment:
             started = {role: self._spawn(role) for role in RoleId.of_cluster(spec)}
             pids.update(started)
             self._save(pids)
-        self._await_serving(started, timeout)
+        self._serving_or_stopped(started, timeout)
         routers = [*sorted({r.cluster for r in pids} - {spec.id}), spec.id]
 
         async def announce() -> None:
@@ -269,7 +273,7 @@ class PhoenixDeployment:
             self._held(role).unlink(missing_ok=True)
             pids[role] = self._spawn(role)
             self._save(pids)
-        self._await_serving({role: pids[role]}, timeout)
+        self._serving_or_stopped({role: pids[role]}, timeout)
         return pids[role]
 
     def add(self, roles: Iterable[RoleId], *, timeout: float = 60.0) -> dict[RoleId, int]:
@@ -292,7 +296,7 @@ class PhoenixDeployment:
             self._save(pids)
         for pid in started.values():  # children of the process that asked: reaped there
             threading.Thread(target=reap, args=(pid,), name=f"reaper of {pid}", daemon=True).start()
-        self._await_serving(started, timeout)
+        self._serving_or_stopped(started, timeout)
         return started
 
     def retire(self, roles: Iterable[RoleId], *, timeout: float = 15.0) -> list[int]:
@@ -548,6 +552,22 @@ class PhoenixDeployment:
         return problems
 
     # --------------------------------------------------------------- internal
+    def _serving_or_stopped(self, started: Mapping[RoleId, int], timeout: float) -> None:
+        """``_await_serving``; when it fails, what this call started is stopped and
+        forgotten before the error goes on (a failed ``join``, ``start`` or ``add`` leaves
+        no process behind).  Held while it stops, so no master replaces it meanwhile."""
+        try:
+            self._await_serving(started, timeout)
+        except DeploymentError:
+            with self._locked():
+                for slot in started:
+                    self._held(slot).touch()
+                self._save(after_retire(self.pids(), started))
+            terminate(started.values(), 15.0)
+            for slot in started:
+                self._held(slot).unlink(missing_ok=True)
+            raise
+
     def _await_serving(self, pids: Mapping[RoleId, int], timeout: float) -> None:
         """Until every process in ``pids`` wrote its status file (it serves)."""
         deadline = time.monotonic() + timeout

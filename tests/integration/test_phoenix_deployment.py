@@ -86,3 +86,43 @@ def test_roles_write_their_cpu_profile_when_profile_dir_is_set(
     assert written == sorted(f"{pid}.prof" for pid in pids.values()), written
     functions = {name for _, _, name in pstats.Stats(str(profiles / written[0])).stats}
     assert "run" in functions and "serve" in functions, sorted(functions)[:20]
+
+
+def test_an_up_that_fails_leaves_no_process_behind(
+    brokers, module_settings, module_name, tmp_path
+) -> None:
+    """``up`` that gives up on roles not serving in time stops every process it started
+    (found by the bench: a deployment slow to load its subscriptions left 18 roles and
+    their zygotes running after the error).  Counted from ``/proc``, not from the
+    deployment's own records."""
+    import os
+    from pathlib import Path
+
+    from middleware.sidecar.deployment import DeploymentError, PhoenixDeployment
+    from tests.integration.phoenix_support import write_topology
+
+    clusters = {"A": {"routing_slaves": 1, "match_slaves": 1}}
+    topology_file, _ = write_topology(tmp_path, f"{module_name}f", clusters)
+
+    def processes() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if entry.name.isdigit() and str(topology_file).encode() in argv:
+                found.append(int(entry.name))
+        return found
+
+    env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
+    deployed = PhoenixDeployment(
+        topology_file, tmp_path / "state", settings=module_settings, env=env
+    )
+    with pytest.raises(DeploymentError, match="not serving after"):
+        deployed.up(timeout=0.01)
+    try:
+        assert processes() == []
+        assert deployed.pids() == {}
+    finally:
+        deployed.down()
