@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +72,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
+    with _sigterm_as_interrupt():
+        return _run(args)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: the command ends as after Ctrl-C, its ``finally`` blocks run."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While a command runs, SIGTERM (a CI job's timeout, ``timeout``, a supervisor)
+    ends it the way Ctrl-C does: cleanly, so a benchmark takes down the roles and
+    sidecars it started instead of leaving them running.  Further SIGTERMs are ignored
+    while it cleans up (its stops are bounded: what does not stop is SIGKILLed).  A
+    command that handles SIGTERM itself (a sidecar, a role) replaces this; a handler
+    someone else installed is kept; the previous one comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         use_uris(getattr(args, "uri", None))
         settings = Settings.load(args.config)
@@ -86,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MiddlewareError as exc:
         print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("qosmq: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("qosmq: interrupted", file=sys.stderr)
         return 130

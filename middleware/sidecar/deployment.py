@@ -176,7 +176,7 @@ class PhoenixDeployment:
             self._save(pids)
         try:
             self._await_serving(pids, timeout)
-        except DeploymentError:
+        except BaseException:  # not serving in time, or interrupted (Ctrl-C, SIGTERM)
             self.down()  # a failed up leaves no process behind
             raise
         return pids
@@ -558,7 +558,7 @@ class PhoenixDeployment:
         no process behind).  Held while it stops, so no master replaces it meanwhile."""
         try:
             self._await_serving(started, timeout)
-        except DeploymentError:
+        except BaseException:  # not serving in time, or interrupted (Ctrl-C, SIGTERM)
             with self._locked():
                 for slot in started:
                     self._held(slot).touch()

@@ -3,6 +3,7 @@ process and what it serves; a role killed by SIGKILL makes it fail, naming the r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -126,3 +127,53 @@ def test_an_up_that_fails_leaves_no_process_behind(
         assert deployed.pids() == {}
     finally:
         deployed.down()
+
+
+def test_a_bench_ended_by_sigterm_takes_its_roles_down(brokers, tmp_path) -> None:
+    """SIGTERM to ``qosmq bench phoenix`` (a CI job's timeout, ``timeout``) ends it the way
+    Ctrl-C does: exit 143, and the roles it started are stopped.  Before, Python's default
+    SIGTERM ended the bench at once and left 18 roles and their zygotes running.  The
+    processes are counted from ``/proc`` by the bench's work directory in their argv."""
+    import os
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+
+    work = tmp_path / "bench"
+
+    def roles() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if entry.name.isdigit() and str(work).encode() in argv and b"sidecar" in argv:
+                found.append(int(entry.name))
+        return found
+
+    env = {k: v for k, v in os.environ.items() if k != "QOSMQ_AMQP_URLS"}
+    argv = [sys.executable, "-m", "middleware.cli", "bench", "phoenix"]
+    argv += ["--experiment", "throughput", "--subscriptions", "100", "--rates", "50"]
+    argv += ["--duration", "120", "--idle", "1", "--work-dir", str(work)]
+    argv += ["--uri", ",".join(brokers.urls)]
+    bench = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while len(roles()) < 18 and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(roles()) == 18, (bench.poll(), roles())
+        time.sleep(2)  # into the run
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == 143, err.decode()[-2000:]
+        assert "qosmq: terminated" in err.decode()
+        assert roles() == []
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid in roles():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
