@@ -104,7 +104,7 @@ class MatchBroker(Role):
         try:
             matched = self.registry.match(message.event_type, message.event.attributes)
             self.count("matched", len(matched))
-            HOPS.labels(self.cluster).observe(max(0, len(message.hops) - 1))
+            self._hops.observe(max(0, len(message.hops) - 1))
             try:
                 if matched:
                     await self._deliver(message, matched)
@@ -114,6 +114,10 @@ class MatchBroker(Role):
             self._done(message)
         finally:
             self.predictor.completed(now=time.monotonic())
+
+    @functools.cached_property
+    def _hops(self) -> Any:
+        return HOPS.labels(self.cluster)  # looked up once, not per event
 
     def _done(self, message: Publish) -> None:
         """The event's copies are confirmed: tell the router it entered the ring at

@@ -86,8 +86,6 @@ INT64 = (-(2**63), 2**63 - 1)
 
 def _number_problem(value: Any) -> str | None:
     """Why a number cannot be held (stored as BSON/SQLite, compared as a double), or None."""
-    if isinstance(value, bool):
-        return None
     if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
         return f"integer {value} is beyond 64 bits"
     if isinstance(value, float) and not math.isfinite(value):
@@ -104,6 +102,8 @@ def _kind(value: Any) -> str:
 
 
 def _key(value: Scalar) -> tuple[str, Scalar]:
+    if type(value) is str:  # the common kind first: every event's attributes come here
+        return ("s", value)
     kind = _kind(value)
     return (kind, float(value) if kind == "n" else value)
 
@@ -299,8 +299,9 @@ class SubscriptionIndex:
 
     def match(self, attributes: Mapping[str, Scalar]) -> set[str]:
         found = set(self._match_all)
-        for name, value in attributes.items():
-            candidates = self._anchored.get((name, _key(value)), ())
+        keys = [(name, value, _key(value)) for name, value in attributes.items()]
+        for name, _, key in keys:
+            candidates = self._anchored.get((name, key), ())
             self.work += len(candidates)
             for sid in candidates:  # the anchor holds (same key): test the rest
                 if sid in found:
@@ -311,12 +312,11 @@ class SubscriptionIndex:
                         break
                 else:
                     found.add(sid)
-        return found | self._count(attributes)
+        return found | self._count(keys)
 
-    def _count(self, attributes: Mapping[str, Scalar]) -> set[str]:
+    def _count(self, keys: list[tuple[str, Scalar, tuple[str, Scalar]]]) -> set[str]:
         counts: Counter[str] = Counter()
-        for name, value in attributes.items():
-            key = _key(value)
+        for name, value, key in keys:
             counts.update(self._eq.get((name, key), ()))
             if name in self._exists:
                 counts.update(self._exists[name])
