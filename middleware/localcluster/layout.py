@@ -18,6 +18,7 @@ epmd (cluster)     base + 30000             35682
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ PLUGINS = (
     "rabbitmq_consistent_hash_exchange",
 )
 _LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
+#: the source address of the nodes' connections to each other (see ``advanced_config``)
+DIST_SOURCE = "127.0.0.2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,10 @@ class NodeLayout:
     @property
     def config_file(self) -> Path:
         return self.directory / "rabbitmq.conf"
+
+    @property
+    def advanced_config_file(self) -> Path:
+        return self.directory / "advanced.config"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +150,31 @@ class ClusterLayout:
             "RABBITMQ_MNESIA_BASE": str(node.directory / "mnesia"),
             "RABBITMQ_LOG_BASE": str(node.directory / "log"),
             "RABBITMQ_CONFIG_FILE": str(node.config_file),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(node.advanced_config_file),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(node.directory / "enabled_plugins"),
             "RABBITMQ_PID_FILE": str(node.pid_file),
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": _LOOPBACK_DIST,
         }
+
+    @staticmethod
+    def advanced_config() -> str:
+        """The nodes connect to each other from ``DIST_SOURCE``, not from 127.0.0.1.
+
+        RabbitMQ 3.10's management agent finds a node's distribution socket among its TCP
+        sockets by the peer's address and port, and crashes when two match
+        (``rabbit_net:dist_info/4``, ``no case clause matching [#Port<..>, #Port<..>]``):
+        on one machine, Linux hands a client connecting to the AMQP port the same
+        ephemeral port as a node's connection to another node's distribution port (the
+        two destinations differ).  Restarted into the same crash while that client stays
+        connected, the agent gives up and the node reports no statistics from then on
+        (seen 2026-12-04: the management API's counters of every queue on node 1 stopped
+        for the rest of the sitting).  Clients connect from 127.0.0.1, so a distribution
+        peer on another loopback address never matches one.  Where that address cannot
+        be bound (a loopback with 127.0.0.1 alone), nothing is changed."""
+        if not loopback_binds(DIST_SOURCE):
+            return "[].\n"
+        ip = DIST_SOURCE.replace(".", ",")
+        return f"[{{kernel, [{{inet_dist_connect_options, [{{ip, {{{ip}}}}}]}}]}}].\n"
 
     def rabbitmq_conf(self, node: NodeLayout) -> str:
         """The node's rabbitmq.conf: loopback listeners, and classic peer discovery."""
@@ -168,3 +196,13 @@ class ClusterLayout:
     @staticmethod
     def enabled_plugins() -> str:
         return "[" + ",".join(PLUGINS) + "].\n"
+
+
+def loopback_binds(address: str) -> bool:
+    """A socket can be bound to ``address`` here (Linux answers for all of 127/8)."""
+    try:
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+    except OSError:
+        return False
+    return True

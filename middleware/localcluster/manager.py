@@ -248,6 +248,7 @@ class LocalCluster:
         for node in self.layout.nodes:
             (node.directory / "log").mkdir(parents=True, exist_ok=True)
             node.config_file.write_text(self.layout.rabbitmq_conf(node))
+            node.advanced_config_file.write_text(self.layout.advanced_config())
             (node.directory / "enabled_plugins").write_text(self.layout.enabled_plugins())
         if not self.layout.state_file.exists():
             self._save(self._load())

@@ -145,3 +145,38 @@ def test_no_node_answering_is_one_named_error(settings, https_proxy) -> None:
     )
     with pytest.raises(ManagementUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
         management_get(untrusted, "/api/overview")
+
+
+def _established(port_of_interest: set[int]) -> list[tuple[str, int]]:
+    """(source address, destination port) of every established TCP connection on this
+    machine whose destination is one of ``port_of_interest`` (from /proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state = fields[1], fields[2], fields[3]
+        if state != "01":  # ESTABLISHED
+            continue
+        r_port = int(remote.split(":")[1], 16)
+        if r_port in port_of_interest:
+            raw = bytes.fromhex(local.split(":")[0])[::-1]  # little-endian IPv4
+            found.append((".".join(str(b) for b in raw), r_port))
+    return found
+
+
+def test_the_nodes_reach_each_other_from_their_own_loopback_address(brokers) -> None:
+    """The local cluster's nodes connect to each other's distribution port from
+    127.0.0.2, clients from 127.0.0.1: RabbitMQ 3.10's management agent crashed for good
+    (no statistics from the node any more) when a client's ephemeral port was also a
+    node connection's (``ClusterLayout.advanced_config``).  Read from the kernel's
+    socket table: with the nodes connecting from 127.0.0.1, as before, this fails."""
+    from middleware.localcluster.layout import DIST_SOURCE, loopback_binds
+
+    if brokers.cluster is None:
+        pytest.skip(f"needs the local cluster (brokers from {brokers.source})")
+    if not loopback_binds(DIST_SOURCE):
+        pytest.skip(f"{DIST_SOURCE} cannot be bound here: the nodes keep 127.0.0.1")
+    layout = brokers.cluster.layout
+    dist_ports = {node.dist_port for node in layout.nodes}
+    connections = _established(dist_ports)
+    assert len(connections) >= layout.size - 1, connections  # a cluster, connected
+    assert {source for source, _ in connections} == {DIST_SOURCE}, connections
