@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
 
 
-class Terminated(KeyboardInterrupt):
+class _Terminated(KeyboardInterrupt):
     """SIGTERM arrived: the command ends as after Ctrl-C, its ``finally`` blocks run."""
 
 
@@ -98,7 +98,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
+        raise _Terminated
 
     signal.signal(signal.SIGTERM, on_term)
     try:
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     except MiddlewareError as exc:
         print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 1
-    except Terminated:
+    except _Terminated:
         print("qosmq: terminated", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
