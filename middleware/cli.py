@@ -97,7 +97,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def on_term(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # not SIG_IGN: a process the cleanup starts (a node restarted) would inherit it
+        signal.signal(signal.SIGTERM, lambda *_: None)
         raise _Terminated
 
     signal.signal(signal.SIGTERM, on_term)

@@ -292,3 +292,31 @@ def test_the_detection_fields_are_refused_where_nothing_reads_them(capsys, tmp_p
     assert main([*argv, "--work-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qosmq: error: --slave-beat-interval is for --experiment recovery")
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_and_the_handler_is_put_back() -> None:
+    """While a command runs, SIGTERM raises (so ``finally`` blocks run); a second one
+    during the cleanup is swallowed by a Python handler (not SIG_IGN, which a process
+    the cleanup starts would inherit); the previous handler comes back afterwards."""
+    import os
+    import signal
+
+    from middleware.cli import _sigterm_as_interrupt, _Terminated
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(_Terminated), _sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("SIGTERM did not end the block")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with pytest.raises(_Terminated), _sigterm_as_interrupt():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise AssertionError("SIGTERM did not end the block")
+            except _Terminated:
+                during_cleanup = signal.getsignal(signal.SIGTERM)
+                assert callable(during_cleanup)
+                os.kill(os.getpid(), signal.SIGTERM)  # swallowed
+                raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
