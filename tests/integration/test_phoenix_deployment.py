@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +90,20 @@ def test_roles_write_their_cpu_profile_when_profile_dir_is_set(
     assert "run" in functions and "serve" in functions, sorted(functions)[:20]
 
 
+def processes_naming(*words: str) -> list[int]:
+    """PIDs of this machine's processes whose argv holds every one of ``words`` (read
+    from ``/proc``: an independent count, not the deployment's own records)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and all(w.encode() in argv for w in words):
+            found.append(int(entry.name))
+    return found
+
+
 def test_an_up_that_fails_leaves_no_process_behind(
     brokers, module_settings, module_name, tmp_path
 ) -> None:
@@ -97,24 +112,12 @@ def test_an_up_that_fails_leaves_no_process_behind(
     their zygotes running after the error).  Counted from ``/proc``, not from the
     deployment's own records."""
     import os
-    from pathlib import Path
 
     from middleware.sidecar.deployment import DeploymentError, PhoenixDeployment
     from tests.integration.phoenix_support import write_topology
 
     clusters = {"A": {"routing_slaves": 1, "match_slaves": 1}}
     topology_file, _ = write_topology(tmp_path, f"{module_name}f", clusters)
-
-    def processes() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if entry.name.isdigit() and str(topology_file).encode() in argv:
-                found.append(int(entry.name))
-        return found
 
     env = {**os.environ, "QOSMQ_AMQP_URLS": ",".join(brokers.urls)}
     deployed = PhoenixDeployment(
@@ -123,7 +126,7 @@ def test_an_up_that_fails_leaves_no_process_behind(
     with pytest.raises(DeploymentError, match="not serving after"):
         deployed.up(timeout=0.01)
     try:
-        assert processes() == []
+        assert processes_naming(str(topology_file)) == []
         assert deployed.pids() == {}
     finally:
         deployed.down()
@@ -138,20 +141,11 @@ def test_a_bench_ended_by_sigterm_takes_its_roles_down(brokers, tmp_path) -> Non
     import signal
     import sys
     import time
-    from pathlib import Path
 
     work = tmp_path / "bench"
 
     def roles() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if entry.name.isdigit() and str(work).encode() in argv and b"sidecar" in argv:
-                found.append(int(entry.name))
-        return found
+        return processes_naming(str(work), "sidecar")
 
     env = {k: v for k, v in os.environ.items() if k != "QOSMQ_AMQP_URLS"}
     argv = [sys.executable, "-m", "middleware.cli", "bench", "phoenix"]
