@@ -13,7 +13,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -40,19 +39,13 @@ from ..routing.wiring import cluster_settings, role_inbox_spec
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage
 from ..transport.broker_info import BrokerInfo
-from ..transport.management import management_get, management_put, vhost_path
+from .policies import mirror_role_queues
 from .processes import after_retire, reap, role_argv, terminate, wait_dead
 from .zygote import Zygote
 
 __all__ = ["DeploymentError", "PhoenixDeployment", "RoleStatus"]
 
 log = logging.getLogger(__name__)
-
-
-def _broker_version(settings: Settings) -> BrokerInfo:
-    """The cluster's RabbitMQ version, from its management API."""
-    overview = management_get(settings, "/api/overview")
-    return BrokerInfo.from_version(overview.get("rabbitmq_version"))
 
 
 class DeploymentError(MiddlewareError):
@@ -501,55 +494,7 @@ class PhoenixDeployment:
         without it, on one node each): a broker without classic mirroring (4.0 and
         later, read from the API's ``rabbitmq_version``; ``version_of`` replaces that
         read, for tests) gets no policy."""
-        mirrors = self.topology.inbox_mirrors
-        if mirrors < 2 or self.topology.role_queues == "quorum":  # quorum: replicated anyway
-            return []
-        prefix = self.topology.prefix
-        policy = {
-            # role inboxes and control queues; not the process queues (exclusive: never
-            # mirrored) nor client queues declared under other names
-            "pattern": f"^{re.escape(prefix)}\\.(?!process\\.)",
-            "apply-to": "queues",
-            "priority": 7,
-            "definition": {
-                "ha-mode": "exactly",
-                "ha-params": mirrors,
-                "ha-sync-mode": "automatic",
-            },
-        }
-        problems, seen = [], set()
-        for cluster in clusters:
-            key, conf = cluster_settings(self.settings, self.topology, cluster)
-            if key in seen:
-                continue
-            seen.add(key)
-            path = f"/api/policies/{vhost_path(conf)}/qosmq-phoenix-{prefix}"
-            try:
-                server = (version_of or _broker_version)(conf)
-                if not server.classic_mirroring:
-                    if self.topology.role_queue_kind(False) == "quorum":
-                        problems.append(
-                            f"cluster {cluster!r}: {server.describe()} has no classic queue "
-                            "mirroring (removed in 4.0): the role queues there are quorum "
-                            "queues (role_queues = auto), replicated by RabbitMQ"
-                        )
-                    else:
-                        problems.append(
-                            f"cluster {cluster!r}: {server.describe()} has no classic queue "
-                            "mirroring (removed in 4.0): inbox_mirrors not applied; the role "
-                            "queues live on one RabbitMQ node each (role_queues = quorum, or "
-                            "auto, replicates them)"
-                        )
-                    continue
-                management_put(conf, path, policy)
-            except OSError as exc:
-                problems.append(
-                    f"cluster {cluster!r}: role queues not mirrored (management API: {exc}); "
-                    "they live on one RabbitMQ node each"
-                )
-        for problem in problems:
-            log.warning("%s", problem)
-        return problems
+        return mirror_role_queues(self.settings, self.topology, clusters, version_of)
 
     # --------------------------------------------------------------- internal
     def _serving_or_stopped(self, started: Mapping[RoleId, int], timeout: float) -> None:
