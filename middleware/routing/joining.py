@@ -11,13 +11,14 @@ The bound runs from the join's announcement (``phoenix join`` tells the joiner's
 last, to its control queue, once all the joiner's roles serve: on a busy machine more
 than the bound after the router's start), at most ``announce_s`` from the start without
 one (its announcer died: the others route nothing of the arc here then).
-A timer more than a quarter of the bound late (the router did not run) gives a quarter
-of the bound more: what came meanwhile may wait unread behind it (``expired``).
+The count is a word too (an elected router may count fewer than told).  An open hold is
+in the ring records (``store.hold_key``): a router elected meanwhile resumes it.  A timer
+a quarter of the bound late (the router did not run) gives a quarter of the bound more:
+what came meanwhile may wait unread behind it (``expired``).
 While its match masters have not all answered, the previous owner says it is still
 handing over (a ``handed_over`` without a count) every quarter of that bound, and each
 such word starts the bound again: a previous owner behind with its own events (its match
-masters take the hand-over after the arc's events already in their inboxes) is waited
-for, one gone is not.
+masters hand over after the arc's events in their inboxes) is waited for, one gone not.
 
 The router's driver (``router_roles.py``) feeds it what happened with the time — its start with
 the ring record it read of itself, each hand-over message routed, the count told, the
@@ -104,8 +105,7 @@ class JoinHold:
     @staticmethod
     def joins(recorded: str | None, listed_as_joined: bool) -> bool:
         """Whether a router starting now joins the ring: the routers recorded its cluster
-        as left, or it is listed as joining later and was never recorded as joined (a
-        router promoted after the join finds "joined" and does not hold)."""
+        as left, or it is listed as joining later and was never recorded as joined."""
         return recorded == "left" or (recorded is None and not listed_as_joined)
 
     def start(
@@ -117,14 +117,17 @@ class JoinHold:
         clusters: int,
         now: float,
         announce_s: float = 0.0,
+        resumed: bool = False,
     ) -> list[Effect]:
         """The router starts, with the ring record of its own cluster (its ``state``);
-        ``announce_s``: how long it holds at most before the join is announced here (the
-        bound, when shorter)."""
-        if not self.joins(recorded, listed_as_joined) or bound_s <= 0 or clusters < 2:
+        ``announce_s``: the longest hold before the join is announced here (at least the
+        bound); ``resumed``: the record of a hold another router did not release."""
+        joins = self.joins(recorded, listed_as_joined)
+        if not (joins or resumed) or bound_s <= 0 or clusters < 2:
             return []
         self.holding, self._since, self.bound_s = True, now, bound_s
         self.announce_s = max(announce_s, bound_s)
+        self._word = None if joins else now  # recorded as joined: announced already
         return [Hold(bound_s)]
 
     def announce(self, now: float) -> list[Effect]:
@@ -141,13 +144,14 @@ class JoinHold:
         return self._complete(now)
 
     def told(self, count: int, now: float) -> list[Effect]:
-        """The previous owner's routing master: ``count`` were sent."""
+        """The previous owner's routing master: ``count`` were sent (a word, too)."""
         self.expected = count
+        if self.holding:
+            self._word = now
         return self._complete(now)
 
     def noted(self, now: float) -> list[Effect]:
-        """The previous owner's routing master is still handing the arc over: the bound
-        runs from now."""
+        """The previous owner is still handing the arc over: the bound runs from now."""
         if self.holding:
             self._word = now
         return []

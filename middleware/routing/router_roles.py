@@ -50,7 +50,7 @@ from .peer import WARM_AFTER_PROMOTION_S
 from .performing import Inputs, Performer
 from .replicas import TOMBSTONE, live
 from .router_leave import LeavingRouter
-from .store import open_store, ring_owner
+from .store import hold_key, open_store, ring_owner
 from .wiring import Handler
 
 __all__ = ["RouterMaster", "RouterSlave"]
@@ -80,7 +80,10 @@ class RouterMaster(LeavingRouter):
         router that starts after a leave, e.g. a promoted slave, must not route to the
         departed cluster again and take its arc over a second time)."""
         records = await asyncio.to_thread(self.store.load, ring_owner(self.topology.prefix), "ring")
-        await self._hold_if_joining(live(records).get(self.cluster, (0, None))[1])
+        await self._hold_if_joining(
+            live(records).get(self.cluster, (0, None))[1],
+            live(records).get(hold_key(self.cluster), (0, None))[1],
+        )
         for cluster, (_, record) in sorted(live(records).items()):
             if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
                 continue
@@ -109,21 +112,35 @@ class RouterMaster(LeavingRouter):
             )
         self._ring_applied.set()
 
-    async def _hold_if_joining(self, record: Any) -> None:
-        """This cluster joins the ring now: its arc's events wait here, as a take-over's
-        do, until the previous owner's hand-over is all routed here (joining.py)."""
+    async def _hold_if_joining(self, record: Any, hold: Any) -> None:
+        """This cluster joins the ring now, or a router before this one held for its
+        join and did not let go (``hold``: that hold's record): its arc's events wait
+        here, as a take-over's do, until the previous owner's hand-over is all routed
+        here (joining.py).  The hold is recorded before the inbox is consumed."""
         state = record.get("state") if isinstance(record, dict) else None
-        ring = self.ring
-        await self._join_effects(
-            self.join_hold.start(
-                recorded=state if isinstance(state, str) else None,
-                listed_as_joined=self._spec.joined,
-                bound_s=self.topology.handover_wait_s,
-                clusters=len(ring.clusters),
-                now=time.monotonic(),
-                announce_s=JOIN_SERVING_TIMEOUT_S + self.topology.handover_wait_s,
-            )
+        resumed = isinstance(hold, dict) and hold.get("state") == "holding"
+        effects = self.join_hold.start(
+            recorded=state if isinstance(state, str) else None,
+            listed_as_joined=self._spec.joined,
+            bound_s=self.topology.handover_wait_s,
+            clusters=len(self.ring.clusters),
+            now=time.monotonic(),
+            announce_s=JOIN_SERVING_TIMEOUT_S + self.topology.handover_wait_s,
+            resumed=resumed,
         )
+        if self.join_hold.holding:
+            if resumed and not self.join_hold.joins(state, self._spec.joined):
+                log.warning(
+                    "%s: the join's hold was open when this router started: resumed", self.id
+                )
+            await asyncio.to_thread(self._record_hold, "holding")
+        await self._join_effects(effects)
+
+    def _record_hold(self, state: str) -> None:
+        """(In a thread) the join hold's record (``store.hold_key``)."""
+        document = {"state": state, "at": time.time()}
+        owner = ring_owner(self.topology.prefix)
+        self.store.save(owner, "ring", hold_key(self.cluster), document, time.time_ns())
 
     async def _join_effects(self, effects: list[JoinEffect]) -> None:
         """Perform what the join hold returned (joining.py)."""
@@ -149,6 +166,7 @@ class RouterMaster(LeavingRouter):
     def _release(self, effect: Release) -> None:
         if self._joining is not None:
             self._joining[1].set()
+        self._background(asyncio.to_thread(self._record_hold, "released"))
         expected = "?" if effect.expected is None else effect.expected
         if effect.timed_out:
             self.count("handover_wait_expired")

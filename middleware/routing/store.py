@@ -29,6 +29,7 @@ __all__ = [
     "MongoStateStore",
     "SQLiteStateStore",
     "StateStore",
+    "hold_key",
     "open_store",
     "ring_owner",
 ]
@@ -40,6 +41,13 @@ Document = dict[str, Any]
 def ring_owner(prefix: str) -> str:
     """Whose ``ring`` documents hold a deployment's leaves and joins (one per cluster)."""
     return f"{prefix}.ring"
+
+
+def hold_key(cluster: str) -> str:
+    """The ``ring`` document of ``cluster``'s join hold (``joining.JoinHold``): "holding"
+    from its router's start, "released" once the hand-over is routed (cluster ids have
+    no "/", so it is no cluster's own)."""
+    return f"{cluster}/join"
 
 
 class StateStore(Protocol):

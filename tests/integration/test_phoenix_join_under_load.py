@@ -64,6 +64,8 @@ class Cell:
     routing_slaves: int = 0  # B's
     #: the joiner's router stopped (SIGSTOP) this long, from just after the join's end
     joiner_frozen_s: float = 0.0
+    #: the joiner's router killed (SIGKILL) just after the join's end; its slave serves
+    joiner_killed: bool = False
 
 
 SLAVES = (RoleId.match_slave("B", 0, 0), RoleId.match_slave("B", 0, 1))
@@ -108,6 +110,16 @@ CELLS = {
         fields=(("heartbeat_misses", 100), ("handover_wait_s", 2.0)),
         joiner_frozen_s=4.0,
     ),
+    # B's master stopped as in "frozen master" (the hand-over comes late), and the
+    # joiner's router killed just after it heard the join: its routing slave, elected
+    # (the lease returned), holds the arc's events until B's hand-over is routed, as the
+    # killed router did
+    "killed joiner": Cell(
+        frozen=(RoleId.match("B", 0),),
+        thaw_s=7.0,
+        fields=(("heartbeat_misses", 100),),
+        joiner_killed=True,
+    ),
 }
 
 
@@ -121,7 +133,11 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
         "A": {},
         "B": {"match_slaves": 2, "routing_slaves": CELLS[cell].routing_slaves},
         "C": {},
-        JOINER: {"joined": False, "match_slaves": 2},
+        JOINER: {
+            "joined": False,
+            "match_slaves": 2,
+            "routing_slaves": int(CELLS[cell].joiner_killed),
+        },
     }
     fields = {"inner": False, "blind_dispatch": "round_robin", **dict(CELLS[cell].fields)}
     by: Counter[RoleId] = Counter()  # the match broker of each copy
@@ -184,6 +200,9 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
 
                 async def freeze_joiner(pid: int) -> None:
                     await asyncio.sleep(0.3)  # it reads the announcement
+                    if CELLS[cell].joiner_killed:
+                        os.kill(pid, signal.SIGKILL)
+                        return
                     os.kill(pid, signal.SIGSTOP)
                     await asyncio.sleep(CELLS[cell].joiner_frozen_s)
                     os.kill(pid, signal.SIGCONT)
@@ -215,7 +234,11 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
                     ):
                         signal_frozen(CELLS[cell].thaw)
                         frozen_at = thaw_at = None
-                    if joined_at is not None and CELLS[cell].joiner_frozen_s and not joiner:
+                    if (
+                        joined_at is not None
+                        and (CELLS[cell].joiner_frozen_s or CELLS[cell].joiner_killed)
+                        and not joiner
+                    ):
                         joiner.append(deployed.pids()[RoleId.router(JOINER)])
                         tasks.add(asyncio.create_task(freeze_joiner(joiner[0])))
                     for _ in range(int(rate * elapsed) - sent):  # owed by the clock
@@ -257,7 +280,7 @@ def test_events_in_flight_at_a_first_join_reach_the_subscriber(
     assert any(r.cluster == JOINER for r in by), by
     assert len(confirmed) > 0.9 * sent, (len(confirmed), sent)
     assert not lost, f"{len(lost)} confirmed events lost across the join: {lost[:20]}"
-    if CELLS[cell].thaw is not signal.SIGKILL:
+    if CELLS[cell].thaw is not signal.SIGKILL and not CELLS[cell].joiner_killed:
         # a killed slave's event whose copy was out and whose ack was not is handled
         # again by its replacement: broker-confirmed subscribers are at least once
         # (docs/phoenix-recovery.md); the kill cells count only what is lost

@@ -120,6 +120,45 @@ def test_a_late_timer_reads_what_came_meanwhile_before_letting_the_events_go() -
     assert hold.expired(6.0) == [Release(0, None, 6.0, timed_out=True)]  # 1 s late: on time
 
 
+def test_a_router_elected_while_the_hold_is_open_resumes_it_as_announced() -> None:
+    """The joiner's router was killed after the join's announcement (the others record
+    the cluster as joined and route its arc here) and before the hand-over was all
+    routed: its elected slave, which reads "joined", holds again because the hold's own
+    record is open (it let the events go unheld: 1 155 of 2 220 lost), with the bound
+    running from its start and from every word of the previous owner."""
+    hold = JoinHold()
+    effects = hold.start(
+        recorded="joined",
+        listed_as_joined=False,
+        bound_s=5.0,
+        clusters=4,
+        now=10.0,
+        announce_s=65.0,
+        resumed=True,
+    )
+    assert effects == [Hold(5.0)] and hold.holding
+    hold.noted(13.0)
+    assert hold.expired(15.0) == [After(3.0, "join")]  # the word of 13.0, not the start
+    assert hold.expired(18.0) == [Release(0, None, 8.0, timed_out=True)]
+    assert JoinHold().start(  # a hold released (or never opened): nothing to resume
+        recorded="joined", listed_as_joined=False, bound_s=5.0, clusters=4, now=0.0
+    ) == []
+
+
+def test_the_count_is_a_word_so_a_count_never_reached_ends_the_hold_a_bound_after_it() -> None:
+    """An elected router counts only what it routed itself: its predecessor routed some
+    of what was told.  Its hold ends a bound after the count, not ``announce_s`` after
+    its start."""
+    hold = JoinHold()
+    hold.start(
+        recorded="left", listed_as_joined=True, bound_s=5.0, clusters=4, now=0.0, announce_s=65.0
+    )
+    hold.routed(0.5)
+    assert hold.told(3, 1.0) == []  # 1 of 3 routed here
+    assert hold.expired(5.0) == [After(1.0, "join")]
+    assert hold.expired(6.0) == [Release(1, 3, 6.0, timed_out=True)]
+
+
 def test_who_joins() -> None:
     assert started(None, listed=False)[1] == [Hold(5.0)]  # listed as joining later
     assert started("joined", listed=False)[1] == []  # a router promoted after the join
