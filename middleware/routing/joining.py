@@ -32,38 +32,27 @@ routing master that had not heard of the join (one stopped across it and resumed
 it was fenced routes the deliveries it held with its old ring) and is passed on to the
 joiner's routing master, never matched here without the subscriptions handed over.
 
-The previous owner's side is :class:`HandBack`: its routing master asks each of its match
-masters to hand the arc over (a ``Send`` of HANDOVER to each), counts their answers
-within a bound (``After``, keyed by request: then :meth:`HandBack.expired`), tells the
-joiner's router how many (a ``Send`` of HANDED_OVER whose outcome comes back as
-:meth:`HandBack.sent`; tried again after ``retry_s``, ``After`` keyed by ``("tell",
-request)``, until ``handover_wait_s`` has passed: the link to a rejoining cluster may
-still be connecting), then retires the match masters a take-over of the arc had added
-(:class:`Retire`).  What each master sends is :func:`handover_plan`'s choice.
+The previous owner's side, asking its match masters and telling the joiner, is
+``handback.HandBack``; what each master sends is :func:`handover_plan`'s choice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ..phoenix.effects import After, Box, Count, Send
 from ..phoenix.ids import RoleId
-from .messages import HandedOver, Handover
 
 T = TypeVar("T")
 
 __all__ = [
     "Effect",
-    "HandBack",
-    "HandBackEffect",
     "HandedArcs",
     "Hold",
     "JoinHold",
-    "NotHandedOver",
     "Release",
-    "Retire",
     "handover_plan",
 ]
 
@@ -182,156 +171,6 @@ class JoinHold:
             return []
         self.holding = False
         return [Release(self.handed, self.expected, now - self._since, timed_out=False)]
-
-
-# ------------------------------------------------------------- the previous owner's side
-
-
-@dataclass(frozen=True, slots=True)
-class NotHandedOver:
-    """The masters did not all answer within the bound (``told``: False) or the count
-    could not be told (``told``: True, ``error`` why); what was sent stays sent."""
-
-    cluster: str
-    count: int
-    told: bool
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Retire:
-    """The hand-over is done (``moved`` subscriptions): stop ``masters`` (owner names),
-    the ones a take-over of ``cluster``'s arc had added, with their slaves."""
-
-    cluster: str
-    masters: tuple[str, ...]
-    moved: int
-
-
-HandBackEffect = Send | After | NotHandedOver | Retire
-
-
-@dataclass
-class _Round:
-    cluster: str
-    waiting: set[str]
-    retiring: tuple[str, ...]
-    count: int = 0
-    tell_until: float | None = None  # set once the count is being told
-
-
-@dataclass
-class HandBack:
-    """A previous owner's routing master handing a joiner's arc back.
-
-    ``answer_s``: how long its match masters may take to answer (``read_timeout_s``);
-    ``tell_s``: how long the count is tried on the joiner (``handover_wait_s``, the
-    joiner's own hold; a quarter of it: how often the joiner hears, until they all
-    answered, that the hand-over is under way); ``retry_s``: between tries;
-    ``cluster``: the router's own; ``reply_to``: where its match masters answer (its
-    process queue)."""
-
-    answer_s: float
-    tell_s: float
-    retry_s: float = 0.1
-    cluster: str = ""
-    reply_to: str | None = None
-    rounds: dict[str, _Round] = field(default_factory=dict)
-
-    def start(
-        self,
-        request: str,
-        cluster: str,
-        arc: tuple[int, int],
-        masters: Iterable[str],
-        retiring: Iterable[str] = (),
-    ) -> list[HandBackEffect]:
-        """``cluster`` joined with ``arc``, which was this router's: every one of
-        ``masters`` hands it over; ``retiring`` are stopped once that is done."""
-        asked = tuple(masters)
-        self.rounds[request] = _Round(cluster, set(asked), tuple(retiring))
-        give = Handover(cluster=cluster, arc=arc, request=request, reply_to=self.reply_to)
-        # each answers how many it sent; priority 0: behind the arc's events routed here
-        # before the join (matched here with the subscriptions still held); none come
-        # after it (forwarded to the joiner from now)
-        effects: list[HandBackEffect] = [
-            Send(RoleId.from_owner(owner), give, box=Box.INBOX, priority=0) for owner in asked
-        ]
-        return [*effects, After(self.answer_s, request), *self._under_way(request)]
-
-    def answered(self, request: str, master: str, count: int, now: float) -> list[HandBackEffect]:
-        """``master`` sent ``count``; the last answer starts telling the joiner."""
-        held = self.rounds.get(request)
-        if held is None or held.tell_until is not None or master not in held.waiting:
-            return []  # late, or twice
-        held.waiting.discard(master)
-        held.count += count
-        if held.waiting:
-            return []
-        held.tell_until = now + self.tell_s
-        return [self._tell(request, held)]
-
-    def expired(self, key: str | tuple[str, str]) -> list[HandBackEffect]:
-        """A timer: the masters' bound passed (``key``: the request): if some never
-        answered, the round ends here and the masters a take-over added stay (nothing of
-        theirs is lost); or (``("tell", request)``) the count is to be told again; or
-        (``("note", request)``) the joiner is to hear again that it is under way."""
-        if isinstance(key, tuple):
-            kind, request = key
-            held = self.rounds.get(request)
-            if held is None:
-                return []
-            if kind == "note":
-                return [] if held.tell_until is not None else self._under_way(request)
-            return [self._tell(request, held)]
-        held = self.rounds.get(key)
-        if held is None or held.tell_until is not None:
-            return []
-        del self.rounds[key]
-        return [NotHandedOver(held.cluster, held.count, told=False)]
-
-    def sent(self, request: str, error: str | None, now: float) -> list[HandBackEffect]:
-        """How telling the count ended (``error``: None once told)."""
-        return self.told(request) if error is None else self.tell_failed(request, error, now)
-
-    def told(self, request: str) -> list[HandBackEffect]:
-        held = self.rounds.pop(request, None)
-        return [] if held is None else self._retire(held)
-
-    def tell_failed(self, request: str, error: str, now: float) -> list[HandBackEffect]:
-        """Telling failed: again after ``retry_s`` until ``tell_s`` has passed."""
-        held = self.rounds.get(request)
-        if held is None or held.tell_until is None:
-            return []
-        if now < held.tell_until:
-            return [After(self.retry_s, ("tell", request))]
-        del self.rounds[request]
-        return [
-            NotHandedOver(held.cluster, held.count, told=True, error=error),
-            *self._retire(held),
-        ]
-
-    def _under_way(self, request: str) -> list[HandBackEffect]:
-        """A ``handed_over`` without a count to the joiner's routing master (one bounded
-        try: the next one follows), and the next in a quarter of its bound."""
-        held, every = self.rounds[request], self.tell_s / 4
-        if every <= 0:
-            return []  # the joiner does not hold
-        note = HandedOver(cluster=held.cluster, by=self.cluster, count=None)
-        return [
-            Send(RoleId.router(held.cluster), note, bound_s=every, missed="handover_notes_missed"),
-            After(every, ("note", request)),
-        ]
-
-    def _tell(self, request: str, held: _Round) -> Send:
-        """HANDED_OVER (the count) to the joiner's routing master; its outcome comes
-        back as :meth:`sent`."""
-        done = HandedOver(cluster=held.cluster, by=self.cluster, count=held.count)
-        return Send(RoleId.router(held.cluster), done, priority=0, then=request)
-
-    @staticmethod
-    def _retire(held: _Round) -> list[HandBackEffect]:
-        return [Retire(held.cluster, held.retiring, held.count)] if held.retiring else []
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,8 @@ from .forwarding import (
     WriteEntry,
 )
 from .forwarding import Effect as ForwardingEffect
-from .joining import (
-    HandBack,
-    JoinHold,
-)
+from .handback import HandBack
+from .joining import JoinHold
 from .mastering import Master
 from .messages import (
     Copy,

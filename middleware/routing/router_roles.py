@@ -22,15 +22,11 @@ from ..phoenix.ids import RoleId
 from ..phoenix.protocol import JOIN_SERVING_TIMEOUT_S, MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from ..phoenix.ring import ring_id
+from .handback import HandBackEffect, HandedBack, NotHandedOver, OpenRound
+from .handback import Retire as RetireAdded
 from .holding import ReplicaHolder
 from .joining import Effect as JoinEffect
-from .joining import (
-    HandBackEffect,
-    Hold,
-    NotHandedOver,
-    Release,
-)
-from .joining import Retire as RetireAdded
+from .joining import Hold, Release
 from .messages import (
     Advertise,
     Copy,
@@ -50,7 +46,7 @@ from .peer import WARM_AFTER_PROMOTION_S
 from .performing import Inputs, Performer
 from .replicas import TOMBSTONE, live
 from .router_leave import LeavingRouter
-from .store import hold_key, open_store, ring_owner
+from .store import handback_key, hold_key, open_store, ring_owner
 from .wiring import Handler
 
 __all__ = ["RouterMaster", "RouterSlave"]
@@ -110,7 +106,44 @@ class RouterMaster(LeavingRouter):
                 cluster,
                 adoption.masters,
             )
+        self._resume_hand_backs(records)
         self._ring_applied.set()
+
+    def _resume_hand_backs(self, records: dict[str, tuple[int, Any]]) -> None:
+        """The hand-backs a router of this cluster started and did not end (it died,
+        or stopped and was fenced): asked again (``handback.py``: the masters send what
+        is left, the joiner hears words until they answered)."""
+        for joiner in self.ring.clusters:
+            document = live(records).get(handback_key(joiner), (0, None))[1]
+            try:
+                round_ = OpenRound.from_document(document)
+            except ValueError as exc:
+                log.warning("%s: %s left out", self.id, exc)
+                continue
+            if round_ is None or round_.by != self.cluster:
+                continue
+            log.warning(
+                "%s: the hand-back of %s's arc was open when this router started: asked again",
+                self.id,
+                joiner,
+            )
+            self._background(
+                self._hand_back(
+                    self.hand_back.start(
+                        uuid.uuid4().hex,
+                        joiner,
+                        round_.arc,
+                        round_.masters,
+                        round_.retiring,
+                        resumed=True,
+                    )
+                )
+            )
+
+    def _record_hand_back(self, joiner: str, document: dict[str, Any]) -> None:
+        """(In a thread) the hand-back's record (``store.handback_key``)."""
+        owner = ring_owner(self.topology.prefix)
+        self.store.save(owner, "ring", handback_key(joiner), document, time.time_ns())
 
     async def _hold_if_joining(self, record: Any, hold: Any) -> None:
         """This cluster joins the ring now, or a router before this one held for its
@@ -275,13 +308,17 @@ class RouterMaster(LeavingRouter):
         if handover is None or handover.previous_owner != self.cluster:
             return
         log.info("%s joined: handing over arc (%x, %x]", cluster, handover.start, handover.end)
+        round_ = OpenRound(
+            self.cluster,
+            (handover.start, handover.end),
+            tuple(RoleId.match(self.cluster, i).owner for i in range(masters)),
+            tuple(RoleId.match(self.cluster, i).owner for i in range(keep, masters)),
+        )
+        # recorded first: a router elected before the round ends starts it again
+        await asyncio.to_thread(self._record_hand_back, cluster, round_.to_document())
         await self._hand_back(
             self.hand_back.start(
-                uuid.uuid4().hex,
-                cluster,
-                (handover.start, handover.end),
-                [RoleId.match(self.cluster, i).owner for i in range(masters)],
-                [RoleId.match(self.cluster, i).owner for i in range(keep, masters)],
+                uuid.uuid4().hex, cluster, round_.arc, round_.masters, round_.retiring
             )
         )
 
@@ -296,8 +333,10 @@ class RouterMaster(LeavingRouter):
         return Inputs(timer=self.hand_back.expired, sent=self._count_told)
 
     def _count_told(self, effect: Send, sent: Sent) -> list[HandBackEffect]:
-        if sent.error is None:
-            told = effect.message
+        told = effect.message
+        if sent.error is None and told.count is None:  # a resumed round's last word
+            log.info("%s: %s's arc handed over (a resumed round: no count)", self.id, told.cluster)
+        elif sent.error is None:
             log.info(
                 "%s: %d subscriptions of %s's arc handed over", self.id, told.count, told.cluster
             )
@@ -310,6 +349,11 @@ class RouterMaster(LeavingRouter):
             Hold: self._hold,
             Release: self._release,
             NotHandedOver: self._not_handed_over,
+            HandedBack: lambda effect: self._background(
+                asyncio.to_thread(
+                    self._record_hand_back, effect.cluster, {"state": "done", "at": time.time()}
+                )
+            ),
             RetireAdded: lambda effect: self._retire_added(
                 effect.cluster, [RoleId.from_owner(owner) for owner in effect.masters], effect.moved
             ),

@@ -29,6 +29,7 @@ __all__ = [
     "MongoStateStore",
     "SQLiteStateStore",
     "StateStore",
+    "handback_key",
     "hold_key",
     "open_store",
     "ring_owner",
@@ -48,6 +49,12 @@ def hold_key(cluster: str) -> str:
     from its router's start, "released" once the hand-over is routed (cluster ids have
     no "/", so it is no cluster's own)."""
     return f"{cluster}/join"
+
+
+def handback_key(joiner: str) -> str:
+    """The ``ring`` document of the previous owner's hand-back of ``joiner``'s arc
+    (``handback.OpenRound`` while it is open)."""
+    return f"{joiner}/handback"
 
 
 class StateStore(Protocol):

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from middleware.phoenix.effects import After, Box, Count, Send
 from middleware.phoenix.ids import RoleId
+from middleware.routing.handback import HandBack, HandedBack, NotHandedOver, OpenRound, Retire
 from middleware.routing.joining import (
-    HandBack,
     HandedArcs,
     Hold,
     JoinHold,
-    NotHandedOver,
     Release,
-    Retire,
     handover_plan,
 )
 from middleware.routing.matching import Event
@@ -140,9 +140,12 @@ def test_a_router_elected_while_the_hold_is_open_resumes_it_as_announced() -> No
     hold.noted(13.0)
     assert hold.expired(15.0) == [After(3.0, "join")]  # the word of 13.0, not the start
     assert hold.expired(18.0) == [Release(0, None, 8.0, timed_out=True)]
-    assert JoinHold().start(  # a hold released (or never opened): nothing to resume
-        recorded="joined", listed_as_joined=False, bound_s=5.0, clusters=4, now=0.0
-    ) == []
+    assert (
+        JoinHold().start(  # a hold released (or never opened): nothing to resume
+            recorded="joined", listed_as_joined=False, bound_s=5.0, clusters=4, now=0.0
+        )
+        == []
+    )
 
 
 def test_the_count_is_a_word_so_a_count_never_reached_ends_the_hold_a_bound_after_it() -> None:
@@ -208,8 +211,29 @@ def test_the_hand_back_asks_every_master_then_tells_the_sum_then_retires() -> No
     assert back.answered("r1", M1, 4, now=1.5) == [_tell(7)]
     assert back.answered("r1", M1, 4, now=1.6) == []  # late: the count is told
     assert back.expired("r1") == []  # answered in time: the bound does nothing
-    assert back.sent("r1", None, now=1.7) == [Retire("D", (M1,), 7)]
+    assert back.sent("r1", None, now=1.7) == [Retire("D", (M1,), 7), HandedBack("D")]
     assert back.rounds == {}
+
+
+def test_a_round_resumed_by_an_elected_router_ends_with_a_word_not_a_short_count() -> None:
+    """The previous owner's router was killed mid-hand-back: the masters' answers to its
+    round went to its process queue, so its elected slave's round counts only what was
+    left (0 here, 1 was sent); told 0, the joiner would let go while the one sent could
+    still be on its way.  The resumed round words it instead (the joiner's bound runs
+    from the word), and ends as any round."""
+    back = HandBack(answer_s=10.0, tell_s=5.0, cluster="S", reply_to="S.process.q")
+    effects = back.start("r2", "D", (1, 2), [M0, M1], [M1], resumed=True)
+    note = HandedOver(cluster="D", by="S", count=None)
+    assert effects[-2:] == [  # the joiner holds on meanwhile
+        Send(RoleId.router("D"), note, bound_s=1.25, missed="handover_notes_missed"),
+        After(1.25, ("note", "r2")),
+    ]
+    back.answered("r2", M0, 0, now=1.0)
+    last = HandedOver(cluster="D", by="S", count=None)
+    assert back.answered("r2", M1, 0, now=1.5) == [
+        Send(RoleId.router("D"), last, priority=0, then="r2")
+    ]
+    assert back.sent("r2", None, now=1.6) == [Retire("D", (M1,), 0), HandedBack("D")]
 
 
 def test_a_count_that_cannot_be_told_is_tried_until_the_joiners_bound() -> None:
@@ -220,7 +244,8 @@ def test_a_count_that_cannot_be_told_is_tried_until_the_joiners_bound() -> None:
     assert back.expired(("tell", "r1")) == [_tell(2)]  # the retry's timer: told again
     assert back.sent("r1", "link down", now=4.9) == [After(0.25, ("tell", "r1"))]
     assert back.sent("r1", "link down", now=5.0) == [
-        NotHandedOver("D", 2, told=True, error="link down")
+        NotHandedOver("D", 2, told=True, error="link down"),
+        HandedBack("D"),
     ]  # nothing to retire: none added
     assert back.rounds == {} and back.told("r1") == []
     assert back.expired(("tell", "r1")) == []  # a retry's timer after the round ended
@@ -243,7 +268,7 @@ def test_the_joiner_hears_the_hand_over_is_under_way_until_the_masters_all_answe
 def test_masters_that_do_not_answer_in_time_keep_the_added_ones_running() -> None:
     back, _ = _round()
     back.answered("r1", M0, 5, now=0.0)
-    assert back.expired("r1") == [NotHandedOver("D", 5, told=False)]  # no Retire
+    assert back.expired("r1") == [NotHandedOver("D", 5, told=False), HandedBack("D")]  # no Retire
     assert back.answered("r1", M1, 1, now=11.0) == []  # too late
     assert back.rounds == {}
 
@@ -292,3 +317,13 @@ def test_the_answers_kept_per_event_type_stay_bounded() -> None:
     arcs.handed("D", lambda event_type: event_type.endswith("0"))
     assert [arcs.joiner(f"t{i}") for i in range(10)] == ["D" if i == 0 else None for i in range(10)]
     assert len(arcs._types) <= 4
+
+
+def test_an_open_rounds_record_reads_back_and_a_bad_one_is_named() -> None:
+    big = 2**159 + 7  # ring ids are 160-bit: text in the record, for every store
+    round_ = OpenRound("S", (big, 3), (M0, M1), (M1,))
+    assert OpenRound.from_document(round_.to_document()) == round_
+    assert OpenRound.from_document({"state": "done", "at": 1.0}) is None  # ended
+    assert OpenRound.from_document(None) is None
+    with pytest.raises(ValueError, match="hand-back record"):
+        OpenRound.from_document({"state": "handing", "by": "S", "arc": ["x", "1"]})

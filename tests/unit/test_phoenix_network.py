@@ -34,7 +34,7 @@ from middleware.recovery.election import Bully
 from middleware.recovery.fencing import Reign, Reigning, SendFence, StepDown, Trust
 from middleware.routing.departures import Departures, LeaveHere, TakeOverArc
 from middleware.routing.follower import Follower, Promote, StopServing
-from middleware.routing.joining import HandBack
+from middleware.routing.handback import HandBack
 from middleware.routing.messages import Ack, Fence, Snapshot, Subscribe, Unsubscribe, Vote
 from middleware.routing.registry import Registry
 from middleware.routing.replicas import Persist, ReplicaLog, Written

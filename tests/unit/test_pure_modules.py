@@ -23,6 +23,7 @@ PURE = [
     "routing/supervision.py",
     "routing/follower.py",
     "routing/joining.py",
+    "routing/handback.py",
     "routing/takeover.py",
     "routing/subscribing.py",
     "routing/copies.py",
