@@ -45,8 +45,9 @@ from .messages import (
 from .peer import WARM_AFTER_PROMOTION_S
 from .performing import Inputs, Performer
 from .replicas import TOMBSTONE, live
+from .ring_records import RingRecords, open_hand_backs
 from .router_leave import LeavingRouter
-from .store import handback_key, hold_key, open_store, ring_owner
+from .store import hold_key, open_store, ring_owner
 from .wiring import Handler
 
 __all__ = ["RouterMaster", "RouterSlave"]
@@ -110,46 +111,19 @@ class RouterMaster(LeavingRouter):
         self._ring_applied.set()
 
     def _resume_hand_backs(self, records: dict[str, tuple[int, Any]]) -> None:
-        """The hand-backs a router of this cluster started and did not end (it died,
-        or stopped and was fenced): asked again (``handback.py``: the masters send what
-        is left, the joiner hears words until they answered)."""
-        for joiner in self.ring.clusters:
-            document = live(records).get(handback_key(joiner), (0, None))[1]
-            try:
-                round_ = OpenRound.from_document(document)
-            except ValueError as exc:
-                log.warning("%s: %s left out", self.id, exc)
-                continue
-            if round_ is None or round_.by != self.cluster:
-                continue
-            log.warning(
-                "%s: the hand-back of %s's arc was open when this router started: asked again",
-                self.id,
-                joiner,
-            )
-            self._background(
-                self._hand_back(
-                    self.hand_back.start(
-                        uuid.uuid4().hex,
-                        joiner,
-                        round_.arc,
-                        round_.masters,
-                        round_.retiring,
-                        resumed=True,
-                    )
-                )
-            )
-
-    def _record_hand_back(self, joiner: str, document: dict[str, Any]) -> None:
-        """(In a thread) the hand-back's record (``store.handback_key``)."""
-        owner = ring_owner(self.topology.prefix)
-        self.store.save(owner, "ring", handback_key(joiner), document, time.time_ns())
+        """The hand-backs a router of this cluster did not end: asked again (handback.py)."""
+        rounds, refused = open_hand_backs(records, self.ring.clusters, self.cluster)
+        for reason in refused:
+            log.warning("%s: %s left out", self.id, reason)
+        for joiner, round_ in rounds.items():
+            log.warning("%s: the hand-back of %s's arc was open: asked again", self.id, joiner)
+            again = (uuid.uuid4().hex, joiner, round_.arc, round_.masters, round_.retiring)
+            self._background(self._hand_back(self.hand_back.start(*again, resumed=True)))
 
     async def _hold_if_joining(self, record: Any, hold: Any) -> None:
-        """This cluster joins the ring now, or a router before this one held for its
-        join and did not let go (``hold``: that hold's record): its arc's events wait
-        here, as a take-over's do, until the previous owner's hand-over is all routed
-        here (joining.py).  The hold is recorded before the inbox is consumed."""
+        """The arc's events wait (as a take-over's) until the hand-over is routed here
+        (joining.py): this cluster joins now, or a router before this one held and did
+        not let go (``hold``: its record, written before the inbox is consumed)."""
         state = record.get("state") if isinstance(record, dict) else None
         resumed = isinstance(hold, dict) and hold.get("state") == "holding"
         effects = self.join_hold.start(
@@ -163,17 +137,14 @@ class RouterMaster(LeavingRouter):
         )
         if self.join_hold.holding:
             if resumed and not self.join_hold.joins(state, self._spec.joined):
-                log.warning(
-                    "%s: the join's hold was open when this router started: resumed", self.id
-                )
-            await asyncio.to_thread(self._record_hold, "holding")
+                log.warning("%s: the join's hold was open: resumed", self.id)
+            await asyncio.to_thread(self.ring_records.hold, self.cluster, "holding")
         await self._join_effects(effects)
 
-    def _record_hold(self, state: str) -> None:
-        """(In a thread) the join hold's record (``store.hold_key``)."""
-        document = {"state": state, "at": time.time()}
-        owner = ring_owner(self.topology.prefix)
-        self.store.save(owner, "ring", hold_key(self.cluster), document, time.time_ns())
+    @functools.cached_property
+    def ring_records(self) -> RingRecords:
+        """This cluster's join hold and hand-backs, recorded while open."""
+        return RingRecords(self.store, self.topology.prefix)
 
     async def _join_effects(self, effects: list[JoinEffect]) -> None:
         """Perform what the join hold returned (joining.py)."""
@@ -199,7 +170,7 @@ class RouterMaster(LeavingRouter):
     def _release(self, effect: Release) -> None:
         if self._joining is not None:
             self._joining[1].set()
-        self._background(asyncio.to_thread(self._record_hold, "released"))
+        self._background(asyncio.to_thread(self.ring_records.hold, self.cluster, "released"))
         expected = "?" if effect.expected is None else effect.expected
         if effect.timed_out:
             self.count("handover_wait_expired")
@@ -314,8 +285,7 @@ class RouterMaster(LeavingRouter):
             tuple(RoleId.match(self.cluster, i).owner for i in range(masters)),
             tuple(RoleId.match(self.cluster, i).owner for i in range(keep, masters)),
         )
-        # recorded first: a router elected before the round ends starts it again
-        await asyncio.to_thread(self._record_hand_back, cluster, round_.to_document())
+        await asyncio.to_thread(self.ring_records.hand_back, cluster, round_)
         await self._hand_back(
             self.hand_back.start(
                 uuid.uuid4().hex, cluster, round_.arc, round_.masters, round_.retiring
@@ -323,7 +293,7 @@ class RouterMaster(LeavingRouter):
         )
 
     async def _hand_back(self, effects: list[HandBackEffect]) -> None:
-        """Perform what the hand-back returned (joining.HandBack)."""
+        """Perform what the hand-back returned (handback.HandBack)."""
         await self.enact(effects, self.handing_back)
 
     @functools.cached_property
@@ -350,9 +320,7 @@ class RouterMaster(LeavingRouter):
             Release: self._release,
             NotHandedOver: self._not_handed_over,
             HandedBack: lambda effect: self._background(
-                asyncio.to_thread(
-                    self._record_hand_back, effect.cluster, {"state": "done", "at": time.time()}
-                )
+                asyncio.to_thread(self.ring_records.hand_back, effect.cluster, None)
             ),
             RetireAdded: lambda effect: self._retire_added(
                 effect.cluster, [RoleId.from_owner(owner) for owner in effect.masters], effect.moved
