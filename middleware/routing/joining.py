@@ -11,14 +11,18 @@ The bound runs from the join's announcement (``phoenix join`` tells the joiner's
 last, to its control queue, once all the joiner's roles serve: on a busy machine more
 than the bound after the router's start), at most ``announce_s`` from the start without
 one (its announcer died: the others route nothing of the arc here then).
-The count is a word too (an elected router may count fewer than told).  An open hold is
-in the ring records (``store.hold_key``): a router elected meanwhile resumes it.  A timer
-a quarter of the bound late (the router did not run) gives a quarter of the bound more:
-what came meanwhile may wait unread behind it (``expired``).
+The previous owner's count is a word too: a router elected after its predecessor routed
+some of the hand-over counts fewer than told, and lets go a bound after the count.
+The hold is recorded while it is open (``store.hold_key``, written by the driver before
+the inbox is consumed): a router elected or restarted meanwhile resumes it as announced
+(the others route the arc here already), although its cluster is recorded as joined.
+A timer more than a quarter of the bound late (the router did not run) gives a quarter
+of the bound more: what came meanwhile may wait unread behind it (``expired``).
 While its match masters have not all answered, the previous owner says it is still
 handing over (a ``handed_over`` without a count) every quarter of that bound, and each
 such word starts the bound again: a previous owner behind with its own events (its match
-masters hand over after the arc's events in their inboxes) is waited for, one gone not.
+masters take the hand-over after the arc's events already in their inboxes) is waited
+for, one gone is not.
 
 The router's driver (``router_roles.py``) feeds it what happened with the time — its start with
 the ring record it read of itself, each hand-over message routed, the count told, the
@@ -94,7 +98,9 @@ class JoinHold:
     @staticmethod
     def joins(recorded: str | None, listed_as_joined: bool) -> bool:
         """Whether a router starting now joins the ring: the routers recorded its cluster
-        as left, or it is listed as joining later and was never recorded as joined."""
+        as left, or it is listed as joining later and was never recorded as joined (a
+        router promoted after the join finds "joined": it holds only if the hold's own
+        record is open, ``resumed``)."""
         return recorded == "left" or (recorded is None and not listed_as_joined)
 
     def start(
@@ -140,7 +146,8 @@ class JoinHold:
         return self._complete(now)
 
     def noted(self, now: float) -> list[Effect]:
-        """The previous owner is still handing the arc over: the bound runs from now."""
+        """The previous owner's routing master is still handing the arc over: the bound
+        runs from now."""
         if self.holding:
             self._word = now
         return []
