@@ -39,10 +39,10 @@ def open_hand_backs(
     """The hand-backs ``by``'s routers started and did not end, by joiner (of
     ``joiners``: the ring's clusters now), from the ``ring`` records; why any record
     was left out."""
-    rounds, refused = {}, []
+    rounds, refused, current = {}, [], live(records)
     for joiner in joiners:
         try:
-            round_ = OpenRound.from_document(live(records).get(handback_key(joiner), (0, None))[1])
+            round_ = OpenRound.from_document(current.get(handback_key(joiner), (0, None))[1])
         except ValueError as exc:
             refused.append(str(exc))
             continue
