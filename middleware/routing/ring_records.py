@@ -13,7 +13,7 @@ from .handback import OpenRound
 from .replicas import live
 from .store import StateStore, handback_key, hold_key, ring_owner
 
-__all__ = ["RingRecords", "open_hand_backs"]
+__all__ = ["RingRecords", "hold_open", "open_hand_backs"]
 
 
 class RingRecords:
@@ -31,6 +31,12 @@ class RingRecords:
         """The hand-back of ``joiner``'s arc started (``round_``) or ended (None)."""
         document = {"state": "done", "at": time.time()} if round_ is None else round_.to_document()
         self.store.save(self.owner, "ring", handback_key(joiner), document, time.time_ns())
+
+
+def hold_open(records: Mapping[str, tuple[int, Any]], cluster: str) -> bool:
+    """Whether a router of ``cluster`` held for its join and did not let go."""
+    document = live(records).get(hold_key(cluster), (0, None))[1]
+    return isinstance(document, dict) and document.get("state") == "holding"
 
 
 def open_hand_backs(

@@ -45,9 +45,9 @@ from .messages import (
 from .peer import WARM_AFTER_PROMOTION_S
 from .performing import Inputs, Performer
 from .replicas import TOMBSTONE, live
-from .ring_records import RingRecords, open_hand_backs
+from .ring_records import RingRecords, hold_open, open_hand_backs
 from .router_leave import LeavingRouter
-from .store import hold_key, open_store, ring_owner
+from .store import open_store, ring_owner
 from .wiring import Handler
 
 __all__ = ["RouterMaster", "RouterSlave"]
@@ -79,7 +79,7 @@ class RouterMaster(LeavingRouter):
         records = await asyncio.to_thread(self.store.load, ring_owner(self.topology.prefix), "ring")
         await self._hold_if_joining(
             live(records).get(self.cluster, (0, None))[1],
-            live(records).get(hold_key(self.cluster), (0, None))[1],
+            hold_open(records, self.cluster),
         )
         for cluster, (_, record) in sorted(live(records).items()):
             if cluster == self.cluster or cluster not in {c.id for c in self.topology.clusters}:
@@ -120,12 +120,11 @@ class RouterMaster(LeavingRouter):
             again = (uuid.uuid4().hex, joiner, round_.arc, round_.masters, round_.retiring)
             self._background(self._hand_back(self.hand_back.start(*again, resumed=True)))
 
-    async def _hold_if_joining(self, record: Any, hold: Any) -> None:
+    async def _hold_if_joining(self, record: Any, resumed: bool) -> None:
         """The arc's events wait (as a take-over's) until the hand-over is routed here
         (joining.py): this cluster joins now, or a router before this one held and did
-        not let go (``hold``: its record, written before the inbox is consumed)."""
+        not let go (``resumed``: its record, written before the inbox is consumed)."""
         state = record.get("state") if isinstance(record, dict) else None
-        resumed = isinstance(hold, dict) and hold.get("state") == "holding"
         effects = self.join_hold.start(
             recorded=state if isinstance(state, str) else None,
             listed_as_joined=self._spec.joined,
