@@ -42,6 +42,7 @@ The previous owner's side, asking its match masters and telling the joiner, is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -71,12 +72,37 @@ class Hold:
 @dataclass(frozen=True, slots=True)
 class Release:
     """Let the arc's events go on: ``handed`` of ``expected`` (None: never told) were
-    routed here, ``took_s`` after the start; ``timed_out``: by the bound."""
+    routed here, ``took_s`` after the start; ``timed_out``: by the bound; ``resumed``:
+    a hold this router resumed, which ends by the bound as announced (what was routed
+    before it started is not in its count)."""
 
     handed: int
     expected: int | None
     took_s: float
     timed_out: bool
+    resumed: bool = False
+
+    def said(self) -> tuple[int, str]:
+        """What the driver logs: its level, and the words after the router's name (a
+        warning only where some of the hand-over may be missing)."""
+        if not self.timed_out:
+            return logging.INFO, (
+                f"the arc's hand-over is here ({self.handed} subscriptions); its events "
+                f"go on, {self.took_s:.3f} s after the start"
+            )
+        if self.resumed:  # the way a resumed hold ends
+            return logging.INFO, (
+                "the resumed hold let go one bound after the previous owner's last word, "
+                f"{self.took_s:.1f} s after it resumed ({self.handed} routed here since): "
+                "its events go on"
+            )
+        routed = f"{self.handed} of {self.expected} routed"
+        if self.expected is None:
+            routed = f"{self.handed} routed, no count came: a resumed hand-back sends none"
+        return logging.WARNING, (
+            f"the arc's hand-over not all here after {self.took_s:.1f} s ({routed}): "
+            "its events go on"
+        )
 
 
 Effect = Hold | Release | After
@@ -87,6 +113,7 @@ class JoinHold:
 
     def __init__(self) -> None:
         self.holding = False
+        self.resumed = False  # the hold of a router before this one, taken up
         self.handed = 0  # hand-over messages routed here
         self.expected: int | None = None  # the previous owner's count
         self.bound_s = 0.0
@@ -121,6 +148,7 @@ class JoinHold:
         if not (joins or resumed) or bound_s <= 0 or clusters < 2:
             return []
         self.holding, self._since, self.bound_s = True, now, bound_s
+        self.resumed = not joins
         self.announce_s = max(announce_s, bound_s)
         self._word = None if joins else now  # recorded as joined: announced already
         return [Hold(bound_s)]
@@ -171,7 +199,8 @@ class JoinHold:
             self._excused_until = now + late_s
             return [After(late_s, "join")]
         self.holding = False
-        return [Release(self.handed, self.expected, now - self._since, timed_out=True)]
+        took_s = now - self._since
+        return [Release(self.handed, self.expected, took_s, timed_out=True, resumed=self.resumed)]
 
     def _complete(self, now: float) -> list[Effect]:
         if not self.holding or self.expected is None or self.handed < self.expected:

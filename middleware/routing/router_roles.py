@@ -170,26 +170,9 @@ class RouterMaster(LeavingRouter):
         if self._joining is not None:
             self._joining[1].set()
         self._background(asyncio.to_thread(self.ring_records.hold, self.cluster, "released"))
-        expected = "?" if effect.expected is None else effect.expected
-        if effect.timed_out:
-            self.count("handover_wait_expired")
-            log.warning(
-                "%s: the arc's hand-over not all here after %.1f s (%d of %s routed): "
-                "its events go on",
-                self.id,
-                effect.took_s,
-                effect.handed,
-                expected,
-            )
-        else:
-            self.count("handovers_received")
-            log.info(
-                "%s: the arc's hand-over is here (%d subscriptions); its events go on, "
-                "%.3f s after the start",
-                self.id,
-                effect.handed,
-                effect.took_s,
-            )
+        self.count("handover_wait_expired" if effect.timed_out else "handovers_received")
+        level, words = effect.said()
+        log.log(level, "%s: %s", self.id, words)
 
     async def _on_handed_subscription(self, message: Subscribe | Unsubscribe) -> None:
         """One subscription of the arc this cluster joins with (or one removed while the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from middleware.phoenix.effects import After, Box, Count, Send
@@ -49,6 +51,18 @@ def test_the_bound_lets_the_events_go_and_says_how_far_it_got() -> None:
     hold.routed(0.125)
     assert hold.expired(5.0) == [Release(1, None, 5.0, timed_out=True)]
     assert hold.told(1, 5.125) == []
+
+
+def test_only_a_release_that_may_miss_some_of_the_hand_over_is_a_warning() -> None:
+    assert Release(3, 3, 0.5, timed_out=False).said() == (
+        logging.INFO,
+        "the arc's hand-over is here (3 subscriptions); its events go on, 0.500 s after the start",
+    )
+    level, words = Release(1, 3, 5.0, timed_out=True).said()
+    assert level == logging.WARNING and "(1 of 3 routed)" in words
+    level, words = Release(2, None, 12.9, timed_out=True).said()
+    assert level == logging.WARNING
+    assert "(2 routed, no count came: a resumed hand-back sends none)" in words
 
 
 def test_word_that_the_hand_over_is_under_way_starts_the_bound_again() -> None:
@@ -139,7 +153,10 @@ def test_a_router_elected_while_the_hold_is_open_resumes_it_as_announced() -> No
     assert effects == [Hold(5.0)] and hold.holding
     hold.noted(13.0)
     assert hold.expired(15.0) == [After(3.0, "join")]  # the word of 13.0, not the start
-    assert hold.expired(18.0) == [Release(0, None, 8.0, timed_out=True)]
+    released = hold.expired(18.0)
+    assert released == [Release(0, None, 8.0, timed_out=True, resumed=True)]
+    level, words = released[0].said()  # the way a resumed hold ends: not a warning
+    assert level == logging.INFO and "resumed hold let go" in words
     assert (
         JoinHold().start(  # a hold released (or never opened): nothing to resume
             recorded="joined", listed_as_joined=False, bound_s=5.0, clusters=4, now=0.0
