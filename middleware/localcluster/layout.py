@@ -135,10 +135,20 @@ class ClusterLayout:
             "HOME": str(self.state_dir),
             "ERL_EPMD_PORT": str(self.epmd_port),
             "ERL_EPMD_ADDRESS": "127.0.0.1",
-            "RABBITMQ_CTL_ERL_ARGS": _LOOPBACK_DIST,
+            "RABBITMQ_CTL_ERL_ARGS": self.ctl_erl_args(),
             "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8",
         }
+
+    @staticmethod
+    def ctl_erl_args() -> str:
+        """The CLI tools' Erlang flags: loopback distribution, and their connections to a
+        node from ``DIST_SOURCE`` as the nodes' to each other (``advanced_config``): a
+        ``rabbitmqctl`` call is a distribution peer of its node while it runs."""
+        if not loopback_binds(DIST_SOURCE):
+            return _LOOPBACK_DIST
+        ip = DIST_SOURCE.replace(".", ",")
+        return f"{_LOOPBACK_DIST} -kernel inet_dist_connect_options [{{ip,{{{ip}}}}}]"
 
     def node_env(self, node: NodeLayout) -> dict[str, str]:
         return {

@@ -9,8 +9,10 @@ import http.server
 import ssl
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,3 +182,37 @@ def test_the_nodes_reach_each_other_from_their_own_loopback_address(brokers) -> 
     connections = _established(dist_ports)
     assert len(connections) >= layout.size - 1, connections  # a cluster, connected
     assert {source for source, _ in connections} == {DIST_SOURCE}, connections
+
+
+def test_a_rabbitmqctl_call_reaches_its_node_from_the_nodes_own_address(brokers) -> None:
+    """A ``rabbitmqctl`` call is a distribution peer of its node while it runs, and it
+    connects from ``DIST_SOURCE`` as the nodes do (``ClusterLayout.ctl_erl_args``): from
+    127.0.0.1, as before, its ephemeral port could be a client's too, which crashed the
+    node's management agent.  The connections to the distribution ports that appear
+    while a call runs (3 s), from the kernel's socket table: with the CLI's flags as
+    before, the call's comes from 127.0.0.1 and this fails."""
+    from middleware.localcluster.layout import DIST_SOURCE, loopback_binds
+
+    if brokers.cluster is None:
+        pytest.skip(f"needs the local cluster (brokers from {brokers.source})")
+    if not loopback_binds(DIST_SOURCE):
+        pytest.skip(f"{DIST_SOURCE} cannot be bound here: the CLI keeps 127.0.0.1")
+    cluster = brokers.cluster
+    dist_ports = {node.dist_port for node in cluster.layout.nodes}
+    before = Counter(_established(dist_ports))
+    answers: list[str] = []
+    call = threading.Thread(
+        target=lambda: answers.append(
+            cluster.ctl(cluster.layout.nodes[0].short_name, "eval", "timer:sleep(3000).")
+        )
+    )
+    call.start()
+    appeared: Counter[tuple[str, int]] = Counter()
+    while call.is_alive():
+        now = Counter(_established(dist_ports)) - before
+        appeared |= now
+        time.sleep(0.05)
+    call.join()
+    assert answers and answers[0].strip() == "ok", answers
+    assert appeared, "no connection of the call's to a distribution port seen"
+    assert {source for source, _ in appeared} == {DIST_SOURCE}, appeared
