@@ -87,3 +87,23 @@ def test_the_throughput_steps_name_each_queue_s_hop_and_group_cpu_by_kind(tmp_pa
         }
     )
     assert groups == {"router": 15.5, "router_slave": 1.0, "brokers": 50.0, "client": 40.0}
+
+
+def test_a_rate_from_the_management_counters_is_not_inflated_by_their_refresh() -> None:
+    """The counters refresh every 5 s at a phase of their own; the bench reads them
+    STATS_EVERY_S after the phase before and after the measured one, so each read lags
+    by up to an interval.  Averaged over the phase, ``per_second`` gives the true rate;
+    divided by the measured wall time alone, a 5 s phase read about twice it."""
+    from qosmq_bench.phoenix_throughput import STATS_EVERY_S, per_second
+
+    rate, interval, wall = 108.0, STATS_EVERY_S - 0.5, 5.0
+    read_1, read_2 = 0.0, wall + STATS_EVERY_S  # the phase runs from 0 to wall
+
+    def shown(at: float, phase: float) -> float:  # the count as of the last refresh
+        last = phase + interval * ((at - phase) // interval)
+        return rate * last
+
+    phases = [interval * k / 1000 for k in range(1000)]
+    counted = [shown(read_2, p) - shown(read_1, p) for p in phases]
+    assert abs(sum(per_second(c, wall) for c in counted) / len(counted) - rate) < 0.5
+    assert sum(c / wall for c in counted) / len(counted) > 1.9 * rate  # the old division
