@@ -123,7 +123,8 @@ class RouterMaster(LeavingRouter):
     async def _hold_if_joining(self, record: Any, resumed: bool) -> None:
         """The arc's events wait (as a take-over's) until the hand-over is routed here
         (joining.py): this cluster joins now, or a router before this one held and did
-        not let go (``resumed``: its record, written before the inbox is consumed)."""
+        not let go (``resumed``: its record, written before the inbox is consumed, is
+        still open)."""
         state = record.get("state") if isinstance(record, dict) else None
         effects = self.join_hold.start(
             recorded=state if isinstance(state, str) else None,
