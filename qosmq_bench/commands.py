@@ -115,7 +115,8 @@ def register(sub: Any) -> None:
         "--fault",
         choices=FAULTS,
         default="kill",
-        help="kill: SIGKILL (a crash); stop: a graceful stop (a rolling restart)",
+        help="kill: SIGKILL (a crash); stop: a graceful stop (a rolling restart); freeze: "
+        "SIGSTOP for the outage, then SIGCONT (a paused VM)",
     )
     loss.add_argument("--state-dir", type=path, default=Path(".qosmq"), help="the local cluster")
     loss.add_argument("--out", type=out_file, help="also write the rows to this JSON file")

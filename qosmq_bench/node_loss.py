@@ -11,7 +11,9 @@ lost), ``leader-node`` (the queue leaders' node lost, the clients elsewhere) and
 ``two-nodes`` (the publisher node lost and restarted, then the node the clients failed
 over to). Each node stays down ``down_s``. ``fault``: ``kill`` (SIGKILL, a crash) or
 ``stop`` (a graceful stop, as a rolling restart does: the node closes its clients'
-connections with ``CONNECTION_FORCED`` and hands its queue leaders over). Every publish
+connections with ``CONNECTION_FORCED`` and hands its queue leaders over) or ``freeze``
+(SIGSTOP for ``down_s``, then SIGCONT: a paused VM; no socket closes, the node's peers
+elect new queue leaders, and it goes on where it stopped). Every publish
 is timed by the benchmark itself and every delivery counted by its own consumers: per
 workload and phase, the confirm latencies, the first confirm of a publish sent after
 the loss, the longest gap between confirms, errors by kind, and (over the run)
@@ -59,7 +61,7 @@ log = logging.getLogger(__name__)
 SCENARIOS = ("publisher-node", "leader-node", "two-nodes")
 #: how the node is lost: the ``LocalCluster`` method that loses it (SIGKILL, or a
 #: graceful stop as a rolling restart does)
-FAULTS = ("kill", "stop")
+FAULTS = ("kill", "stop", "freeze")
 WORKLOADS = ("e2e-async", "e2e-sync", "broker-async")
 
 
@@ -97,6 +99,7 @@ class _Run:
         self, cluster: LocalCluster, settings: Settings, *, rate: float, fault: str = "kill"
     ) -> None:
         self.cluster, self.settings, self.rate = cluster, settings, rate
+        self.fault_kind = fault
         self.lose = getattr(cluster, fault)  # one of FAULTS, checked by run_node_loss
         self.urls = tuple(settings.amqp_urls)
         self.names = [n.short_name for n in cluster.layout.nodes]
@@ -214,9 +217,14 @@ class _Run:
         self.events.append((f"kill {name}", time.monotonic()))
         await asyncio.to_thread(self.lose, name)
         self.events.append((f"killed {name}", time.monotonic()))
-        await asyncio.sleep(down_s)
+        try:
+            await asyncio.sleep(down_s)
+        finally:  # a frozen node is never left frozen, even by a run stopped meanwhile
+            if self.fault_kind == "freeze":
+                self.cluster.thaw(name)
         self.events.append((f"start {name}", time.monotonic()))
-        await asyncio.to_thread(self.cluster.start, name)
+        if self.fault_kind != "freeze":  # (a thawed node goes on where it stopped)
+            await asyncio.to_thread(self.cluster.start, name)
         self.events.append((f"started {name}", time.monotonic()))
 
     async def close(self) -> None:
@@ -258,13 +266,15 @@ async def run_node_loss(
         asyncio.create_task(run.publish_async(w["broker-async"], "persistent", clients_at)),
         asyncio.create_task(asyncio.to_thread(run.publish_sync, w["e2e-sync"], clients_at)),
     ]
-    await asyncio.sleep(warmup_s)
-    victims = run.names[:2] if scenario == "two-nodes" else run.names[:1]
-    for victim in victims:
-        progress(f"{scenario}: {fault} {victim}, down {down_s:.0f} s")
-        await run.fault(victim, down_s)
-        await asyncio.sleep(after_s)
-    run._stop.set()
+    try:
+        await asyncio.sleep(warmup_s)
+        victims = run.names[:2] if scenario == "two-nodes" else run.names[:1]
+        for victim in victims:
+            progress(f"{scenario}: {fault} {victim}, down {down_s:.0f} s")
+            await run.fault(victim, down_s)
+            await asyncio.sleep(after_s)
+    finally:  # the sync publisher's thread too (a run that fails or is stopped ends it)
+        run._stop.set()
     await asyncio.gather(*publishers)
     await _settled(run, within=30.0)
     rows = _rows(run, scenario, started)

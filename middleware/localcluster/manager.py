@@ -171,6 +171,20 @@ class LocalCluster:
         self._wait_dead([pids.get("beam")], 10.0)
         _reap()
 
+    def freeze(self, name: str) -> None:
+        """SIGSTOP one node's Erlang VM: a node that stops running without closing a
+        socket (a VM paused, a host swapping).  :meth:`thaw` lets it go on."""
+        pid = self.beam_pid(self.layout.find(name))
+        if pid is None:
+            raise ClusterError(f"node {name} is not running")
+        os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        """SIGCONT a node :meth:`freeze` stopped (a node not frozen is left as it is)."""
+        pid = self.beam_pid(self.layout.find(name))
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+
     def down(self, *, purge: bool = False, timeout: float = STOP_TIMEOUT) -> None:
         """Stop every node and epmd by PID; with ``purge`` also delete the state directory."""
         self._terminate(list(self.layout.nodes), timeout)

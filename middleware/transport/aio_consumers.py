@@ -158,25 +158,39 @@ class ConsumerMachinery(ClientState):
         task.add_done_callback(self._closers.discard)
 
     async def _resubscribe(self, live: Live, consumer: Consumer) -> None:
-        # Closing the cancelled consumer's channel returns what it held unacked (a quorum
-        # queue declared again under the same name otherwise leaves a message held for ever).
-        channel = live.consumer_channels.pop(consumer.spec.tag, None)
-        if channel is not None:
+        """Subscribe ``consumer`` again on a new channel, then close its old one (make
+        before break): closing it returns what it held unacked (a quorum queue declared
+        again under the same name otherwise leaves a message held for ever), and until
+        then it goes on delivering what it is given.  That matters when the old consumer
+        was not lost after all: a quorum queue whose leader's node is frozen counts no
+        consumer while a new leader delivers to it, and the new ``basic.consume`` waits
+        for the frozen node (docs/transport.md, "The consumer watchdog").  An exclusive
+        consumer's old channel is closed first (the queue would refuse a second one)."""
+        old = live.consumer_channels.pop(consumer.spec.tag, None)
+        if old is not None and consumer.spec.exclusive:
             with contextlib.suppress(Exception):
-                await channel.close()
+                await old.close()
+            old = None
         delay = self.settings.retry.initial_delay or 0.1
-        while self._consumers.get(consumer.spec.tag) is consumer and self._live is live:
-            try:
-                await on_probe_channel(
-                    live, lambda ch: ch.queue_declare(consumer.spec.queue, passive=True)
-                )
-                await self._start_consumer(live, consumer)
-                log.info("consumer %s re-subscribed to %r", consumer.spec.tag, consumer.spec.queue)
-                return
-            except MiddlewareError as exc:
-                log.debug("queue %r not back yet: %s", consumer.spec.queue, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * self.settings.retry.multiplier, self.settings.retry.max_delay)
+        try:
+            while self._consumers.get(consumer.spec.tag) is consumer and self._live is live:
+                try:
+                    await on_probe_channel(
+                        live, lambda ch: ch.queue_declare(consumer.spec.queue, passive=True)
+                    )
+                    await self._start_consumer(live, consumer)
+                    log.info(
+                        "consumer %s re-subscribed to %r", consumer.spec.tag, consumer.spec.queue
+                    )
+                    return
+                except MiddlewareError as exc:
+                    log.debug("queue %r not back yet: %s", consumer.spec.queue, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * self.settings.retry.multiplier, self.settings.retry.max_delay)
+        finally:
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.close()
 
     def _deliver(self, msg: DeliveredMessage, queue: str, consumer: Consumer) -> None:
         """Handle ``msg`` in a task of the client's own: aiormq cancels its channel's
@@ -245,6 +259,8 @@ class ConsumerMachinery(ClientState):
         current = live.consumer_channels.get(tag)
         if current is None:
             return  # being subscribed again already (another delivery of the dead channel)
+        if channel.is_closed and not current.is_closed:
+            return  # not the consumer's channel now: one it was subscribed again from
         if consuming.resubscribe_after_lost_settle(
             channel_closed=current.is_closed or channel.is_closed,
             connection_open=not live.connection.is_closed,

@@ -118,16 +118,28 @@ def resubscribe_after_lost_settle(*, channel_closed: bool, connection_open: bool
 class ConsumerCheck:
     """The watchdog's state for one consumer the client believes subscribed (pure).
 
-    Lost when its queue is gone, counts no consumer, or had messages ready at two checks
-    in a row while this consumer had room for more and was given none in between: a
-    queue deleted and declared again without a ``basic.cancel`` (RabbitMQ 3.10 sometimes
-    sends none for a quorum queue deleted under load, and then even counts the stale
-    consumer on the new queue).  A lost consumer is treated as cancelled: subscribed
-    again as soon as the queue exists.  (A single-active-consumer queue's waiting
-    consumers are given nothing by design: ``starvation`` false for them.)"""
+    Lost when its queue is gone, counted no consumer at two checks in a row while this
+    consumer was given nothing, or had messages ready at two checks in a row while this
+    consumer had room for more and was given none in between: a queue deleted and
+    declared again without a ``basic.cancel`` (RabbitMQ 3.10 sometimes sends none for a
+    quorum queue deleted under load, and then even counts the stale consumer on the new
+    queue).  A lost consumer is treated as cancelled: subscribed again as soon as the
+    queue exists (the asyncio core closes its old channel only once the new subscription
+    stands).  (A single-active-consumer queue's waiting consumers are given nothing by
+    design: ``starvation`` false for them.)
+
+    A count of no consumer is not enough: a quorum queue whose leader's node is frozen
+    (a paused VM) answers a passive declare with 0 consumers and 0 messages for as long
+    as that node still counts as up (the count is asked of the leader its queue record
+    names), while a newly elected leader delivers to the consumer it has.  A new
+    subscription waits, in ``basic.consume``, for the frozen node, which RabbitMQ 3.10
+    sends it to (seen 2026-12-05: with the old channel closed first, every e2e confirm
+    waited for the node's thaw, 25 s, where publisher confirms went on after 7 s).  A
+    consumer that was given messages since the last check is subscribed."""
 
     delivered: int = 0
     starved: int = 0
+    unconsumed: int = 0  # checks in a row that counted no consumer
 
     def lost(
         self,
@@ -139,9 +151,12 @@ class ConsumerCheck:
         room: bool,
         starvation: bool = True,
     ) -> bool:
-        if not queue_exists or consumers == 0:
+        if not queue_exists:
             return True
         given = delivered != self.delivered
         self.delivered = delivered
+        self.unconsumed = self.unconsumed + 1 if consumers == 0 and not given else 0
+        if self.unconsumed >= 2:
+            return True
         self.starved = self.starved + 1 if starvation and ready and room and not given else 0
         return self.starved >= 2

@@ -7,6 +7,15 @@ confirms to a quorum queue), kills (or gracefully stops) a node for longer than
 every publish and every delivery itself.  Before the watched channel, no e2e message
 reached a consumer until the killed node was back: the first confirm came after the
 restart and publishes failed with ``ReceiptTimeout``.
+
+A frozen node (``freeze``: SIGSTOP for the outage, then SIGCONT; a paused VM) is the
+leaders' node, the clients elsewhere: a new leader is elected within seconds and every
+mode goes on with it.  Before the consumer watchdog looked at deliveries, the frozen
+leader's count of no consumer had it subscribe every consumer again, and the new
+subscriptions waited for the thaw (every e2e confirm with them: 25 s, 72-179 of them
+``ReceiptTimeout``).  With the clients on the frozen node, every mode waits for the
+thaw: the failover's replay of the topology waits on RabbitMQ's schema transactions,
+which wait for a member that still counts as up (``docs/transport.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from qosmq_bench.node_loss import run_node_loss
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos, pytest.mark.slow]
 
 DOWN_S = 8.0  # longer than the receipt timeout below
+FROZEN_S = 22.0  # longer than a quorum leader's election after its node froze
 
 
 @pytest.mark.parametrize(
@@ -29,19 +39,22 @@ DOWN_S = 8.0  # longer than the receipt timeout below
         ("leader-node", "kill"),
         ("two-nodes", "kill"),
         ("publisher-node", "stop"),  # a graceful stop, as a rolling restart does
+        ("leader-node", "freeze"),  # SIGSTOP: the quorum leaders' node stops answering
     ],
 )
 def test_e2e_confirms_go_on_while_a_node_is_down(scenario, fault, settings, local_cluster) -> None:
     fast = settings.model_copy(
         update={"confirms": settings.confirms.model_copy(update={"receipt_timeout": 5.0})}
     )
+    # a frozen leader is replaced by an election (7-10 s here), not by a closed socket
+    down_s, slack = (FROZEN_S, 8.0) if fault == "freeze" else (DOWN_S, 2.0)
     rows = asyncio.run(
         run_node_loss(
             local_cluster,
             fast,
             scenario=scenario,
             rate=20,
-            down_s=DOWN_S,
+            down_s=down_s,
             warmup_s=3,
             after_s=3,
             fault=fault,
@@ -49,12 +62,20 @@ def test_e2e_confirms_go_on_while_a_node_is_down(scenario, fault, settings, loca
     )
     by = {(r["workload"], r["phase"]): r for r in rows}
     for row in rows:
-        assert row["errors"] == {}, row  # no ReceiptTimeout, no publish failed
-        assert row["confirmed"] == row["published"], row
+        if fault == "freeze" and row["phase"] == "outage":
+            # 12 of 440 e2e publishes timed out in 1 of 5 runs (2026-12-05): a named
+            # error to the caller, never a loss; the old watchdog failed all 440
+            failed = sum(row["errors"].values())
+            assert set(row["errors"]) <= {"ReceiptTimeout"}, row
+            assert failed <= 0.05 * row["published"], row
+            assert row["confirmed"] + failed == row["published"], row
+        else:
+            assert row["errors"] == {}, row  # no ReceiptTimeout, no publish failed
+            assert row["confirmed"] == row["published"], row
         if row["phase"].startswith("outage"):
             # confirmed while the node was still down, not after it came back
             assert row["first_confirm_s"] is not None, row
-            assert row["first_confirm_s"] < DOWN_S - 2, row
-            assert row["longest_gap_s"] < DOWN_S - 2, row
+            assert row["first_confirm_s"] < down_s - slack, row
+            assert row["longest_gap_s"] < down_s - slack, row
     for workload in ("e2e-async", "e2e-sync", "broker-async"):
         assert by[(workload, "after")]["lost"] == 0

@@ -67,7 +67,18 @@ def test_the_watchdog_finds_a_consumer_subscribed_to_nothing() -> None:
 
     check = ConsumerCheck()
     assert check.lost(queue_exists=False, consumers=0, ready=0, delivered=0, room=True)
-    assert check.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
+    # no consumer counted and nothing given: lost at the second check in a row
+    unconsumed = ConsumerCheck()
+    assert not unconsumed.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
+    assert unconsumed.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
+    # a quorum queue's frozen leader counts none while a newly elected one delivers
+    elected = ConsumerCheck()
+    for delivered in (0, 4, 9, 15):
+        assert not elected.lost(
+            queue_exists=True, consumers=0, ready=0, delivered=delivered, room=True
+        )
+    assert not elected.lost(queue_exists=True, consumers=0, ready=0, delivered=15, room=True)
+    assert elected.lost(queue_exists=True, consumers=0, ready=0, delivered=15, room=True)
     busy = ConsumerCheck()  # ready messages while it is given some: fine
     for delivered in (1, 5, 9):
         assert not busy.lost(
