@@ -118,9 +118,9 @@ def resubscribe_after_lost_settle(*, channel_closed: bool, connection_open: bool
 class ConsumerCheck:
     """The watchdog's state for one consumer the client believes subscribed (pure).
 
-    Lost when its queue is gone, counted no consumer at two checks in a row while this
-    consumer was given nothing, or had messages ready at two checks in a row while this
-    consumer had room for more and was given none in between: a queue deleted and
+    Lost when its queue is gone, counted no consumer but messages ready at two checks in
+    a row while this consumer was given nothing, or had messages ready at two checks in a
+    row while this consumer had room for more and was given none in between: a queue deleted and
     declared again without a ``basic.cancel`` (RabbitMQ 3.10 sometimes sends none for a
     quorum queue deleted under load, and then even counts the stale consumer on the new
     queue).  A lost consumer is treated as cancelled: subscribed again as soon as the
@@ -134,8 +134,12 @@ class ConsumerCheck:
     names), while a newly elected leader delivers to the consumer it has.  A new
     subscription waits, in ``basic.consume``, for the frozen node, which RabbitMQ 3.10
     sends it to (seen 2026-12-05: with the old channel closed first, every e2e confirm
-    waited for the node's thaw, 25 s, where publisher confirms went on after 7 s).  A
-    consumer that was given messages since the last check is subscribed."""
+    waited for the node's thaw, 25 s, where publisher confirms went on after 7 s; with
+    it kept, the waiting subscription's channel crashed about 30 s after the thaw and
+    took its connection down).  So a count of 0 with 0 messages tells nothing (an empty
+    queue declared again has nothing to give either: its consumer is found once a
+    message is ready there), and a consumer that was given messages since the last check
+    is subscribed."""
 
     delivered: int = 0
     starved: int = 0
@@ -155,7 +159,8 @@ class ConsumerCheck:
             return True
         given = delivered != self.delivered
         self.delivered = delivered
-        self.unconsumed = self.unconsumed + 1 if consumers == 0 and not given else 0
+        lacking = consumers == 0 and ready > 0 and not given  # (0 and 0: nothing learnt)
+        self.unconsumed = self.unconsumed + 1 if lacking else 0
         if self.unconsumed >= 2:
             return True
         self.starved = self.starved + 1 if starvation and ready and room and not given else 0

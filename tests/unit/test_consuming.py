@@ -67,18 +67,21 @@ def test_the_watchdog_finds_a_consumer_subscribed_to_nothing() -> None:
 
     check = ConsumerCheck()
     assert check.lost(queue_exists=False, consumers=0, ready=0, delivered=0, room=True)
-    # no consumer counted and nothing given: lost at the second check in a row
+    # no consumer counted, messages ready, nothing given: lost at the second check in a
+    # row (even with no room: the queue has nobody to give them to)
     unconsumed = ConsumerCheck()
-    assert not unconsumed.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
-    assert unconsumed.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
-    # a quorum queue's frozen leader counts none while a newly elected one delivers
-    elected = ConsumerCheck()
+    assert not unconsumed.lost(queue_exists=True, consumers=0, ready=2, delivered=0, room=False)
+    assert unconsumed.lost(queue_exists=True, consumers=0, ready=2, delivered=0, room=False)
+    # 0 consumers and 0 messages tell nothing: a quorum queue's frozen leader answers so
+    # while a newly elected one delivers, and an empty queue has nothing to give anyway
+    frozen = ConsumerCheck()
+    for _ in range(5):
+        assert not frozen.lost(queue_exists=True, consumers=0, ready=0, delivered=0, room=True)
+    elected = ConsumerCheck()  # given messages: subscribed, whatever the count says
     for delivered in (0, 4, 9, 15):
         assert not elected.lost(
-            queue_exists=True, consumers=0, ready=0, delivered=delivered, room=True
+            queue_exists=True, consumers=0, ready=3, delivered=delivered, room=False
         )
-    assert not elected.lost(queue_exists=True, consumers=0, ready=0, delivered=15, room=True)
-    assert elected.lost(queue_exists=True, consumers=0, ready=0, delivered=15, room=True)
     busy = ConsumerCheck()  # ready messages while it is given some: fine
     for delivered in (1, 5, 9):
         assert not busy.lost(
