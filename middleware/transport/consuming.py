@@ -143,7 +143,7 @@ class ConsumerCheck:
 
     delivered: int = 0
     starved: int = 0
-    unconsumed: int = 0  # checks in a row that counted no consumer
+    unconsumed: int = 0  # checks in a row: no consumer, messages ready, nothing given
 
     def lost(
         self,

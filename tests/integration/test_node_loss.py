@@ -63,8 +63,9 @@ def test_e2e_confirms_go_on_while_a_node_is_down(scenario, fault, settings, loca
     by = {(r["workload"], r["phase"]): r for r in rows}
     for row in rows:
         if fault == "freeze" and row["phase"] == "outage":
-            # 12 of 440 e2e publishes timed out in 1 of 5 runs (2026-12-05): a named
-            # error to the caller, never a loss; the old watchdog failed all 440
+            # 12 of 440 e2e publishes timed out in 1 of 8 runs before the watchdog's
+            # last change, none in 4 after (2026-12-05): a named error to the caller,
+            # never a loss; the old watchdog failed all 440
             failed = sum(row["errors"].values())
             assert set(row["errors"]) <= {"ReceiptTimeout"}, row
             assert failed <= 0.05 * row["published"], row
