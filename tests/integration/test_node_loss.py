@@ -10,10 +10,10 @@ restart and publishes failed with ``ReceiptTimeout``.
 
 A frozen node (``freeze``: SIGSTOP for the outage, then SIGCONT; a paused VM) is the
 leaders' node, the clients elsewhere: a new leader is elected within seconds and every
-mode goes on with it.  Before the consumer watchdog looked at deliveries, the frozen
-leader's count of no consumer had it subscribe every consumer again, and the new
-subscriptions waited for the thaw (every e2e confirm with them: 25 s, 72-179 of them
-``ReceiptTimeout``).  With the clients on the frozen node, every mode waits for the
+mode goes on with it.  Before the consumer watchdog ignored the frozen leader's answer
+(0 consumers, 0 messages) and looked at deliveries, it subscribed every consumer again,
+and the new subscriptions waited for the thaw (every e2e confirm with them: 25 s, 72-179
+of them ``ReceiptTimeout``).  With the clients on the frozen node, every mode waits for the
 thaw: the failover's replay of the topology waits on RabbitMQ's schema transactions,
 which wait for a member that still counts as up (``docs/transport.md``).
 """
