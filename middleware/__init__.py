@@ -21,6 +21,7 @@ from .errors import (
     PublishNacked,
     Reject,
     Requeue,
+    SubscribeTimeout,
     Unroutable,
     WindowFull,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "Reject",
     "Requeue",
     "Settings",
+    "SubscribeTimeout",
     "SyncClient",
     "Unroutable",
     "WindowFull",

@@ -20,6 +20,7 @@ pika and aiormq exceptions are translated at the transport boundary
     │   │   └── LinkDown                          Phoenix: a link to another cluster failed
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
     │   ├── ConfirmTimeout (TimeoutError)         no broker confirm in time
+    │   ├── SubscribeTimeout (TimeoutError)       no consume-ok in time (a frozen queue leader)
     │   ├── SubscriptionUnconfirmed (TimeoutError)  Phoenix: W of N did not confirm a (un)subscribe
     │   ├── ReplicaTimeout (TimeoutError)         Phoenix: a replica write given up below W
     │   └── ResourceLocked                        an exclusive queue is a lost connection's still
@@ -92,6 +93,7 @@ __all__ = [
     "Requeue",
     "ResourceLocked",
     "RetryableError",
+    "SubscribeTimeout",
     "TopologyError",
     "UnknownName",
     "Unroutable",
@@ -160,6 +162,15 @@ class ResourceLocked(RetryableError):
 
 class ConfirmTimeout(RetryableError, TimeoutError):
     """The broker did not confirm a publish within the timeout."""
+
+
+class SubscribeTimeout(RetryableError, TimeoutError):
+    """The broker did not answer a ``basic.consume`` within ``consume_timeout``.
+
+    Seen on RabbitMQ 3.10 for a quorum queue whose leader's node is frozen (a paused VM):
+    the subscription waits for that node (65 s, or until it runs again).  The channel is
+    closed; a failover's replay subscribes the consumer again in the background while
+    the client goes on, so it is found within about ``consume_timeout`` of the thaw."""
 
 
 class PublishError(MiddlewareError):

@@ -209,6 +209,15 @@ class Settings(BaseSettings):
         30.0, gt=0, le=3600, description="seconds to wait for a broker confirm (0..3600]"
     )
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
+    consume_timeout: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="asyncio client: seconds to wait for a basic.consume's answer (a "
+        "quorum queue whose leader's node is frozen holds it for 65 s); past this the "
+        "channel is closed and the consumer subscribed again, in the background after a "
+        "failover",
+    )
     close_grace: float = Field(
         5.0,
         ge=0,

@@ -20,6 +20,7 @@ from ..errors import (
     BrokerUnreachable,
     MiddlewareError,
     NotConnected,
+    SubscribeTimeout,
 )
 from . import metrics, quiet
 from .aio_live import (
@@ -98,7 +99,12 @@ class Connecting(ClientState):
             await live.replies.open()
             await self._start_replies(live)
             for spec in list(self.topology.replay_plan()):
-                await self._apply(live, spec)
+                try:
+                    await self._apply(live, spec)
+                except SubscribeTimeout:
+                    if not isinstance(spec, ConsumerSpec):
+                        raise
+                    self._subscribe_later(live, spec.tag)
         except BaseException as exc:
             self._live = Down()
             with contextlib.suppress(Exception):

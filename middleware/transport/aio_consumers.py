@@ -20,6 +20,7 @@ from .. import tracing
 from ..errors import (
     EntityNotFound,
     MiddlewareError,
+    SubscribeTimeout,
 )
 from . import consuming, metrics
 from .aio_live import (
@@ -75,6 +76,7 @@ class ConsumerMachinery(ClientState):
     async def _start_consumer(self, live: Live, consumer: Consumer) -> None:
         spec = consumer.spec
         channel = None
+        given_up = False
         try:
             channel = await live.connection.channel(publisher_confirms=False)
             await channel.set_qos(prefetch_count=spec.prefetch)
@@ -82,23 +84,39 @@ class ConsumerMachinery(ClientState):
             # aiormq's consumer straight: aio-pika's Queue.consume wraps every delivery in an
             # IncomingMessage and a second task, and its ack waits for the frame to drain
             async def on_message(msg: DeliveredMessage) -> None:
-                self._deliver(msg, spec.queue, consumer)
+                if not given_up:  # (a subscription given up: its deliveries go back)
+                    self._deliver(msg, spec.queue, consumer)
 
             underlay = await channel.get_underlay_channel()
             underlay.on_consumer_cancel_callbacks.add(
-                lambda _frame: self._on_broker_cancel(live, spec.tag)
+                lambda _frame: None if given_up else self._on_broker_cancel(live, spec.tag)
             )
             # known before the first delivery: a queue's backlog arrives with consume-ok
             live.consumer_channels[spec.tag] = channel
             self._subscribed_at.pop(spec.tag, None)
             self._checks.pop(spec.tag, None)
-            await underlay.basic_consume(
-                spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
-            )
+            try:
+                await underlay.basic_consume(
+                    spec.queue,
+                    on_message,
+                    consumer_tag=spec.tag,
+                    exclusive=spec.exclusive,
+                    timeout=self.settings.consume_timeout,
+                )
+            except TimeoutError:
+                given_up = True
+                # aiormq has sent the channel's close; the broker ends the subscription
+                # when it answers (a frozen quorum leader's node: 65 s, or its thaw)
+                raise SubscribeTimeout(
+                    f"no answer to basic.consume on {spec.queue!r} within "
+                    f"{self.settings.consume_timeout:g} s (consume_timeout)"
+                ) from None
             self._subscribed_at[spec.tag] = time.monotonic()
         except Exception as exc:
             if channel is not None and live.consumer_channels.get(spec.tag) is channel:
                 del live.consumer_channels[spec.tag]
+            if isinstance(exc, MiddlewareError):
+                raise
             raise translate_aio(exc) from exc
 
     def _start_watchdog(self) -> None:
@@ -145,6 +163,22 @@ class ConsumerMachinery(ClientState):
             delivered=self._delivered.get(tag, 0),
             room=len(self._handling.get(tag, ())) < consumer.spec.prefetch,
         )
+
+    def _subscribe_later(self, live: Live, tag: str) -> None:
+        """A failover's replay met a ``SubscribeTimeout``: the client goes on (publishes,
+        the other consumers) while this consumer is subscribed again in the background."""
+        consumer = self._consumers.get(tag)
+        if consumer is None:
+            return
+        log.warning(
+            "consumer %s: no answer to its subscription to %r; subscribing it again in the "
+            "background",
+            tag,
+            consumer.spec.queue,
+        )
+        task = asyncio.ensure_future(self._resubscribe(live, consumer))
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
 
     def _on_broker_cancel(self, live: Live, tag: str) -> None:
         """The broker cancelled a consumer (its queue was deleted, a consumer timeout):

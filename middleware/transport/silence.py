@@ -89,9 +89,12 @@ def watch_reader(
 
 
 class SyncSilence:
-    """The same rule for a pika ``BlockingConnection``: its timers tick while the sync
-    client runs pika's loop (a call, ``run``, a wait for a confirm); ``lost`` is called
-    with the reason when the connection is judged lost."""
+    """The same rule for a pika ``BlockingConnection``, ticked by timers of its I/O loop
+    (the underlying connection's, as pika's own heartbeat checker): they run whenever
+    pika polls its socket, inside a blocking call too (a publish waiting for its
+    confirm, a ``basic.get``), where ``BlockingConnection.call_later``'s callbacks wait
+    for the next ``process_data_events``; ``lost`` is called with the reason when the
+    connection is judged lost (from inside pika's loop, as its checker does)."""
 
     def __init__(
         self,
@@ -100,20 +103,20 @@ class SyncSilence:
         lost: Callable[[str], None],
         clock: Callable[[], float],
     ) -> None:
-        self.connection = connection
+        self.impl = connection._impl
         self.clock = clock
         self.lost = lost
         self.silence = Silence(heartbeat, clock())
         self.received = self._bytes()
         self.stopped = heartbeat <= 0
         if not self.stopped:
-            connection.call_later(self.silence.interval, self._tick)
+            self.impl._adapter_call_later(self.silence.interval, self._tick)
 
     def _bytes(self) -> int:
-        return int(getattr(self.connection._impl, "bytes_received", 0))
+        return int(getattr(self.impl, "bytes_received", 0))
 
     def _tick(self) -> None:
-        if self.stopped or not self.connection.is_open:
+        if self.stopped or not self.impl.is_open:
             return
         received, before = self._bytes(), self.received
         self.received = received
@@ -121,4 +124,4 @@ class SyncSilence:
             self.stopped = True
             self.lost(self.silence.describe())
             return
-        self.connection.call_later(self.silence.interval, self._tick)
+        self.impl._adapter_call_later(self.silence.interval, self._tick)
