@@ -10,6 +10,16 @@ BALANCED_TIMEOUTS = Counter(
 BALANCED_MISSING = Gauge(
     "qosmq_balancer_missing_replicas", "replicas a publisher leaves out (queue gone)", ["topic"]
 )
+BALANCED_STALLED = Gauge(
+    "qosmq_balancer_stalled_replicas",
+    "replicas a publisher leaves out (a publish unconfirmed past stall_s)",
+    ["topic"],
+)
+BALANCED_RESENT = Counter(
+    "qosmq_balancer_resent_total",
+    "balanced messages sent to a second replica after the first stalled (at least once)",
+    ["topic"],
+)
 BALANCED_REPORTS_REFUSED = Counter(
     "qosmq_balancer_reports_refused_total",
     "load reports a publisher ignored as malformed or forged",

@@ -78,6 +78,14 @@ class BalancedPublisher:
     missing replica is looked for every ``recheck_s`` (a passive declare) and comes
     back once its queue exists again.  No publish outlives ``publish_timeout``: past
     it, ``ConfirmTimeout``.
+
+    A replica that does not confirm within ``stall_s`` while the client's own node
+    answers a round trip (``AsyncClient.answers``: the replica's node frozen, which the
+    broker still counts as up, so nothing is returned) is *stalled*: the message goes to
+    a live replica as well, and the stalled one leaves the choice until its publish is
+    confirmed (or fails).  The first confirm answers the caller.  Such a message may
+    then be delivered twice, from both replicas, with the same message id (at least
+    once, as every confirm mode across a fault); ``resent`` counts them.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class BalancedPublisher:
         stale_after: float | None = None,
         rng: random.Random | None = None,
         recheck_s: float = 1.0,
+        stall_s: float = 3.0,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
@@ -98,6 +107,12 @@ class BalancedPublisher:
         self.stale_after = stale_after
         self.rng = rng or random.Random()
         self.recheck_s = recheck_s
+        if not stall_s > 0:
+            raise InvalidArgument(f"stall_s must be > 0, got {stall_s!r}")
+        self.stall_s = stall_s
+        self.stalled: set[int] = set()  # replicas with a publish unconfirmed past stall_s
+        self.resent = 0  # messages sent to a second replica after a stall
+        self._stalls: set[asyncio.Task[str]] = set()
         self.chooser = PredictiveChooser(replicas, self.rng)
         self.picker: WeightedPicker | None = None
         self.report: LoadReport | None = None
@@ -129,31 +144,55 @@ class BalancedPublisher:
             self._recheck.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._recheck
+        for task in list(self._stalls):  # (their callers were answered by another replica)
+            task.cancel()
+        await asyncio.gather(*self._stalls, return_exceptions=True)
 
     async def publish(self, body: bytes, **fields: object) -> str:
         """Publish to a chosen live replica with broker confirms; return its queue."""
         limit = self.client.settings.publish_timeout
         message_id = str(fields.pop("message_id", None) or new_message_id())
         tried: set[int] = set()
+        pending: dict[asyncio.Task[str], int] = {}  # this message's stalled publishes
         try:
             async with asyncio.timeout(limit):
                 while True:
+                    if pending and not self._choosable(tried):
+                        # every other replica tried: wait for a stalled one's confirm
+                        done, _ = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
+                        for task in done:
+                            pending.pop(task)
+                            if not task.cancelled() and task.exception() is None:
+                                return task.result()
+                        continue
                     index = self.choose(exclude=tried)
-                    queue = self.queues[index]
+                    tried.add(index)
+                    if pending:
+                        self.resent += 1
+                        metrics.BALANCED_RESENT.labels(self.topic).inc()
                     message = OutgoingMessage(
                         body,
                         "",
-                        queue,
+                        self.queues[index],
                         message_id=message_id,
                         mandatory=True,
                         **fields,  # type: ignore[arg-type]
                     )
+                    task = asyncio.ensure_future(self._send(index, message))
+                    done, _ = await asyncio.wait({task}, timeout=self.stall_s)
+                    while not done and not await self.client.answers(self.stall_s):
+                        # not the replica: the client's own node or link is silent (its
+                        # failover resends this publish): sending elsewhere would only
+                        # add copies
+                        done, _ = await asyncio.wait({task}, timeout=self.stall_s)
+                    if not task.done():
+                        pending[task] = index
+                        self._stall(index, task)
+                        continue
                     try:
-                        await self.client.publish(message)
-                        return queue
+                        return task.result()
                     except (Unroutable, EntityNotFound):
                         self._gone(index)
-                        tried.add(index)
         except TimeoutError:
             metrics.BALANCED_TIMEOUTS.labels(self.topic).inc()
             raise ConfirmTimeout(
@@ -161,11 +200,46 @@ class BalancedPublisher:
                 f"publish_timeout = {limit} s"
             ) from None
 
+    async def _send(self, index: int, message: OutgoingMessage) -> str:
+        await self.client.publish(message)
+        return self.queues[index]
+
+    def _choosable(self, tried: set[int]) -> bool:
+        blocked = self.missing | tried
+        return any(i not in blocked for i in range(len(self.queues)))
+
+    def _stall(self, index: int, task: asyncio.Task[str]) -> None:
+        """``index`` did not confirm within ``stall_s``: out of the choice until ``task``
+        (that publish, running on) ends, which the caller may no longer wait for."""
+        self._stalls.add(task)
+        if index not in self.stalled:
+            self.stalled.add(index)
+            metrics.BALANCED_STALLED.labels(self.topic).set(len(self.stalled))
+            log.warning(
+                "replica %s confirmed nothing within %g s: left out until it does",
+                self.queues[index],
+                self.stall_s,
+            )
+        task.add_done_callback(lambda done: self._unstall(index, done))
+
+    def _unstall(self, index: int, task: asyncio.Task[str]) -> None:
+        self._stalls.discard(task)
+        if not task.cancelled():
+            task.exception()  # (retrieved: a stalled publish's failure is not the caller's)
+        if index in self.stalled and not any(
+            t for t in self._stalls if not t.done() and t is not task
+        ):
+            self.stalled.discard(index)
+            metrics.BALANCED_STALLED.labels(self.topic).set(len(self.stalled))
+            log.warning("replica %s answers again: chosen again", self.queues[index])
+
     def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """A replica by the algorithm, among the live ones not in ``exclude``;
         ``Unroutable`` when none is left."""
         blocked = self.missing | exclude
         allowed = [i for i in range(len(self.queues)) if i not in blocked]
+        if live := [i for i in allowed if i not in self.stalled]:
+            allowed = live  # (a stalled replica only when no other is left)
         if not allowed:
             raise Unroutable(
                 f"topic {self.topic!r}: no replica can take the message "

@@ -40,6 +40,7 @@ from .aio_live import (
     ReplyHandler,
     SettleHook,
     from_delivered,
+    on_channel_of,
     on_probe_channel,
     written,
 )
@@ -323,6 +324,29 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         except EntityNotFound:
             return False
         return True
+
+    async def answers(self, within: float) -> bool:
+        """Whether the node this client is connected to answers a round trip (a passive
+        declare of ``amq.direct`` on a channel of its own) within ``within`` seconds.
+
+        Tells a publish its node holds up (a queue on a frozen node: the broker still
+        counts that node as up, so it neither confirms nor returns) from a connection
+        that does not answer at all, which the silence rule closes and the failover
+        resends.  Never raises; the round trip, if it outlives ``within``, ends in the
+        background."""
+        live = self._live
+        if not isinstance(live, Live) or not self._ready.is_set():
+            return False
+
+        async def trip() -> None:
+            await on_channel_of(live, lambda ch: ch.exchange_declare("amq.direct", passive=True))
+
+        task: asyncio.Task[None] = asyncio.ensure_future(trip())
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (retrieved)
+        done, _ = await asyncio.wait({task}, timeout=within)
+        return bool(done) and not task.cancelled() and task.exception() is None
 
     # ------------------------------------------------------------ consuming
     async def consume(

@@ -228,3 +228,25 @@ def test_the_library_refuses_a_topic_the_broker_cannot_carry(topic, replicas, sa
         BalancedPublisher(AsyncClient(settings=settings), topic=topic, replicas=replicas)
     with pytest.raises(InvalidArgument, match=says):  # before any connection is tried
         asyncio.run(declare_replicated_topic(settings, topic, replicas))
+
+
+def test_a_stalled_replica_is_chosen_only_when_no_other_is_left() -> None:
+    import asyncio
+
+    from middleware.balancer import BalancedPublisher
+    from middleware.errors import InvalidArgument, Unroutable
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient
+
+    client = AsyncClient(settings=Settings.load())
+    for algorithm in ("round_robin", "paper", "inverse", "predictive"):
+        publisher = BalancedPublisher(client, topic="t", replicas=3, algorithm=algorithm)
+        publisher.stalled = {1}
+        assert {publisher.choose() for _ in range(300)} == {0, 2}, algorithm
+        assert {publisher.choose(exclude={0, 2}) for _ in range(20)} == {1}  # the last one left
+        publisher.missing = {1}
+        with pytest.raises(Unroutable):
+            publisher.choose(exclude={0, 2})
+    with pytest.raises(InvalidArgument, match="stall_s"):
+        BalancedPublisher(client, topic="t", replicas=3, stall_s=0)
+    asyncio.run(asyncio.sleep(0))
