@@ -1,7 +1,9 @@
 """A RabbitMQ node dies under Phoenix load (issue #23, item 6): with ``inbox_mirrors = 2``
 the role queues are classic queues mirrored over two nodes by the policy ``phoenix up``
 sets (RabbitMQ 3.10's quorum queues have no priorities), so SIGKILL of the node that
-holds B's routing master's inbox loses no event whose publish the broker confirmed.
+holds B's routing master's inbox loses no event whose publish the broker confirmed; nor
+does a graceful stop, or a freeze (SIGSTOP for 15 s: the node still counts as a member,
+the mirror is not promoted, and the stream waits for the thaw, then goes on).
 
 Real broker nodes (the test's own local cluster: the chaos fixture), a real SIGKILL by
 PID, and the test's own counter of what reached the subscriber queue."""
@@ -26,11 +28,14 @@ from tests.integration.test_phoenix_recovery import _deployment, _subscribe
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 RATE = 100
+FROZEN_S = 15.0
 
 
 @pytest.mark.parametrize(
     ("fault", "face"),
-    [("kill", "async"), ("stop", "sync")],  # a graceful stop, as a rolling restart does
+    # a graceful stop, as a rolling restart does; a freeze (SIGSTOP for FROZEN_S, a paused
+    # VM): the node stays a member, so the mirrors wait for it rather than take over
+    [("kill", "async"), ("stop", "sync"), ("freeze", "async")],
 )
 def test_a_rabbitmq_node_lost_under_load_loses_no_confirmed_event(
     fault, face, settings, brokers, local_cluster, tmp_path: Path, name: str
@@ -71,6 +76,8 @@ def test_a_rabbitmq_node_lost_under_load_loses_no_confirmed_event(
             f"{failed} refused"
         )
     finally:
+        if fault == "freeze":
+            local_cluster.thaw(victim)  # (the timer's, at the latest)
         deployment.down()
 
 
@@ -119,12 +126,12 @@ async def _declare_subscriber_queue(settings, url: str, queue: str) -> None:
         await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
 
 
-def _going(elapsed: float, published: int) -> bool:
+def _going(elapsed: float, published: int, at_least: float = 6.0) -> bool:
     """Whether a stream publishes on: for 6 s, and on a slow machine until it passed
     ``2 * RATE`` events (the fault comes at ``RATE``), at most 30 s. The tests then
     check that events after the fault were confirmed (the stream went on through the
     failover), not how fast it went."""
-    return elapsed < 6.0 or (published <= 2 * RATE and elapsed < 30.0)
+    return elapsed < at_least or (published <= 2 * RATE and elapsed < 30.0)
 
 
 def _sync_stream(settings, topology, event_type, local_cluster, victim, fault):
@@ -169,19 +176,27 @@ async def _stream(
             start = time.monotonic()
             n = 0
             losing = None
-            while _going(time.monotonic() - start, n):
+            at_least = FROZEN_S + 4.0 if fault == "freeze" else 6.0  # (on after the thaw)
+            gaps: list[float] = []
+            last = start
+            while _going(time.monotonic() - start, n, at_least):
                 if n == RATE:  # one second in
                     lose = getattr(local_cluster, fault)
                     losing = asyncio.create_task(asyncio.to_thread(lose, victim))
+                    if fault == "freeze":  # let go on by the clock, whatever the loop does
+                        threading.Timer(FROZEN_S, local_cluster.thaw, args=(victim,)).start()
                 try:
                     await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
                     confirmed.add(n)
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
                 except MiddlewareError:
                     failed += 1  # refused or failed: the publisher knows, not lost
                 n += 1
                 await asyncio.sleep(1 / RATE)
             assert losing is not None
             await losing
+            print(f"\nlongest wait for a confirm at A: {max(gaps, default=0):.2f} s")
         got: set[int] = set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not confirmed <= got:
