@@ -213,10 +213,10 @@ class Settings(BaseSettings):
         5.0,
         gt=0,
         le=300,
-        description="asyncio client: seconds to wait for a basic.consume's answer (a "
-        "quorum queue whose leader's node is frozen holds it for 65 s); past this the "
-        "channel is closed and the consumer subscribed again, in the background after a "
-        "failover",
+        description="seconds to wait for a basic.consume's answer (a quorum queue whose "
+        "leader's node is frozen holds it for 65 s); past this the asyncio client closes "
+        "the channel and subscribes again (in the background after a failover), the sync "
+        "client reconnects and replays",
     )
     close_grace: float = Field(
         5.0,

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 
 import pika
 import pika.adapters.blocking_connection as blocking
@@ -32,6 +33,39 @@ from .sync_live import (
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _answered_within(live: SyncLive, queue: str, timeout: float) -> Iterator[None]:
+    """Bound a blocking ``basic.consume`` by ``timeout``: pika's wait for consume-ok has
+    none, and RabbitMQ 3.10 answers one on a quorum queue whose leader's node is frozen
+    after 65 s.  A pika channel cannot be given up alone (its number stays the broker's
+    until the close-ok, which waits as long), so the connection's stream is ended, from a
+    timer of pika's own loop, as the silence rule does: the call raises
+    ``ConnectionLost`` and the client connects and replays again (the asyncio core gives
+    up the channel alone, ``SubscribeTimeout``)."""
+    impl = getattr(live.connection, "_impl", None)
+    if impl is None:
+        yield
+        return
+
+    def unanswered() -> None:
+        log.warning(
+            "no answer to basic.consume on %r within %g s (consume_timeout): reconnecting",
+            queue,
+            timeout,
+        )
+        impl._terminate_stream(
+            pika.exceptions.AMQPConnectionError(
+                f"no answer to basic.consume on {queue!r} within {timeout:g} s (consume_timeout)"
+            )
+        )
+
+    timer = impl._adapter_call_later(timeout, unanswered)
+    try:
+        yield
+    finally:
+        impl._adapter_remove_timeout(timer)
+
+
 class SyncConsumers(SyncClientState):
     """Consumers on channels of their own, their deliveries handled inside ``run``."""
 
@@ -49,9 +83,10 @@ class SyncConsumers(SyncClientState):
             self._deliver(ch, to_delivery(method, props, body, spec.queue), consumer)
 
         channel.add_on_cancel_callback(lambda _frame: self._on_broker_cancel(spec.tag))
-        channel.basic_consume(
-            spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
-        )
+        with _answered_within(live, spec.queue, self.settings.consume_timeout):
+            channel.basic_consume(
+                spec.queue, on_message, consumer_tag=spec.tag, exclusive=spec.exclusive
+            )
         live.consumer_channels[spec.tag] = channel
         self._subscribed_at[spec.tag] = time.monotonic()
         self._checks.pop(spec.tag, None)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import aiormq.connection
 import aiormq.exceptions as aexc
 import pika.exceptions as pexc
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from ..errors import (
     AccessRefused,
@@ -113,6 +114,10 @@ _SYNC_TABLE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], 
             pexc.ConnectionWrongStateError,
             pexc.ChannelWrongStateError,
             pexc.StreamLostError,
+            # pika's connect with one address raises its connector's own error (a frozen
+            # node accepts the TCP connection and never answers the handshake: a stack
+            # timeout): a node that did not answer, as for any other, not a broker error
+            AMQPConnectorException,
             ConnectionError,
             OSError,
         ),

@@ -5,6 +5,7 @@ import inspect
 import aiormq.exceptions as aexc
 import pika.exceptions as pexc
 import pytest
+from pika.adapters.utils.connection_workflow import AMQPConnectorStackTimeout
 
 import middleware
 from middleware import errors
@@ -57,6 +58,8 @@ def test_aio_translation(exc, expected) -> None:
         (pexc.StreamLostError("lost"), errors.ConnectionLost),
         (pexc.AMQPConnectionError("refused"), errors.ConnectionLost),
         (pexc.ProbableAuthenticationError("auth"), errors.AccessRefused),
+        # a frozen node: TCP accepted, no AMQP handshake (was an "unexpected" TopologyError)
+        (AMQPConnectorStackTimeout("Timeout during AMQP handshake"), errors.ConnectionLost),
     ],
 )
 def test_sync_translation(exc, expected) -> None:
