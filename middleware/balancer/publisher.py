@@ -112,7 +112,7 @@ class BalancedPublisher:
         self.stall_s = stall_s
         self.stalled: set[int] = set()  # replicas with a publish unconfirmed past stall_s
         self.resent = 0  # messages sent to a second replica after a stall
-        self._stalls: set[asyncio.Task[str]] = set()
+        self._stalls: dict[asyncio.Task[str], int] = {}  # stalled publishes: their replica
         self.chooser = PredictiveChooser(replicas, self.rng)
         self.picker: WeightedPicker | None = None
         self.report: LoadReport | None = None
@@ -211,7 +211,7 @@ class BalancedPublisher:
     def _stall(self, index: int, task: asyncio.Task[str]) -> None:
         """``index`` did not confirm within ``stall_s``: out of the choice until ``task``
         (that publish, running on) ends, which the caller may no longer wait for."""
-        self._stalls.add(task)
+        self._stalls[task] = index
         if index not in self.stalled:
             self.stalled.add(index)
             metrics.BALANCED_STALLED.labels(self.topic).set(len(self.stalled))
@@ -223,12 +223,10 @@ class BalancedPublisher:
         task.add_done_callback(lambda done: self._unstall(index, done))
 
     def _unstall(self, index: int, task: asyncio.Task[str]) -> None:
-        self._stalls.discard(task)
+        self._stalls.pop(task, None)
         if not task.cancelled():
             task.exception()  # (retrieved: a stalled publish's failure is not the caller's)
-        if index in self.stalled and not any(
-            t for t in self._stalls if not t.done() and t is not task
-        ):
+        if index in self.stalled and index not in self._stalls.values():
             self.stalled.discard(index)
             metrics.BALANCED_STALLED.labels(self.topic).set(len(self.stalled))
             log.warning("replica %s answers again: chosen again", self.queues[index])

@@ -250,3 +250,32 @@ def test_a_stalled_replica_is_chosen_only_when_no_other_is_left() -> None:
     with pytest.raises(InvalidArgument, match="stall_s"):
         BalancedPublisher(client, topic="t", replicas=3, stall_s=0)
     asyncio.run(asyncio.sleep(0))
+
+
+def test_a_stalled_replica_comes_back_when_its_own_stalled_publishes_end() -> None:
+    import asyncio
+
+    from middleware.balancer import BalancedPublisher
+    from middleware.settings import Settings
+    from middleware.transport import AsyncClient
+
+    async def scenario() -> None:
+        publisher = BalancedPublisher(AsyncClient(settings=Settings.load()), topic="t", replicas=3)
+        gates = {i: asyncio.Event() for i in (1, 2)}
+
+        async def held(i: int) -> str:
+            await gates[i].wait()
+            return f"r{i}"
+
+        tasks = {i: asyncio.ensure_future(held(i)) for i in (1, 2)}
+        for i, task in tasks.items():
+            publisher._stall(i, task)
+        assert publisher.stalled == {1, 2}
+        gates[2].set()
+        await tasks[2]
+        await asyncio.sleep(0)  # (done callbacks)
+        assert publisher.stalled == {1}  # replica 1's publish still waits
+        await publisher.close()  # ends what is still stalled
+        assert publisher.stalled == set()
+
+    asyncio.run(scenario())
