@@ -142,9 +142,7 @@ class ConsumerMachinery(ClientState):
                 verdict = await self._still_consumed(live, tag, consumer)
                 if verdict is False and live.consumer_channels.get(tag) is channel:
                     metrics.consumer_lost(log, tag, consumer.spec.queue)
-                    task = asyncio.ensure_future(self._resubscribe(live, consumer))
-                    self._closers.add(task)
-                    task.add_done_callback(self._closers.discard)
+                    self._resubscribe_soon(live, consumer)
 
     async def _still_consumed(self, live: Live, tag: str, consumer: Consumer) -> bool | None:
         """The watchdog's verdict on one consumer; None when it cannot be told now."""
@@ -176,9 +174,7 @@ class ConsumerMachinery(ClientState):
             tag,
             consumer.spec.queue,
         )
-        task = asyncio.ensure_future(self._resubscribe(live, consumer))
-        self._closers.add(task)
-        task.add_done_callback(self._closers.discard)
+        self._resubscribe_soon(live, consumer)
 
     def _on_broker_cancel(self, live: Live, tag: str) -> None:
         """The broker cancelled a consumer (its queue was deleted, a consumer timeout):
@@ -187,6 +183,10 @@ class ConsumerMachinery(ClientState):
         if consumer is None or self._live is not live:
             return
         metrics.consumer_cancelled_by_broker(log, tag, consumer.spec.queue)
+        self._resubscribe_soon(live, consumer)
+
+    def _resubscribe_soon(self, live: Live, consumer: Consumer) -> None:
+        """``_resubscribe`` in a task of the client's own (held until it ends)."""
         task = asyncio.ensure_future(self._resubscribe(live, consumer))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
@@ -300,6 +300,4 @@ class ConsumerMachinery(ClientState):
             connection_open=not live.connection.is_closed,
         ):
             live.consumer_channels.pop(tag, None)  # once per dead channel
-            task = asyncio.ensure_future(self._resubscribe(live, consumer))
-            self._closers.add(task)
-            task.add_done_callback(self._closers.discard)
+            self._resubscribe_soon(live, consumer)
