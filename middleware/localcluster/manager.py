@@ -46,6 +46,9 @@ START_TIMEOUT = 90.0
 BOOT_RACE_ATTEMPTS = 3
 BOOT_RACE_DELAY_S = 2.0  # before starting it again: its peers wait for it meanwhile
 STOP_TIMEOUT = 60.0
+#: how soon the other nodes must take a frozen node for failed (``freeze_detectable``):
+#: RabbitMQ's failure detector polls every 5 s
+FREEZE_FOUND_S = 5.0
 
 
 class ClusterError(MiddlewareError):
@@ -184,6 +187,53 @@ class LocalCluster:
         pid = self.beam_pid(self.layout.find(name))
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
+
+    def freeze_detectable(self, name: str, within_s: float = FREEZE_FOUND_S) -> bool:
+        """Whether every other running node's failure detector would take a freeze of
+        ``name`` for a failure within ``within_s``.  Quorum queues elect a new leader only
+        when it does.  RabbitMQ's detector (aten) judges a node's silence against the
+        gaps between its last (up to) 1 000 heartbeats.  The node counts as down once 99 %
+        of those gaps, times 1.5, are shorter than the silence.  So a node whose earlier
+        freezes are more than 1 % of its heartbeat history is never found frozen:
+        after 3 freezes of 20 s, until it has sent about 300 heartbeats since it joined
+        (about 100 s of running here)."""
+        target = self.layout.find(name)
+        silence_us = int(within_s * 1_000_000)
+        expr = (
+            f"D = element(2, sys:get_state(aten_sink)), case maps:find('{target.node_name}', D)"
+            " of error -> none; {ok, S} -> L = [X || X <- array:to_list(element(3, S)),"
+            f" X =/= undefined], {{length(L), length([X || X <- L, X * 1.5 > {silence_us}]),"
+            " application:get_env(aten, detection_threshold, 0.99)} end."
+        )
+        for node in self.layout.nodes:
+            if node.node_name == target.node_name or not pid_alive(self.beam_pid(node)):
+                continue
+            answer = "".join(self.ctl(node.short_name, "eval", expr, timeout=15).split())
+            if answer == "none":
+                return False  # not watched yet (a node that just came back)
+            heard, long_gaps, threshold = answer.strip("{}").split(",")
+            if int(heard) < 2 or (int(heard) - int(long_gaps)) / int(heard) < float(threshold):
+                return False
+        return True
+
+    def await_freeze_detectable(
+        self, name: str, within_s: float = FREEZE_FOUND_S, timeout: float = 240.0
+    ) -> float:
+        """Wait until :meth:`freeze_detectable` (a node frozen a few times in its first
+        minutes is not found frozen until it has run a while longer); the seconds waited.
+        Past ``timeout``: :class:`ClusterError`."""
+        started = time.monotonic()
+        while not self.freeze_detectable(name, within_s):
+            if time.monotonic() - started > timeout:
+                raise ClusterError(
+                    f"a freeze of {name} would not be found by the other nodes' failure "
+                    f"detector within {within_s:.0f} s, after waiting {timeout:.0f} s"
+                )
+            time.sleep(2.0)
+        waited = time.monotonic() - started
+        if waited > 0.5:
+            log.info("waited %.0f s until a freeze of %s would be found", waited, name)
+        return waited
 
     def down(self, *, purge: bool = False, timeout: float = STOP_TIMEOUT) -> None:
         """Stop every node and epmd by PID; with ``purge`` also delete the state directory."""

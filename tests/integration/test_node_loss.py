@@ -80,3 +80,14 @@ def test_e2e_confirms_go_on_while_a_node_is_down(scenario, fault, settings, loca
             assert row["longest_gap_s"] < down_s - slack, row
     for workload in ("e2e-async", "e2e-sync", "broker-async"):
         assert by[(workload, "after")]["lost"] == 0
+
+
+def test_the_failure_detector_reading_tells_a_short_silence_from_a_long_one(local_cluster) -> None:
+    """``freeze_detectable`` reads the other nodes' failure detector (aten) as RabbitMQ
+    does: a silence of 5 s is taken for a failure (once the node's history allows it:
+    the freeze cell above adds a long gap to it); 0.05 s never is, as the node's
+    heartbeats come every 0.1 s (each gap, times 1.5, is longer)."""
+    name = local_cluster.layout.nodes[0].short_name
+    local_cluster.await_freeze_detectable(name)
+    assert local_cluster.freeze_detectable(name, 5.0)
+    assert not local_cluster.freeze_detectable(name, 0.05)
