@@ -16,7 +16,12 @@ a heartbeat past the longest silence of a live connection, for a broker slow to 
 a loaded machine) and the connection is lost, judged on a tick every ``heartbeat / 4``
 seconds.  A tick that comes late (the process did not run: a blocked event loop, a
 stopped process, a sync caller busy outside the client) excuses the silence so far,
-since what the broker sent may be waiting unread in the socket.  The drivers:
+since what the broker sent may be waiting unread in the socket.  The sync face looks
+first: a pika connection's timers run only while the client runs it, and a client can
+block in another connection's call (a sync consumer's watchdog waiting on its own
+silent link left its replies connection unlooked for 3 s, and the excuse held the
+receipts sent there 3 s more); with no byte waiting, a late look judges the silence as
+it is.  The drivers:
 :func:`watch_reader` (asyncio: the reader of a transport made by aiormq's
 ``TransportFactory``, ``coalesce.py``) and :class:`SyncSilence` (pika, on the blocking
 connection's own timers); each closes a connection judged lost, and the client fails
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +49,17 @@ class Silence:
         self.interval = heartbeat / 4
         self.heard = self.ticked = now
 
-    def tick(self, now: float, read: bool) -> bool:
-        """One look, ``read``: anything arrived since the last; True: the link is lost."""
-        late = now - self.ticked > 2 * self.interval
+    def late(self, now: float) -> bool:
+        """Whether a look at ``now`` comes late (the process did not look meanwhile)."""
+        return now - self.ticked > 2 * self.interval
+
+    def tick(self, now: float, read: bool, *, unread: bool = True) -> bool:
+        """One look, ``read``: anything arrived since the last; True: the link is lost.
+        A late look excuses the silence so far while ``unread`` (bytes may wait unread
+        in the socket; the caller passes False when it looked and none do)."""
+        late = self.late(now)
         self.ticked = now
-        if read or late:
+        if read or (late and unread):
             self.heard = now
             return False
         return now - self.heard >= self.limit
@@ -115,12 +127,29 @@ class SyncSilence:
     def _bytes(self) -> int:
         return int(getattr(self.impl, "bytes_received", 0))
 
+    def _unread(self) -> bool:
+        """Whether bytes wait unread in the connection's socket (True when it cannot
+        tell): a late look is excused only then."""
+        sock = getattr(getattr(self.impl, "_transport", None), "_sock", None)
+        if sock is None:
+            return True
+        try:
+            pending = getattr(sock, "pending", None)  # TLS: decrypted, not yet read
+            if pending is not None and pending() > 0:
+                return True
+            readable, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
     def _tick(self) -> None:
         if self.stopped or not self.impl.is_open:
             return
         received, before = self._bytes(), self.received
         self.received = received
-        if self.silence.tick(self.clock(), received != before):
+        now = self.clock()
+        unread = not self.silence.late(now) or received != before or self._unread()
+        if self.silence.tick(now, received != before, unread=unread):
             self.stopped = True
             self.lost(self.silence.describe())
             return

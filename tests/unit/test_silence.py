@@ -38,3 +38,55 @@ def test_a_late_tick_excuses_the_silence_so_far() -> None:
 
 def test_describe_names_the_limit() -> None:
     assert "15 s" in Silence(10, now=0.0).describe()
+
+
+def test_a_late_tick_with_nothing_waiting_unread_judges_the_silence_as_it_is() -> None:
+    """The sync face looked at the socket: no byte waits, so the late look excuses
+    nothing (a replies connection beside a consumer blocked on its own silent link)."""
+    silence = Silence(2.0, now=0.0)
+    assert not silence.tick(0.5, read=False)
+    assert silence.late(3.4)
+    assert silence.tick(3.4, read=False, unread=False)  # 3.4 s of silence: lost at once
+
+
+def test_the_sync_face_excuses_a_late_tick_only_while_bytes_wait_in_the_socket() -> None:
+    """``SyncSilence`` on a real socket pair standing in for pika's transport: ticked
+    late, it is excused while the peer's bytes wait unread, and finds the link lost
+    when none do."""
+    import socket
+
+    from middleware.transport.silence import SyncSilence
+
+    class Transport:
+        def __init__(self, sock: socket.socket) -> None:
+            self._sock = sock
+
+    class Impl:
+        def __init__(self, sock: socket.socket) -> None:
+            self._transport = Transport(sock)
+            self.is_open = True
+            self.bytes_received = 0
+            self.timers: list[object] = []
+
+        def _adapter_call_later(self, _delay: float, callback: object) -> None:
+            self.timers.append(callback)
+
+    class Connection:
+        def __init__(self, impl: Impl) -> None:
+            self._impl = impl
+
+    for waiting in (True, False):
+        ours, broker = socket.socketpair()
+        try:
+            clock = [0.0]
+            lost: list[str] = []
+            impl = Impl(ours)
+            watch = SyncSilence(Connection(impl), 2.0, lost.append, lambda c=clock: c[0])
+            if waiting:
+                broker.sendall(b"\x08\x00\x00\x00\x00\x00\x00\xce")  # a heartbeat frame
+            clock[0] = 3.4  # the first look comes late: the client ran another connection
+            watch._tick()
+            assert lost == ([] if waiting else [watch.silence.describe()]), (waiting, lost)
+        finally:
+            ours.close()
+            broker.close()
