@@ -3,8 +3,9 @@
 Three workloads side by side at ``rate`` publishes/s each, against a local cluster the
 benchmark can kill nodes of: ``e2e-async`` and ``e2e-sync`` (e2e confirms over a fanout
 to three quorum queues, one consumer client per queue, the asyncio and the sync
-publisher) and ``broker-async`` (publisher confirms to a quorum queue, the paper's
-baseline mode, whose recovery the layer already had: the reference in the same run).
+publisher) and ``broker-async`` and ``broker-sync`` (publisher confirms to a quorum
+queue, the paper's baseline mode, whose recovery the layer already had: the reference
+in the same run, on both faces).
 
 Scenarios: ``publisher-node`` (every client and every queue leader on the node that is
 lost), ``leader-node`` (the queue leaders' node lost, the clients elsewhere) and
@@ -62,7 +63,7 @@ SCENARIOS = ("publisher-node", "leader-node", "two-nodes")
 #: how the node is lost: the ``LocalCluster`` method that loses it (SIGKILL, or a
 #: graceful stop as a rolling restart does)
 FAULTS = ("kill", "stop", "freeze")
-WORKLOADS = ("e2e-async", "e2e-sync", "broker-async")
+WORKLOADS = ("e2e-async", "e2e-sync", "broker-async", "broker-sync")
 
 
 @dataclass
@@ -187,19 +188,22 @@ class _Run:
             await asyncio.wait(tasks)
         await publisher.close()
 
-    def publish_sync(self, w: _Workload, first: int) -> None:
+    def publish_sync(self, w: _Workload, mode: str, first: int) -> None:
         client = SyncClient(settings=self.at(first)).connect()
-        client.declare_exchange(ExchangeSpec(w.exchange, ExchangeType.FANOUT))
+        kind = ExchangeType.FANOUT if mode == "e2e" else ExchangeType.DIRECT
+        client.declare_exchange(ExchangeSpec(w.exchange, kind))
         for q in w.queues:
             client.declare_queue(QueueSpec(q, kind=QueueKind.QUORUM))
-            client.bind(BindingSpec(q, w.exchange))
-        publisher = SyncConfirmPublisher(client, mode="e2e")
+            client.bind(BindingSpec(q, w.exchange, routing_key=q))
+        publisher = SyncConfirmPublisher(client, mode=mode)
         i, next_at = 0, time.monotonic()
         try:
             while not self._stop.is_set():
                 mid, started = f"{w.name}-{i}", time.monotonic()
                 try:
-                    publisher.publish(b"x" * 100, exchange=w.exchange, message_id=mid)
+                    publisher.publish(
+                        b"x" * 100, exchange=w.exchange, routing_key=w.queues[0], message_id=mid
+                    )
                     w.record(mid, started, None)
                 except Exception as exc:
                     w.record(mid, started, exc)
@@ -268,7 +272,10 @@ async def run_node_loss(
     publishers = [
         asyncio.create_task(run.publish_async(w["e2e-async"], "e2e", clients_at)),
         asyncio.create_task(run.publish_async(w["broker-async"], "persistent", clients_at)),
-        asyncio.create_task(asyncio.to_thread(run.publish_sync, w["e2e-sync"], clients_at)),
+        asyncio.create_task(asyncio.to_thread(run.publish_sync, w["e2e-sync"], "e2e", clients_at)),
+        asyncio.create_task(
+            asyncio.to_thread(run.publish_sync, w["broker-sync"], "persistent", clients_at)
+        ),
     ]
     try:
         await asyncio.sleep(warmup_s)

@@ -1,8 +1,8 @@
 """Confirm modes through a lost RabbitMQ node: e2e confirms go on while it is down.
 
-Each scenario runs the node-loss benchmark's three workloads side by side (e2e on the
+Each scenario runs the node-loss benchmark's four workloads side by side (e2e on the
 asyncio and on the sync publisher over a fanout to three quorum queues, and publisher
-confirms to a quorum queue), kills (or gracefully stops) a node for longer than
+confirms to a quorum queue on both faces), kills (or gracefully stops) a node for longer than
 ``receipt_timeout`` and counts
 every publish and every delivery itself.  Before the watched channel, no e2e message
 reached a consumer until the killed node was back: the first confirm came after the
@@ -78,7 +78,7 @@ def test_e2e_confirms_go_on_while_a_node_is_down(scenario, fault, settings, loca
             assert row["first_confirm_s"] is not None, row
             assert row["first_confirm_s"] < down_s - slack, row
             assert row["longest_gap_s"] < down_s - slack, row
-    for workload in ("e2e-async", "e2e-sync", "broker-async"):
+    for workload in ("e2e-async", "e2e-sync", "broker-async", "broker-sync"):
         assert by[(workload, "after")]["lost"] == 0
 
 
