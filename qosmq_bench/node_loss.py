@@ -1,6 +1,6 @@
 """``qosmq bench node-loss``: confirm modes through a lost RabbitMQ node, per phase.
 
-Three workloads side by side at ``rate`` publishes/s each, against a local cluster the
+Four workloads side by side at ``rate`` publishes/s each, against a local cluster the
 benchmark can kill nodes of: ``e2e-async`` and ``e2e-sync`` (e2e confirms over a fanout
 to three quorum queues, one consumer client per queue, the asyncio and the sync
 publisher) and ``broker-async`` and ``broker-sync`` (publisher confirms to a quorum

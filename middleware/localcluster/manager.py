@@ -195,8 +195,8 @@ class LocalCluster:
         gaps between its last (up to) 1 000 heartbeats.  The node counts as down once 99 %
         of those gaps, times 1.5, are shorter than the silence.  So a node whose earlier
         freezes are more than 1 % of its heartbeat history is never found frozen:
-        after 3 freezes of 20 s, until it has sent about 300 heartbeats since it joined
-        (about 100 s of running here)."""
+        after 3 freezes of 20 s, not until it has sent 300 heartbeats since it joined
+        (one every 0.1 s while it runs)."""
         target = self.layout.find(name)
         silence_us = int(within_s * 1_000_000)
         expr = (
