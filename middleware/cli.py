@@ -230,6 +230,13 @@ def _cluster_commands(sub: Any) -> None:
     add("stop", _cluster_node("stop"), "stop one node gracefully", node=True)
     add("kill", _cluster_node("kill"), "SIGKILL one node (failure drill)", node=True)
     add("start", _cluster_node("start"), "start one stopped node", node=True)
+    add(
+        "freeze",
+        _cluster_freeze,
+        "SIGSTOP one node's VM, a paused VM (failure drill; says when RabbitMQ would not find it)",
+        node=True,
+    )
+    add("thaw", _cluster_node("thaw"), "SIGCONT a frozen node", node=True)
     down = add("down", _cluster_down, "stop every node and epmd")
     down.add_argument("--purge", action="store_true", help="also delete the state directory")
 
@@ -278,6 +285,20 @@ def _cluster_node(action: str) -> Handler:
         return 0
 
     return run
+
+
+def _cluster_freeze(args: argparse.Namespace) -> int:
+    cluster = _open_cluster(args)
+    found = cluster.freeze_detectable(args.node)
+    cluster.freeze(args.node)
+    print(f"freeze: {args.node} (thaw it with: qosmq cluster thaw {args.node})")
+    if not found:
+        print(
+            f"note: the other nodes' failure detector would not take {args.node} for failed "
+            "(it froze often lately): its quorum queues keep it as leader until the thaw "
+            "(docs/local-cluster.md)"
+        )
+    return 0
 
 
 def _cluster_down(args: argparse.Namespace) -> int:

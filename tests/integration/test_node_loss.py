@@ -21,6 +21,7 @@ which wait for a member that still counts as up (``docs/transport.md``).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -91,3 +92,35 @@ def test_the_failure_detector_reading_tells_a_short_silence_from_a_long_one(loca
     local_cluster.await_freeze_detectable(name)
     assert local_cluster.freeze_detectable(name, 5.0)
     assert not local_cluster.freeze_detectable(name, 0.05)
+
+
+def _proc_state(pid: int, *, stopped: bool) -> bool:
+    """Whether the process's state in ``/proc`` (T: stopped by a signal) becomes
+    ``stopped`` within 5 s (a signal is delivered asynchronously)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        with open(f"/proc/{pid}/stat") as stat:
+            is_stopped = stat.read().rsplit(")", 1)[1].split()[0] in "tT"
+        if is_stopped == stopped or time.monotonic() > deadline:
+            return is_stopped == stopped
+        time.sleep(0.05)
+
+
+def test_the_cli_freezes_and_thaws_a_node(local_cluster, settings, capsys) -> None:
+    """``qosmq cluster freeze`` / ``thaw``: the node's VM is stopped (its state in
+    ``/proc``, read by the test), then runs and answers an AMQP handshake again."""
+    from middleware.cli import main
+    from middleware.transport import SyncClient
+
+    node = local_cluster.layout.nodes[-1]
+    pid = local_cluster.beam_pid(node)
+    state_dir = str(local_cluster.layout.state_dir)
+    try:
+        assert main(["cluster", "freeze", node.short_name, "--state-dir", state_dir]) == 0
+        assert _proc_state(pid, stopped=True)
+    finally:
+        assert main(["cluster", "thaw", node.short_name, "--state-dir", state_dir]) == 0
+    assert _proc_state(pid, stopped=False)
+    assert f"freeze: {node.short_name}" in capsys.readouterr().out
+    at_node = settings.model_copy(update={"amqp_urls": (node.amqp_url,)})
+    SyncClient(settings=at_node).connect().close()

@@ -98,6 +98,8 @@ def test_config_files_that_are_not_toml(content, says, capsys, tmp_path) -> None
         (["cluster", "up", "--base-port", "80"], "--base-port: 80 is out of range"),
         (["cluster", "stop", "qosmq-9"], "no node 'qosmq-9'"),
         (["cluster", "kill", "7"], "no node"),
+        (["cluster", "freeze", "7"], "no node"),
+        (["cluster", "thaw", "qosmq-9"], "no node"),
     ],
 )
 def test_cluster_arguments_out_of_range(argv, says, capsys, tmp_path) -> None:
