@@ -53,13 +53,13 @@ class Silence:
         """Whether a look at ``now`` comes late (the process did not look meanwhile)."""
         return now - self.ticked > 2 * self.interval
 
-    def tick(self, now: float, read: bool, *, unread: bool = True) -> bool:
+    def tick(self, now: float, read: bool, *, unread: Callable[[], bool] = lambda: True) -> bool:
         """One look, ``read``: anything arrived since the last; True: the link is lost.
-        A late look excuses the silence so far while ``unread`` (bytes may wait unread
-        in the socket; the caller passes False when it looked and none do)."""
+        A late look excuses the silence so far if ``unread()`` (asked only then: bytes
+        may wait unread in the socket; a caller that can look says whether they do)."""
         late = self.late(now)
         self.ticked = now
-        if read or (late and unread):
+        if read or (late and unread()):
             self.heard = now
             return False
         return now - self.heard >= self.limit
@@ -147,9 +147,7 @@ class SyncSilence:
             return
         received, before = self._bytes(), self.received
         self.received = received
-        now = self.clock()
-        unread = not self.silence.late(now) or received != before or self._unread()
-        if self.silence.tick(now, received != before, unread=unread):
+        if self.silence.tick(self.clock(), received != before, unread=self._unread):
             self.stopped = True
             self.lost(self.silence.describe())
             return

@@ -46,7 +46,7 @@ def test_a_late_tick_with_nothing_waiting_unread_judges_the_silence_as_it_is() -
     silence = Silence(2.0, now=0.0)
     assert not silence.tick(0.5, read=False)
     assert silence.late(3.4)
-    assert silence.tick(3.4, read=False, unread=False)  # 3.4 s of silence: lost at once
+    assert silence.tick(3.4, read=False, unread=lambda: False)  # 3.4 s silent: lost at once
 
 
 def test_the_sync_face_excuses_a_late_tick_only_while_bytes_wait_in_the_socket() -> None:
