@@ -14,6 +14,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from ..errors import (
+    ConfirmTimeout,
     MessageRefused,
     MiddlewareError,
     PublishNacked,
@@ -29,7 +30,7 @@ from .aio_live import (
 from .aio_publish import basic_publish
 from .message import OutgoingMessage
 from .policy import async_retrying
-from .translate import refusal_code, translate_aio
+from .translate import confirm_timeout, refusal_code, translate_aio
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,14 @@ class _Refused(Exception):
     """Ends the suspect retry: the broker closed the connection at the message again."""
 
     def __init__(self, error: MiddlewareError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Late(Exception):
+    """Ends the retry: no confirm within ``publish_timeout`` (not sent again)."""
+
+    def __init__(self, error: ConfirmTimeout) -> None:
         super().__init__(str(error))
         self.error = error
 
@@ -54,19 +63,33 @@ class Publishing(ClientState):
         except RetryableError as exc:
             if refusal_code(exc):
                 return await self._publish_suspect(message, exc, confirm=confirm, block=block)
-            if isinstance(exc, WindowFull) or not retry or self.settings.retry.attempts < 2:
+            if (
+                isinstance(exc, WindowFull | ConfirmTimeout)
+                or not retry
+                or self.settings.retry.attempts < 2
+            ):
                 raise
             log.debug("publish %s failed (%s); retrying under the policy", message.message_id, exc)
         # The hot path above builds no retry object; only a failed publish pays for tenacity.
+        # A confirm that did not come within ``publish_timeout`` is not retried: the broker
+        # holds the message (a queue without its quorum, a leader's node paused) and a
+        # second send would only add a copy; the caller hears ``ConfirmTimeout`` then.
         retries = self.settings.retry.attempts - 1
-        async for attempt in async_retrying(self.settings.retry, attempts=retries):
-            with attempt:
-                try:
-                    await self._publish_once(message, confirm=confirm, block=block)
-                except RetryableError as exc:
-                    if not refusal_code(exc):
-                        raise
-                    return await self._publish_suspect(message, exc, confirm=confirm, block=block)
+        try:
+            async for attempt in async_retrying(self.settings.retry, attempts=retries):
+                with attempt:
+                    try:
+                        await self._publish_once(message, confirm=confirm, block=block)
+                    except ConfirmTimeout as late:
+                        raise _Late(late) from late
+                    except RetryableError as exc:
+                        if not refusal_code(exc):
+                            raise
+                        return await self._publish_suspect(
+                            message, exc, confirm=confirm, block=block
+                        )
+        except _Late as late:
+            raise late.error from late.error.__cause__
 
     async def _publish_suspect(
         self, message: OutgoingMessage, first: MiddlewareError, *, confirm: bool, block: bool
@@ -138,6 +161,9 @@ class Publishing(ClientState):
                 )
             except Exception as exc:
                 error = translate_aio(exc)
+                if isinstance(error, ConfirmTimeout):
+                    metrics.CONFIRM_TIMEOUTS.inc()
+                    error = confirm_timeout(message, self.settings.publish_timeout)
                 with contextlib.suppress(Exception):  # repair is best effort; report `error`
                     if isinstance(error, TopologyError):
                         # the broker closed the channel (e.g. 404 exchange): the next gets a new one

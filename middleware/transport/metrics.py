@@ -29,6 +29,11 @@ PUBLISH_REFUSED = Counter(
     "qosmq_publish_refused_total",
     "publishes failed with MessageRefused (the broker closed the connection at them twice)",
 )
+CONFIRM_TIMEOUTS = Counter(
+    "qosmq_publish_confirm_timeouts_total",
+    "confirmed publishes with no broker answer within publish_timeout (ConfirmTimeout; "
+    "not sent again)",
+)
 
 CONSUMERS_LOST = Counter(
     "qosmq_consumers_lost_total",

@@ -4,6 +4,7 @@ watched channel, and the helpers on pika's objects its parts share (``sync.py``,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pika
 import pika.adapters.blocking_connection as blocking
 import pika.exceptions
+import pika.frame
 import pika.spec
 
 from ..errors import (
@@ -125,6 +127,45 @@ def basic_publish(
         properties=to_pika_properties(message),
         mandatory=message.mandatory and confirm,
     )
+
+
+class ConfirmDeadline:
+    """Ends a confirmed publish's wait on ``channel`` after ``within`` seconds.
+
+    pika's blocking publish waits for the broker's ack with no bound (a quorum queue
+    without its quorum, or whose leader's node is paused, answers only when that is
+    over).  A timer of pika's I/O loop (its timers run inside the blocking wait, as
+    ``SyncSilence``'s) hands the wait a nack for an answer; ``passed`` then tells the
+    caller the nack was the deadline's.  The channel must not be used again: the
+    broker's late ack would be read as the next publish's.  ``cancel`` once the wait
+    is over."""
+
+    __slots__ = ("_handle", "_impl", "_result", "passed")
+
+    def __init__(
+        self, connection: pika.BlockingConnection, channel: blocking.BlockingChannel, within: float
+    ) -> None:
+        self.passed = False
+        self._impl = connection._impl
+        self._result = channel._message_confirmation_result
+        self._handle = self._impl._adapter_call_later(within, self._fire)
+
+    def _fire(self) -> None:
+        if self._result.ready:  # answered in the same read
+            return
+        self.passed = True
+        self._result.set_value_once(pika.frame.Method(0, pika.spec.Basic.Nack(delivery_tag=0)))
+
+    def cancel(self) -> None:
+        self._impl._adapter_remove_timeout(self._handle)
+
+
+def abandon(channel: blocking.BlockingChannel) -> None:
+    """Close ``channel`` without waiting for the broker's answer (a channel whose
+    publish timed out: its late ack must reach no later publish)."""
+    if channel.is_open:
+        with contextlib.suppress(pika.exceptions.AMQPError):  # closing or closed already
+            channel._impl.close(200, "publish confirm timed out")
 
 
 def counts_of(channel: blocking.BlockingChannel, *, queue: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import pika.exceptions
 import pika.spec
 
 from ..errors import (
+    ConfirmTimeout,
     MessageRefused,
     MiddlewareError,
     PublishNacked,
@@ -24,12 +25,14 @@ from . import metrics
 from .message import OutgoingMessage
 from .policy import backoff_delay
 from .sync_live import (
+    ConfirmDeadline,
     SyncClientState,
     SyncLive,
     Watched,
+    abandon,
     basic_publish,
 )
-from .translate import refusal_code, translate_sync
+from .translate import confirm_timeout, refusal_code, translate_sync
 from .watch import Answer, WatchedChannel, missing_exchange
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,15 @@ class _Refused(MiddlewareError):
         self.error, self.code = error, code
 
 
+class _Late(MiddlewareError):
+    """No confirm within ``publish_timeout``: not retried under the policy (not a
+    ``RetryableError``); ``error`` is what the caller hears."""
+
+    def __init__(self, error: ConfirmTimeout) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class SyncPublishing(SyncClientState):
     """Confirmed publishes one at a time, watched ones, and suspects sent alone."""
 
@@ -55,9 +67,13 @@ class SyncPublishing(SyncClientState):
 
         def send(live: SyncLive) -> None:
             channel = self._publish_channel(live)
+            deadline = ConfirmDeadline(live.connection, channel, self.settings.publish_timeout)
             try:
                 basic_publish(channel, message, confirm=confirm)
             except Exception as exc:
+                if deadline.passed:  # not sent again (as the asyncio core): _Late
+                    abandon(channel)
+                    raise _Late(confirm_timeout(message, self.settings.publish_timeout)) from None
                 error = translate_sync(exc)
                 if code := refusal_code(exc):  # not retried under the policy: see below
                     self._drop(live, error, exc)
@@ -70,17 +86,22 @@ class SyncPublishing(SyncClientState):
                         channel.close()
                     self._reopen_channel(live)
                 raise
+            finally:
+                deadline.cancel()
 
         try:
             self._call(send, attempts=None if retry else 1)
         except _Refused as first:
             self._publish_suspect(message, first.error, confirm=confirm)
             return
+        except _Late as late:
+            metrics.CONFIRM_TIMEOUTS.inc()
+            raise late.error from None
         metrics.PUBLISHED_CONFIRMED.inc()
 
     def _publish_channel(self, live: SyncLive) -> blocking.BlockingChannel:
-        channel = live.confirm_channel
-        return self._reopen_channel(live) if channel.is_closed else channel
+        channel = live.confirm_channel  # (closing: abandoned after a confirm timeout)
+        return channel if channel.is_open else self._reopen_channel(live)
 
     def _send_watched(
         self, live: SyncLive, *, message: OutgoingMessage, attempt: int = 1

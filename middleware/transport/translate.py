@@ -26,8 +26,9 @@ from ..errors import (
     TopologyError,
     Unroutable,
 )
+from .message import OutgoingMessage
 
-__all__ = ["REFUSAL_CODES", "refusal_code", "translate_aio", "translate_sync"]
+__all__ = ["REFUSAL_CODES", "confirm_timeout", "refusal_code", "translate_aio", "translate_sync"]
 
 #: connection close codes that answer what the client just sent (a frame the broker
 #: could not take): FRAME_ERROR, SYNTAX_ERROR, COMMAND_INVALID, UNEXPECTED_FRAME,
@@ -156,3 +157,14 @@ def translate_sync(exc: BaseException) -> MiddlewareError:
     if isinstance(exc, pexc.ChannelClosedByBroker) and exc.reply_code in _BY_REPLY_CODE:
         return _BY_REPLY_CODE[exc.reply_code](exc)
     return _lookup(_SYNC_TABLE, exc)
+
+
+def confirm_timeout(message: OutgoingMessage, within: float) -> ConfirmTimeout:
+    """The error of a confirmed publish the broker did not answer within ``within``
+    seconds (``publish_timeout``), on either face: it may still be taken (a queue
+    without its quorum confirms when the quorum is back), so the caller decides."""
+    return ConfirmTimeout(
+        f"message {message.message_id} to {message.exchange or '(default)'}/"
+        f"{message.routing_key}: no broker confirm within publish_timeout = {within:g} s "
+        "(not sent again; the broker may still take it)"
+    )

@@ -1,0 +1,110 @@
+"""A confirmed publish the broker cannot answer (a quorum queue without its quorum) ends
+within ``publish_timeout`` with ``ConfirmTimeout`` on both faces, is not sent again, and
+the client's next publish is confirmed once the quorum is back.
+
+Before: the sync face waited with no bound, until the quorum came back; the asyncio
+core sent the message again on each timeout under the retry policy (one copy in the
+queue per attempt, and the caller waited attempts x ``publish_timeout``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pika
+import pytest
+from prometheus_client import REGISTRY
+
+from middleware.errors import ConfirmTimeout
+from middleware.localcluster import LocalCluster
+from middleware.settings import Settings
+from middleware.transport import OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from tests.conftest import Face
+
+pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos]
+
+PUBLISH_TIMEOUT_S = 3.0
+#: when the test gives the quorum back if the publish has not ended by then: the old
+#: sync face waited until this, the old asyncio core resent until it
+QUORUM_BACK_AFTER_S = 12.0
+
+
+def _quorum(cluster: LocalCluster, settings: Settings, queue: str, action: str) -> None:
+    """Stop (``stop_server``) or restart (``restart_server``) the queue's members on every
+    node but the first, where the client under test is connected: the queue keeps one
+    member of three, so it cannot confirm, while every node and link stays up."""
+    first, *others = cluster.layout.nodes
+    members = ", ".join(f"'{node.node_name}'" for node in others)
+    expr = (
+        f'{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<"{settings.vhost}">>, queue, '
+        f'<<"{queue}">>)), {{RaName, _}} = amqqueue:get_pid(Q), '
+        f"[ok = ra:{action}(quorum_queues, {{RaName, N}}) || N <- [{members}]], ok."
+    )
+    cluster.ctl(first.short_name, "eval", expr)
+
+
+def _timeouts() -> float:
+    return REGISTRY.get_sample_value("qosmq_publish_confirm_timeouts_total") or 0.0
+
+
+def _ids_in(settings: Settings, queue: str) -> list[str]:
+    """The message ids waiting in ``queue``, read by a raw pika connection (not the
+    client under test)."""
+    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_urls[0]))
+    try:
+        channel = connection.channel()
+        ids: list[str] = []
+        while True:
+            method, properties, _ = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                return ids
+            ids.append(properties.message_id)
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_publish_to_a_queue_without_its_quorum_ends_at_publish_timeout(
+    kind, settings, local_cluster, name
+) -> None:
+    settings = settings.model_copy(update={"publish_timeout": PUBLISH_TIMEOUT_S})
+    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
+        declarer.declare_queue(
+            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
+        )
+    face = Face(kind, settings)
+    face.call("connect")
+    back = threading.Timer(
+        QUORUM_BACK_AFTER_S, _quorum, (local_cluster, settings, name, "restart_server")
+    )
+    try:
+        face.call(
+            "publish", OutgoingMessage(b"before", "", name, message_id="before", persistent=True)
+        )
+        before = _timeouts()
+        _quorum(local_cluster, settings, name, "stop_server")
+        back.start()
+        started = time.monotonic()
+        with pytest.raises(ConfirmTimeout, match="publish_timeout = 3 s"):
+            face.call(
+                "publish", OutgoingMessage(b"late", "", name, message_id="late", persistent=True)
+            )
+        took = time.monotonic() - started
+        back.join()
+        # the same client goes on once the quorum is back (a sync face's channel with a
+        # late ack on it is not used again: that ack would be taken for this publish's)
+        face.call(
+            "publish", OutgoingMessage(b"after", "", name, message_id="after", persistent=True)
+        )
+        time.sleep(1.0)  # the held publish is written once the quorum is back
+        ids = _ids_in(settings, name)
+    finally:
+        back.cancel()
+        if back.is_alive():
+            back.join()
+        face.close()
+    print(f"\n{kind}: ConfirmTimeout after {took:.2f} s; queue holds {ids}")
+    assert took < PUBLISH_TIMEOUT_S + 2.0, f"the publish waited {took:.1f} s"
+    assert _timeouts() - before == 1
+    assert ids.count("before") == 1 and ids.count("after") == 1
+    assert ids.count("late") <= 1, f"sent again after its timeout: {ids}"
