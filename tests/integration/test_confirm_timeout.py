@@ -1,6 +1,7 @@
 """A confirmed publish the broker cannot answer (a quorum queue without its quorum) ends
 within ``publish_timeout`` with ``ConfirmTimeout`` on both faces, is not sent again, and
-the client's next publish is confirmed once the quorum is back.
+the client's next publish is confirmed once the quorum is back.  The persistent queues
+spool such an enqueue, and it arrives once when the quorum is back.
 
 Before: the sync face waited with no bound, until the quorum came back; the asyncio
 core sent the message again on each timeout under the retry policy (one copy in the
@@ -8,17 +9,20 @@ queue per attempt, and the caller waited attempts x ``publish_timeout``)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pika
 import pytest
 from prometheus_client import REGISTRY
 
-from middleware.errors import ConfirmTimeout
+from middleware.errors import ConfirmTimeout, MiddlewareError
 from middleware.localcluster import LocalCluster
+from middleware.queues import AsyncQueues, SyncQueues
 from middleware.settings import Settings
-from middleware.transport import OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec, SyncClient
 from tests.conftest import Face
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos]
@@ -108,3 +112,100 @@ def test_a_publish_to_a_queue_without_its_quorum_ends_at_publish_timeout(
     assert _timeouts() - before == 1
     assert ids.count("before") == 1 and ids.count("after") == 1
     assert ids.count("late") <= 1, f"sent again after its timeout: {ids}"
+
+
+ENQUEUES = 30
+QUORUM_LOST_AT = 10  # the enqueue before which two members are stopped
+QUORUM_LOST_S = 8.0
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_enqueues_to_a_queue_without_its_quorum_are_spooled_and_arrive_once(
+    kind, settings, local_cluster, name, tmp_path: Path
+) -> None:
+    """Persistent queues (EMQ) on a quorum queue that loses its quorum for 8 s while a
+    producer enqueues: the enqueue that meets it ends at ``publish_timeout`` as spooled,
+    the next ones are spooled behind it (order), and the spool drains once the quorum is
+    back.  A consumer started afterwards (the queues' own duplicate filter) counts each
+    message once; no enqueue fails or waits past ``publish_timeout``."""
+    queues_settings = settings.queues.model_copy(update={"spool_path": tmp_path / "spool.sqlite3"})
+    producing = settings.model_copy(
+        update={"publish_timeout": PUBLISH_TIMEOUT_S, "queues": queues_settings}
+    )
+    statuses: list[str] = []
+    failed: list[str] = []
+    longest = [0.0]
+    back = threading.Timer(
+        QUORUM_LOST_S, _quorum, (local_cluster, settings, name, "restart_server")
+    )
+
+    def enqueue(call: object) -> None:
+        started = time.monotonic()
+        try:
+            statuses.append(call().status.value)  # type: ignore[operator]
+        except MiddlewareError as exc:
+            failed.append(repr(exc)[:200])
+        longest[0] = max(longest[0], time.monotonic() - started)
+
+    def before(i: int) -> None:
+        if i == QUORUM_LOST_AT:
+            _quorum(local_cluster, settings, name, "stop_server")
+            back.start()
+
+    try:
+        if kind == "sync":
+            queues = SyncQueues(SyncClient(settings=producing)).start()
+            queues.create_queue(name)
+            for i in range(ENQUEUES):
+                before(i)
+                enqueue(lambda i=i: queues.enqueue(name, b"x", message_id=f"m{i}"))
+                time.sleep(0.1)
+            back.join()
+            deadline = time.monotonic() + 60
+            while queues.recover().remaining and time.monotonic() < deadline:
+                time.sleep(0.2)
+            remaining = queues.recover().remaining
+            queues.client.close()
+        else:
+
+            async def produce() -> int:
+                queues = await AsyncQueues(AsyncClient(settings=producing)).start()
+                await queues.create_queue(name)
+                for i in range(ENQUEUES):
+                    before(i)
+                    started = time.monotonic()
+                    try:
+                        result = await queues.enqueue(name, b"x", message_id=f"m{i}")
+                        statuses.append(result.status.value)
+                    except MiddlewareError as exc:
+                        failed.append(repr(exc)[:200])
+                    longest[0] = max(longest[0], time.monotonic() - started)
+                    await asyncio.sleep(0.1)
+                while back.is_alive():  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+                deadline = time.monotonic() + 60
+                while (await queues.recover()).remaining and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+                left = (await queues.recover()).remaining
+                await queues.close()
+                await queues.client.close()
+                return left
+
+            remaining = asyncio.run(produce())
+        consumer = SyncQueues(SyncClient(settings=settings)).start()
+        got: list[str] = []
+        while (message := consumer.dequeue(name, timeout=2.0)) is not None:
+            got.append(str(message.message_id))
+            message.ack()
+        consumer.destroy_queue(name)
+        consumer.client.close()
+    finally:
+        back.cancel()
+        if back.is_alive():
+            back.join()
+    print(f"\n{kind}: {statuses.count('spooled')} spooled, longest enqueue {longest[0]:.2f} s")
+    assert failed == [], failed[:5]
+    assert remaining == 0, f"{remaining} still spooled a minute after the quorum was back"
+    assert "spooled" in statuses, "no enqueue met the lost quorum"
+    assert longest[0] < PUBLISH_TIMEOUT_S + 2.0, f"an enqueue waited {longest[0]:.1f} s"
+    assert sorted(got) == sorted(f"m{i}" for i in range(ENQUEUES)), "lost or delivered twice"
