@@ -21,6 +21,7 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── WindowFull                            the in-flight window is full (non-blocking call)
     │   ├── ConfirmTimeout (TimeoutError)         no broker confirm in time
     │   ├── SubscribeTimeout (TimeoutError)       no consume-ok in time (a frozen queue leader)
+    │   ├── GetTimeout (TimeoutError)             the broker gave up on a basic.get (no quorum)
     │   ├── SubscriptionUnconfirmed (TimeoutError)  Phoenix: W of N did not confirm a (un)subscribe
     │   ├── ReplicaTimeout (TimeoutError)         Phoenix: a replica write given up below W
     │   └── ResourceLocked                        an exclusive queue is a lost connection's still
@@ -71,6 +72,7 @@ __all__ = [
     "DeadLetter",
     "DuplicateMessageId",
     "EntityNotFound",
+    "GetTimeout",
     "HandlerInstruction",
     "InvalidArgument",
     "LinkDown",
@@ -162,6 +164,13 @@ class ResourceLocked(RetryableError):
 
 class ConfirmTimeout(RetryableError, TimeoutError):
     """The broker did not confirm a publish within the timeout."""
+
+
+class GetTimeout(RetryableError, TimeoutError):
+    """The broker gave up on a ``basic.get`` and closed the connection (541, "Cannot get
+    a message from queue ... timeout"): a quorum queue without its quorum, on RabbitMQ
+    3.10 after about 65 s.  The client fails over as after any loss; the get is not
+    tried again (each try would cost the same wait and another connection)."""
 
 
 class SubscribeTimeout(RetryableError, TimeoutError):

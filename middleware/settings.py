@@ -206,7 +206,11 @@ class Settings(BaseSettings):
     queues: QueueSettings = Field(default_factory=QueueSettings)
     publish_window: int = Field(256, ge=1, le=65535, description="unconfirmed publishes (>= 1)")
     publish_timeout: float = Field(
-        30.0, gt=0, le=3600, description="seconds to wait for a broker confirm (0..3600]"
+        30.0,
+        gt=0,
+        le=3600,
+        description="seconds to wait for a broker confirm (0..3600]; then ConfirmTimeout, "
+        "not sent again (both faces)",
     )
     prefetch: int = Field(128, ge=1, le=65535, description="unacked deliveries per consumer")
     consume_timeout: float = Field(

@@ -16,13 +16,14 @@ from tenacity import (
     RetryCallState,
     Retrying,
     retry_if_exception_type,
+    retry_if_not_exception_type,
     stop_after_attempt,
     wait_exponential,
     wait_random,
 )
 from tenacity.wait import wait_base
 
-from ..errors import RetryableError
+from ..errors import GetTimeout, RetryableError
 from ..settings import RetrySettings, Settings
 
 __all__ = [
@@ -86,10 +87,15 @@ def backoff_delay(policy: RetrySettings) -> Callable[[int], float]:
     return delay
 
 
+#: what the policy retries: a ``RetryableError``, except a get the broker gave up on
+#: (each try costs the broker's whole wait and a connection)
+_RETRIED = retry_if_exception_type(RetryableError) & retry_if_not_exception_type(GetTimeout)
+
+
 def async_retrying(policy: RetrySettings, *, attempts: int | None = None) -> AsyncRetrying:
     """Retry :class:`RetryableError` with the settings' backoff; re-raise the last error."""
     return AsyncRetrying(
-        retry=retry_if_exception_type(RetryableError),
+        retry=_RETRIED,
         stop=stop_after_attempt(attempts or policy.attempts),
         wait=backoff(policy),
         reraise=True,
@@ -99,7 +105,7 @@ def async_retrying(policy: RetrySettings, *, attempts: int | None = None) -> Asy
 def sync_retrying(policy: RetrySettings, *, attempts: int | None = None) -> Retrying:
     """The same policy for the sync face."""
     return Retrying(
-        retry=retry_if_exception_type(RetryableError),
+        retry=_RETRIED,
         stop=stop_after_attempt(attempts or policy.attempts),
         wait=backoff(policy),
         reraise=True,

@@ -17,6 +17,7 @@ import pika.spec
 
 from ..errors import (
     ConnectionLost,
+    GetTimeout,
     MiddlewareError,
     NotConnected,
     RetryableError,
@@ -58,7 +59,7 @@ class SyncConnecting(SyncClientState):
         try:
             return self._attempt(action)
         except RetryableError as exc:
-            if limit < 2:
+            if limit < 2 or isinstance(exc, GetTimeout):  # (not retried: policy.py)
                 raise
             log.debug("%s failed (%s); retrying under the policy", action, exc)
         # The hot path above builds no retry object (as in the asyncio core): only a failed
@@ -78,6 +79,9 @@ class SyncConnecting(SyncClientState):
             raise
         except Exception as exc:
             translated = translate_sync(exc)
+            if isinstance(translated, GetTimeout):  # the broker closed the connection
+                self._drop(live, translated)
+                raise translated from exc
             if not isinstance(translated, ConnectionLost) and live.connection.is_closed:
                 # pika's errors on a connection the broker closed under the call are not
                 # always its own (a timer on the closed loop: "Timeout closed before

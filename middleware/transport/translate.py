@@ -19,6 +19,7 @@ from ..errors import (
     ConfirmTimeout,
     ConnectionLost,
     EntityNotFound,
+    GetTimeout,
     MiddlewareError,
     PreconditionFailed,
     PublishNacked,
@@ -147,13 +148,30 @@ def _lookup(
     return TopologyError(f"unexpected {type(exc).__name__}: {exc}")
 
 
+#: what RabbitMQ says when it closes a connection over a ``basic.get`` it gave up on (a
+#: quorum queue without its quorum: ``{timeout, ...}`` after about 65 s on 3.10)
+_GET_GIVEN_UP = "Cannot get a message from queue"
+
+
+def _get_given_up(exc: BaseException) -> GetTimeout | None:
+    if _GET_GIVEN_UP not in str(exc):
+        return None
+    first_line = str(exc).split("\\n", 1)[0].split("\n", 1)[0]
+    return GetTimeout(
+        "the broker gave up on a basic.get and closed the connection (a quorum queue "
+        f"without its quorum?); not tried again: {first_line}"
+    )
+
+
 def translate_aio(exc: BaseException) -> MiddlewareError:
     """The layer's error for an aio-pika/aiormq exception."""
-    return _lookup(_AIO_TABLE, exc)
+    return _get_given_up(exc) or _lookup(_AIO_TABLE, exc)
 
 
 def translate_sync(exc: BaseException) -> MiddlewareError:
     """The layer's error for a pika exception."""
+    if given_up := _get_given_up(exc):
+        return given_up
     if isinstance(exc, pexc.ChannelClosedByBroker) and exc.reply_code in _BY_REPLY_CODE:
         return _BY_REPLY_CODE[exc.reply_code](exc)
     return _lookup(_SYNC_TABLE, exc)

@@ -1,7 +1,9 @@
 """A confirmed publish the broker cannot answer (a quorum queue without its quorum) ends
 within ``publish_timeout`` with ``ConfirmTimeout`` on both faces, is not sent again, and
 the client's next publish is confirmed once the quorum is back.  The persistent queues
-spool such an enqueue, and it arrives once when the quorum is back.
+spool such an enqueue, and it arrives once when the quorum is back.  A ``basic.get`` the
+broker gives up on (it closes the connection after about 65 s) raises ``GetTimeout`` once,
+without a retry loop, and the client goes on on another connection.
 
 Before: the sync face waited with no bound, until the quorum came back; the asyncio
 core sent the message again on each timeout under the retry policy (one copy in the
@@ -18,7 +20,7 @@ import pika
 import pytest
 from prometheus_client import REGISTRY
 
-from middleware.errors import ConfirmTimeout, MiddlewareError
+from middleware.errors import ConfirmTimeout, GetTimeout, MiddlewareError
 from middleware.localcluster import LocalCluster
 from middleware.queues import AsyncQueues, SyncQueues
 from middleware.settings import Settings
@@ -209,3 +211,46 @@ def test_enqueues_to_a_queue_without_its_quorum_are_spooled_and_arrive_once(
     assert "spooled" in statuses, "no enqueue met the lost quorum"
     assert longest[0] < PUBLISH_TIMEOUT_S + 2.0, f"an enqueue waited {longest[0]:.1f} s"
     assert sorted(got) == sorted(f"m{i}" for i in range(ENQUEUES)), "lost or delivered twice"
+
+
+@pytest.mark.parametrize("how", ["async-get", "sync-get", "sync-queues-dequeue"])
+def test_a_get_the_broker_gives_up_on_is_one_named_error(
+    how, settings, local_cluster, name
+) -> None:
+    """RabbitMQ answers a ``basic.get`` on a quorum queue without its quorum by closing
+    the whole connection (541) after about 65 s.  Before, each face took that for a lost
+    connection and tried again under the retry policy: up to ``retry.attempts`` waits of
+    65 s, a connection lost each time, then ``ConnectionLost`` (three in 200 s in a
+    probe).  Now one ``GetTimeout``, one failover, and the client goes on.  The sync
+    queues' ``dequeue`` (``take``, acked by the application) loses nothing: the message
+    is there once the quorum is back."""
+    settings = settings.model_copy(
+        update={"retry": settings.retry.model_copy(update={"attempts": 3})}
+    )
+    face = Face(how.split("-")[0], settings)
+    face.call("connect")
+    try:
+        face.call("declare_queue", QueueSpec(name, kind=QueueKind.QUORUM))
+        face.call("publish", OutgoingMessage(b"x", "", name, message_id="held", persistent=True))
+        _quorum(local_cluster, settings, name, "stop_server")
+        started = time.monotonic()
+        try:
+            with pytest.raises(GetTimeout, match=r"gave up on a basic\.get"):
+                if how == "sync-queues-dequeue":
+                    SyncQueues(face.client).dequeue(name, timeout=5)
+                else:
+                    face.call("get", name)
+            took = time.monotonic() - started
+        finally:
+            _quorum(local_cluster, settings, name, "restart_server")
+        face.call("publish", OutgoingMessage(b"y", "", name, message_id="after", persistent=True))
+        reconnects = face.client.reconnects  # (the sync face reconnects at its next call)
+        time.sleep(1.0)
+        ids = _ids_in(settings, name)
+    finally:
+        face.close()
+    print(f"\n{how}: GetTimeout after {took:.1f} s, {reconnects} failover(s); queue holds {ids}")
+    assert reconnects == 1, f"{reconnects} failovers: the get was tried again"
+    assert "after" in ids
+    if how == "sync-queues-dequeue":
+        assert ids.count("held") == 1, f"a message taken for the application was lost: {ids}"
