@@ -309,7 +309,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         """
 
         def get(live: SyncLive) -> tuple[Delivery, Callable[[Action], None]] | None:
-            channel = live.confirm_channel
+            channel = self._publish_channel(live)  # (a fresh one after a confirm timeout)
             method, props, body = channel.basic_get(queue, auto_ack=False)
             if method is None:
                 return None
