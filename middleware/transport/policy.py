@@ -92,6 +92,11 @@ def backoff_delay(policy: RetrySettings) -> Callable[[int], float]:
 _RETRIED = retry_if_exception_type(RetryableError) & retry_if_not_exception_type(GetTimeout)
 
 
+def retried(exc: BaseException) -> bool:
+    """Whether the policy tries again after ``exc`` (for a first try made outside it)."""
+    return isinstance(exc, RetryableError) and not isinstance(exc, GetTimeout)
+
+
 def async_retrying(policy: RetrySettings, *, attempts: int | None = None) -> AsyncRetrying:
     """Retry :class:`RetryableError` with the settings' backoff; re-raise the last error."""
     return AsyncRetrying(

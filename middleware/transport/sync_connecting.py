@@ -25,7 +25,7 @@ from ..errors import (
 from . import metrics
 from .broker_info import BrokerInfo
 from .message import tls_context
-from .policy import Node, sync_retrying
+from .policy import Node, retried, sync_retrying
 from .silence import SyncSilence
 from .sync_live import (
     SyncClientState,
@@ -59,7 +59,7 @@ class SyncConnecting(SyncClientState):
         try:
             return self._attempt(action)
         except RetryableError as exc:
-            if limit < 2 or isinstance(exc, GetTimeout):  # (not retried: policy.py)
+            if limit < 2 or not retried(exc):
                 raise
             log.debug("%s failed (%s); retrying under the policy", action, exc)
         # The hot path above builds no retry object (as in the asyncio core): only a failed
