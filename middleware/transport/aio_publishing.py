@@ -108,10 +108,14 @@ class Publishing(ClientState):
                                 await self._publish_once(message, confirm=True, block=block)
                             else:
                                 await self._publish_checked(message)
+                        except ConfirmTimeout as late:  # bounded as a first send is
+                            raise _Late(late) from late
                         except RetryableError as exc:
                             if refusal_code(exc):
                                 raise _Refused(exc) from exc
                             raise
+            except _Late as late:
+                raise late.error from late.error.__cause__
             except _Refused as refused:
                 again = refused.error
                 code = refusal_code(again)

@@ -67,13 +67,11 @@ class SyncPublishing(SyncClientState):
 
         def send(live: SyncLive) -> None:
             channel = self._publish_channel(live)
-            deadline = ConfirmDeadline(live.connection, channel, self.settings.publish_timeout)
             try:
-                basic_publish(channel, message, confirm=confirm)
+                self._confirmed(live, channel, message)
+            except _Late:
+                raise
             except Exception as exc:
-                if deadline.passed:  # not sent again (as the asyncio core): _Late
-                    abandon(channel)
-                    raise _Late(confirm_timeout(message, self.settings.publish_timeout)) from None
                 error = translate_sync(exc)
                 if code := refusal_code(exc):  # not retried under the policy: see below
                     self._drop(live, error, exc)
@@ -86,8 +84,6 @@ class SyncPublishing(SyncClientState):
                         channel.close()
                     self._reopen_channel(live)
                 raise
-            finally:
-                deadline.cancel()
 
         try:
             self._call(send, attempts=None if retry else 1)
@@ -98,6 +94,22 @@ class SyncPublishing(SyncClientState):
             metrics.CONFIRM_TIMEOUTS.inc()
             raise late.error from None
         metrics.PUBLISHED_CONFIRMED.inc()
+
+    def _confirmed(
+        self, live: SyncLive, channel: blocking.BlockingChannel, message: OutgoingMessage
+    ) -> None:
+        """One confirmed publish, its wait bounded by ``publish_timeout``: past it the
+        channel is abandoned and ``_Late`` raised (not sent again, as the asyncio core)."""
+        deadline = ConfirmDeadline(live.connection, channel, self.settings.publish_timeout)
+        try:
+            basic_publish(channel, message, confirm=True)
+        except Exception:
+            if deadline.passed:
+                abandon(channel)
+                raise _Late(confirm_timeout(message, self.settings.publish_timeout)) from None
+            raise
+        finally:
+            deadline.cancel()
 
     def _publish_channel(self, live: SyncLive) -> blocking.BlockingChannel:
         channel = live.confirm_channel  # (closing: abandoned after a confirm timeout)
@@ -186,8 +198,8 @@ class SyncPublishing(SyncClientState):
 
         def send(live: SyncLive) -> None:
             try:
-                if confirm:
-                    basic_publish(self._publish_channel(live), message, confirm=True)
+                if confirm:  # bounded as a first send is (``_Late``)
+                    self._confirmed(live, self._publish_channel(live), message)
                 else:  # a channel's frames are handled in order: the answer to a
                     holder = self._send_watched(live, message=message)  # round trip
                     holder.channel.basic_qos(prefetch_count=0)  # means the broker took it
@@ -200,6 +212,9 @@ class SyncPublishing(SyncClientState):
 
         try:
             self._call(send)
+        except _Late as late:
+            metrics.CONFIRM_TIMEOUTS.inc()
+            raise late.error from None
         except _Refused as again:
             metrics.PUBLISH_REFUSED.inc()
             raise MessageRefused(

@@ -12,6 +12,7 @@ queue per attempt, and the caller waited attempts x ``publish_timeout``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -268,3 +269,99 @@ def test_a_get_the_broker_gives_up_on_is_one_named_error(
     assert "after" in ids
     if how == "sync-queues-dequeue":
         assert ids.count("held") == 1, f"a message taken for the application was lost: {ids}"
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_timeout(
+    kind, settings, local_cluster, name, monkeypatch
+) -> None:
+    """A message in flight when the broker closed the connection at another one (a
+    poison header) is a suspect: it is sent again alone (``_publish_suspect``).  When its
+    queue has lost its quorum, that resend is bounded by ``publish_timeout`` as a first
+    send is: ``ConfirmTimeout``, not sent again.  Before, the sync face waited for the
+    quorum with no bound and the asyncio core sent it again under the retry policy
+    (both returned once the quorum was back: the asyncio core after 12.8 s with four
+    copies in the queue, the sync face after 12.9 s)."""
+    from middleware.errors import MessageRefused
+    from tests.integration.test_bad_input import POISON, _let_poison_through
+
+    _let_poison_through(monkeypatch)
+    settings = settings.model_copy(update={"publish_timeout": PUBLISH_TIMEOUT_S})
+    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
+        declarer.declare_queue(
+            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
+        )
+        declarer.declare_queue(QueueSpec(f"{name}-p"))
+    face = Face(kind, settings)
+    face.call("connect")
+    back = threading.Timer(
+        QUORUM_BACK_AFTER_S, _quorum, (local_cluster, settings, name, "restart_server")
+    )
+    innocent = OutgoingMessage(b"late", "", name, message_id="late", persistent=True)
+    hit: list[str] = []  # the message id whose resend met the lost quorum
+    poison = OutgoingMessage(b"poison", "", f"{name}-p", message_id="poison", headers=POISON)
+    try:
+        before = _timeouts()
+        if kind == "async":  # the poison and the innocent one leave in one write: the
+            _quorum(local_cluster, settings, name, "stop_server")  # broker closes first
+            back.start()
+        else:  # the sync face's poison is on another channel, and the broker's close
+            # waits for the channel its publish to a quorum-less queue holds: the quorum
+            # is lost when a suspect is sent again (the broker's close came first: a race
+            # between two of the broker's channel processes, so tried up to ten times)
+            suspect = SyncClient._publish_suspect
+
+            def lose_quorum_first(client, message, first, *, confirm):  # type: ignore[no-untyped-def]
+                if message.message_id.startswith("late") and not hit:
+                    hit.append(message.message_id)
+                    _quorum(local_cluster, settings, name, "stop_server")
+                    back.start()
+                return suspect(client, message, first, confirm=confirm)
+
+            monkeypatch.setattr(SyncClient, "_publish_suspect", lose_quorum_first)
+        started = time.monotonic()
+        if kind == "async":
+
+            async def burst() -> list:
+                client = face.client  # both leave in one write, the poison first
+                return await asyncio.gather(
+                    client.publish(poison), client.publish(innocent), return_exceptions=True
+                )
+
+            refused, late = face.loop.run(burst())
+            hit.append("late")
+        else:
+            late = refused = None
+            for attempt in range(10):
+                face.client.publish(poison, confirm=False)  # the watched channel: not awaited
+                started = time.monotonic()
+                try:
+                    face.client.publish(dataclasses.replace(innocent, message_id=f"late{attempt}"))
+                except MiddlewareError as exc:
+                    late = exc
+                if hit:
+                    break
+        took = time.monotonic() - started
+        while back.is_alive():  # (a sync client that reads nothing misses its heartbeats)
+            face.pump(0.2)
+        if hit:
+            back.join()
+        face.call("publish", OutgoingMessage(b"after", "", name, message_id="after"))
+        time.sleep(1.0)  # the held publishes are written once the quorum is back
+        ids = _ids_in(settings, name)
+    finally:
+        back.cancel()
+        if back.is_alive():
+            back.join()
+        face.close()
+    print(f"\n{kind}: {late!r} after {took:.2f} s; poison: {refused!r}; queue holds {ids}")
+    assert hit, "no suspect was sent again in ten tries"
+    assert isinstance(late, ConfirmTimeout), f"the suspect ended with {late!r}"
+    assert took < 2 * PUBLISH_TIMEOUT_S + 2.0, f"the suspect waited {took:.1f} s"
+    assert _timeouts() - before >= 1
+    if kind == "async":  # refused twice; or, when it went after the innocent one's
+        # resend, the broker's close waited for the channel that resend holds
+        assert isinstance(refused, MessageRefused | ConfirmTimeout), refused
+    assert ids.count("after") == 1
+    # the first send (in flight when the connection closed) and the suspect's resend
+    assert ids.count(hit[0]) <= 2, f"sent again after its timeout: {ids}"
