@@ -12,7 +12,6 @@ queue per attempt, and the caller waited attempts x ``publish_timeout``)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -280,8 +279,8 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
     queue has lost its quorum, that resend is bounded by ``publish_timeout`` as a first
     send is: ``ConfirmTimeout``, not sent again.  Before, the sync face waited for the
     quorum with no bound and the asyncio core sent it again under the retry policy
-    (both returned once the quorum was back: the asyncio core after 12.8 s with four
-    copies in the queue, the sync face after 12.9 s)."""
+    (both returned once the quorum was back: the asyncio core after 12.5-12.8 s with
+    four copies in the queue, the sync face after 12.9-13.0 s)."""
     from middleware.errors import MessageRefused
     from tests.integration.test_bad_input import POISON, _let_poison_through
 
@@ -305,14 +304,13 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
         if kind == "async":  # the poison and the innocent one leave in one write: the
             _quorum(local_cluster, settings, name, "stop_server")  # broker closes first
             back.start()
-        else:  # the sync face's poison is on another channel, and the broker's close
+        else:  # the sync face's poison goes on another channel, and the broker's close
             # waits for the channel its publish to a quorum-less queue holds: the quorum
-            # is lost when a suspect is sent again (the broker's close came first: a race
-            # between two of the broker's channel processes, so tried up to ten times)
+            # is lost when the suspect is sent again (the broker's close came first)
             suspect = SyncClient._publish_suspect
 
             def lose_quorum_first(client, message, first, *, confirm):  # type: ignore[no-untyped-def]
-                if message.message_id.startswith("late") and not hit:
+                if message.message_id == "late" and not hit:
                     hit.append(message.message_id)
                     _quorum(local_cluster, settings, name, "stop_server")
                     back.start()
@@ -332,15 +330,13 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
             hit.append("late")
         else:
             late = refused = None
-            for attempt in range(10):
-                face.client.publish(poison, confirm=False)  # the watched channel: not awaited
-                started = time.monotonic()
-                try:
-                    face.client.publish(dataclasses.replace(innocent, message_id=f"late{attempt}"))
-                except MiddlewareError as exc:
-                    late = exc
-                if hit:
-                    break
+            face.client.publish(poison, confirm=False)  # the watched channel: not awaited
+            time.sleep(0.5)  # the broker's close is read at the next send, the innocent's
+            started = time.monotonic()
+            try:
+                face.client.publish(innocent)
+            except MiddlewareError as exc:
+                late = exc
         took = time.monotonic() - started
         while back.is_alive():  # (a sync client that reads nothing misses its heartbeats)
             face.pump(0.2)
@@ -355,7 +351,7 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
             back.join()
         face.close()
     print(f"\n{kind}: {late!r} after {took:.2f} s; poison: {refused!r}; queue holds {ids}")
-    assert hit, "no suspect was sent again in ten tries"
+    assert hit, "the innocent message was not a suspect"
     assert isinstance(late, ConfirmTimeout), f"the suspect ended with {late!r}"
     assert took < 2 * PUBLISH_TIMEOUT_S + 2.0, f"the suspect waited {took:.1f} s"
     assert _timeouts() - before >= 1
@@ -364,4 +360,4 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
         assert isinstance(refused, MessageRefused | ConfirmTimeout), refused
     assert ids.count("after") == 1
     # the first send (in flight when the connection closed) and the suspect's resend
-    assert ids.count(hit[0]) <= 2, f"sent again after its timeout: {ids}"
+    assert ids.count("late") <= 2, f"sent again after its timeout: {ids}"
