@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,67 @@ async def _stream(
                 pass
             await asyncio.sleep(0.2)
         return confirmed, got, failed
+
+
+class _QuorumLoss:
+    """A ``local_cluster`` stand-in for ``_stream``'s fault: ``lose(queue)`` stops the
+    members of the quorum queue ``queue`` on every node but the first
+    (``test_quorum_lost._quorum``: every node and link stays up) and gives them back
+    ``QUORUM_LOST_S`` later, by the clock."""
+
+    def __init__(self, cluster: Any, settings: Any) -> None:
+        self.cluster, self.settings = cluster, settings
+        self.back: threading.Timer | None = None
+
+    def lose(self, queue: str) -> None:
+        from tests.integration.test_quorum_lost import _quorum
+
+        _quorum(self.cluster, self.settings, queue, "stop_server")
+        self.back = threading.Timer(
+            QUORUM_LOST_S, _quorum, (self.cluster, self.settings, queue, "restart_server")
+        )
+        self.back.start()
+
+
+QUORUM_LOST_S = 8.0
+
+
+def test_a_quorum_role_inbox_without_its_quorum_loses_no_confirmed_event(
+    settings, brokers, local_cluster, tmp_path: Path, name: str
+) -> None:
+    """``role_queues = "quorum"``: B's routing master's inbox loses its quorum (two of its
+    three members stopped) for 8 s under the stream at A.  RabbitMQ then neither
+    confirms nor refuses what A's router sends there; since a confirm timeout is no
+    longer sent again by the transport (``publish_timeout``), the roles' own handling
+    (requeue, detours, duplicate checks) is what carries those events.  No confirmed
+    event is lost, and the stream goes on once the quorum is back."""
+    event_type, topology, deployment = _deployment(
+        settings,
+        brokers,
+        tmp_path,
+        name,
+        {"A": {}, "B": {"match_slaves": 1}},
+        {"role_queues": "quorum"},
+    )
+    queue = f"{name}.sub"
+    inbox = RoleId.router("B").inbox(topology.prefix)
+    deployment.up()
+    loss = _QuorumLoss(local_cluster, settings)
+    try:
+        info = management_get(settings, f"/api/queues/%2F/{urllib.parse.quote(inbox, safe='')}")
+        assert info["type"] == "quorum" and len(info.get("members") or []) == 3, info
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+        confirmed, got, failed = asyncio.run(
+            _stream(settings, topology, event_type, queue, loss, inbox, "lose")
+        )
+        lost = sorted(confirmed - got)
+        print(
+            f"\n{inbox} without its quorum: {len(confirmed)} confirmed, {len(lost)} lost, "
+            f"{failed} failed"
+        )
+        assert not lost, f"{len(lost)} confirmed events lost: {lost[:20]}"
+        assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
+    finally:
+        if loss.back is not None:
+            loss.back.join()
+        deployment.down()
