@@ -233,8 +233,9 @@ class _QuorumLoss:
 QUORUM_LOST_S = 8.0
 
 
+@pytest.mark.parametrize("face", ["async", "sync"])
 def test_a_quorum_role_inbox_without_its_quorum_loses_no_confirmed_event(
-    settings, brokers, local_cluster, tmp_path: Path, name: str
+    face, settings, brokers, local_cluster, tmp_path: Path, name: str
 ) -> None:
     """``role_queues = "quorum"``: B's routing master's inbox loses its quorum (two of its
     three members stopped) for 8 s under the stream at A.  RabbitMQ then neither
@@ -259,11 +260,11 @@ def test_a_quorum_role_inbox_without_its_quorum_loses_no_confirmed_event(
         assert info["type"] == "quorum" and len(info.get("members") or []) == 3, info
         asyncio.run(_subscribe(settings, topology, event_type, queue))
         confirmed, got, failed = asyncio.run(
-            _stream(settings, topology, event_type, queue, loss, inbox, "lose")
+            _stream(settings, topology, event_type, queue, loss, inbox, "lose", face)
         )
         lost = sorted(confirmed - got)
         print(
-            f"\n{inbox} without its quorum: {len(confirmed)} confirmed, {len(lost)} lost, "
+            f"\n{inbox} without its quorum ({face}): {len(confirmed)} confirmed, {len(lost)} lost, "
             f"{failed} failed"
         )
         assert not lost, f"{len(lost)} confirmed events lost: {lost[:20]}"
