@@ -227,7 +227,8 @@ class Settings(BaseSettings):
         ge=0,
         le=300,
         description="seconds a consumer's cancel, or close, lets the handlers already "
-        "running finish and settle (asyncio client)",
+        "running finish and settle (asyncio client); the longest the sync client's close "
+        "waits for the broker's answer before it drops the socket",
     )
     consumer_check_s: float = Field(
         5.0,

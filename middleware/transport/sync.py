@@ -52,6 +52,7 @@ from .sync_live import (
     SyncLive,
     SyncSettleHook,
     basic_publish,
+    close_within,
     process_events,
     to_delivery,
 )
@@ -141,8 +142,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self._opened = False
         live, self._live = self._live, None
         if live is not None:
-            with contextlib.suppress(Exception):
-                live.connection.close()
+            close_within(live.connection, self.settings.close_grace)
 
     def __enter__(self) -> Self:
         """Connects, unless connected already (``with SyncClient(...).connect() as c``

@@ -31,6 +31,7 @@ from .sync_live import (
     SyncClientState,
     SyncLive,
     T,
+    close_within,
 )
 from .topology import (
     BindingSpec,
@@ -110,8 +111,7 @@ class SyncConnecting(SyncClientState):
             log.warning("connection to %s lost (%s); failing over", live.node, error)
             self._live = None
             self._resends = []  # what the lost connection owed is the caller's to resend
-            with contextlib.suppress(Exception):
-                live.connection.close()
+            close_within(live.connection, self.settings.close_grace)
 
     def _open(self, node: Node) -> None:
         params = pika.ConnectionParameters(
@@ -143,8 +143,7 @@ class SyncConnecting(SyncClientState):
             for spec in list(self.topology.replay_plan()):
                 self._replay(live, spec)
         except Exception as exc:
-            with contextlib.suppress(Exception):
-                connection.close()
+            close_within(connection, self.settings.close_grace)
             raise translate_sync(exc) from exc
         self._live = live
         impl = getattr(connection, "_impl", None)
