@@ -555,3 +555,44 @@ def test_e2e_publishes_to_a_queue_without_its_quorum_are_confirmed_once_handled(
     assert failed == [], failed[:5]
     assert sorted(handled) == sorted(confirmed), "a message lost or handled twice"
     assert longest >= QUORUM_LOST_S - 1.0, "no publish met the lost quorum"
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_consumer_of_a_queue_without_its_quorum_goes_on_once_it_is_back(
+    kind, settings, local_cluster, name
+) -> None:
+    """A consumer of a quorum queue whose leader and one follower are stopped for 20 s
+    (several of the consumer watchdog's checks, ``consumer_check_s``): nothing is
+    delivered meanwhile; once the quorum is back every message published before and
+    after arrives, once, on the same consumer."""
+    settings = settings.model_copy(update={"consumer_check_s": 2.0})
+    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
+        declarer.declare_queue(
+            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
+        )
+    face = Face(kind, settings)
+    face.call("connect")
+    got: list[str] = []
+    face.consume(name, lambda d: got.append(str(d.message_id)))
+
+    def send(ids: list[str]) -> None:
+        with SyncClient(settings=settings) as producer:
+            for i in ids:
+                producer.publish(OutgoingMessage(b"x", "", name, message_id=i, persistent=True))
+
+    try:
+        send([f"a{i}" for i in range(10)])
+        face.pump(10.0, until=lambda: len(got) >= 10)
+        _quorum(local_cluster, settings, name, "stop_server")
+        try:
+            face.pump(20.0)
+        finally:
+            _quorum(local_cluster, settings, name, "restart_server")
+        send([f"b{i}" for i in range(10)])
+        face.pump(30.0, until=lambda: len(got) >= 20)
+        face.pump(2.0)  # a copy delivered twice would show by now
+        reconnects = face.client.reconnects
+    finally:
+        face.close()
+    print(f"\n{kind}: got {len(got)}, {reconnects} failovers")
+    assert sorted(got) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)])
