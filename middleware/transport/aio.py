@@ -25,6 +25,7 @@ from ..errors import (
     BrokerUnreachable,
     ConnectionLost,
     EntityNotFound,
+    GetTimeout,
     MiddlewareError,
     ResourceLocked,
 )
@@ -399,7 +400,11 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
                 return None
             return from_delivered(msg, queue)
 
-        result: Delivery | None = await self._on_temp_channel(take)
+        try:
+            result: Delivery | None = await self._on_temp_channel(take)
+        except GetTimeout:
+            metrics.GET_TIMEOUTS.inc()
+            raise
         return result
 
     # ----------------------------------------------------------- publishing

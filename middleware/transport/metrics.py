@@ -34,6 +34,15 @@ CONFIRM_TIMEOUTS = Counter(
     "confirmed publishes with no broker answer within publish_timeout (ConfirmTimeout; "
     "not sent again)",
 )
+GET_TIMEOUTS = Counter(
+    "qosmq_get_timeouts_total",
+    "basic.gets the broker gave up on by closing the connection (GetTimeout; not tried again)",
+)
+CLOSES_CUT = Counter(
+    "qosmq_closes_cut_total",
+    "sync connections whose close the broker did not answer within close_grace: the "
+    "socket was dropped",
+)
 
 CONSUMERS_LOST = Counter(
     "qosmq_consumers_lost_total",

@@ -81,6 +81,7 @@ class SyncConnecting(SyncClientState):
         except Exception as exc:
             translated = translate_sync(exc)
             if isinstance(translated, GetTimeout):  # the broker closed the connection
+                metrics.GET_TIMEOUTS.inc()
                 self._drop(live, translated)
                 raise translated from exc
             if not isinstance(translated, ConnectionLost) and live.connection.is_closed:

@@ -19,7 +19,7 @@ from ..errors import (
     MiddlewareError,
 )
 from ..settings import Settings
-from . import consuming
+from . import consuming, metrics
 from .broker_info import BrokerInfo
 from .delivery import (
     Delivery,
@@ -168,8 +168,13 @@ def close_within(connection: pika.BlockingConnection, within: float) -> None:
     that long (63 s measured), with no bound.  Never raises."""
     impl = connection._impl
     handle = None
+
+    def cut() -> None:
+        metrics.CLOSES_CUT.inc()
+        impl._adapter_disconnect_stream()
+
     with contextlib.suppress(Exception):
-        handle = impl._adapter_call_later(within, impl._adapter_disconnect_stream)
+        handle = impl._adapter_call_later(within, cut)
     try:
         with contextlib.suppress(Exception):
             connection.close()

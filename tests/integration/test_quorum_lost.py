@@ -59,8 +59,8 @@ def _quorum(cluster: LocalCluster, settings: Settings, queue: str, action: str) 
     cluster.ctl(first.short_name, "eval", expr)
 
 
-def _timeouts() -> float:
-    return REGISTRY.get_sample_value("qosmq_publish_confirm_timeouts_total") or 0.0
+def _timeouts(metric: str = "qosmq_publish_confirm_timeouts_total") -> float:
+    return REGISTRY.get_sample_value(metric) or 0.0
 
 
 def _ids_in(settings: Settings, queue: str) -> list[str]:
@@ -162,6 +162,7 @@ def test_a_client_closed_while_the_broker_holds_its_publish_closes_within_close_
         QUORUM_BACK_AFTER_S, _quorum, (local_cluster, settings, name, "restart_server")
     )
     closed = False
+    cut = _timeouts("qosmq_closes_cut_total")
     try:
         _quorum(local_cluster, settings, name, "stop_server")
         back.start()
@@ -177,6 +178,8 @@ def test_a_client_closed_while_the_broker_holds_its_publish_closes_within_close_
         back.join()
     print(f"\n{kind}: closed in {took:.2f} s")
     assert took < close_grace + 1.5, f"the close waited {took:.1f} s"
+    if kind == "sync":  # (the asyncio core's close is aiormq's, bounded there)
+        assert _timeouts("qosmq_closes_cut_total") - cut == 1
 
 
 ENQUEUES = 30
@@ -296,6 +299,7 @@ def test_a_get_the_broker_gives_up_on_is_one_named_error(
         face.call("declare_queue", QueueSpec(name, kind=QueueKind.QUORUM))
         face.call("publish", OutgoingMessage(b"x", "", name, message_id="held", persistent=True))
         _quorum(local_cluster, settings, name, "stop_server")
+        counted = _timeouts("qosmq_get_timeouts_total")
         started = time.monotonic()
         try:
             with pytest.raises(GetTimeout, match=r"gave up on a basic\.get"):
@@ -314,6 +318,7 @@ def test_a_get_the_broker_gives_up_on_is_one_named_error(
         face.close()
     print(f"\n{how}: GetTimeout after {took:.1f} s, {reconnects} failover(s); queue holds {ids}")
     assert reconnects == 1, f"{reconnects} failovers: the get was tried again"
+    assert _timeouts("qosmq_get_timeouts_total") - counted == 1
     assert "after" in ids
     if how == "sync-queues-dequeue":
         assert ids.count("held") == 1, f"a message taken for the application was lost: {ids}"
