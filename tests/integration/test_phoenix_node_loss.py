@@ -89,20 +89,13 @@ def test_quorum_role_queues_survive_the_node_of_an_inbox_leader(
     that does not depend on classic mirroring, which RabbitMQ 4.0 removed; on 3.10
     without broker priorities).  SIGKILL of the node that leads B's routing master's
     inbox loses no event whose publish the broker confirmed."""
-    event_type, topology, deployment = _deployment(
-        settings,
-        brokers,
-        tmp_path,
-        name,
-        {"A": {}, "B": {"match_slaves": 1}},
-        {"role_queues": "quorum"},
-    )
+    event_type, topology, deployment = _quorum_deployment(settings, brokers, tmp_path, name)
     assert topology.role_queues == "quorum"
     queue = f"{name}.sub"
     inbox = RoleId.router("B").inbox(topology.prefix)
     deployment.up()
     try:
-        info = management_get(settings, f"/api/queues/%2F/{urllib.parse.quote(inbox, safe='')}")
+        info = _queue_info(settings, inbox)
         assert info["type"] == "quorum" and len(info.get("members") or []) >= 2, info
         victim = info["leader"]
         # the subscriber's classic queue on another node (it would die with the victim)
@@ -120,6 +113,22 @@ def test_quorum_role_queues_survive_the_node_of_an_inbox_leader(
         )
     finally:
         deployment.down()
+
+
+def _quorum_deployment(settings: Any, brokers: Any, tmp_path: Path, name: str) -> Any:
+    """Clusters A and B (B's match master with a slave), every role queue a quorum queue."""
+    return _deployment(
+        settings,
+        brokers,
+        tmp_path,
+        name,
+        {"A": {}, "B": {"match_slaves": 1}},
+        {"role_queues": "quorum"},
+    )
+
+
+def _queue_info(settings: Any, queue: str) -> Any:
+    return management_get(settings, f"/api/queues/%2F/{urllib.parse.quote(queue, safe='')}")
 
 
 async def _declare_subscriber_queue(settings, url: str, queue: str) -> None:
@@ -221,12 +230,10 @@ class _QuorumLoss:
         self.back: threading.Timer | None = None
 
     def lose(self, queue: str) -> None:
-        from tests.integration.test_quorum_lost import _quorum
+        from tests.integration.test_quorum_lost import _back_after, _quorum
 
         _quorum(self.cluster, self.settings, queue, "stop_server")
-        self.back = threading.Timer(
-            QUORUM_LOST_S, _quorum, (self.cluster, self.settings, queue, "restart_server")
-        )
+        self.back = _back_after(QUORUM_LOST_S, self.cluster, self.settings, queue)
         self.back.start()
 
 
@@ -243,20 +250,13 @@ def test_a_quorum_role_inbox_without_its_quorum_loses_no_confirmed_event(
     longer sent again by the transport (``publish_timeout``), the roles' own handling
     (requeue, detours, duplicate checks) is what carries those events.  No confirmed
     event is lost, and the stream goes on once the quorum is back."""
-    event_type, topology, deployment = _deployment(
-        settings,
-        brokers,
-        tmp_path,
-        name,
-        {"A": {}, "B": {"match_slaves": 1}},
-        {"role_queues": "quorum"},
-    )
+    event_type, topology, deployment = _quorum_deployment(settings, brokers, tmp_path, name)
     queue = f"{name}.sub"
     inbox = RoleId.router("B").inbox(topology.prefix)
     deployment.up()
     loss = _QuorumLoss(local_cluster, settings)
     try:
-        info = management_get(settings, f"/api/queues/%2F/{urllib.parse.quote(inbox, safe='')}")
+        info = _queue_info(settings, inbox)
         assert info["type"] == "quorum" and len(info.get("members") or []) == 3, info
         asyncio.run(_subscribe(settings, topology, event_type, queue))
         confirmed, got, failed = asyncio.run(

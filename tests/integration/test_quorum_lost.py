@@ -59,6 +59,22 @@ def _quorum(cluster: LocalCluster, settings: Settings, queue: str, action: str) 
     cluster.ctl(first.short_name, "eval", expr)
 
 
+def _led_by_node_2(settings: Settings, name: str) -> None:
+    """Declare the quorum queue ``name`` with its leader on the second node: stopped with
+    the third node's member by ``_quorum`` (RabbitMQ's channels then wait on it)."""
+    with SyncClient(settings=settings.starting_at(1)) as declarer:
+        declarer.declare_queue(
+            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
+        )
+
+
+def _back_after(
+    seconds: float, cluster: LocalCluster, settings: Settings, queue: str
+) -> threading.Timer:
+    """The timer that gives ``queue`` its quorum back ``seconds`` after it starts."""
+    return threading.Timer(seconds, _quorum, (cluster, settings, queue, "restart_server"))
+
+
 def _timeouts(metric: str = "qosmq_publish_confirm_timeouts_total") -> float:
     return REGISTRY.get_sample_value(metric) or 0.0
 
@@ -84,15 +100,10 @@ def test_a_publish_to_a_queue_without_its_quorum_ends_at_publish_timeout(
     kind, settings, local_cluster, name
 ) -> None:
     settings = settings.model_copy(update={"publish_timeout": PUBLISH_TIMEOUT_S})
-    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
-        declarer.declare_queue(
-            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
-        )
+    _led_by_node_2(settings, name)
     face = Face(kind, settings)
     face.call("connect")
-    back = threading.Timer(
-        QUORUM_BACK_AFTER_S, _quorum, (local_cluster, settings, name, "restart_server")
-    )
+    back = _back_after(QUORUM_BACK_AFTER_S, local_cluster, settings, name)
     try:
         face.call(
             "publish", OutgoingMessage(b"before", "", name, message_id="before", persistent=True)
@@ -152,15 +163,10 @@ def test_a_client_closed_while_the_broker_holds_its_publish_closes_within_close_
     settings = settings.model_copy(
         update={"publish_timeout": PUBLISH_TIMEOUT_S, "close_grace": close_grace}
     )
-    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
-        declarer.declare_queue(
-            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
-        )
+    _led_by_node_2(settings, name)
     face = Face(kind, settings)
     face.call("connect")
-    back = threading.Timer(
-        QUORUM_BACK_AFTER_S, _quorum, (local_cluster, settings, name, "restart_server")
-    )
+    back = _back_after(QUORUM_BACK_AFTER_S, local_cluster, settings, name)
     closed = False
     cut = _timeouts("qosmq_closes_cut_total")
     try:
@@ -203,9 +209,7 @@ def test_enqueues_to_a_queue_without_its_quorum_are_spooled_and_arrive_once(
     statuses: list[str] = []
     failed: list[str] = []
     longest = [0.0]
-    back = threading.Timer(
-        QUORUM_LOST_S, _quorum, (local_cluster, settings, name, "restart_server")
-    )
+    back = _back_after(QUORUM_LOST_S, local_cluster, settings, name)
 
     def enqueue(call: object) -> None:
         started = time.monotonic()
@@ -340,16 +344,12 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
 
     _let_poison_through(monkeypatch)
     settings = settings.model_copy(update={"publish_timeout": PUBLISH_TIMEOUT_S})
-    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
-        declarer.declare_queue(
-            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
-        )
+    _led_by_node_2(settings, name)
+    with SyncClient(settings=settings) as declarer:
         declarer.declare_queue(QueueSpec(f"{name}-p"))
     face = Face(kind, settings)
     face.call("connect")
-    back = threading.Timer(
-        QUORUM_BACK_AFTER_S, _quorum, (local_cluster, settings, name, "restart_server")
-    )
+    back = _back_after(QUORUM_BACK_AFTER_S, local_cluster, settings, name)
     innocent = OutgoingMessage(b"late", "", name, message_id="late", persistent=True)
     hit: list[str] = []  # the message id whose resend met the lost quorum
     poison = OutgoingMessage(b"poison", "", f"{name}-p", message_id="poison", headers=POISON)
@@ -529,9 +529,7 @@ def test_e2e_publishes_to_a_queue_without_its_quorum_are_confirmed_once_handled(
     confirmed: list[bytes] = []
     failed: list[str] = []
     longest = 0.0
-    back = threading.Timer(
-        QUORUM_LOST_S, _quorum, (local_cluster, settings, name, "restart_server")
-    )
+    back = _back_after(QUORUM_LOST_S, local_cluster, settings, name)
     try:
         for i in range(ENQUEUES):
             if i == QUORUM_LOST_AT:
@@ -571,10 +569,7 @@ def test_a_consumer_of_a_queue_without_its_quorum_goes_on_once_it_is_back(
     delivered meanwhile; once the quorum is back every message published before and
     after arrives, once, on the same consumer."""
     settings = settings.model_copy(update={"consumer_check_s": 2.0})
-    with SyncClient(settings=settings.starting_at(1)) as declarer:  # its leader: node 2
-        declarer.declare_queue(
-            QueueSpec(name, kind=QueueKind.QUORUM, leader_locator="client-local")
-        )
+    _led_by_node_2(settings, name)
     face = Face(kind, settings)
     face.call("connect")
     got: list[str] = []
