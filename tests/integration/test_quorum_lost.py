@@ -75,6 +75,13 @@ def _back_after(
     return threading.Timer(seconds, _quorum, (cluster, settings, queue, "restart_server"))
 
 
+def _settle(back: threading.Timer) -> None:
+    """Cancel ``back`` if it has not fired, or wait until the quorum it gives back is."""
+    back.cancel()
+    if back.is_alive():
+        back.join()
+
+
 def _timeouts(metric: str = "qosmq_publish_confirm_timeouts_total") -> float:
     return REGISTRY.get_sample_value(metric) or 0.0
 
@@ -137,9 +144,7 @@ def test_a_publish_to_a_queue_without_its_quorum_ends_at_publish_timeout(
         time.sleep(1.0)  # the held publish is written once the quorum is back
         ids = _ids_in(settings, name)
     finally:
-        back.cancel()
-        if back.is_alive():
-            back.join()
+        _settle(back)
         face.close()
     print(f"\n{kind}: ConfirmTimeout after {took:.2f} s; queue holds {ids}")
     assert took < PUBLISH_TIMEOUT_S + 2.0, f"the publish waited {took:.1f} s"
@@ -272,9 +277,7 @@ def test_enqueues_to_a_queue_without_its_quorum_are_spooled_and_arrive_once(
         consumer.destroy_queue(name)
         consumer.client.close()
     finally:
-        back.cancel()
-        if back.is_alive():
-            back.join()
+        _settle(back)
     print(f"\n{kind}: {statuses.count('spooled')} spooled, longest enqueue {longest[0]:.2f} s")
     assert failed == [], failed[:5]
     assert remaining == 0, f"{remaining} still spooled a minute after the quorum was back"
@@ -400,9 +403,7 @@ def test_a_suspect_sent_again_to_a_queue_without_its_quorum_ends_at_publish_time
         time.sleep(1.0)  # the held publishes are written once the quorum is back
         ids = _ids_in(settings, name)
     finally:
-        back.cancel()
-        if back.is_alive():
-            back.join()
+        _settle(back)
         face.close()
     print(f"\n{kind}: {late!r} after {took:.2f} s; poison: {refused!r}; queue holds {ids}")
     assert hit, "the innocent message was not a suspect"
@@ -550,9 +551,7 @@ def test_e2e_publishes_to_a_queue_without_its_quorum_are_confirmed_once_handled(
             time.sleep(0.1)
         time.sleep(2.0)  # a resent copy handled twice would show by now
     finally:
-        back.cancel()
-        if back.is_alive():
-            back.join()
+        _settle(back)
         e2e.close()
     print(f"\n{kind} e2e: {len(confirmed)} confirmed, longest publish {longest:.2f} s")
     assert failed == [], failed[:5]
