@@ -4,6 +4,7 @@ from .factors import ALGORITHMS, PredictiveChooser, WeightedPicker, inverse_fact
 from .publisher import BalancedPublisher, declare_replicated_topic, subscribe_replicated
 from .reports import REPORT_EXCHANGE, LoadReport, ReplicaLoad, replica_names
 from .sidecar import BalancerSidecar
+from .sync import SyncBalancedPublisher
 
 __all__ = [
     "ALGORITHMS",
@@ -13,6 +14,7 @@ __all__ = [
     "LoadReport",
     "PredictiveChooser",
     "ReplicaLoad",
+    "SyncBalancedPublisher",
     "WeightedPicker",
     "declare_replicated_topic",
     "inverse_factors",

@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from typing import Self
 
-from ..errors import ConfirmTimeout, EntityNotFound, InvalidArgument, MiddlewareError, Unroutable
+from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, Unroutable
 from ..settings import Settings
 from ..transport import (
     AsyncClient,
@@ -24,15 +23,8 @@ from ..transport import (
 )
 from ..transport.message import new_message_id
 from . import metrics
-from .factors import (
-    ALGORITHMS,
-    PredictiveChooser,
-    ReplicaReport,
-    WeightedPicker,
-    inverse_factors,
-    paper_factors,
-)
-from .reports import REPORT_EXCHANGE, LoadReport, replica_names
+from .choice import Choice
+from .reports import REPORT_EXCHANGE, replica_names
 
 __all__ = ["BalancedPublisher", "declare_replicated_topic", "subscribe_replicated"]
 
@@ -65,8 +57,10 @@ async def subscribe_replicated(
     ]
 
 
-class BalancedPublisher:
-    """Sends each message of a topic to exactly one replica, chosen by ``algorithm``.
+class BalancedPublisher(Choice):
+    """Sends each message of a topic to exactly one replica, chosen by ``algorithm``
+    (the choice: ``Choice``; this face sends, receives the reports and looks for
+    missing replicas, on the asyncio core).
 
     Reports older than ``stale_after`` (default 3 x the report period) are
     ignored: the publisher falls back to equal weights (round robin) until a
@@ -100,43 +94,28 @@ class BalancedPublisher:
         recheck_s: float = 1.0,
         stall_s: float = 3.0,
     ) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
-        self.client, self.topic, self.algorithm = client, topic, algorithm
-        self.queues = replica_names(topic, replicas)
-        self.stale_after = stale_after
-        self.rng = rng or random.Random()
-        self.recheck_s = recheck_s
-        if not stall_s > 0:
-            raise InvalidArgument(f"stall_s must be > 0, got {stall_s!r}")
-        self.stall_s = stall_s
-        self.stalled: set[int] = set()  # replicas with a publish unconfirmed past stall_s
-        self.resent = 0  # messages sent to a second replica after a stall
-        self._stalls: dict[asyncio.Task[str], int] = {}  # stalled publishes: their replica
-        self.chooser = PredictiveChooser(replicas, self.rng)
-        self.picker: WeightedPicker | None = None
-        self.report: LoadReport | None = None
-        self.received_at = 0.0
-        self.routed = [0] * replicas
-        self.fallbacks = 0
-        self.missing: set[int] = set()  # replicas whose queue is gone
-        self.returned = 0  # publishes a missing replica returned (sent again elsewhere)
-        self.reports_refused = 0
-        self._rr = 0
-        self._factors: list[float] | None = None
+        super().__init__(
+            topic=topic,
+            replicas=replicas,
+            algorithm=algorithm,
+            stale_after=stale_after,
+            rng=rng,
+            recheck_s=recheck_s,
+            stall_s=stall_s,
+        )
+        self.client = client
+        self._stalled_sends: dict[asyncio.Task[str], int] = {}  # stalled publishes: replica
         self._recheck: asyncio.Task[None] | None = None
 
     async def start(self) -> Self:
         self._recheck = asyncio.create_task(self._recheck_missing())
         if self.algorithm == "round_robin":
             return self
-        inbox = f"qosmq.balancer.inbox.{self.topic}.{id(self):x}"
-        await self.client.declare_exchange(ExchangeSpec(REPORT_EXCHANGE, ExchangeType.DIRECT))
-        await self.client.declare_queue(
-            QueueSpec(inbox, kind=QueueKind.CLASSIC, durable=False, exclusive=True, max_length=1)
-        )
-        await self.client.bind(BindingSpec(inbox, REPORT_EXCHANGE, self.topic))
-        await self.client.consume(inbox, self._on_report, prefetch=1)
+        exchange, queue, binding = report_topology(self.topic, report_inbox(self.topic, self))
+        await self.client.declare_exchange(exchange)
+        await self.client.declare_queue(queue)
+        await self.client.bind(binding)
+        await self.client.consume(queue.name, self._on_report, prefetch=1)
         return self
 
     async def close(self) -> None:
@@ -144,9 +123,9 @@ class BalancedPublisher:
             self._recheck.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._recheck
-        for task in list(self._stalls):  # (their callers were answered by another replica)
+        for task in list(self._stalled_sends):  # (their callers were answered elsewhere)
             task.cancel()
-        await asyncio.gather(*self._stalls, return_exceptions=True)
+        await asyncio.gather(*self._stalled_sends, return_exceptions=True)
 
     async def publish(self, body: bytes, **fields: object) -> str:
         """Publish to a chosen live replica with broker confirms; return its queue."""
@@ -157,7 +136,7 @@ class BalancedPublisher:
         try:
             async with asyncio.timeout(limit):
                 while True:
-                    if pending and not self._choosable(tried):
+                    if pending and not self.choosable(tried):
                         # every other replica tried: wait for a stalled one's confirm
                         done, _ = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
                         for task in done:
@@ -168,16 +147,8 @@ class BalancedPublisher:
                     index = self.choose(exclude=tried)
                     tried.add(index)
                     if pending:
-                        self.resent += 1
-                        metrics.BALANCED_RESENT.labels(self.topic).inc()
-                    message = OutgoingMessage(
-                        body,
-                        "",
-                        self.queues[index],
-                        message_id=message_id,
-                        mandatory=True,
-                        **fields,  # type: ignore[arg-type]
-                    )
+                        self.resending()
+                    message = replica_message(self.queues[index], body, message_id, fields)
                     task = asyncio.ensure_future(self._send(index, message))
                     done, _ = await asyncio.wait({task}, timeout=self.stall_s)
                     while not done and not await self.client.answers(self.stall_s):
@@ -187,100 +158,32 @@ class BalancedPublisher:
                         done, _ = await asyncio.wait({task}, timeout=self.stall_s)
                     if not task.done():
                         pending[task] = index
-                        self._stall(index, task)
+                        self._stall_send(index, task)
                         continue
                     try:
                         return task.result()
                     except (Unroutable, EntityNotFound):
-                        self._gone(index)
+                        self.gone(index)
         except TimeoutError:
             metrics.BALANCED_TIMEOUTS.labels(self.topic).inc()
-            raise ConfirmTimeout(
-                f"topic {self.topic!r}: message {message_id} not confirmed within "
-                f"publish_timeout = {limit} s"
-            ) from None
+            raise publish_timed_out(self.topic, message_id, limit) from None
 
     async def _send(self, index: int, message: OutgoingMessage) -> str:
         await self.client.publish(message)
         return self.queues[index]
 
-    def _choosable(self, tried: set[int]) -> bool:
-        blocked = self.missing | tried
-        return any(i not in blocked for i in range(len(self.queues)))
-
-    def _stall(self, index: int, task: asyncio.Task[str]) -> None:
+    def _stall_send(self, index: int, task: asyncio.Task[str]) -> None:
         """``index`` did not confirm within ``stall_s``: out of the choice until ``task``
         (that publish, running on) ends, which the caller may no longer wait for."""
-        self._stalls[task] = index
-        if index not in self.stalled:
-            self.stalled.add(index)
-            metrics.BALANCED_STALLED.labels(self.topic).set(len(self.stalled))
-            log.warning(
-                "replica %s confirmed nothing within %g s: left out until it does",
-                self.queues[index],
-                self.stall_s,
-            )
-        task.add_done_callback(lambda done: self._unstall(index, done))
+        self._stalled_sends[task] = index
+        self.stall(index)
+        task.add_done_callback(lambda done: self._send_ended(index, done))
 
-    def _unstall(self, index: int, task: asyncio.Task[str]) -> None:
-        self._stalls.pop(task, None)
+    def _send_ended(self, index: int, task: asyncio.Task[str]) -> None:
+        self._stalled_sends.pop(task, None)
         if not task.cancelled():
             task.exception()  # (retrieved: a stalled publish's failure is not the caller's)
-        if index in self.stalled and index not in self._stalls.values():
-            self.stalled.discard(index)
-            metrics.BALANCED_STALLED.labels(self.topic).set(len(self.stalled))
-            log.warning("replica %s answers again: chosen again", self.queues[index])
-
-    def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
-        """A replica by the algorithm, among the live ones not in ``exclude``;
-        ``Unroutable`` when none is left."""
-        blocked = self.missing | exclude
-        allowed = [i for i in range(len(self.queues)) if i not in blocked]
-        if live := [i for i in allowed if i not in self.stalled]:
-            allowed = live  # (a stalled replica only when no other is left)
-        if not allowed:
-            raise Unroutable(
-                f"topic {self.topic!r}: no replica can take the message "
-                f"(missing: {', '.join(self.queues[i] for i in sorted(self.missing)) or '-'})"
-            )
-        now = time.monotonic()
-        stale = self.report is None or (
-            self.stale_after is not None and now - self.received_at > self.stale_after
-        )
-        if stale and self.algorithm == "predictive" and self.report is not None:
-            # forget the stale lengths: choices on own counts alone spread evenly
-            self.chooser.reports = [None] * len(self.queues)
-            self.fallbacks += 1
-        if self.algorithm == "round_robin" or (stale and self.algorithm != "predictive"):
-            if self.algorithm != "round_robin":
-                self.fallbacks += 1
-            index = allowed[self._rr % len(allowed)]
-            self._rr += 1
-        elif self.algorithm == "predictive":
-            index = self.chooser.choose(now, allowed)
-        else:
-            index = self._pick(allowed)
-        self.routed[index] += 1
-        return index
-
-    def _pick(self, allowed: list[int]) -> int:
-        """The weighted pick over the live replicas (a blocked one weighs 0)."""
-        if len(allowed) == len(self.queues) and self.picker is not None:
-            return self.picker.pick()
-        factors = self._factors or [1.0] * len(self.queues)
-        weights = [factors[i] if i in allowed else 0.0 for i in range(len(self.queues))]
-        if not any(weights):
-            return allowed[self.rng.randrange(len(allowed))]
-        return WeightedPicker(weights, self.rng).pick()
-
-    def _gone(self, index: int) -> None:
-        self.returned += 1
-        if index not in self.missing:
-            self.missing.add(index)
-            metrics.BALANCED_MISSING.labels(self.topic).set(len(self.missing))
-            log.warning(
-                "replica %s is gone: left out until its queue exists again", self.queues[index]
-            )
+        self.unstall(index)
 
     async def _recheck_missing(self) -> None:
         while True:
@@ -293,42 +196,42 @@ class BalancedPublisher:
                 except MiddlewareError as exc:  # not known either way: looked at again
                     log.debug("replica %s not checked: %s", self.queues[index], exc)
                     continue
-                self._back(index)
-
-    def _back(self, index: int) -> None:
-        if index in self.missing:
-            self.missing.discard(index)
-            metrics.BALANCED_MISSING.labels(self.topic).set(len(self.missing))
-            log.warning("replica %s exists again: chosen again", self.queues[index])
+                self.back(index)
 
     async def _on_report(self, delivery: Delivery) -> None:
-        try:
-            report = LoadReport.decode(delivery.body)
-            lengths = {r.queue: r for r in report.replicas}
-            if set(lengths) != set(self.queues):
-                raise InvalidArgument(f"report for {report.topic} names other replicas")
-            ordered = [lengths[q] for q in self.queues]
-            factors: list[float] = (
-                list(map(float, paper_factors([r.length for r in ordered])))
-                if self.algorithm == "paper"
-                else inverse_factors([r.length for r in ordered])
-            )
-        except InvalidArgument as exc:
-            self.reports_refused += 1
-            metrics.BALANCED_REPORTS_REFUSED.labels(self.topic).inc()
-            log.warning("load report ignored: %s", exc)
-            return
-        now = time.monotonic()
-        self.report, self.received_at = report, now
-        if self.stale_after is None:
-            self.stale_after = 3 * report.period_s
-        for i, r in enumerate(ordered):
-            self.chooser.report(i, ReplicaReport(r.length, r.arrival_rate, r.service_rate, now))
-            if r.exists:
-                self._back(i)
-            elif i not in self.missing:
-                self._gone(i)
-                self.returned -= 1  # reported, not returned
-        self._factors = factors
-        with contextlib.suppress(ValueError):
-            self.picker = WeightedPicker(factors, self.rng)
+        self.take_report(delivery.body)
+
+
+def report_inbox(topic: str, publisher: object) -> str:
+    """A publisher's own queue of the last load report of ``topic``."""
+    return f"qosmq.balancer.inbox.{topic}.{id(publisher):x}"
+
+
+def report_topology(topic: str, inbox: str) -> tuple[ExchangeSpec, QueueSpec, BindingSpec]:
+    """The report exchange, a publisher's inbox (exclusive, holding the last report
+    only) and the binding between them: what a publisher of either face declares."""
+    return (
+        ExchangeSpec(REPORT_EXCHANGE, ExchangeType.DIRECT),
+        QueueSpec(inbox, kind=QueueKind.CLASSIC, durable=False, exclusive=True, max_length=1),
+        BindingSpec(inbox, REPORT_EXCHANGE, topic),
+    )
+
+
+def replica_message(
+    queue: str, body: bytes, message_id: str, fields: dict[str, object]
+) -> OutgoingMessage:
+    """The message to one replica: mandatory, so a queue that is gone returns it."""
+    return OutgoingMessage(
+        body,
+        "",
+        queue,
+        message_id=message_id,
+        mandatory=True,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def publish_timed_out(topic: str, message_id: str, limit: float) -> ConfirmTimeout:
+    return ConfirmTimeout(
+        f"topic {topic!r}: message {message_id} not confirmed within publish_timeout = {limit} s"
+    )

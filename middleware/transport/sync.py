@@ -323,22 +323,63 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         return self._call(get)
 
     def publish(
-        self, message: OutgoingMessage, *, confirm: bool = True, retry: bool = True
+        self,
+        message: OutgoingMessage,
+        *,
+        confirm: bool = True,
+        retry: bool = True,
+        within: float | None = None,
     ) -> None:
         """Publish; with ``confirm`` return once the broker confirmed it.
 
         Retried on connection loss under the retry policy; ``retry=False`` makes
         one attempt (after reconnecting if needed) and raises the failure.  A message
-        the broker would refuse raises ``MalformedMessage`` at once.
+        the broker would refuse raises ``MalformedMessage`` at once.  ``within``: the
+        confirm's bound for this call (default ``publish_timeout``); past it
+        ``ConfirmTimeout`` (the broker may still take the message).
         """
         check_message(message, self.limits)
         if is_reply(message) and not self._sends_own_replies:
-            self._reply_sender().publish(message, confirm=confirm, retry=retry)
+            self._reply_sender().publish(message, confirm=confirm, retry=retry, within=within)
             return
         if tracing.active():
             with tracing.publish(message) as traced:
-                return self._publish(traced, confirm=confirm, retry=retry)
-        return self._publish(message, confirm=confirm, retry=retry)
+                return self._publish(traced, confirm=confirm, retry=retry, within=within)
+        return self._publish(message, confirm=confirm, retry=retry, within=within)
+
+    def answers(self, within: float) -> bool:
+        """Whether the node this client is connected to answers a round trip (a passive
+        declare of ``amq.direct`` on a channel of its own) within ``within`` seconds, as
+        ``AsyncClient.answers``.  Never raises; a channel that did not answer in time is
+        left to close when its answer comes (or with the connection)."""
+        live = self._live
+        if live is None or not live.connection.is_open:
+            return False
+        answered: list[bool] = []
+        late: list[bool] = []
+        impl = live.connection._impl
+
+        def declared(_frame: object, channel: Any) -> None:
+            answered.append(True)
+            with contextlib.suppress(Exception):
+                channel.close()
+
+        def opened(channel: Any) -> None:
+            channel.exchange_declare(
+                "amq.direct", passive=True, callback=lambda f: declared(f, channel)
+            )
+
+        try:
+            timer = impl._adapter_call_later(within, lambda: late.append(True))
+            try:
+                impl.channel(on_open_callback=opened)
+                live.connection._flush_output(lambda: bool(answered or late))
+            finally:
+                impl._adapter_remove_timeout(timer)
+        except Exception as exc:  # the connection is the next call's to mend
+            log.debug("no round trip: %s", exc)
+            return False
+        return bool(answered)
 
     def publish_unwatched(self, message: OutgoingMessage) -> None:
         """Publish once with nothing coming back: no confirm, no watch, no retry (on the

@@ -59,7 +59,9 @@ class _Late(MiddlewareError):
 class SyncPublishing(SyncClientState):
     """Confirmed publishes one at a time, watched ones, and suspects sent alone."""
 
-    def _publish(self, message: OutgoingMessage, *, confirm: bool, retry: bool) -> None:
+    def _publish(
+        self, message: OutgoingMessage, *, confirm: bool, retry: bool, within: float | None = None
+    ) -> None:
         if not confirm:
             self._call(functools.partial(self._watch, then=message))
             metrics.PUBLISHED_UNCONFIRMED.inc()
@@ -68,7 +70,7 @@ class SyncPublishing(SyncClientState):
         def send(live: SyncLive) -> None:
             channel = self._publish_channel(live)
             try:
-                self._confirmed(live, channel, message)
+                self._confirmed(live, channel, message, within)
             except _Late:
                 raise
             except Exception as exc:
@@ -96,17 +98,23 @@ class SyncPublishing(SyncClientState):
         metrics.PUBLISHED_CONFIRMED.inc()
 
     def _confirmed(
-        self, live: SyncLive, channel: blocking.BlockingChannel, message: OutgoingMessage
+        self,
+        live: SyncLive,
+        channel: blocking.BlockingChannel,
+        message: OutgoingMessage,
+        within: float | None = None,
     ) -> None:
-        """One confirmed publish, its wait bounded by ``publish_timeout``: past it the
-        channel is abandoned and ``_Late`` raised (not sent again, as the asyncio core)."""
-        deadline = ConfirmDeadline(live.connection, channel, self.settings.publish_timeout)
+        """One confirmed publish, its wait bounded by ``within`` (default
+        ``publish_timeout``): past it the channel is abandoned and ``_Late`` raised (not
+        sent again, as the asyncio core)."""
+        bound = self.settings.publish_timeout if within is None else within
+        deadline = ConfirmDeadline(live.connection, channel, bound)
         try:
             basic_publish(channel, message, confirm=True)
         except Exception:
             if deadline.passed:
                 abandon(channel)
-                raise _Late(confirm_timeout(message, self.settings.publish_timeout)) from None
+                raise _Late(confirm_timeout(message, bound)) from None
             raise
         finally:
             deadline.cancel()

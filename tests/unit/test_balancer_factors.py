@@ -269,7 +269,7 @@ def test_a_stalled_replica_comes_back_when_its_own_stalled_publishes_end() -> No
 
         tasks = {i: asyncio.ensure_future(held(i)) for i in (1, 2)}
         for i, task in tasks.items():
-            publisher._stall(i, task)
+            publisher._stall_send(i, task)
         assert publisher.stalled == {1, 2}
         gates[2].set()
         await tasks[2]
