@@ -279,3 +279,32 @@ def test_a_stalled_replica_comes_back_when_its_own_stalled_publishes_end() -> No
         assert publisher.stalled == set()
 
     asyncio.run(scenario())
+
+
+def test_the_sync_face_tries_a_stalled_replica_again_after_recheck_s() -> None:
+    """The sync face has no running publish to bring a stalled replica back: it is left
+    out for ``recheck_s`` (looked at when a publish comes), then chosen again; a
+    confirm from it ends its stall at once."""
+    import time
+
+    from middleware.balancer import SyncBalancedPublisher
+    from middleware.settings import Settings
+    from middleware.transport import SyncClient
+
+    client = SyncClient(settings=Settings.load())  # never connected: nothing is sent
+    publisher = SyncBalancedPublisher(
+        client, topic="t", replicas=3, algorithm="round_robin", recheck_s=0.05
+    )
+    publisher._stall_here(2)
+    assert publisher.stalled == {2}
+    publisher.look()
+    assert publisher.stalled == {2}  # within recheck_s: still out
+    assert {publisher.choose() for _ in range(30)} == {0, 1}
+    time.sleep(0.06)
+    publisher.look()
+    assert publisher.stalled == set()
+    assert 2 in {publisher.choose() for _ in range(30)}
+    publisher._stall_here(1)
+    publisher._stall_here(1)  # stalled again before its probation ended: one stall
+    publisher._confirmed(1)
+    assert publisher.stalled == set()
