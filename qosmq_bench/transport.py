@@ -7,7 +7,9 @@ process's CPU per message, and frames per socket write (the layer's client only)
 Clients: ``raw`` (aio-pika's Exchange.publish and IncomingMessage.ack), ``layer`` (the
 AsyncClient with ``coalesce_writes``), ``layer-per-frame`` (``coalesce_writes=false``);
 for the sync face, ``raw-pika`` (pika's BlockingConnection: publish with confirms, one
-at a time, then consume and ack) and ``layer-sync`` (the SyncClient doing the same).
+at a time, then consume and ack), ``layer-sync`` (the SyncClient doing the same) and
+``balanced-sync`` (the SyncClient's ``SyncBalancedPublisher`` over two replicas,
+``predictive`` with no sidecar: what the choice adds to a sync publish).
 Cells alternate within each repeat, so the clients compared ran seconds apart.  A
 client named ``NAME@LOOP`` (``raw@asyncio``, ``layer@uvloop``) runs on that event loop,
 a bare name on the settings' (``event_loop``), so one run can compare the loops too.
@@ -16,6 +18,7 @@ a bare name on the settings' (``event_loop``), so one run can compare the loops 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +28,7 @@ import aio_pika
 import pika
 
 from middleware import runtime
+from middleware.balancer import SyncBalancedPublisher, replica_names
 from middleware.runtime import EventLoopName
 from middleware.settings import Settings
 from middleware.transport import (
@@ -49,7 +53,7 @@ __all__ = [
 ]
 
 ASYNC_CLIENTS = ("raw", "layer", "layer-per-frame")
-SYNC_CLIENTS = ("raw-pika", "layer-sync")
+SYNC_CLIENTS = ("raw-pika", "layer-sync", "balanced-sync")
 CLIENTS = (*ASYNC_CLIENTS, *SYNC_CLIENTS)
 LOOPS = ("asyncio", "uvloop")
 
@@ -187,7 +191,16 @@ def sync_transport_cell(
             connection.close()
     else:
         with SyncClient(settings=settings) as layer:
-            layer.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+            balanced = client == "balanced-sync"
+            queues = replica_names(queue, 2) if balanced else [queue]
+            for name in queues:
+                layer.declare_queue(QueueSpec(name, kind=QueueKind.CLASSIC))
+            send: Callable[[], object] = functools.partial(
+                layer.publish, OutgoingMessage(body, "", queue)
+            )
+            if balanced:
+                publisher = SyncBalancedPublisher(layer, topic=queue, replicas=2).start()
+                send = functools.partial(publisher.publish, body)
 
             def handle(_: Delivery) -> None:
                 nonlocal handled
@@ -198,12 +211,14 @@ def sync_transport_cell(
             for _ in range(messages):
                 begun = time.perf_counter()
                 live.sent += 1
-                layer.publish(OutgoingMessage(body, "", queue))
+                send()
                 live.confirmed_since(begun)
-            layer.consume(queue, handle)
+            for name in queues:
+                layer.consume(name, handle)
             layer.run(120, until=lambda: handled >= messages)
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-            layer.delete_queue(queue)
+            for name in queues:
+                layer.delete_queue(name)
     if handled < messages:
         raise RuntimeError(f"{client}: {handled} of {messages} messages came back")
     return _row(client, messages, size, elapsed, cpu, None)
