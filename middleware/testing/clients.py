@@ -230,6 +230,10 @@ class InMemoryClient(_Double):
     async def resend_alone(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
         self._publish(message, confirm=confirm)
 
+    async def answers(self, within: float) -> bool:
+        """The in-memory broker always answers an open client."""
+        return bool(self._opened)
+
     async def publish_watched(self, message: OutgoingMessage) -> asyncio.Future[None]:
         self._publish(message, confirm=False)
         taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -374,8 +378,19 @@ class InMemorySyncClient(_Double):
         self._check_open()
         return self.broker.get(queue)
 
-    def publish(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
+    def publish(
+        self,
+        message: OutgoingMessage,
+        *,
+        confirm: bool = True,
+        retry: bool = True,
+        within: float | None = None,
+    ) -> None:
         self._publish(message, confirm=confirm)
+
+    def answers(self, within: float) -> bool:
+        """The in-memory broker always answers an open client."""
+        return bool(self._opened)
 
     def resend_alone(self, message: OutgoingMessage, *, confirm: bool = True) -> None:
         self._publish(message, confirm=confirm)

@@ -308,3 +308,44 @@ def test_the_sync_face_tries_a_stalled_replica_again_after_recheck_s() -> None:
     publisher._stall_here(1)  # stalled again before its probation ended: one stall
     publisher._confirmed(1)
     assert publisher.stalled == set()
+
+
+def test_both_balanced_faces_run_on_the_test_doubles() -> None:
+    """A service's unit tests can run either balanced publisher on the in-memory
+    doubles: each message in exactly one replica, a deleted replica left out and
+    chosen again once it exists."""
+    import asyncio
+
+    from middleware.balancer import BalancedPublisher, SyncBalancedPublisher, replica_names
+    from middleware.testing import InMemoryBroker, InMemoryClient, InMemorySyncClient
+    from middleware.transport import QueueSpec
+
+    broker = InMemoryBroker()
+    queues = replica_names("t", 3)
+    sync_client = InMemorySyncClient(broker=broker).connect()
+    for name in queues:
+        sync_client.declare_queue(QueueSpec(name))
+    sync = SyncBalancedPublisher(
+        sync_client, topic="t", replicas=3, algorithm="round_robin", recheck_s=0.0
+    ).start()
+    assert sorted(sync.publish(b"m") for _ in range(6)) == sorted(queues * 2)
+    sync_client.delete_queue(queues[1])
+    assert {sync.publish(b"m") for _ in range(6)} == {queues[0], queues[2]}
+    assert sync.missing == {1}
+    sync_client.declare_queue(QueueSpec(queues[1]))
+    assert queues[1] in {sync.publish(b"m") for _ in range(6)}
+
+    async def asynchronous() -> list[str]:
+        client = await InMemoryClient(broker=broker).connect()
+        publisher = await BalancedPublisher(
+            client, topic="t", replicas=3, algorithm="predictive"
+        ).start()
+        sent = [await publisher.publish(b"m") for _ in range(30)]
+        await publisher.close()
+        await client.close()
+        return sent
+
+    assert set(asyncio.run(asynchronous())) == set(queues)
+    # every confirmed message in one replica: 18 sync and 30 async, less the 2 that went
+    # with the deleted queue
+    assert sum(broker.queue_length(q) for q in queues) == 18 + 30 - 2
