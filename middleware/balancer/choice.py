@@ -11,6 +11,7 @@ import logging
 import random
 import time
 from collections import Counter
+from typing import TypedDict
 
 from ..errors import InvalidArgument, Unroutable
 from . import metrics
@@ -24,9 +25,19 @@ from .factors import (
 )
 from .reports import LoadReport, replica_names
 
-__all__ = ["Choice"]
+__all__ = ["Choice", "ChoiceOptions"]
 
 log = logging.getLogger(__name__)
+
+
+class ChoiceOptions(TypedDict, total=False):
+    """What a publisher of either face passes on to its ``Choice``."""
+
+    algorithm: str  # one of ALGORITHMS (default predictive)
+    stale_after: float | None  # default: 3 x the report period
+    rng: random.Random | None
+    recheck_s: float  # how often a missing replica is looked for (default 1 s)
+    stall_s: float  # how long an unconfirmed publish waits before it stalls (3 s)
 
 
 class Choice:

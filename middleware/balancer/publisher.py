@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-from typing import Self
+from typing import Self, Unpack
 
 from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, Unroutable
 from ..settings import Settings
@@ -23,7 +22,7 @@ from ..transport import (
 )
 from ..transport.message import new_message_id
 from . import metrics
-from .choice import Choice
+from .choice import Choice, ChoiceOptions
 from .reports import REPORT_EXCHANGE, replica_names
 
 __all__ = ["BalancedPublisher", "declare_replicated_topic", "subscribe_replicated"]
@@ -83,26 +82,9 @@ class BalancedPublisher(Choice):
     """
 
     def __init__(
-        self,
-        client: AsyncClient,
-        *,
-        topic: str,
-        replicas: int,
-        algorithm: str = "predictive",
-        stale_after: float | None = None,
-        rng: random.Random | None = None,
-        recheck_s: float = 1.0,
-        stall_s: float = 3.0,
+        self, client: AsyncClient, *, topic: str, replicas: int, **options: Unpack[ChoiceOptions]
     ) -> None:
-        super().__init__(
-            topic=topic,
-            replicas=replicas,
-            algorithm=algorithm,
-            stale_after=stale_after,
-            rng=rng,
-            recheck_s=recheck_s,
-            stall_s=stall_s,
-        )
+        super().__init__(topic=topic, replicas=replicas, **options)
         self.client = client
         self._stalled_sends: dict[asyncio.Task[str], int] = {}  # stalled publishes: replica
         self._recheck: asyncio.Task[None] | None = None

@@ -12,15 +12,14 @@ and a message that stalls there again goes to a live replica too."""
 from __future__ import annotations
 
 import logging
-import random
 import time
-from typing import Self
+from typing import Self, Unpack
 
 from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, Unroutable
 from ..transport import SyncClient
 from ..transport.message import new_message_id
 from . import metrics
-from .choice import Choice
+from .choice import Choice, ChoiceOptions
 from .publisher import publish_timed_out, replica_message, report_inbox, report_topology
 
 __all__ = ["SyncBalancedPublisher"]
@@ -47,22 +46,10 @@ class SyncBalancedPublisher(Choice):
         *,
         topic: str,
         replicas: int,
-        algorithm: str = "predictive",
-        stale_after: float | None = None,
-        rng: random.Random | None = None,
-        recheck_s: float = 1.0,
-        stall_s: float = 3.0,
         report_poll_s: float = 0.25,
+        **options: Unpack[ChoiceOptions],
     ) -> None:
-        super().__init__(
-            topic=topic,
-            replicas=replicas,
-            algorithm=algorithm,
-            stale_after=stale_after,
-            rng=rng,
-            recheck_s=recheck_s,
-            stall_s=stall_s,
-        )
+        super().__init__(topic=topic, replicas=replicas, **options)
         self.client, self.report_poll_s = client, report_poll_s
         self._inbox: str | None = None
         self._next_poll = self._next_recheck = 0.0
