@@ -40,7 +40,8 @@ __all__ = ["run_busy"]
 HOG = "import time\nwhile True:\n    pass\n"
 
 
-def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
+def spin(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` processes spinning on the cores (a busy machine), to be killed by PID."""
     return [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(n)]
 
 
@@ -55,7 +56,7 @@ def run_busy(
 ) -> dict[str, Any]:
     """Start and run under ``hogs`` spinning processes; the elections nobody caused, the
     events lost, and the detection of a freeze and of a kill (see the module doc)."""
-    hogging = _hogs(hogs)
+    hogging = spin(hogs)
     prefix = f"bench-busy-{int(time.time())}"
     deployment = Deployment(
         directory / prefix, prefix=prefix, amqp_urls=settings.amqp_urls, fields=fields

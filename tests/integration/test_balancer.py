@@ -348,3 +348,76 @@ def test_a_forged_load_report_is_ignored_and_counted(settings, name) -> None:
     publisher = asyncio.run(scenario())
     assert publisher.reports_refused == 2 and publisher.report is None
     assert sum(publisher.routed) == 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", FACES)
+def test_a_busy_machine_stalls_no_replica_and_loses_nothing(settings, name, face) -> None:
+    """Two processes spinning on the cores (about 2x oversubscribed with the brokers and
+    clients here) while 400 messages go over three quorum replicas with the sidecar's
+    reports: no publish fails, nothing confirmed is lost, and no healthy replica is
+    taken for stalled (a confirm slowed by the load is not a frozen node: ``stall_s``
+    3 s, the default), so nothing is resent."""
+    from qosmq_bench.phoenix_busy import spin
+
+    loop = LoopThread()
+
+    async def scenario() -> dict[str, object]:
+        names = await declare_replicated_topic(settings, name, 3)
+        subscriber = await AsyncClient(settings=settings).connect()
+        got: dict[str, int] = {}
+
+        async def handle(delivery) -> None:
+            got[delivery.message_id] = got.get(delivery.message_id, 0) + 1
+
+        await subscribe_replicated(subscriber, name, 3, handle)
+        stop = asyncio.Event()
+        sidecar = BalancerSidecar(
+            settings=settings, topic=name, replicas=3, sample_interval=0.1, report_interval=0.3
+        )
+        task = asyncio.create_task(sidecar.run(stop=stop))
+        publisher = await Balanced(face, settings, topic=name, replicas=3).start()
+        confirmed, failed, waits = [], [], []
+        hogs = spin(2)
+        try:
+            for i in range(400):
+                started = time.monotonic()
+                try:
+                    await publisher.publish(b"m", message_id=f"m{i}")
+                    confirmed.append(f"m{i}")
+                except MiddlewareError as exc:
+                    failed.append(repr(exc)[:200])
+                waits.append(time.monotonic() - started)
+                await asyncio.sleep(0.005)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait(10)
+        deadline = time.monotonic() + 30
+        while not set(confirmed) <= set(got) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        await publisher.close()
+        for q in names:
+            await subscriber.delete_queue(q)
+        await subscriber.close()
+        return {
+            "confirmed": confirmed, "failed": failed, "got": got, "routed": publisher.routed,
+            "resent": publisher.resent, "longest": max(waits),
+        }  # fmt: skip
+
+    try:
+        result = loop.run(scenario(), timeout=300)
+    finally:
+        loop.stop()
+    confirmed, got = result["confirmed"], result["got"]
+    print(
+        f"\nbusy ({face}): {len(confirmed)} confirmed, routed {result['routed']}, "
+        f"{result['resent']} resent, the longest publish {result['longest']:.2f} s"
+    )
+    assert result["failed"] == [], result["failed"][:5]
+    lost = set(confirmed) - set(got)
+    assert not lost, f"{len(lost)} confirmed messages lost"
+    assert result["resent"] == 0 and all(n == 1 for n in got.values()), result["resent"]
+    assert all(r > 0 for r in result["routed"]), result["routed"]
