@@ -5,6 +5,7 @@ watched channel, and the helpers on pika's objects its parts share (``sync.py``,
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -129,6 +130,21 @@ def basic_publish(
     )
 
 
+class _DeadlineNacks(logging.Filter):
+    """Drops pika's "Message was Nack'ed by broker" warning for the nack a
+    ``ConfirmDeadline`` handed the wait (delivery tag 0, which no broker sends): the
+    broker refused nothing, the caller hears ``ConfirmTimeout``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        deadline = bool(args) and getattr(args[0], "delivery_tag", None) == 0
+        return not (deadline and str(record.msg).startswith("Message was Nack'ed"))
+
+
+_PIKA_PUBLISH_LOG = logging.getLogger("pika.adapters.blocking_connection")
+_DEADLINE_NACKS = _DeadlineNacks()
+
+
 class ConfirmDeadline:
     """Ends a confirmed publish's wait on ``channel`` after ``within`` seconds.
 
@@ -154,6 +170,8 @@ class ConfirmDeadline:
         if self._result.ready:  # answered in the same read
             return
         self.passed = True
+        if _DEADLINE_NACKS not in _PIKA_PUBLISH_LOG.filters:  # (once, at the first deadline)
+            _PIKA_PUBLISH_LOG.addFilter(_DEADLINE_NACKS)
         self._result.set_value_once(pika.frame.Method(0, pika.spec.Basic.Nack(delivery_tag=0)))
 
     def cancel(self) -> None:

@@ -114,7 +114,8 @@ class SyncPublishing(SyncClientState):
         except Exception:
             if deadline.passed:
                 abandon(channel)
-                raise _Late(confirm_timeout(message, bound)) from None
+                named = "publish_timeout" if within is None else "the call's bound"
+                raise _Late(confirm_timeout(message, bound, bound=named)) from None
             raise
         finally:
             deadline.cancel()

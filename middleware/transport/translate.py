@@ -177,13 +177,15 @@ def translate_sync(exc: BaseException) -> MiddlewareError:
     return _lookup(_SYNC_TABLE, exc)
 
 
-def confirm_timeout(message: OutgoingMessage, within: float) -> ConfirmTimeout:
+def confirm_timeout(
+    message: OutgoingMessage, within: float, *, bound: str = "publish_timeout"
+) -> ConfirmTimeout:
     """The error of a confirmed publish the broker did not answer within ``within``
     seconds (``publish_timeout``, or a caller's own bound), on either face: it may
     still be taken (a queue without its quorum confirms when the quorum is back), so
     the caller decides."""
     return ConfirmTimeout(
         f"message {message.message_id} to {message.exchange or '(default)'}/"
-        f"{message.routing_key}: no broker confirm within publish_timeout = {within:g} s "
+        f"{message.routing_key}: no broker confirm within {bound} = {within:g} s "
         "(not sent again; the broker may still take it)"
     )
