@@ -53,7 +53,11 @@ class BalanceCell:
             raise ValueError("rate and duration must be positive, replicas >= 2")
 
 
-async def run_balance_cell(settings: Settings, cell: BalanceCell) -> dict[str, Any]:
+async def run_balance_cell(
+    settings: Settings, cell: BalanceCell, *, records: bool = False
+) -> dict[str, Any]:
+    """One cell; with ``records`` its row also carries one record per message: (message
+    id, seconds from the first send, publish -> handled ms or None if not handled)."""
     topic = f"qosmq.bench.balance.{uuid.uuid4().hex[:8]}"
     queues = await declare_replicated_topic(settings, topic, cell.replicas, kind=QueueKind.CLASSIC)
     sent: dict[str, float] = {}
@@ -105,7 +109,13 @@ async def run_balance_cell(settings: Settings, cell: BalanceCell) -> dict[str, A
             for queue in queues:
                 with contextlib.suppress(Exception):
                     await admin.delete_queue(queue)
-    return _summary(cell, sent, handled, lengths, publisher.routed, elapsed)
+    row = _summary(cell, sent, handled, lengths, publisher.routed, elapsed)
+    if records:
+        t0 = min(sent.values(), default=0.0)
+        row["records"] = [
+            (m, t - t0, (handled[m] - t) * 1000 if m in handled else None) for m, t in sent.items()
+        ]
+    return row
 
 
 async def _consumer(

@@ -144,6 +144,13 @@ def register(sub: Any) -> None:
 
     faults_arguments(job)
     job.set_defaults(run=_run_spark_faults, master="local[*]")
+    job = jobs.add_parser(
+        "balance", help="weighted dispatch, paper 001's experiment, with a report"
+    )
+    from .spark_balance import arguments as balance_arguments
+
+    balance_arguments(job)
+    job.set_defaults(run=_run_spark_balance, master="local[*]")
 
 
 def _grid_arguments(
@@ -477,6 +484,12 @@ def _run_transport(args: argparse.Namespace) -> int:
 
 def _run_spark_confirms(args: argparse.Namespace) -> int:
     from .spark_confirms import execute
+
+    return execute(args)
+
+
+def _run_spark_balance(args: argparse.Namespace) -> int:
+    from .spark_balance import execute
 
     return execute(args)
 
