@@ -41,7 +41,16 @@ from middleware.cliargs import Parser, integer, names, number, path
 from middleware.settings import Settings
 
 from . import spark_common
-from .spark_common import add_uri, drive, failure, new_result_dir, provenance, session, write_csv
+from .spark_common import (
+    add_uri,
+    drive,
+    failure,
+    new_result_dir,
+    progress_printer,
+    provenance,
+    session,
+    write_csv,
+)
 
 __all__ = ["CLAIM_P99_CUT", "aggregate", "arguments", "execute", "main"]
 
@@ -171,13 +180,9 @@ def run(args: argparse.Namespace) -> Path:
         "slow_extra_ms": args.slow_extra_ms,
     }
 
-    def progress(i: int, task: dict[str, Any], result: dict[str, Any]) -> None:
-        print(
-            f"[{i}/{len(tasks)}] {task['algorithm']} at {task['rate']:g}/s, repeat "
-            f"{task['repeat']}: {result.get('error') or 'done'}",
-            file=sys.stderr,
-            flush=True,
-        )
+    progress = progress_printer(
+        len(tasks), lambda t: f"{t['algorithm']} at {t['rate']:g}/s, repeat {t['repeat']}"
+    )
 
     try:
         driven = drive(

@@ -38,6 +38,7 @@ __all__ = [
     "new_result_dir",
     "on_executor",
     "on_executors",
+    "progress_printer",
     "session",
     "settings_payload",
     "slots",
@@ -114,6 +115,22 @@ def slots(spark: Any) -> int:
 def failure(exc: BaseException) -> dict[str, str]:
     """A task's error as data (it comes back to the driver with what finished)."""
     return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+
+
+def progress_printer(
+    total: int, describe: Callable[[dict[str, Any]], str]
+) -> Callable[[int, dict[str, Any], dict[str, Any]], None]:
+    """``drive``'s ``progress``: one line on stderr per finished task, ``[i/total]``,
+    the task as ``describe`` tells it, and its error or ``done``."""
+
+    def progress(i: int, task: dict[str, Any], result: dict[str, Any]) -> None:
+        print(
+            f"[{i}/{total}] {describe(task)}: {result.get('error') or 'done'}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return progress
 
 
 def new_result_dir(parent: Path, job: str) -> Path:

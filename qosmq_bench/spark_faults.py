@@ -42,6 +42,7 @@ from .spark_common import (
     drive,
     failure,
     new_result_dir,
+    progress_printer,
     provenance,
     session,
     write_csv,
@@ -208,13 +209,7 @@ def run(args: argparse.Namespace) -> Path:
         "work_dir": str(args.work_dir) if args.work_dir else None,
     }
 
-    def progress(i: int, task: dict[str, Any], result: dict[str, Any]) -> None:
-        print(
-            f"[{i}/{len(tasks)}] {task['kind']} at {task['rate']:g}/s: "
-            f"{result.get('error') or 'done'}",
-            file=sys.stderr,
-            flush=True,
-        )
+    progress = progress_printer(len(tasks), lambda t: f"{t['kind']} at {t['rate']:g}/s")
 
     try:
         driven = drive(

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from typing import TypedDict
 
-from ..errors import InvalidArgument, Unroutable
+from ..errors import EntityNotFound, InvalidArgument, MiddlewareError, Unroutable
 from . import metrics
 from .factors import (
     ALGORITHMS,
@@ -176,6 +176,15 @@ class Choice:
             self.missing.discard(index)
             metrics.BALANCED_MISSING.labels(self.topic).set(len(self.missing))
             log.warning("replica %s exists again: chosen again", self.queues[index])
+
+    def rechecked(self, index: int, error: MiddlewareError | None) -> None:
+        """A missing replica's queue looked for (a passive declare): ``error`` None, it
+        exists again (``back``); ``EntityNotFound``, still gone; another error, not
+        known either way (looked at again at the next recheck)."""
+        if error is None:
+            self.back(index)
+        elif not isinstance(error, EntityNotFound):
+            log.debug("replica %s not checked: %s", self.queues[index], error)
 
     # -------------------------------------------------------------- reports
     def take_report(self, body: bytes) -> bool:

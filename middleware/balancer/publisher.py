@@ -173,12 +173,10 @@ class BalancedPublisher(Choice):
             for index in sorted(self.missing):
                 try:
                     await self.client.queue_length(self.queues[index])
-                except EntityNotFound:
-                    continue
-                except MiddlewareError as exc:  # not known either way: looked at again
-                    log.debug("replica %s not checked: %s", self.queues[index], exc)
-                    continue
-                self.back(index)
+                except MiddlewareError as exc:
+                    self.rechecked(index, exc)
+                else:
+                    self.rechecked(index, None)
 
     async def _on_report(self, delivery: Delivery) -> None:
         self.take_report(delivery.body)

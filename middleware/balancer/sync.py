@@ -135,7 +135,12 @@ class SyncBalancedPublisher(Choice):
         if now >= self._next_recheck:
             self._next_recheck = now + self.recheck_s
             for index in sorted(self.missing):
-                self._recheck(index)
+                try:
+                    self.client.queue_length(self.queues[index])
+                except MiddlewareError as exc:
+                    self.rechecked(index, exc)
+                else:
+                    self.rechecked(index, None)
         for index, since in list(self._stalled_at.items()):
             if now - since >= self.recheck_s:  # tried again: a stall again is resent
                 del self._stalled_at[index]
@@ -150,13 +155,3 @@ class SyncBalancedPublisher(Choice):
         if delivery is not None and self.take_report(delivery.body) and self.report:
             # it may have waited in the inbox (the sidecar gone): as old as it was sent
             self.received_at -= max(0.0, time.time() - self.report.sent_at)
-
-    def _recheck(self, index: int) -> None:
-        try:
-            self.client.queue_length(self.queues[index])
-        except EntityNotFound:
-            return
-        except MiddlewareError as exc:  # not known either way: looked at again
-            log.debug("replica %s not checked: %s", self.queues[index], exc)
-            return
-        self.back(index)
