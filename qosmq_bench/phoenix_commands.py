@@ -161,6 +161,7 @@ def _detection_fields(args: argparse.Namespace) -> dict[str, Any]:
             ("heartbeat_interval_s", args.heartbeat_interval),
             ("heartbeat_misses", args.heartbeat_misses),
             ("slave_beat_interval_s", args.slave_beat_interval),
+            ("quiet_beat_interval_s", args.quiet_beat_interval),
             ("neighbour_check_s", args.neighbour_check),
         )
         if value is not None

@@ -155,6 +155,12 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
         "beat to their master (default: the topology's)",
     )
     phoenix.add_argument(
+        "--quiet-beat-interval",
+        type=number(0, 60),
+        help="recovery, throughput: the topology's quiet_beat_interval_s, how often a "
+        "master with nothing to do and its slaves beat (0: off; default: the topology's)",
+    )
+    phoenix.add_argument(
         "--neighbour-check",
         type=number(0, 60),
         help="recovery, throughput: the topology's neighbour_check_s (0: off; default: the "
@@ -225,6 +231,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "heartbeat_interval": ("recovery", "throughput"),
     "heartbeat_misses": ("recovery", "throughput"),
     "slave_beat_interval": ("recovery", "throughput"),
+    "quiet_beat_interval": ("recovery", "throughput"),
     "neighbour_check": ("recovery", "throughput"),
     "stream": ("recovery", "link", "leave"),
     "events": ("matching",),

@@ -312,6 +312,7 @@ def run_throughput(
                 "heartbeat_interval_s",
                 "heartbeat_misses",
                 "slave_beat_interval_s",
+                "quiet_beat_interval_s",
                 "neighbour_check_s",
                 "leases",
             )

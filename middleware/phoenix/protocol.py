@@ -133,6 +133,13 @@ class PhoenixTopology(BaseModel):
     #: hang on: half the deployment's idle control traffic was slave beats, and a slave's
     #: death is heard at once by its lease either way
     slave_beat_interval_s: float = Field(0.25, gt=0, le=60)
+    #: a master whose inbox took nothing for 5 s (``peer.QUIET_AFTER_S``) beats this often,
+    #: and so do its slaves, each beat saying so (``Beat.next_s``): the peers excuse the
+    #: longer silence, so a master frozen while quiet is found after this plus the usual
+    #: detection timeout (2.8 s at 2 s), one frozen while busy as before; the idle
+    #: deployment's beats cost a seventh.  0: always the usual intervals
+    #: (docs/phoenix-recovery.md, "Quiet beats")
+    quiet_beat_interval_s: float = Field(2.0, ge=0, le=60)
     #: beats that arrive irregularly (a busy machine) raise the silence a peer may keep
     #: before it is suspected, from ``heartbeat_misses`` intervals up to this many seconds
     #: (recovery/detector.py; a SIGKILLed role is heard at once by its lease either way;

@@ -12,6 +12,13 @@ cores are oversubscribed does not elect new masters whenever a beat is late, whi
 silent peer on a quiet machine is found as fast as before; and a dead *process* is
 not waited for at all: its lease comes back at once (:meth:`lost`, routing/beats.py).
 
+A peer that beats slowly while it has nothing to do says so (:meth:`announced`: its next
+beat comes within ``next_s``, the topology's ``quiet_beat_interval_s``): its silence is
+excused by how much longer than the usual interval that is (on top of the timeout its
+usual beats earned, so a busy machine's late beat is excused as before), and the gaps it
+announced are not fed to the estimator, so a master that goes back to its usual beats
+is judged by them again at once.
+
 A peer starts with a grace period (watched = heard now), so a role that has just
 started is not suspected before its first heartbeat can arrive.  A peer known to be gone
 (:meth:`lost`) is suspected at once, until it is heard again.
@@ -43,9 +50,14 @@ class _Gaps:
     dev: float = 0.0
     beats: int = 0  # heard since watched
     quiet_until: float = 0.0
+    #: how much longer than the usual interval its next beat may take (its last beat
+    #: announced a quiet interval); 0: the usual rule
+    excused: float = 0.0
 
     def heard(self, now: float) -> None:
         gap, self.last = now - self.last, now
+        if self.excused > 0:
+            return  # a gap it announced: not one of its usual gaps
         self.beats += 1
         if self.beats == 1:  # the wait for the first beat is no gap between beats
             return
@@ -79,10 +91,12 @@ class FailureDetector(Generic[P]):
         """The silence after which ``peer`` is suspected now (see the module doc)."""
         gaps = self._gaps.get(peer)
         floor = self.timeout_s
-        if gaps is None or gaps.beats < 3 or self.ceiling_s <= floor:
+        if gaps is None:
             return floor
+        if gaps.beats < 3 or self.ceiling_s <= floor:
+            return floor + gaps.excused
         adaptive = gaps.mean + DEVIATIONS * gaps.dev + self.interval_s
-        return min(self.ceiling_s, max(floor, adaptive))
+        return min(self.ceiling_s, max(floor, adaptive)) + gaps.excused
 
     def watch(self, peers: Iterable[P], now: float) -> None:
         """Start watching ``peers`` (already watched ones keep their last heartbeat)."""
@@ -96,6 +110,13 @@ class FailureDetector(Generic[P]):
         if gaps is not None and now > gaps.last:
             gaps.heard(now)
             self._lost.discard(peer)
+
+    def announced(self, peer: P, next_s: float | None) -> None:
+        """A beat from ``peer`` said its next one comes within ``next_s`` (None: its
+        usual interval): its silence is excused by as much more than the interval."""
+        gaps = self._gaps.get(peer)
+        if gaps is not None:
+            gaps.excused = 0.0 if next_s is None else max(0.0, next_s - self.interval_s)
 
     def lost(self, peer: P) -> None:
         """``peer`` is gone (its connection closed): suspected from now until heard."""
@@ -140,5 +161,7 @@ class FailureDetector(Generic[P]):
         }
 
     def silent_for(self, peer: P, now: float) -> float | None:
+        """How long ``peer`` has been silent beyond what its last beat excused (None:
+        not watched)."""
         gaps = self._gaps.get(peer)
-        return None if gaps is None else now - gaps.last
+        return None if gaps is None else max(0.0, now - gaps.last - gaps.excused)

@@ -70,17 +70,23 @@ def is_lease(queue: str, prefix: str) -> bool:
 log = logging.getLogger(__name__)
 
 
+#: what a beat thread sends: a body, or a function read at each beat that returns the
+#: body, or the body and how long until the next beat (a quiet master's slower pace)
+BeatSource = bytes | Callable[[], bytes | tuple[bytes, float]]
+
+
 class Beater:
     """Publishes ``body`` (or what it returns, read at each beat) to every queue of
-    ``queues`` every ``interval_s`` until stopped; :meth:`add` beats to one more queue,
-    :meth:`aim` to other queues with another body (the role a process serves changed:
-    its connection and its lease stay; no queues or no body: it only holds the lease)."""
+    ``queues`` every ``interval_s`` (or as long as it says) until stopped; :meth:`add`
+    beats to one more queue, :meth:`aim` to other queues with another body (the role a
+    process serves changed: its connection and its lease stay; no queues or no body: it
+    only holds the lease)."""
 
     def __init__(
         self,
         settings: Settings,
         queues: Sequence[str],
-        body: bytes | Callable[[], bytes] | None,
+        body: BeatSource | None,
         *,
         interval_s: float,
         ttl_ms: int,
@@ -92,7 +98,7 @@ class Beater:
         None: no lease."""
         self.settings = settings
         #: (queues, body): replaced whole, so the thread never mixes two roles' halves
-        self._target: tuple[list[str], bytes | Callable[[], bytes] | None] = (list(queues), body)
+        self._target: tuple[list[str], BeatSource | None] = (list(queues), body)
         self.lease_prefix = lease
         self.lease: str | None = None  # the lease queue held now (beats name it)
         self._lease_at = -1  # the client's reconnect count when it was taken
@@ -111,7 +117,7 @@ class Beater:
     def aim(
         self,
         queues: Sequence[str],
-        body: bytes | Callable[[], bytes] | None,
+        body: BeatSource | None,
         interval_s: float,
     ) -> None:
         """Beat ``body`` to ``queues`` every ``interval_s`` from the next beat on (the
@@ -183,9 +189,9 @@ class Beater:
                     client = SyncClient(settings=self.settings).connect()
                 if self.lease_prefix is not None:
                     self._hold_lease(client)
-                self._beat(client)
+                pace = self._beat(client)
                 # handles the connection's I/O meanwhile, waking once per beat
-                client.run(self.interval_s, step_s=self.interval_s)
+                client.run(pace, step_s=pace)
             except MiddlewareError as exc:
                 log.info("beats not sent (%s); trying again", exc)
                 self._halt.wait(self.interval_s)
@@ -200,12 +206,16 @@ class Beater:
             except Exception as exc:
                 log.info("beat connection not closed cleanly: %s", exc)
 
-    def _beat(self, client: SyncClient) -> None:
-        """One beat to every queue aimed at (none while the process serves no role yet)."""
+    def _beat(self, client: SyncClient) -> float:
+        """One beat to every queue aimed at (none while the process serves no role yet);
+        how long until the next."""
         queues, source = self._target
+        pace = self.interval_s
         body = source() if callable(source) else source
+        if isinstance(body, tuple):
+            body, pace = body
         if body is None:
-            return
+            return pace
         for queue in queues:
             # no broker ack per beat (a lost one is replaced by the next): the thread
             # wakes once per beat, not once more for each ack
@@ -221,6 +231,7 @@ class Beater:
                 )
             )
             self.sent += 1
+        return pace
 
 
 class LeaseWatch:
@@ -307,7 +318,7 @@ def beat_thread(
     name: str,
     *,
     queues: list[str],
-    body: bytes | Callable[[], bytes] | None,
+    body: BeatSource | None,
     interval_s: float,
 ) -> Beater:
     """A beat thread (not started) on a connection of its own to ``cluster``'s

@@ -115,6 +115,9 @@ class Beat(_Message):
     reply_to: str | None = None  # a master's process queue
     version: int | None = Field(None, ge=0)  # a slave's newest replica entry
     lease: str | None = None  # the sender's lease queue (routing/beats.py)
+    #: the sender beats slowly while it has nothing to do: its next beat comes within
+    #: this many seconds (``quiet_beat_interval_s``); None: at its usual interval
+    next_s: float | None = Field(None, gt=0, le=60)
 
 
 class Vote(_Message):

@@ -180,9 +180,11 @@ class Follower:
         *,
         stale: bool,
         now: float,
+        next_s: float | None = None,
     ) -> list[Effect]:
         """A beat from ``sender`` naming its ``lease``; ``stale``: sent before that
-        lease's connection closed."""
+        lease's connection closed; ``next_s``: the master is quiet, its next beat comes
+        within that (``Beat.next_s``)."""
         if sender != self.master.owner:
             return [Refuse(f"beat from {sender!r}, not {self.me}'s master")]
         if self.trust.judge(reign) is Verdict.FENCE:
@@ -194,6 +196,7 @@ class Follower:
             return []  # no sign of life
         self.detector.watch([self.master], now)
         self.detector.heard(self.master, now)
+        self.detector.announced(self.master, next_s)
         self.bully.master_heard()
         return [NameLease(lease)] if lease is not None else []
 

@@ -218,9 +218,17 @@ class ReplicaHolder(Role):
         log.warning("%s taking over %s (%s)", self.id, self.switch_to, why)
         self.stop_serving()
 
+    def quiet_beats(self) -> bool:
+        """Quiet when its master's beats are and its own inbox is (``peer.Role``)."""
+        return self.master_quiet and super().quiet_beats()
+
+    master_quiet = False  # its master's last beat came at the quiet pace
+
     async def _on_beat(self, message: Beat) -> None:
         if self.follower is None:
             return
+        if message.broker == self.id.master.owner:
+            self.master_quiet = message.next_s is not None
         effects = self.follower.beat(
             message.broker,
             Reign(message.epoch, message.by),
@@ -228,6 +236,7 @@ class ReplicaHolder(Role):
             message.lease,
             stale=self.master_watch.stale(message.lease),
             now=time.monotonic(),
+            next_s=message.next_s,
         )
         await self._follow(effects)
 

@@ -177,6 +177,7 @@ class Master(Reigns):
             if self.beater is not None:
                 self.beater.add(self.control_of(slave))
         self.slave_heard(slave.slave)
+        self.live.announced(slave.slave, message.next_s)
         if message.lease is not None:
             await watch.named(message.lease)
 

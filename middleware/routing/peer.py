@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -36,11 +37,14 @@ from .role_metrics import ROLE_EVENTS
 from .switching import Become, become, configured, take_over
 from .wiring import Connections, Handler, outgoing, outgoing_body, role_inbox_spec
 
-__all__ = ["WARM_AFTER_PROMOTION_S", "Peer", "Role"]
+__all__ = ["QUIET_AFTER_S", "WARM_AFTER_PROMOTION_S", "Peer", "Role"]
 
 log = logging.getLogger(__name__)
 #: a promoted master warms its provisioner this long after it serves (beats.py, zygote.py)
 WARM_AFTER_PROMOTION_S = 1.0
+#: a master whose inbox took nothing for this long beats at ``quiet_beat_interval_s``
+#: (when that is set), and its slaves with it
+QUIET_AFTER_S = 5.0
 
 
 class Peer(Performing):
@@ -124,10 +128,14 @@ class Peer(Performing):
         is read at each beat); the thread's connection holds this process's lease, which
         every beat names (beats.py).  The process's beater is aimed here and left
         holding the lease after (the next role aims it); a role without one starts its
-        own and stops it after."""
+        own and stops it after.  A role with nothing to do (``quiet_beats``) beats at
+        the topology's ``quiet_beat_interval_s`` instead, and each beat says so."""
 
-        def body() -> bytes:
-            return encode(beat().model_copy(update={"lease": beater.lease}))
+        def body() -> tuple[bytes, float]:
+            quiet_s = self.topology.quiet_beat_interval_s
+            slow = quiet_s > interval_s and self.quiet_beats()
+            update = {"lease": beater.lease, "next_s": quiet_s if slow else None}
+            return encode(beat().model_copy(update=update)), quiet_s if slow else interval_s
 
         beater = self.process_beater or beat_thread(
             self.settings, self.topology, self.cluster, self.connections, str(self.id),
@@ -148,6 +156,11 @@ class Peer(Performing):
             else:
                 await asyncio.to_thread(beater.stop)
             self.count("beats", beater.sent - sent)
+
+    def quiet_beats(self) -> bool:
+        """Whether this role has nothing to do now, so its beats may come slower (read
+        by the beat thread at each beat)."""
+        return False
 
     def _signal_ttl_ms(self) -> int:
         """How long a beat or vote stays worth reading: the detection timeout."""
@@ -249,8 +262,14 @@ class Role(Peer):
         #: consumer tags of the queues a promoted master had as a slave (control, inbox)
         self.former_tags: list[str] = []
         self.received = [0, 0]  # AMQP messages, Phoenix messages in them (since last read)
+        self.inbox_at = time.monotonic()  # when the inbox last gave it a message
         # inbox messages handled at once, however the deliveries are batched
         self.gate = PriorityGate(self.topology.inbox_concurrency)
+
+    def quiet_beats(self) -> bool:
+        """Its inbox gave it nothing for ``QUIET_AFTER_S`` (a slave: and its master's
+        beats are quiet too, ``holding.py``)."""
+        return time.monotonic() - self.inbox_at >= QUIET_AFTER_S
 
     def stop_serving(self) -> None:
         """The driver stops serving this role (its consumers are cancelled by tag)."""

@@ -22,3 +22,26 @@ from middleware.routing.beats import is_lease
 )
 def test_only_a_lease_queue_of_the_deployment_is_a_lease(queue: str, expected: bool) -> None:
     assert is_lease(queue, "phx") is expected
+
+
+def test_a_beat_source_may_set_the_pace_until_the_next_beat() -> None:
+    from middleware.routing.beats import Beater
+    from middleware.settings import Settings
+
+    class Client:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def publish_unwatched(self, message) -> None:
+            self.sent.append(message.body)
+
+    def beater(body) -> Beater:  # never started: no thread, no connection
+        return Beater(
+            Settings(), ["q1", "q2"], body, interval_s=0.2, ttl_ms=1000, priority=9, name="t"
+        )
+
+    client = Client()
+    assert beater(lambda: (b"quiet", 2.0))._beat(client) == 2.0
+    assert client.sent == [b"quiet", b"quiet"]
+    assert beater(b"usual")._beat(client) == 0.2 and client.sent[-1] == b"usual"
+    assert beater(None)._beat(client) == 0.2 and len(client.sent) == 4

@@ -109,3 +109,39 @@ def test_a_lost_peer_is_suspected_at_once_and_a_grace_holds_silence_off() -> Non
     detector.grace("m", now + 3.0)
     assert "m" not in detector.suspects(now + 2.9)
     assert "m" in detector.suspects(now + 3.1)
+
+
+def test_a_quiet_peer_s_announced_gap_is_excused_and_not_learnt() -> None:
+    detector = FailureDetector[str](0.2, 5, ceiling_s=2.0)
+    now = _beats(detector, "m", [0.2] * 20)
+    assert detector.timeout_for("m") == 1.0
+    detector.announced("m", 2.0)  # its next beat comes within 2 s
+    assert detector.timeout_for("m") == pytest.approx(2.8)
+    assert "m" not in detector.suspects(now + 2.7)
+    assert detector.silent_for("m", now + 2.0) == pytest.approx(0.2)  # beyond the excuse
+    assert "m" in detector.suspects(now + 2.81)  # frozen while quiet: found after 2.8 s
+    for _ in range(5):  # quiet beats, 2 s apart: never suspected, never learnt as gaps
+        now += 2.0
+        assert "m" not in detector.suspects(now - 0.01)
+        detector.heard("m", now)
+        detector.announced("m", 2.0)
+    now += 2.0
+    detector.heard("m", now)  # busy again: a beat at the usual pace
+    detector.announced("m", None)
+    assert detector.timeout_for("m") == 1.0  # judged by its usual gaps at once
+    assert "m" in detector.suspects(now + 1.01)
+    detector.announced("x", 2.0)  # not watched: nothing
+    assert detector.silent_for("x", now) is None
+
+
+def test_a_quiet_peer_keeps_the_timeout_its_irregular_beats_earned() -> None:
+    import random
+
+    rng = random.Random(2)
+    busy = FailureDetector[str](0.2, 5, ceiling_s=2.0)
+    now = _beats(busy, "m", [rng.uniform(0.2, 0.8) for _ in range(200)])
+    earned = busy.timeout_for("m")
+    assert 1.0 < earned <= 2.0
+    busy.announced("m", 2.0)
+    assert busy.timeout_for("m") == pytest.approx(earned + 1.8)
+    assert "m" not in busy.suspects(now + earned + 1.7)
