@@ -131,6 +131,9 @@ class Follower:
         self.next_reign: Reign | None = None
         self.promoted = False
         self._first_look: float | None = None  # the first of two looks that suspect
+        #: its master's last beat heard came at the quiet pace (``Beat.next_s``): this
+        #: slave's own beats may be quiet too
+        self.master_quiet = False
 
     # ------------------------------------------------------------------ inputs
     def look(self, now: float, late_s: float) -> list[Effect]:
@@ -197,6 +200,7 @@ class Follower:
         self.detector.watch([self.master], now)
         self.detector.heard(self.master, now)
         self.detector.announced(self.master, next_s)
+        self.master_quiet = next_s is not None
         self.bully.master_heard()
         return [NameLease(lease)] if lease is not None else []
 

@@ -219,16 +219,14 @@ class ReplicaHolder(Role):
         self.stop_serving()
 
     def quiet_beats(self) -> bool:
-        """Quiet when its master's beats are and its own inbox is (``peer.Role``)."""
-        return self.master_quiet and super().quiet_beats()
-
-    master_quiet = False  # its master's last beat came at the quiet pace
+        """Quiet when its master's beats are (``Follower.master_quiet``) and its own
+        inbox is (``peer.Role``)."""
+        follower = self.follower
+        return follower is not None and follower.master_quiet and super().quiet_beats()
 
     async def _on_beat(self, message: Beat) -> None:
         if self.follower is None:
             return
-        if message.broker == self.id.master.owner:
-            self.master_quiet = message.next_s is not None
         effects = self.follower.beat(
             message.broker,
             Reign(message.epoch, message.by),

@@ -149,3 +149,16 @@ def test_a_slave_whose_master_beats_looks_twice_a_second_and_in_time() -> None:
     effects = f.look(0.851, 0.0)
     assert Suspected(0.851 - 0.3, "beats") in effects  # slave-1 asks slave-0: electing
     assert f.next_look_in(0.851) == 0.05  # the election's timers are the looks
+
+
+def test_a_quiet_master_s_beats_excuse_its_gap_and_make_the_slave_quiet() -> None:
+    f = follower()
+    heard(f, 0.0)
+    assert not f.master_quiet
+    f.beat(MASTER.owner, Reign(), "p-master", None, stale=False, now=0.1, next_s=2.0)
+    assert f.master_quiet  # the slave's own beats may be quiet too
+    assert f.look(2.0, 0.0) == [] and f.look(2.5, 0.0) == []  # 2.4 s silent: excused
+    f.beat(MASTER.owner, Reign(), "p-master", None, stale=False, now=2.6)  # busy again
+    assert not f.master_quiet
+    assert f.look(3.2, 0.0) == []  # the first look that finds it silent past the floor
+    assert any(isinstance(e, Suspected) for e in f.look(3.3, 0.0))  # the usual rule again
