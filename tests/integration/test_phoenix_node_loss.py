@@ -71,7 +71,7 @@ def test_a_rabbitmq_node_lost_under_load_loses_no_confirmed_event(
         lost = sorted(confirmed - got)
         assert not lost, f"{len(lost)} confirmed events lost after {victim} ({fault}): {lost[:20]}"
         # the stream went on through the failover (publishes stall while it runs)
-        assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
+        assert len(confirmed) >= 2 * RATE and max(confirmed) >= 2 * RATE  # (_going)
         print(
             f"\n{victim} ({fault}, {face} publisher): {len(confirmed)} confirmed, 0 lost, "
             f"{failed} refused"
@@ -107,7 +107,7 @@ def test_quorum_role_queues_survive_the_node_of_an_inbox_leader(
         )
         lost = sorted(confirmed - got)
         assert not lost, f"{len(lost)} confirmed events lost after {victim} died: {lost[:20]}"
-        assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
+        assert len(confirmed) >= 2 * RATE and max(confirmed) >= 2 * RATE  # (_going)
         print(
             f"\n{victim} (inbox leader) killed: {len(confirmed)} confirmed, 0 lost, {failed} failed"
         )
@@ -268,7 +268,7 @@ def test_a_quorum_role_inbox_without_its_quorum_loses_no_confirmed_event(
             f"{failed} failed"
         )
         assert not lost, f"{len(lost)} confirmed events lost: {lost[:20]}"
-        assert len(confirmed) >= 2 * RATE and max(confirmed) > 2 * RATE
+        assert len(confirmed) >= 2 * RATE and max(confirmed) >= 2 * RATE  # (_going)
     finally:
         if loss.back is not None:
             loss.back.join()

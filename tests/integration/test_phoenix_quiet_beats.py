@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.rabbit, pytest.mark.slow, pytest.mark.chaos]
 
 MASTER = RoleId.match("B", 0)
 QUIET_S = 2.0
-WINDOW_S = 20.0  # the management API's counters are up to 5 s old at each end
+WINDOW_S = 30.0  # the management API's counters are up to 5 s old at each end
 
 
 def _published(settings, queue: str) -> int:
@@ -114,9 +114,10 @@ def test_a_quiet_master_beats_slowly_is_still_found_when_frozen_and_loses_nothin
         f"a master frozen while quiet replaced after {found:.2f} s; "
         f"{published} published, {len(set(got))} got"
     )
-    # at the usual 0.2 s a window holds about 100 beats; quiet, about 10
-    assert quiet <= 20, f"{quiet} beats in {WINDOW_S} s while quiet"
-    assert busy >= 50, f"only {busy} beats in {WINDOW_S} s while events came"
+    # at the usual 0.2 s a window holds about 150 beats; quiet, about 15 (the counters'
+    # age at either end may add a few of the other pace: 22 in 20 s once on a loaded CI)
+    assert quiet <= 45, f"{quiet} beats in {WINDOW_S} s while quiet"
+    assert busy >= 75, f"only {busy} beats in {WINDOW_S} s while events came"
     # found after the quiet interval plus the detection timeout at most, and an election
     assert found < QUIET_S + 1.0 + 3.0, f"a frozen quiet master found after {found:.2f} s"
     missing = sorted(set(range(published)) - set(got))
