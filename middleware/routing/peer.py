@@ -133,13 +133,11 @@ class Peer(Performing):
 
         def body() -> tuple[bytes, float]:
             quiet_s = self.topology.quiet_beat_interval_s
-            slow = quiet_s > interval_s and self.quiet_beats()
-            update = {"lease": beater.lease, "next_s": quiet_s if slow else None}
-            message = beat().model_copy(update=update)
+            next_s = quiet_s if quiet_s > interval_s and self.quiet_beats() else None
+            message = beat().model_copy(update={"lease": beater.lease, "next_s": next_s})
             # without its unset fields: a beat at the usual pace is one a role from
             # before ``next_s`` reads too (its messages refuse unknown fields)
-            body = message.model_dump_json(exclude_none=True).encode()
-            return body, quiet_s if slow else interval_s
+            return message.model_dump_json(exclude_none=True).encode(), next_s or interval_s
 
         beater = self.process_beater or beat_thread(
             self.settings, self.topology, self.cluster, self.connections, str(self.id),
