@@ -106,6 +106,7 @@ class Beater:
         self._release: Callable[[Action], None] | None = None  # settles the held token
         self.interval_s, self.ttl_ms, self.priority = interval_s, ttl_ms, priority
         self.sent = 0
+        self._client: SyncClient | None = None  # the thread's connection, while it has one
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"beats of {name}", daemon=True)
 
@@ -138,6 +139,13 @@ class Beater:
     def start(self) -> Beater:
         self._thread.start()
         return self
+
+    def wake(self) -> None:
+        """From any thread: beat now (the body read anew), not once the pace the last
+        beat set has passed (a quiet role that has work again: ``Beating.inbox_took``)."""
+        client = self._client
+        if client is not None:
+            client.wake()
 
     def stop(self, timeout: float = 2.0) -> None:
         if self._thread.ident is None:
@@ -186,11 +194,12 @@ class Beater:
         while not self._halt.is_set():
             try:
                 if client is None:
-                    client = SyncClient(settings=self.settings).connect()
+                    client = self._client = SyncClient(settings=self.settings).connect()
                 if self.lease_prefix is not None:
                     self._hold_lease(client)
                 pace = self._beat(client)
-                # handles the connection's I/O meanwhile, waking once per beat
+                # handles the connection's I/O meanwhile, waking once per beat (or when
+                # ``wake`` is called)
                 client.run(pace, step_s=pace)
             except MiddlewareError as exc:
                 log.info("beats not sent (%s); trying again", exc)
@@ -198,6 +207,7 @@ class Beater:
             except Exception:  # a beat thread must never die of one failure
                 log.exception("beat thread: unexpected error; trying again")
                 self._halt.wait(self.interval_s)
+        self._client = None
         if client is not None:
             try:
                 if self._release is not None and client.reconnects == self._lease_at:

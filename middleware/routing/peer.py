@@ -29,7 +29,8 @@ from ..recovery.provisioner import Provisioner
 from ..settings import Settings
 from ..transport import AsyncClient, Delivery
 from .batching import Batcher, PriorityGate
-from .beats import Beater, beat_thread, signal_ttl_ms
+from .beating import Beating
+from .beats import Beater, signal_ttl_ms
 from .messages import Answer, Beat, Configure, Fence, Message, Routed, Takeover, encode
 from .performing import Performing
 from .replica_set import ReplicaSet
@@ -47,7 +48,7 @@ WARM_AFTER_PROMOTION_S = 1.0
 QUIET_AFTER_S = 5.0
 
 
-class Peer(Performing):
+class Peer(Beating, Performing):
     """One role's voice: sends, tells and beats over its process's connections."""
 
     id: RoleId  # set by each role before it serves
@@ -116,53 +117,6 @@ class Peer(Performing):
 
     def control_of(self, role: RoleId) -> str:
         return role.control(self.topology.prefix)
-
-    async def beating(
-        self,
-        queues: list[str],
-        beat: Callable[[], Beat],
-        meanwhile: Awaitable[None],
-        interval_s: float,
-    ) -> None:
-        """Beat to ``queues`` from a thread of its own while ``meanwhile`` runs (``beat``
-        is read at each beat); the thread's connection holds this process's lease, which
-        every beat names (beats.py).  The process's beater is aimed here and left
-        holding the lease after (the next role aims it); a role without one starts its
-        own and stops it after.  A role with nothing to do (``quiet_beats``) beats at
-        the topology's ``quiet_beat_interval_s`` instead, and each beat says so."""
-
-        def body() -> tuple[bytes, float]:
-            quiet_s = self.topology.quiet_beat_interval_s
-            next_s = quiet_s if quiet_s > interval_s and self.quiet_beats() else None
-            message = beat().model_copy(update={"lease": beater.lease, "next_s": next_s})
-            # without its unset fields: a beat at the usual pace is one a role from
-            # before ``next_s`` reads too (its messages refuse unknown fields)
-            return message.model_dump_json(exclude_none=True).encode(), next_s or interval_s
-
-        beater = self.process_beater or beat_thread(
-            self.settings, self.topology, self.cluster, self.connections, str(self.id),
-            queues=queues, body=body, interval_s=interval_s,
-        )  # fmt: skip
-        sent = beater.sent
-        if beater is self.process_beater:
-            beater.aim(queues, body, interval_s)  # started by the first aim
-        else:
-            beater.start()
-        self.beater = beater
-        try:
-            await meanwhile
-        finally:
-            self.beater = None
-            if beater is self.process_beater:
-                beater.aim([], None, interval_s)  # quiet until the next role aims it
-            else:
-                await asyncio.to_thread(beater.stop)
-            self.count("beats", beater.sent - sent)
-
-    def quiet_beats(self) -> bool:
-        """Whether this role has nothing to do now, so its beats may come slower (read
-        by the beat thread at each beat)."""
-        return False
 
     def _signal_ttl_ms(self) -> int:
         """How long a beat or vote stays worth reading: the detection timeout."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Self
@@ -92,6 +93,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self._last_refusal: MiddlewareError | None = None
         self._rotation = NodeRotation(settings)
         self._live: SyncLive | None = None
+        self._woken = threading.Event()  # ``wake``: the run under way returns
         self._consumers: dict[str, SyncConsumer] = {}
         self._opened = False
         self._tag_seq = 0
@@ -265,10 +267,11 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         until: Callable[[], bool] | None = None,
         step_s: float | None = None,
     ) -> None:
-        """Process deliveries for ``seconds`` (forever if None) or until ``until()`` is true.
-        ``step_s``: the longest one step waits for I/O before the hooks run and ``until``
-        is asked (default 0.1 s, less if a hook asked for less); a thread that only
-        publishes (beats) sets its own interval and wakes no more often than that."""
+        """Process deliveries for ``seconds`` (forever if None), until ``until()`` is true
+        or until another thread calls ``wake``.  ``step_s``: the longest one step waits
+        for I/O before the hooks run and ``until`` is asked (default 0.1 s, less if a
+        hook asked for less); a thread that only publishes (beats) sets its own interval
+        and wakes no more often than that."""
         deadline = None if seconds is None else time.monotonic() + seconds
         while (deadline is None or time.monotonic() < deadline) and not (until and until()):
             step = min(STEP_S if step_s is None else step_s, self._step_s_hooks)
@@ -284,6 +287,19 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
                 self._watch_consumers(self._live)
             if self._cancelled and self._live is not None:
                 self._resubscribe_cancelled(self._live)
+            if self._woken.is_set():
+                self._woken.clear()
+                return
+
+    def wake(self) -> None:
+        """From any thread: the ``run`` under way (or the next one) returns after its
+        current step, which stops waiting for I/O at once (pika's thread-safe callback
+        ends the wait); the only call of this client another thread may make."""
+        self._woken.set()
+        live = self._live
+        if live is not None:
+            with contextlib.suppress(Exception):  # closed or closing: the run ends anyway
+                live.connection.add_callback_threadsafe(_nothing)
 
     def get(self, queue: str) -> Delivery | None:
         """Take one message (acked on receipt), or None if the queue is empty."""
@@ -432,3 +448,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self.publish(
             dead_letter_message(delivery, reason, exchange=DEAD_LETTER_EXCHANGE, limits=self.limits)
         )
+
+
+def _nothing() -> None:
+    """What ``wake`` asks the connection's thread to run: only the wake-up counts."""

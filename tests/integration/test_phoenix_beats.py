@@ -108,3 +108,40 @@ def test_the_first_aim_starts_it_and_it_beats_at_once(settings) -> None:
     for name in (queue, lease):
         client.delete_queue(name)
     client.close()
+
+
+def test_a_quiet_beater_woken_beats_at_once_not_at_the_end_of_its_pace(settings) -> None:
+    """A quiet master's beat thread waits 3 s between beats here (``Beat.next_s``); its
+    role's inbox gives it work: ``wake`` (from the event loop's thread) makes it beat
+    within a fraction of that, read anew, and the pace it then says holds."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    queue = f"{prefix}.beaten"
+    client = SyncClient(settings=settings).connect()
+    client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC, durable=False))
+    pace = {"body": b"quiet", "s": 3.0}
+    beater = Beater(
+        settings,
+        [queue],
+        lambda: (pace["body"], pace["s"]),
+        interval_s=0.2,
+        ttl_ms=60_000,
+        priority=9,
+        name="test",
+    ).start()
+    try:
+        _wait(lambda: client.queue_length(queue) >= 1)  # the first beat, at once
+        time.sleep(0.5)
+        assert _bodies(client, queue) == [b"quiet"]  # the next is 3 s away
+        pace.update(body=b"usual", s=3.0)  # the same pace: only the wake can bring it
+        woken = time.monotonic()
+        beater.wake()
+        _wait(lambda: client.queue_length(queue) >= 1, within=2.0)
+        took = time.monotonic() - woken
+        assert _bodies(client, queue) == [b"usual"]
+        assert took < 1.5, f"the woken beat came {took:.2f} s after the wake"
+        time.sleep(1.0)
+        assert _bodies(client, queue) == []  # then the pace it said: 3 s
+    finally:
+        beater.stop()
+    client.delete_queue(queue)
+    client.close()
