@@ -50,7 +50,13 @@ def outgoing(message: Message, queue: str, **options: Any) -> OutgoingMessage:
 
 
 def outgoing_body(body: bytes, queue: str, **options: Any) -> OutgoingMessage:
-    """An encoded Phoenix message or batch (``batching.encode``), straight to ``queue``."""
+    """An encoded Phoenix message or batch (``batching.encode``), straight to ``queue``.
+
+    Persistent (delivery mode 2): what a durable queue holds (events in a role inbox,
+    copies in a subscriber queue) survives its node's restart, as a confirm promises.
+    Signals that expire (``expiration_ms``: beats, votes, an operator's requests) are
+    transient: a restarted node would only drop them as stale."""
+    options.setdefault("persistent", options.get("expiration_ms") is None)
     return OutgoingMessage(body, "", queue, content_type="application/json", **options)
 
 

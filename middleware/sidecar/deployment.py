@@ -35,9 +35,9 @@ from ..routing.operator import reconfigure, take_over
 from ..routing.records import LatencyEntry, SubscriptionRecord
 from ..routing.store import open_store, ring_owner
 from ..routing.timeliness import LatencyMap
-from ..routing.wiring import cluster_settings, role_inbox_spec
+from ..routing.wiring import cluster_settings, outgoing_body, role_inbox_spec
 from ..settings import Settings
-from ..transport import AsyncClient, OutgoingMessage
+from ..transport import AsyncClient
 from ..transport.broker_info import BrokerInfo
 from .policies import mirror_role_queues
 from .processes import after_retire, reap, role_argv, terminate, wait_dead
@@ -202,7 +202,7 @@ class PhoenixDeployment:
                 queue = (router.control if own else router.inbox)(self.topology.prefix)
                 async with AsyncClient(settings=conf) as client:
                     await client.declare_queue(role_inbox_spec(queue, self.topology, client))
-                    await client.publish(OutgoingMessage(message, "", queue, priority=MAX_PRIORITY))
+                    await client.publish(outgoing_body(message, queue, priority=MAX_PRIORITY))
 
         runtime.run(announce(), event_loop=self.settings.event_loop)
         return started

@@ -47,6 +47,7 @@ from middleware.routing.messages import (
     heartbeat_value,
     parse,
 )
+from middleware.routing.wiring import outgoing
 
 ONE_OF_EACH = [
     Advertise(event_type="quotes"),
@@ -232,3 +233,14 @@ def test_roles_dispatch_by_kind_and_dead_letter_a_kind_not_theirs() -> None:
         router.store.close()
 
     asyncio.run(scenario())
+
+
+def test_phoenix_messages_are_persistent_and_expiring_signals_are_not() -> None:
+    """What a durable queue holds survives its node's restart (RabbitMQ keeps only
+    persistent messages across one); a signal that expires would be stale after it."""
+    event = {"event_type": "t", "attributes": {"n": 1}}
+    message = Publish(event_type="t", event=event, broker="b")
+    assert outgoing(message, "q").delivery_mode == 2
+    assert outgoing(message, "q", priority=3).persistent
+    assert not outgoing(message, "q", expiration_ms=500).persistent
+    assert not outgoing(message, "q", persistent=False).persistent
