@@ -142,7 +142,7 @@ def _run_phoenix_chaos(args: argparse.Namespace) -> int:
         window_s=args.window,
         cluster=cluster,
         clusters="ABCDEFGH"[: args.chaos_clusters],
-        fields=None if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max},
+        fields=_topology_fields(args) or None,
     )
     print(summarize(rows))
     broken = problems(rows)
@@ -183,6 +183,7 @@ def _run_phoenix_throughput(args: argparse.Namespace) -> int:
         keep_going=args.keep_going,
         linger_ms=args.batch_linger_ms,
         copy_batch_max=args.copy_batch_max,
+        transient=args.transient,
         report=lambda row: print(json.dumps(row), flush=True),
         beats=_detection_fields(args),
     )
@@ -292,7 +293,7 @@ def _run_phoenix_recovery(args: argparse.Namespace) -> int:
         report=report,
         fields={
             **_detection_fields(args),
-            **({} if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max}),
+            **_topology_fields(args),
         },
         confirm=args.subscriber_confirm,
     )
@@ -390,7 +391,7 @@ def _run_phoenix_timeliness(args: argparse.Namespace) -> int:
         steal_retries=steal_retries,
         inbox_mirrors=args.inbox_mirrors,
         role_queue_type=args.role_queues,
-        fields=None if args.copy_batch_max is None else {"copy_batch_max": args.copy_batch_max},
+        fields=_topology_fields(args) or None,
     )
     summary = summarize(rows)
     print(
@@ -453,3 +454,13 @@ def _cpu_and_marks(row: dict[str, Any]) -> str:
         f"  ({what}: {row[what]})" for what in ("discarded", "disturbed") if row.get(what)
     )
     return f"{_cpu_text(row.get('cpu'))}{marks}"
+
+
+def _topology_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The topology fields ``--copy-batch-max`` and ``--transient`` set (none: defaults)."""
+    fields: dict[str, Any] = {}
+    if args.copy_batch_max is not None:
+        fields["copy_batch_max"] = args.copy_batch_max
+    if args.transient:
+        fields["persistent"] = False
+    return fields

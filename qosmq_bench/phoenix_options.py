@@ -68,6 +68,13 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
         "copies for one subscriber queue in one AMQP message (default: the topology's, 1)",
     )
     phoenix.add_argument(
+        "--transient",
+        action="store_true",
+        help="throughput, recovery, rate, subscriptions, chaos: the topology's persistent = "
+        "false (events and copies transient: faster, and lost from a RabbitMQ node that "
+        "restarts)",
+    )
+    phoenix.add_argument(
         "--seed", type=integer(0, 2**31), default=1, help="chaos: the order of the faults"
     )
     phoenix.add_argument(
@@ -221,6 +228,7 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "keep_going": ("throughput",),
     "batch_linger_ms": ("throughput",),
     "copy_batch_max": ("throughput", "recovery", "rate", "subscriptions", "chaos"),
+    "transient": ("throughput", "recovery", "rate", "subscriptions", "chaos"),
     "subscriber_confirm": ("recovery",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),

@@ -250,6 +250,7 @@ def run_throughput(
     keep_going: bool = False,
     linger_ms: float | None = None,
     copy_batch_max: int | None = None,
+    transient: bool = False,
     report: Callable[[dict[str, Any]], None] = print,
     beats: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -263,6 +264,8 @@ def run_throughput(
         fields["batch_linger_ms"] = linger_ms
     if copy_batch_max is not None:
         fields["copy_batch_max"] = copy_batch_max
+    if transient:
+        fields["persistent"] = False
     workload = Workload(subscriptions)
     deployment = Deployment(
         directory / f"throughput-{subscriptions}",
@@ -306,6 +309,7 @@ def run_throughput(
         "mechanism": mechanism,
         "batch_linger_ms": deployment.topology.batch_linger_ms,
         "copy_batch_max": deployment.topology.copy_batch_max,
+        "persistent": deployment.topology.persistent,
         "detection": {
             key: getattr(deployment.topology, key)
             for key in (

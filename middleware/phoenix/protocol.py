@@ -106,6 +106,10 @@ class PhoenixTopology(BaseModel):
     #: time (an e2e batch is one e2e message with one receipt, each copy checked against
     #: the subscriber's duplicate filter as if alone: docs/phoenix.md)
     copy_batch_max: int = Field(1, ge=1, le=1000)
+    #: events, forwards and copies published persistent (delivery mode 2), so a broker
+    #: confirm means they survive their RabbitMQ node's restart; False: transient, faster
+    #: (no disk write before each hop's confirm), and what a restarted node held is lost
+    persistent: bool = True
     outer: bool = True  # latency-level priorities between clusters
     inner: bool = True  # predicted-T dispatch to match slaves inside a cluster
     #: how a match master dispatches with ``inner`` off: ``round_robin`` over itself and

@@ -159,7 +159,10 @@ class PhoenixClient:
         await self._batcher.send(self.cluster, self.core.inbox, body, 0)
 
     async def _publish_body(self, cluster: str, queue: str, body: bytes, priority: int) -> None:
-        await self.client.publish(outgoing_body(body, queue, priority=priority))
+        persistent = self.topology.persistent
+        await self.client.publish(
+            outgoing_body(body, queue, priority=priority, persistent=persistent)
+        )
 
     async def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:
         """Send an (un)subscribe; with ``wait_s``, wait for the owner's confirmation."""
@@ -333,7 +336,7 @@ class SyncPhoenixClient:
     def _send(self, message: Message) -> None:
         if self.core.inbox not in self.client.topology.queues:
             self.client.declare_queue(role_inbox_spec(self.core.inbox, self.topology, self.client))
-        self.client.publish(outgoing(message, self.core.inbox))
+        self.client.publish(outgoing(message, self.core.inbox, persistent=self.topology.persistent))
 
     def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:
         if wait_s is None:

@@ -159,7 +159,7 @@ class CopySender:
             await self._batcher.send(home, queue, body, priority, bound=bound)
             return
         progress = functools.partial(self._confirmed, home)
-        publish = client.publish(outgoing_body(body, queue))
+        publish = client.publish(outgoing_body(body, queue, persistent=self.topology.persistent))
         await bounded(publish, bound, progress, self._stretched)
 
     def _e2e_bound(self, bound: float | None) -> float | None:
@@ -185,7 +185,7 @@ class CopySender:
         client = self.known(home)
         if client is None:
             client = await self.client_for(home)
-        await client.publish(outgoing_body(body, queue))
+        await client.publish(outgoing_body(body, queue, persistent=self.topology.persistent))
 
     def _may_try(self, home: str, now: float) -> bool:
         """Whether a copy to ``home`` tries the direct way (a home not known down, or

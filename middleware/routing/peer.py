@@ -106,7 +106,10 @@ class Peer(Beating, Performing):
         self.count("amqp_sent")  # sent / amqp_sent: the mean batch size
         client = await self.client_for(cluster)
         try:
-            await client.publish(outgoing_body(body, inbox, priority=priority))
+            persistent = self.topology.persistent
+            await client.publish(
+                outgoing_body(body, inbox, priority=priority, persistent=persistent)
+            )
         except Unroutable:
             if not self._is_process_queue(inbox):
                 raise

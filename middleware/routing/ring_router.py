@@ -154,7 +154,7 @@ class RingRouter(Master):
             return
         self.count("amqp_sent")
         client = await self.client_for(cluster)
-        message = outgoing_body(body, inbox, priority=priority)
+        message = outgoing_body(body, inbox, priority=priority, persistent=self.topology.persistent)
         await self.detours.publish(client, lambda: client.publish(message, retry=False))
 
     async def finish(self) -> None:

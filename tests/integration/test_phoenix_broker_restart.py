@@ -73,6 +73,7 @@ def test_every_rabbitmq_node_restarted_under_load_loses_no_confirmed_event(
     async def scenario() -> tuple[set[int], set[int], list[str], int]:
         confirmed: set[int] = set()
         after = 0  # confirmed on the asyncio face once every node was up again
+        modes: set[bool] = set()  # the copies' persistent flags
         errors: list[str] = []
         stop = threading.Event()
         async with AsyncClient(settings=settings) as client:
@@ -111,9 +112,11 @@ def test_every_rabbitmq_node_restarted_under_load_loses_no_confirmed_event(
                 with contextlib.suppress(MiddlewareError):  # the test's reads may fail over
                     while (d := await client.get(queue)) is not None:
                         got.add(json.loads(d.body)["event"]["attributes"]["n"])
+                        modes.add(d.persistent)
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # late duplicates show here
             await at_a.close()
+        assert modes == {True}, f"copies persistent: {modes}"
         return confirmed, got, errors, after
 
     deployment.up()

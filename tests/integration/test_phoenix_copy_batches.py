@@ -3,7 +3,8 @@ for one subscriber queue that come close together in one AMQP message, and the P
 client hands them to the application one event at a time, on both faces: every event
 once, nothing lost; in a batch, an event whose handler raised is dead-lettered alone
 with its reason, one whose handler said ``Requeue`` comes back alone, a malformed
-element is dead-lettered alone, and the rest are handled.
+element is dead-lettered alone, and the rest are handled. The deployment's topology
+says ``persistent = false``, and the copies come transient.
 
 One run (the module fixture), one claim per test.  The independent counters: a third
 subscriber queue read raw by the test (AMQP messages and the events in them, by the
@@ -42,6 +43,7 @@ class Run:
     raw_events: list[int] = field(default_factory=list)  # the events in them
     largest: int = 0  # events in the largest AMQP message
     dead: list[tuple[str, str, Any]] = field(default_factory=list)  # (queue, reason, n)
+    modes: set[bool] = field(default_factory=set)  # the raw deliveries' persistent flags
 
 
 def _n(body: bytes) -> Any:
@@ -127,6 +129,7 @@ def run(brokers, module_settings, module_name, tmp_path_factory) -> Run:
                     body = json.loads(d.body)
                     copies = body if isinstance(body, list) else [body]
                     run.amqp_messages += 1
+                    run.modes.add(d.persistent)
                     run.largest = max(run.largest, len(copies))
                     for copy in copies:
                         n = copy["event"]["attributes"]["n"]
@@ -156,7 +159,9 @@ def run(brokers, module_settings, module_name, tmp_path_factory) -> Run:
             return run
 
     directory = tmp_path_factory.mktemp("copies")
-    fields = {"copy_batch_max": 32, "batch_linger_ms": 20.0}
+    # and ``persistent = false``: the copies transient (the default's copies are
+    # persistent: test_phoenix_broker_restart.py)
+    fields = {"copy_batch_max": 32, "batch_linger_ms": 20.0, "persistent": False}
     with running(directory, name, settings, ",".join(brokers.urls), NO_SLAVES, fields) as d:
         return asyncio.run(scenario(d.topology))
 
@@ -170,6 +175,10 @@ def test_copies_for_one_queue_leave_together(run: Run) -> None:
 
 def test_every_event_reaches_a_raw_reader_once(run: Run) -> None:
     assert sorted(run.raw_events) == run.published
+
+
+def test_a_transient_topology_sends_transient_copies(run: Run) -> None:
+    assert run.modes == {False}, run.modes
 
 
 @pytest.mark.parametrize("face", ["async", "sync"])
