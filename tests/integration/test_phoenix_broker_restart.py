@@ -69,17 +69,22 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
         local_cluster.up()  # together: a node with data waits for its peers
         took["up"] = time.monotonic() - start
 
+    crashed: list[BaseException] = []  # anything but a named error ends the pika stream
+
     def sync_stream(confirmed: set[int], errors: list[str], stop: threading.Event) -> None:
-        with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
-            n = SYNC_FROM
-            while not stop.is_set():
-                try:
-                    at_a.publish({"event_type": event_type, "attributes": {"n": n}})
-                    confirmed.add(n)
-                except MiddlewareError as exc:  # refused: the publisher knows, not lost
-                    errors.append(f"pika: {type(exc).__name__}: {exc}"[:200])
-                n += 1
-                time.sleep(2 / RATE)
+        try:
+            with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
+                n = SYNC_FROM
+                while not stop.is_set():
+                    try:
+                        at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                        confirmed.add(n)
+                    except MiddlewareError as exc:  # refused: the publisher knows, not lost
+                        errors.append(f"pika: {type(exc).__name__}: {exc}"[:200])
+                    n += 1
+                    time.sleep(2 / RATE)
+        except BaseException as exc:  # a traceback in the pika face: the test fails on it
+            crashed.append(exc)
 
     async def scenario() -> tuple[set[int], set[int], list[str], int]:
         confirmed: set[int] = set()
@@ -153,6 +158,7 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
     for face in ("asyncio", "pika"):
         theirs = [e for e in errors if e.startswith(face)]
         print(f"   {face}: {len(theirs)} refused", *theirs[:2], sep="\n     ")
+    assert not crashed, f"the pika face's stream died: {crashed[0]!r}"
     lost = sorted(confirmed - got)
     assert not lost, f"{len(lost)} confirmed events lost (queue): {lost[:20]}"
     lost_e2e = sorted(confirmed - set(counts))
