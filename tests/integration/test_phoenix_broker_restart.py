@@ -48,9 +48,9 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
     """``every node``: all stopped one by one, then started together; ``the inbox's
     node``: only the node that holds B's routing master's inbox (a rolling restart's
     step), so the events bound for B wait there. Where A's router inbox is on that
-    node too, a publisher connected elsewhere has its publishes into it refused while
-    it is down, each with a named error (``EntityNotFound``, ``Unroutable``: the
-    publisher knows; not lost), and one connected to it waits for it in its failover."""
+    node too, publishes into it may be refused while it is down, each with a named
+    error (``EntityNotFound``, ``Unroutable``: the publisher knows; not lost), or wait
+    for it (docs/transport.md, "Failover and recovery": the known gap)."""
     event_type, topology, deployment = _deployment(
         settings, brokers, tmp_path, name, {"A": {}, "B": {"match_slaves": 1}}
     )
