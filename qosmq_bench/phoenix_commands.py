@@ -182,10 +182,8 @@ def _run_phoenix_throughput(args: argparse.Namespace) -> int:
         idle_s=args.idle,
         keep_going=args.keep_going,
         linger_ms=args.batch_linger_ms,
-        copy_batch_max=args.copy_batch_max,
-        transient=args.transient,
         report=lambda row: print(json.dumps(row), flush=True),
-        beats=_detection_fields(args),
+        topology_fields={**_detection_fields(args), **_topology_fields(args)},
     )
     result.update(provenance(args.settings))
     print(summarize_throughput(result))

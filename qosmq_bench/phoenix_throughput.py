@@ -249,23 +249,17 @@ def run_throughput(
     behind_p99_s: float = 5.0,
     keep_going: bool = False,
     linger_ms: float | None = None,
-    copy_batch_max: int | None = None,
-    transient: bool = False,
     report: Callable[[dict[str, Any]], None] = print,
-    beats: Mapping[str, Any] | None = None,
+    topology_fields: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The idle cost, then a row per rate step (see the module's text); ``linger_ms``:
-    the topology's ``batch_linger_ms``, ``copy_batch_max`` its ``copy_batch_max`` (None:
-    their defaults); ``beats``: more topology fields, the detection's
-    (``heartbeat_interval_s``, ``heartbeat_misses``, ``slave_beat_interval_s``,
-    ``neighbour_check_s``), which set what the idle deployment costs."""
-    fields: dict[str, Any] = dict(beats or {})
+    the topology's ``batch_linger_ms`` (None: its default); ``topology_fields``: more
+    topology fields (``copy_batch_max``, ``persistent``, and the detection's
+    ``heartbeat_interval_s``, ``heartbeat_misses``, ``slave_beat_interval_s``,
+    ``neighbour_check_s``, which set what the idle deployment costs)."""
+    fields: dict[str, Any] = dict(topology_fields or {})
     if linger_ms is not None:
         fields["batch_linger_ms"] = linger_ms
-    if copy_batch_max is not None:
-        fields["copy_batch_max"] = copy_batch_max
-    if transient:
-        fields["persistent"] = False
     workload = Workload(subscriptions)
     deployment = Deployment(
         directory / f"throughput-{subscriptions}",
