@@ -273,7 +273,7 @@ def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_p
     monkeypatch.setattr(commands, "brokers_answer", lambda settings: None)  # none here
 
     def run_throughput(settings, **kwargs):  # the deployment is not started here
-        seen.update(kwargs["beats"])
+        seen.update(kwargs["topology_fields"])
         return {"idle": {"roles_pct": 0, "cpu_pct": {}, "messages_per_s": {}}, "steps": []}
 
     monkeypatch.setattr(throughput, "run_throughput", run_throughput)
