@@ -18,6 +18,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type
 from ..errors import (
     AccessRefused,
     BrokerUnreachable,
+    EntityNotFound,
     MiddlewareError,
     NotConnected,
     SubscribeTimeout,
@@ -36,6 +37,7 @@ from .coalesce import CoalescingConnection, WatchedConnection
 from .message import tls_context
 from .outbound import Limits
 from .policy import Node, async_retrying, backoff
+from .replay import HOME_DOWN, NOT_THERE, UNREACHABLE, VANISHED, Replay, Verdict
 from .topology import BindingSpec, ConsumerSpec, ExchangeSpec, QueueSpec
 from .translate import refusal_code, translate_aio
 
@@ -98,13 +100,9 @@ class Connecting(ClientState):
             self._live = live
             await live.replies.open()
             await self._start_replies(live)
+            replay = Replay(declared=frozenset(self.topology.queues))
             for spec in list(self.topology.replay_plan()):
-                try:
-                    await self._apply(live, spec)
-                except SubscribeTimeout:
-                    if not isinstance(spec, ConsumerSpec):
-                        raise
-                    self._subscribe_later(live, spec.tag)
+                await self._replay(live, replay, spec)
         except BaseException as exc:
             self._live = Down()
             with contextlib.suppress(Exception):
@@ -119,6 +117,36 @@ class Connecting(ClientState):
         metrics.broker_connected(log, self.server)
         self._ready.set()
         log.debug("connected to %s (%s)", node, self.server.describe())
+
+    async def _replay(self, live: Live, replay: Replay, spec: Any) -> None:
+        """One step of a failover's replay, as ``Replay`` says (the pika face does the same)."""
+        verdict, why = replay.before(spec), HOME_DOWN
+        if verdict is Verdict.APPLY:
+            try:
+                await self._apply(live, spec)
+                return
+            except SubscribeTimeout:
+                if not isinstance(spec, ConsumerSpec):
+                    raise
+                verdict, why = Verdict.LATER, "no answer to its subscription"
+            except EntityNotFound:
+                verdict, why = replay.not_found(spec), NOT_THERE
+                if verdict is Verdict.RAISE:
+                    raise
+        if verdict is Verdict.REDECLARE:
+            assert isinstance(spec, ConsumerSpec)
+            log.info(VANISHED, spec.queue)
+            try:
+                await self._apply(live, self.topology.queues[spec.queue])
+                await self._apply(live, spec)
+                return
+            except (EntityNotFound, SubscribeTimeout) as exc:
+                verdict, why = Verdict.LATER, str(exc)
+        if verdict is Verdict.LATER:
+            assert isinstance(spec, ConsumerSpec)
+            self._subscribe_later(live, spec.tag, why)
+        elif isinstance(spec, QueueSpec):
+            log.warning(UNREACHABLE, spec.name)
 
     def _stop_loop_watch(self) -> None:
         """After a failed or cancelled ``connect``: the caller may drop the client, and a

@@ -162,17 +162,18 @@ class ConsumerMachinery(ClientState):
             room=len(self._handling.get(tag, ())) < consumer.spec.prefetch,
         )
 
-    def _subscribe_later(self, live: Live, tag: str) -> None:
-        """A failover's replay met a ``SubscribeTimeout``: the client goes on (publishes,
-        the other consumers) while this consumer is subscribed again in the background."""
+    def _subscribe_later(self, live: Live, tag: str, why: str) -> None:
+        """A failover's replay could not subscribe this consumer (``SubscribeTimeout``, or
+        its queue not there or unreachable): the client goes on (publishes, the other
+        consumers) while this consumer is subscribed again in the background."""
         consumer = self._consumers.get(tag)
         if consumer is None:
             return
         log.warning(
-            "consumer %s: no answer to its subscription to %r; subscribing it again in the "
-            "background",
+            "consumer %s of %r: %s; subscribing it again in the background",
             tag,
             consumer.spec.queue,
+            why,
         )
         self._resubscribe_soon(live, consumer)
 

@@ -212,6 +212,10 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self.topology.forget_queue(name)
         self._call(lambda live: self._on_temp_channel(live, lambda ch: ch.queue_delete(name)))
 
+    def delete_exchange(self, name: str) -> None:
+        self.topology.forget_exchange(name)
+        self._call(lambda live: self._on_temp_channel(live, lambda ch: ch.exchange_delete(name)))
+
     def queue_length(self, name: str) -> int:
         def passive(ch: blocking.BlockingChannel) -> int:
             return int(ch.queue_declare(name, passive=True).method.message_count)

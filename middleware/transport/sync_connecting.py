@@ -26,6 +26,7 @@ from . import metrics
 from .broker_info import BrokerInfo
 from .message import tls_context
 from .policy import Node, retried, sync_retrying
+from .replay import HOME_DOWN, NOT_THERE, UNREACHABLE, VANISHED, Replay, Verdict
 from .silence import SyncSilence
 from .sync_live import (
     SyncClientState,
@@ -141,8 +142,9 @@ class SyncConnecting(SyncClientState):
             confirm.confirm_delivery()
             live = SyncLive(node, connection, confirm, self._open_watched(connection))
             self._start_replies(live)
+            replay = Replay(declared=frozenset(self.topology.queues))
             for spec in list(self.topology.replay_plan()):
-                self._replay(live, spec)
+                self._replay(live, replay, spec)
         except Exception as exc:
             close_within(connection, self.settings.close_grace)
             raise translate_sync(exc) from exc
@@ -159,26 +161,44 @@ class SyncConnecting(SyncClientState):
         metrics.broker_connected(log, self.server)
         log.debug("connected to %s (%s)", node, self.server.describe())
 
-    def _replay(self, live: SyncLive, spec: Any) -> None:
-        """One step of a failover's replay.  A consumer whose queue is not there (404) does
-        not fail the connection: a queue this client declared is declared again and
-        consumed (it vanished between the two: the broker removing a lost node's exclusive
-        queues while this client declared its own again on another node); a queue someone
-        else declares waits for the watchdog, which subscribes it again once it exists."""
-        try:
-            self._apply(live, spec)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code != 404 or not isinstance(spec, ConsumerSpec):
-                raise
-            queue = self._consumers[spec.tag].spec.queue
-            declared = self.topology.queues.get(queue)
-            if declared is None:
-                log.warning("consumer %s: queue %r not there after failover", spec.tag, queue)
-                self._cancelled[spec.tag] = time.monotonic()
+    def _replay(self, live: SyncLive, replay: Replay, spec: Any) -> None:
+        """One step of a failover's replay, as ``Replay`` says (the asyncio core does the
+        same): a queue whose home node is down is left out with its bindings, and the
+        consumers of a queue not there (or unreachable) wait for ``run``, which subscribes
+        them again once it answers."""
+        verdict, why = replay.before(spec), HOME_DOWN
+        if verdict is Verdict.APPLY:
+            try:
+                self._apply(live, spec)
                 return
-            log.info("queue %r vanished during the replay; declared again", queue)
-            self._apply(live, declared)
-            self._apply(live, spec)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                verdict, why = replay.not_found(spec), NOT_THERE
+                if verdict is Verdict.RAISE:
+                    raise
+        if verdict is Verdict.REDECLARE:
+            assert isinstance(spec, ConsumerSpec)
+            log.info(VANISHED, spec.queue)
+            try:
+                self._apply(live, self.topology.queues[spec.queue])
+                self._apply(live, spec)
+                return
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                verdict, why = Verdict.LATER, str(exc)
+        if verdict is Verdict.LATER:
+            assert isinstance(spec, ConsumerSpec)
+            log.warning(
+                "consumer %s of %r: %s; subscribing it again once it answers",
+                spec.tag,
+                spec.queue,
+                why,
+            )
+            self._cancelled[spec.tag] = time.monotonic()
+        elif isinstance(spec, QueueSpec):
+            log.warning(UNREACHABLE, spec.name)
 
     def _reopen_channel(self, live: SyncLive) -> blocking.BlockingChannel:
         channel = live.connection.channel()

@@ -73,3 +73,27 @@ def test_handler_outcomes() -> None:
     assert outcome_of(DeadLetter("schema")).reason == "schema"
     boom = outcome_of(ValueError("boom"))
     assert boom.action is Action.DEAD_LETTER and "ValueError: boom" in boom.reason
+
+
+def test_both_faces_and_their_doubles_have_the_same_topology_and_message_verbs() -> None:
+    """A service moves between the faces (and onto a test double) without losing a verb:
+    ``SyncClient.delete_exchange`` was missing while its double had it."""
+    from middleware.testing import InMemoryClient, InMemorySyncClient
+    from middleware.transport import AsyncClient, SyncClient
+
+    verbs = {
+        "declare_exchange",
+        "declare_queue",
+        "bind",
+        "delete_queue",
+        "delete_exchange",
+        "queue_length",
+        "get",
+        "publish",
+        "consume",
+        "cancel",
+        "connect",
+        "close",
+    }
+    for cls in (AsyncClient, SyncClient, InMemoryClient, InMemorySyncClient):
+        assert verbs <= set(dir(cls)), (cls.__name__, sorted(verbs - set(dir(cls))))

@@ -45,6 +45,7 @@ PURE = [
     "recovery/fencing.py",
     "recovery/flood.py",
     "recovery/links.py",
+    "transport/replay.py",  # not Phoenix: a failover's replay verdicts
 ]
 BANNED = {
     "asyncio",

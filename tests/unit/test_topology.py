@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from middleware.transport.replay import Replay, Verdict
 from middleware.transport.topology import (
     BindingSpec,
     ConsumerSpec,
@@ -186,3 +187,24 @@ def test_a_written_topology_reads_back_equal_with_defaults_left_out(tmp_path) ->
     text = path.read_text()
     assert "inbox_prefetch" not in text and "match_masters" not in text  # defaults
     assert 'from = "A"' in text and "joined = false" in text
+
+
+def test_a_replay_leaves_out_an_unreachable_queue_with_its_bindings_and_consumers() -> None:
+    """A durable classic queue whose home node is down refuses its declare with 404: the
+    failover goes on without it; its binding is skipped, its consumer waits."""
+    replay = Replay(declared=frozenset({"home", "mine"}))
+    home, other = QueueSpec("home", kind=QueueKind.CLASSIC), QueueSpec("other")
+    assert replay.before(home) is Verdict.APPLY
+    assert replay.not_found(home) is Verdict.SKIP
+    assert replay.before(other) is Verdict.APPLY
+    assert replay.before(BindingSpec("home", "x")) is Verdict.SKIP
+    assert replay.before(BindingSpec("other", "x")) is Verdict.APPLY
+    assert replay.before(ConsumerSpec("home", "c1", 10)) is Verdict.LATER
+    assert replay.before(ConsumerSpec("other", "c2", 10)) is Verdict.APPLY
+    # a consumer's 404: its own queue vanished (declared again), someone else's waits
+    assert replay.not_found(ConsumerSpec("mine", "c3", 10)) is Verdict.REDECLARE
+    assert replay.not_found(ConsumerSpec("theirs", "c4", 10)) is Verdict.LATER
+    # a binding's 404 is its exchange missing: the failover fails, as before
+    assert replay.not_found(BindingSpec("other", "gone")) is Verdict.RAISE
+    assert replay.not_found(ExchangeSpec("x")) is Verdict.RAISE
+    assert replay.unreachable == {"home"}
