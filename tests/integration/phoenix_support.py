@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import re
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -27,6 +28,7 @@ from middleware.localcluster import FaultProxy
 from middleware.phoenix.ids import RoleId
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing import ChordRing, PhoenixDeployment
+from middleware.routing.client import SyncPhoenixClient
 from middleware.settings import Settings
 from middleware.transport import AsyncClient, Delivery
 from qosmq_bench.phoenix_deploy import Deployment, phoenix_cli
@@ -307,3 +309,18 @@ def sample(text: str, metric: str, **labels: str) -> float | None:
         if line.startswith(metric + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def sync_e2e_subscriber(
+    settings: Settings,
+    topology: PhoenixTopology,
+    queue: str,
+    handled: list[int],
+    stop: threading.Event,
+    cluster: str = "A",
+) -> None:
+    """An e2e subscriber on the pika face (a thread's target) until ``stop``: appends
+    each event's attribute ``n`` to ``handled``."""
+    with SyncPhoenixClient.connect(settings, topology=topology, cluster=cluster) as client:
+        client.consume(queue, lambda ev, _m: handled.append(ev.attributes["n"]), e2e=True)
+        client.run(until=stop.is_set)

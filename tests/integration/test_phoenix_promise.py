@@ -26,7 +26,7 @@ import pytest
 
 from middleware.localcluster.manager import pid_alive
 from middleware.phoenix.ids import RoleId
-from middleware.routing.client import PhoenixClient, SyncPhoenixClient
+from middleware.routing.client import PhoenixClient
 from middleware.transport import AsyncClient
 from tests.integration.phoenix_support import (
     deployment as phoenix,
@@ -36,6 +36,7 @@ from tests.integration.phoenix_support import (
     eventually,
     eventually_async,
     owned_by,
+    sync_e2e_subscriber,
     take,
     write_topology,
 )
@@ -77,13 +78,6 @@ def _kill_during_catch_up(deployment, run: Run, start: float) -> None:
     run.kills["slave-0 replacement in catch-up"] = time.monotonic() - start
 
 
-def _sync_face(settings, topology, queue: str, run: Run, stop: threading.Event) -> None:
-    """The e2e subscriber on the pika face, in a thread of its own until ``stop``."""
-    with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
-        at_a.consume(queue, lambda ev, _m: run.handled_sync.append(ev.attributes["n"]), e2e=True)
-        at_a.run(until=stop.is_set)
-
-
 async def _scenario(settings, topology, deployment, event_type: str, name: str) -> Run:
     run = Run()
     broker_queue, e2e_queue = f"{name}.broker", f"{name}.e2e"
@@ -98,7 +92,9 @@ async def _scenario(settings, topology, deployment, event_type: str, name: str) 
         await at_a.subscribe(event_type, [("n", ">=", -1)], 1, e2e_queue, confirm="e2e")
         await at_a.subscribe(event_type, [("n", ">=", -1)], 1, sync_queue, confirm="e2e")
         sync = threading.Thread(
-            target=_sync_face, args=(settings, topology, sync_queue, run, stop), daemon=True
+            target=sync_e2e_subscriber,
+            args=(settings, topology, sync_queue, run.handled_sync, stop),
+            daemon=True,
         )
         sync.start()
 

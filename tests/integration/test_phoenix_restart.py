@@ -22,20 +22,13 @@ import pytest
 
 from middleware.routing.client import PhoenixClient, SyncPhoenixClient
 from middleware.transport import AsyncClient
-from tests.integration.phoenix_support import eventually
+from tests.integration.phoenix_support import eventually, sync_e2e_subscriber
 from tests.integration.test_phoenix_quiet_beats import _collect
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
 
 EVENTS = 300
-
-
-def _e2e_face(settings, topology, queue: str, handled: list[int], stop: threading.Event) -> None:
-    """The e2e subscriber on the pika face, in a thread of its own until ``stop``."""
-    with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as at_a:
-        at_a.consume(queue, lambda ev, _m: handled.append(ev.attributes["n"]), e2e=True)
-        at_a.run(until=stop.is_set)
 
 
 def test_a_deployment_stopped_and_started_again_loses_no_event(
@@ -48,7 +41,7 @@ def test_a_deployment_stopped_and_started_again_loses_no_event(
     handled: list[int] = []
     stop = threading.Event()
     e2e = threading.Thread(
-        target=_e2e_face, args=(settings, topology, e2e_queue, handled, stop), daemon=True
+        target=sync_e2e_subscriber, args=(settings, topology, e2e_queue, handled, stop), daemon=True
     )
 
     async def publish(numbers: range, gap_s: float = 0.01) -> None:
