@@ -24,6 +24,7 @@ pika and aiormq exceptions are translated at the transport boundary
     │   ├── GetTimeout (TimeoutError)             the broker gave up on a basic.get (no quorum)
     │   ├── SubscriptionUnconfirmed (TimeoutError)  Phoenix: W of N did not confirm a (un)subscribe
     │   ├── ReplicaTimeout (TimeoutError)         Phoenix: a replica write given up below W
+    │   ├── HopFailed                             Phoenix: a role could not pass a message on
     │   └── ResourceLocked                        an exclusive queue is a lost connection's still
     ├── PublishError                           the broker refused a publish
     │   ├── SpoolFull                             queues: the local spool is at its limit (internal)
@@ -74,6 +75,7 @@ __all__ = [
     "EntityNotFound",
     "GetTimeout",
     "HandlerInstruction",
+    "HopFailed",
     "InvalidArgument",
     "LinkDown",
     "MalformedMessage",
@@ -148,6 +150,12 @@ class ConnectionLost(BrokerUnreachable):
 class LinkDown(BrokerUnreachable):
     """Phoenix: a routing master's send to another cluster was not confirmed within the
     topology's ``link_timeout_s`` (the router looks for a detour; nothing is lost)."""
+
+
+class HopFailed(RetryableError):
+    """Phoenix: a role could not pass the message it handles on to the next role (that
+    role's inbox on a node that is down, a failover under way): the role tries it again,
+    then gives it back to its own inbox; never dead-lettered for it."""
 
 
 class WindowFull(RetryableError):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import weakref
+from asyncio import FIRST_COMPLETED
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
@@ -145,8 +147,9 @@ class AsyncConfirmPublisher:
         True when every expected queue answered in time; False when the time passed and
         the broker holds the message (within ``taken_within`` seconds), which is then
         neither resent nor waited for.  Raises ``NegativeReceipt`` for a refusal in time,
-        ``LinkDown`` when the broker did not take it within ``taken_within``, or the
-        publish's own error."""
+        ``LinkDown`` when the broker did not take it within ``taken_within``,
+        ``Unroutable`` when it returned it (published mandatory: no queue took it), or
+        the publish's own error."""
         if not self.core.profile.receipts:
             raise ValueError(f"publish_held needs an e2e mode, not {self.mode}")
         async with self._window:
@@ -159,13 +162,16 @@ class AsyncConfirmPublisher:
                 expect=expect,
                 priority=None,
             )
+            # mandatory: a copy its queue could not take (gone, or its node down: the
+            # broker acks what it routed nowhere) raises ``Unroutable`` (its ``taken``)
+            message = dataclasses.replace(message, mandatory=True)
             future = asyncio.get_running_loop().create_future()
             self._futures[message.message_id] = future
             self._sent_at[message.message_id] = time.monotonic()
             try:
                 taken = await self.client.publish_watched(message)
                 if hold_s > 0:
-                    await asyncio.wait({future}, timeout=hold_s)
+                    await _receipt_or_return(future, taken, hold_s)
                 if future.done():
                     future.result()  # a refusal raises
                     return True
@@ -426,3 +432,17 @@ class AsyncConfirmConsumer:
             log.info("could not send %d receipts: %s", len(receipts), exc)
             return False
         return True
+
+
+async def _receipt_or_return(
+    receipt: asyncio.Future[Any], taken: asyncio.Future[None], hold_s: float
+) -> None:
+    """Wait ``hold_s`` at most for the receipt, but not past a return: a message the
+    broker returned (``taken`` raises) reached no queue, and no receipt can come."""
+    until = asyncio.get_running_loop().time() + hold_s
+    done, _ = await asyncio.wait({receipt, taken}, timeout=hold_s, return_when=FIRST_COMPLETED)
+    if receipt.done() or taken not in done or taken.exception() is not None:
+        return
+    left = until - asyncio.get_running_loop().time()
+    if left > 0:
+        await asyncio.wait({receipt}, timeout=left)

@@ -15,7 +15,17 @@ from typing import Any
 from .ids import RoleId
 from .protocol import MAX_PRIORITY
 
-__all__ = ["DUE_MARGIN_S", "After", "Box", "Count", "Refuse", "Send", "Sent", "Signal"]
+__all__ = [
+    "DUE_MARGIN_S",
+    "After",
+    "Box",
+    "Count",
+    "GiveBack",
+    "Refuse",
+    "Send",
+    "Sent",
+    "Signal",
+]
 
 #: a look or check a machine schedules for the moment a bound passes comes this much
 #: after it, so the bound has passed when it runs (the follower's looks at its master,
@@ -35,6 +45,15 @@ class Count:
 class Refuse:
     """Dead-letter the message being handled with ``reason``, once the effects before
     it were done."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBack:
+    """The message being handled could not be passed on (the next role's inbox on a node
+    that is down, a failover): it is handled again a little later, and in the end goes
+    back to the role's inbox (``HopFailed``; ``serving.each``), never dead-lettered."""
 
     reason: str
 
@@ -93,7 +112,9 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class Sent:
     """An input: how a :class:`Send` with ``then`` ended (``error``: None once it was
-    confirmed, else why it was not sent)."""
+    confirmed, else why it was not sent; ``lasting``: the error is the message's own,
+    sending it again cannot help: a message the broker refuses)."""
 
     then: Any
     error: str | None = None
+    lasting: bool = False

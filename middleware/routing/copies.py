@@ -10,6 +10,9 @@ copy:
 - ``TAKEN``: e2e, the receipt did not come within the hold, the subscriber's broker
   holds the copy (``confirms/pace.py``: that queue lags);
 - ``GONE``: the queue does not exist (the subscriber deleted it): said, nothing more;
+- ``DOWN``: the queue exists but its node is down (its copy was returned): the copy is
+  carried by this cluster's routing master as an unreachable one is, and put into the
+  queue once its node is back (the home's router holds it meanwhile);
 - ``REFUSED``: the subscriber's handler rejected it: the event is dead-lettered with the
   reason, after the other copies went out;
 - ``UNREACHABLE``: the home's RabbitMQ did not take it in time: the copy is carried by
@@ -55,6 +58,7 @@ class Outcome(enum.Enum):
     GONE = "gone"
     REFUSED = "refused"
     UNREACHABLE = "unreachable"
+    DOWN = "down"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +91,14 @@ class Gone:
 
 @dataclass(frozen=True, slots=True)
 class Carry:
-    """Hand the copy to this cluster's routing master, which carries it to ``home``."""
+    """Hand the copy to this cluster's routing master, which carries it to ``home``
+    (``link``: because the way to ``home`` failed; not when the queue's node is down)."""
 
     home: str
     queue: str
     confirm: str
     reason: str
+    link: bool = True
 
 
 Effect = Count | Gone | Carry | Refuse
@@ -113,6 +119,8 @@ def settle(
             effects.append(Gone(home, queue))
         elif result.outcome is Outcome.UNREACHABLE:
             effects.append(Carry(home, queue, confirm, result.reason))
+        elif result.outcome is Outcome.DOWN:
+            effects.append(Carry(home, queue, confirm, result.reason, link=False))
         if result.outcome in (Outcome.DELIVERED, Outcome.TAKEN):
             effects.append(Count("delivered"))
     why = [f"{HOME_LEFT}: {', '.join(departed)}"] if departed else []

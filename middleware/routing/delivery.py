@@ -26,7 +26,14 @@ from typing import Any
 from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
 from ..confirms.tracking import CONTENT_HEADER, ELEMENTS_HEADER, encode_elements
-from ..errors import LinkDown, NegativeReceipt, NotConnected, RetryableError, Unroutable
+from ..errors import (
+    HopFailed,
+    LinkDown,
+    NegativeReceipt,
+    NotConnected,
+    RetryableError,
+    Unroutable,
+)
 from ..phoenix.protocol import PhoenixTopology
 from ..transport import AsyncClient
 from .batching import Batcher, encode
@@ -44,6 +51,8 @@ HOME_ERRORS = (RetryableError, NotConnected, TimeoutError)
 #: and a 16-digit content name), and headers must fit one AMQP frame (128 KB by
 #: default; a message whose headers do not is refused before it is sent)
 E2E_BATCH_MAX = 500
+#: how long the broker's answer for a subscriber queue whose copy came back is kept
+LOOK_S = 0.5
 
 
 class CopySender:
@@ -70,6 +79,10 @@ class CopySender:
         #: every ``link_retry_s``); meanwhile their copies go to the ring at once instead
         #: of each waiting ``link_timeout_s`` with an inbox slot held
         self._down: dict[str, float] = {}
+        #: the broker's answer for a subscriber queue whose copy came back (``_returned``):
+        #: one look at a time per queue, kept ``LOOK_S`` (the copies returned together at
+        #: a node's stop share it: a look each, at once, closed the connection once)
+        self._looks: dict[tuple[str, str], tuple[float, asyncio.Future[bool]]] = {}
         self._batcher = Batcher(
             self._publish_copies,
             max_messages=topology.copy_batch_max,
@@ -124,7 +137,7 @@ class CopySender:
             self._down.pop(home, None)
             return CopyOutcome(Outcome.DELIVERED)
         except Unroutable:
-            return CopyOutcome(Outcome.GONE, f"subscriber queue {queue} is gone")
+            return await self._returned(home, queue, local)
         except NegativeReceipt as exc:
             return CopyOutcome(Outcome.REFUSED, str(exc))
         except HOME_ERRORS as exc:
@@ -132,6 +145,42 @@ class CopySender:
                 raise
             self._down[home] = time.monotonic() + self.topology.link_retry_s
             return CopyOutcome(Outcome.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+
+    async def _returned(self, home: str, queue: str, local: bool) -> CopyOutcome:
+        """A copy the broker returned: its queue is gone (deleted), or there but its node
+        is down, or stopping (a durable classic queue's node; its copies are returned
+        until the node is back).  Asked of the broker: a copy is dropped only for a queue
+        that does not exist.  A local put raises (the carried copy's delivery is handled
+        again, then given back); a match broker's copy is carried (``DOWN``)."""
+        try:
+            gone = await asyncio.shield(self._look(home, queue))
+        except HOME_ERRORS as exc:
+            gone, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "its node is down"
+        if gone:
+            return CopyOutcome(Outcome.GONE, f"subscriber queue {queue} is gone")
+        if local:
+            raise HopFailed(f"subscriber queue {queue} was returned ({why})")
+        return CopyOutcome(Outcome.DOWN, f"subscriber queue {queue} was returned ({why})")
+
+    def _look(self, home: str, queue: str) -> asyncio.Future[bool]:
+        """Whether ``queue`` is gone, asked once per ``LOOK_S`` (``_looks``)."""
+        now, key = time.monotonic(), (home, queue)
+        held = self._looks.get(key)
+        if held is not None and now < held[0]:
+            return held[1]
+        if len(self._looks) > 1000:
+            self._looks = {k: v for k, v in self._looks.items() if now < v[0]}
+
+        async def look() -> bool:
+            client = self.known(home) or await self.client_for(home)
+            return await client.queue_gone(queue)
+
+        answer = asyncio.ensure_future(look())
+        answer.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self._looks[key] = (now + LOOK_S, answer)
+        return answer
 
     @classmethod
     def for_role(cls, role: Any) -> CopySender:

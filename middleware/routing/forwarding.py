@@ -11,7 +11,9 @@ entry to write, the next hop).  :class:`Forwarding` runs the loop around it:
 - the driver answers a ``SendOn`` with :meth:`Forwarding.sent` (the path the message
   took; none: the hop left the ring meanwhile): an event that entered the ring here is
   kept until its owner says it was matched (``KeptEvents``), one whose hop left is
-  routed again from here.
+  routed again from here.  The driver answers a ``Send`` to the match master with
+  :meth:`Forwarding.to_match`: one that failed takes the id back and gives the message
+  back (``GiveBack``), so it is routed when it comes again.
 - ``relay``: a message on a detour goes on to the next hop of its path; if that hop left,
   it is routed (or carried) from here.
 - ``copy``: a copy for a subscriber queue is put into the queue when its home is this
@@ -29,7 +31,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..phoenix.effects import Count, Refuse, Send
+from ..phoenix.effects import Count, GiveBack, Refuse, Send, Sent
 from ..phoenix.protocol import MAX_PRIORITY
 from ..phoenix.ring import Handover as Arc
 from .messages import (
@@ -42,13 +44,14 @@ from .messages import (
     Subscribe,
     Unsubscribe,
 )
-from .router import Forward, KeptEvents, RouterLogic, WriteEntry
+from .router import TO_MATCH, Forward, KeptEvents, RouterLogic, WriteEntry
 
 __all__ = [
     "JOINING",
     "Count",
     "Effect",
     "Forwarding",
+    "GiveBack",
     "Holds",
     "LinkReported",
     "Now",
@@ -130,7 +133,16 @@ class RouteAgain:
 
 
 Effect = (
-    Count | Refuse | WriteEntry | SendOn | Send | WaitRestored | PutHere | LinkReported | RouteAgain
+    Count
+    | Refuse
+    | GiveBack
+    | WriteEntry
+    | SendOn
+    | Send
+    | WaitRestored
+    | PutHere
+    | LinkReported
+    | RouteAgain
 )
 
 
@@ -203,6 +215,20 @@ class Forwarding:
         if self.kept.keep(message, ring.owner(message.event_type), now.mono, through=through):
             return [Count("kept_until_matched")]
         return []
+
+    def to_match(self, sent: Sent) -> list[Effect]:
+        """How a ``Send`` to this cluster's match master ended.  Not sent (its inbox's
+        node down, a failover): the id is taken back, and the message handled goes back
+        (``GiveBack``: tried again, then to this router's inbox), so that when it comes
+        again it is routed, not dropped as one routed already; a message the broker
+        refuses for itself is dead-lettered with why."""
+        kind, message_id = sent.then
+        if kind != TO_MATCH or sent.error is None:
+            return []
+        self.logic.forget(message_id)
+        if sent.lasting:
+            return [Refuse(f"not sent to the match master: {sent.error}")]
+        return [Count("sends_given_back"), GiveBack(f"not sent to the match master: {sent.error}")]
 
     def restored(self, message: RoutedMessage, holds: Holds = ()) -> list[Effect]:
         """The arc that held ``message`` was restored: where it goes now (the take-over's

@@ -188,7 +188,7 @@ class MatchBroker(Role):
             copy_id=copy_id(stamped.id, effect.queue),
             publish=stamped,
             priority=stamped.priority,
-            unreachable=True,
+            unreachable=effect.link,
         )
         # this cluster's own RabbitMQ: a failure here leaves the event unacked
         router = self.inbox_of(RoleId.router(self.cluster))

@@ -36,7 +36,14 @@ from .performing import Performing
 from .replica_set import ReplicaSet
 from .role_metrics import ROLE_EVENTS
 from .switching import Become, become, configured, take_over
-from .wiring import Connections, Handler, outgoing, outgoing_body, role_inbox_spec
+from .wiring import (
+    SEND_FAILURES,
+    Connections,
+    Handler,
+    outgoing,
+    outgoing_body,
+    role_inbox_spec,
+)
 
 __all__ = ["QUIET_AFTER_S", "WARM_AFTER_PROMOTION_S", "Peer", "Role"]
 
@@ -149,7 +156,8 @@ class Peer(Beating, Performing):
             kind = effect.message.kind.value
             if effect.then is not None:  # its machine decides what a miss means
                 log.info("%s: %s to %s not sent: %s", self.id, kind, queue, exc)
-                return Sent(effect.then, str(exc) or repr(exc))
+                lasting = not isinstance(exc, SEND_FAILURES)
+                return Sent(effect.then, str(exc) or repr(exc), lasting)
             log.warning("%s: %s to %s not sent: %s", self.id, kind, queue, exc)
             return None
         return None if effect.then is None else Sent(effect.then)

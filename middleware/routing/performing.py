@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DeadLetter
-from ..phoenix.effects import After, Count, Refuse, Send, Sent, Signal
+from ..errors import DeadLetter, HopFailed
+from ..phoenix.effects import After, Count, GiveBack, Refuse, Send, Sent, Signal
 
 __all__ = ["NO_INPUTS", "Inputs", "Performer", "Performing"]
 
@@ -57,7 +57,13 @@ class Performing:
     def performers(self) -> dict[type, Performer]:
         """How this role performs each effect type its machines return (each kind
         adds the ones of its machines, as its handler tables)."""
-        return {Count: self._count, Refuse: self._refuse, Send: self.perform, Signal: self.perform}
+        return {
+            Count: self._count,
+            Refuse: self._refuse,
+            GiveBack: self._give_back,
+            Send: self.perform,
+            Signal: self.perform,
+        }
 
     def _count(self, effect: Count) -> None:
         self.count(effect.name, effect.n)
@@ -65,6 +71,10 @@ class Performing:
     @staticmethod
     def _refuse(effect: Refuse) -> None:
         raise DeadLetter(effect.reason)
+
+    @staticmethod
+    def _give_back(effect: GiveBack) -> None:
+        raise HopFailed(effect.reason)
 
     async def enact(
         self,
@@ -75,7 +85,8 @@ class Performing:
         """Perform ``effects`` in order, each by its type (``here`` first: the
         performers bound to the input being handled, then the role's table); what a
         performer returns is performed next, before the rest.  A ``Refuse`` raises
-        there (``DeadLetter``), after the effects before it were done."""
+        there (``DeadLetter``), after the effects before it were done, and so does a
+        ``GiveBack`` (``HopFailed``: tried again, then given back to the inbox)."""
         pending = collections.deque(effects)
         table = self.performers
         while pending:
@@ -93,7 +104,11 @@ class Performing:
             if asyncio.iscoroutine(more):
                 more = await more
             if isinstance(more, Sent):
-                more = None if inputs.sent is None else inputs.sent(effect, more)
+                if inputs.sent is None:  # nobody hears it here: the send's failure is
+                    if more.error is not None:  # the input's, as for a send without then
+                        raise (DeadLetter if more.lasting else HopFailed)(more.error)
+                    continue
+                more = inputs.sent(effect, more)
             if more:
                 pending.extendleft(reversed(list(more)))
 

@@ -48,7 +48,7 @@ from .messages import (
     RoutedMessage,
     encode,
 )
-from .performing import Performer
+from .performing import Inputs, Performer
 from .replica_set import ReplicaSet
 from .router import KeptEvents, RouterLogic
 from .store import open_store, ring_owner
@@ -223,7 +223,11 @@ class RingRouter(Master):
     async def _forward(self, effects: list[ForwardingEffect]) -> None:
         """Perform the route/relay/carry effects in order; what a send or a wait gives
         back goes to the machine, and what it returns is performed next."""
-        await self.enact(effects)
+        await self.enact(effects, self._forwarding_inputs)
+
+    @functools.cached_property
+    def _forwarding_inputs(self) -> Inputs:
+        return Inputs(sent=lambda _effect, sent: self.forwarding.to_match(sent))
 
     @functools.cached_property
     def performers(self) -> dict[type, Performer]:

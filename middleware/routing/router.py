@@ -9,6 +9,8 @@ say which latencyMap entry to write (``WriteEntry``), and stamp the hop and the
 priority.  :meth:`RouterLogic.step` then says where it goes: ``Forward`` to the next
 cluster on the ring (fingers), or a ``Send`` to the inbox of the match master the
 routing table names at the owner.  :meth:`RouterLogic.relay` follows a detour's path.
+:meth:`RouterLogic.forget` takes back an id whose send to the match master failed, so
+the message is routed when it comes again.
 
 The driver (``router_roles.RouterMaster``) persists and replicates entries, sends, waits for
 an arc being restored, and asks ``step`` again when a next hop left the ring meanwhile.
@@ -31,7 +33,10 @@ from .messages import Copy, Publish, RoutedMessage, Subscribe, Unsubscribe, Unsu
 from .records import LatencyEntry, RecordError
 from .timeliness import LatencyMap
 
-__all__ = ["Forward", "KeptEvents", "RouterLogic", "WriteEntry"]
+__all__ = ["TO_MATCH", "Forward", "KeptEvents", "RouterLogic", "WriteEntry"]
+
+#: what a ``Send`` to the match master at the owner says to come back to (with the id)
+TO_MATCH = "to-match"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +149,9 @@ class RouterLogic:
         # the routing table: SHA-1 of the event type over the cluster's match masters
         # (over a take-over's P for an adopted arc's types)
         match = RoleId.match(self.cluster, master_index(et, self.masters_for(et)))
-        return Send(match, message, Box.INBOX, message.priority)
+        # how the send ends comes back (``Forwarding.to_match``): a message not sent is
+        # no longer one this router routed (the owner's id check must not drop it again)
+        return Send(match, message, Box.INBOX, message.priority, then=(TO_MATCH, message.id))
 
     def relay(self, message: RoutedMessage | Copy) -> Forward | RoutedMessage | Copy:
         """A message on a detour: ``Forward`` to the next hop of its path, or the message
@@ -156,6 +163,12 @@ class RouterLogic:
         if hop == self.cluster:
             return onward
         return Forward(hop, onward, message.priority)
+
+    def forget(self, message_id: str) -> None:
+        """``message_id`` was not routed after all (its send to the match master failed):
+        when it comes again (the inbox gives it back, the entry router sends it again)
+        it is routed, not dropped as a duplicate."""
+        self._routed.pop(message_id, None)
 
     def _routed_before(self, message_id: str) -> bool:
         if message_id in self._routed:

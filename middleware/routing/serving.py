@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,10 +26,14 @@ from .batching import PriorityGate, split
 from .messages import Message, encode
 from .role_metrics import INBOX_LENGTH, served_again
 from .timeliness import QuietReads
-from .wiring import process_queue_spec, role_inbox_spec
+from .wiring import SEND_FAILURES, process_queue_spec, role_inbox_spec
 
 if TYPE_CHECKING:
     from .peer import Role
+
+#: an inbox message not passed on (``wiring.SEND_FAILURES``) is handled again after each of
+#: these pauses (about 10 s in all), then given back to the inbox
+AGAIN_AFTER_S = (0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0)
 
 __all__ = ["Serving", "each"]
 
@@ -207,16 +212,17 @@ async def each(
         finally:
             gate.release()
 
+    handle_one = functools.partial(_passed_on, role, gated) if inbox else gated
     if len(messages) == 1 and not malformed:
-        await gated(messages[0])  # errors settle the delivery, as for any consumer
+        await handle_one(messages[0])  # errors settle the delivery, as for any consumer
         return
-    results = await asyncio.gather(*map(gated, messages), return_exceptions=True)
+    results = await asyncio.gather(*map(handle_one, messages), return_exceptions=True)
     failed = [*malformed]
     for message, result in zip(messages, results, strict=True):
         if isinstance(result, asyncio.CancelledError):
             raise result
-        if isinstance(result, Requeue):  # stepped down: the whole batch goes back (what
-            raise result  # was handled of it, the new master's dedup and e2e drop)
+        if isinstance(result, Requeue):  # stepped down, not passed on: the batch goes
+            raise result  # back (what was handled of it, the owner's and e2e dedup drop)
         if isinstance(result, BaseException):
             failed.append((encode(message), outcome_of(result).reason))
     if failed:
@@ -225,3 +231,25 @@ async def each(
             log.warning("dead-lettering one of a batch from %s: %s", delivery.queue, reason)
             await client.dead_letter(dataclasses.replace(delivery, body=body), reason)
     role.count("batches_received")
+
+
+async def _passed_on(
+    role: Role, handle: Callable[[Message], Awaitable[None]], message: Message
+) -> None:
+    """An inbox message whose onward send met a failure that passes (``wiring.
+    SEND_FAILURES``: the next role's inbox on a node that is down, a failover) is
+    handled again after a pause, as a delivery again would be; in the end it goes back
+    to the inbox (``Requeue``), never to the dead letters: it is not the message's
+    fault."""
+    for pause in (*AGAIN_AFTER_S, None):
+        try:
+            await handle(message)
+            return
+        except SEND_FAILURES as exc:
+            stopping = role.stop_event is not None and role.stop_event.is_set()
+            if pause is None or stopping:
+                raise Requeue(f"{role.id}: not passed on: {exc}") from exc
+            role.count("handled_again")
+            kind = message.kind.value
+            log.info("%s: %s not passed on (%s); again in %.2f s", role.id, kind, exc, pause)
+            await asyncio.sleep(pause)

@@ -9,13 +9,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..errors import RetryableError
+from ..errors import EntityNotFound, NotConnected, RetryableError, Unroutable
 from ..phoenix.protocol import PhoenixTopology
 from ..settings import Settings
 from ..transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
 from .messages import Message, encode
 
 __all__ = [
+    "SEND_FAILURES",
     "Connections",
     "Handler",
     "cluster_settings",
@@ -24,6 +25,12 @@ __all__ = [
     "process_queue_spec",
     "role_inbox_spec",
 ]
+
+#: what a role's send to another role may meet that passes: that role's inbox on a node
+#: that is down (returned, or its declare refused with 404), a failover, no confirm in
+#: time.  The message handled is tried again, then given back (``serving.each``); any
+#: other error of a send is the message's own (a frame the broker refuses): dead-lettered
+SEND_FAILURES = (RetryableError, Unroutable, EntityNotFound, NotConnected, TimeoutError)
 
 
 def cluster_settings(

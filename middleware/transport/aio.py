@@ -56,6 +56,7 @@ from .delivery import (
 from .message import OutgoingMessage
 from .outbound import Limits, check_message, is_reply, replies_settings
 from .policy import NodeRotation, async_retrying
+from .replay import absent
 from .topology import (
     BindingSpec,
     ConsumerSpec,
@@ -325,6 +326,25 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         except EntityNotFound:
             return False
         return True
+
+    async def queue_gone(self, name: str) -> bool:
+        """Whether the queue does not exist, asked once (no retry): a passive declare
+        refused with 404 "no queue".  One that exists but cannot be reached now (its
+        home node down, its process stopped by a node's stop) is refused with 404 too,
+        for another reason (``replay.absent``): not gone, and neither is one that
+        answers.  Other failures raise (a lost connection, ...)."""
+
+        async def passive(ch: aiormq.abc.AbstractChannel) -> None:
+            await ch.queue_declare(name, passive=True)
+
+        try:  # a channel of its own: a 404 closes it, and copies returned at a node's
+            # stop ask at once (the probe channel, closed by the first, fails the others)
+            await on_channel_of(await self._await_live(), passive)
+        except EntityNotFound as exc:
+            return not absent(str(exc))
+        except ResourceLocked:
+            return False
+        return False
 
     async def answers(self, within: float) -> bool:
         """Whether the node this client is connected to answers a round trip (a passive

@@ -53,12 +53,17 @@ async def basic_publish(
 
 
 async def publish_numbered(underlay: aiormq.Channel, message: OutgoingMessage) -> int:
-    """Queue ``message`` (not mandatory) on ``underlay`` and return the delivery tag the
-    broker gives it: on a channel the layer put in confirm mode itself (``aio_watch``),
-    the tag its ack or nack will carry; aiormq keeps no future for it."""
+    """Queue ``message`` on ``underlay`` and return the delivery tag the broker gives it:
+    on a channel the layer put in confirm mode itself (``aio_watch``), the tag its ack or
+    nack will carry; aiormq keeps no future for it (``aio_watch`` reads a mandatory
+    message's return)."""
     body = bytes(message.body)
     frames: list[object] = [
-        spec.Basic.Publish(exchange=message.exchange, routing_key=message.routing_key),
+        spec.Basic.Publish(
+            exchange=message.exchange,
+            routing_key=message.routing_key,
+            mandatory=message.mandatory,
+        ),
         ContentHeader(properties=properties(message), body_size=len(body)),
         *underlay._split_body(body),
     ]

@@ -5,7 +5,9 @@ broker (``watch.py`` says why and decides what an answer calls for); this module
 performs it: publish and note the tag, read the broker's acks and nacks off the channel,
 open a fresh channel when the one in use refused a publish (a nack), keep a retired
 channel open ``linger_s`` for the replies still addressed to it, and hand what must go
-again to the client's ``resend``.
+again to the client's ``resend``.  A waited publish that is mandatory (an e2e copy
+``publish_held`` sends straight to its queue) and that the broker returned is answered
+with ``Unroutable`` at its ack: the broker acks what it routed nowhere too.
 
 The channel is confirm-mode for the broker only: aiormq is not told (it would keep a
 future per publish and settle each one through ``call_soon``, measured at a fifth more
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -27,7 +30,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 
-from ..errors import PublishNacked
+from ..errors import PublishNacked, Unroutable
 from ..settings import RetrySettings
 from . import metrics
 from .aio_publish import publish_numbered
@@ -52,6 +55,10 @@ class _Channel:
     waiting: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     closing: bool = False  # closed by the layer (retired, or the connection went)
     replying: bool = False  # consuming direct reply-to (once: a second consume closes it)
+    #: waited mandatory publishes: tag -> message id; and the ids the broker returned
+    #: (a return comes before its publish's ack on the channel), with the reply text
+    mandatory: dict[int, str] = field(default_factory=dict)
+    returned: dict[str, str] = field(default_factory=dict)
 
 
 class WatchedReplies:
@@ -115,10 +122,14 @@ class WatchedReplies:
         """Queue ``message`` on the channel in use; the broker's answer is watched here.
         With ``wait``, also return a future of that answer (``PublishNacked`` on a nack)."""
         holder = await self._usable()
+        if message.mandatory and not wait:  # only a waited publish hears of its return
+            message = dataclasses.replace(message, mandatory=False)
         tag = await publish_numbered(holder.underlay, message)
         holder.ledger.sent(tag, message, attempt)
         if not wait:
             return None
+        if message.mandatory and message.message_id:
+            holder.mandatory[tag] = message.message_id
         answer = holder.waiting[tag] = asyncio.get_running_loop().create_future()
         answer.add_done_callback(_retrieved)  # a caller may stop waiting for it
         return answer
@@ -149,6 +160,17 @@ class WatchedReplies:
             self._answered(holder, frame)
 
         underlay._on_confirm_frame = on_answer  # type: ignore[method-assign,assignment]
+
+        async def on_return(frame: spec.Basic.Return) -> None:
+            # read as aiormq reads it (which looks for a future of its own, and there is
+            # none here): the publish's ack, which follows, answers with ``Unroutable``
+            header = await underlay._Channel__get_content_header()  # type: ignore[attr-defined]
+            message = await underlay._read_content(frame, header)
+            message_id = message.header.properties.message_id
+            if message_id is not None:
+                holder.returned[message_id] = f"{frame.reply_code} {frame.reply_text}"
+
+        underlay._on_return_frame = on_return  # type: ignore[method-assign]
         channel.close_callbacks.add(lambda _ch, exc: self._channel_closed(holder, exc))
         return holder
 
@@ -160,8 +182,11 @@ class WatchedReplies:
             tags = [t for t in holder.waiting if t <= tag] if multiple else [tag]
             for t in tags:
                 waiter = holder.waiting.pop(t, None)
+                returned = holder.returned.pop(holder.mandatory.pop(t, ""), None)
                 if waiter is not None and not waiter.done():
-                    if ok:
+                    if ok and returned is not None:
+                        waiter.set_exception(Unroutable(f"returned as unroutable: {returned}"))
+                    elif ok:
                         waiter.set_result(None)
                     else:
                         waiter.set_exception(PublishNacked(f"the broker refused publish {t}"))
@@ -175,6 +200,8 @@ class WatchedReplies:
                     error or aiormq.exceptions.ChannelInvalidStateError(f"channel closed: {exc}")
                 )
         holder.waiting.clear()
+        holder.mandatory.clear()
+        holder.returned.clear()
         if holder.closing or self._closed or self.connection.is_closed:
             holder.ledger.forget()  # the caller's to resend after failover
             return

@@ -18,7 +18,15 @@ from enum import StrEnum
 
 from .topology import BindingSpec, ConsumerSpec, ExchangeSpec, QueueSpec
 
-__all__ = ["HOME_DOWN", "NOT_THERE", "UNREACHABLE", "VANISHED", "Replay", "Verdict"]
+__all__ = [
+    "HOME_DOWN",
+    "NOT_THERE",
+    "UNREACHABLE",
+    "VANISHED",
+    "Replay",
+    "Verdict",
+    "absent",
+]
 
 #: what the faces log (the same words on both)
 UNREACHABLE = (
@@ -75,3 +83,11 @@ class Replay:
             case ConsumerSpec():
                 return Verdict.LATER
         return Verdict.RAISE
+
+
+def absent(not_found: str) -> bool:
+    """Whether a 404 (``not_found``: the broker's reply text) says the queue exists but
+    cannot be reached now: its home node down or inaccessible, its process stopped (a
+    node stopping) or crashed, or a time-out; RabbitMQ says "no queue ..." for a queue
+    that does not exist."""
+    return "no queue" not in not_found

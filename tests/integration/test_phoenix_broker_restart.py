@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -30,8 +31,11 @@ import pytest
 from middleware.errors import MiddlewareError
 from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient, SyncPhoenixClient
-from middleware.transport import AsyncClient
+from middleware.routing.wiring import role_inbox_spec
+from middleware.transport import AsyncClient, QueueKind, QueueSpec
+from middleware.transport.delivery import DEAD_LETTER_QUEUE
 from middleware.transport.management import management_get
+from tests.integration.phoenix_support import attribute, take
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
@@ -70,6 +74,7 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
         took["up"] = time.monotonic() - start
 
     crashed: list[BaseException] = []  # anything but a named error ends the pika stream
+    dead: dict[int, str] = {}  # event -> why a role dead-lettered it
 
     def sync_stream(confirmed: set[int], errors: list[str], stop: threading.Event) -> None:
         try:
@@ -131,6 +136,11 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
                         modes.add(d.persistent)
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # late duplicates show here
+            with contextlib.suppress(MiddlewareError):  # what a role dead-lettered, and why
+                while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                    reason = str((d.headers or {}).get("x-qosmq-reason", "?"))
+                    for n in re.findall(rb'"n":\s*(-?\d+)', d.body):
+                        dead[int(n)] = reason[:300]
             await at_a.close()
         assert modes == {True}, f"copies persistent: {modes}"
         return confirmed, got, errors, after
@@ -160,6 +170,12 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
         print(f"   {face}: {len(theirs)} refused", *theirs[:2], sep="\n     ")
     assert not crashed, f"the pika face's stream died: {crashed[0]!r}"
     lost = sorted(confirmed - got)
+    if lost:  # where they went: the dead letters, and what the roles warned of
+        for n in lost[:5]:
+            print(f"   lost {n}: dead-lettered: {dead.get(n, 'no')}")
+        for log_file in sorted((tmp_path / "state").glob("*.log")):
+            warned = [line for line in log_file.read_text().splitlines() if "WARNING" in line]
+            print(f"   {log_file.name}: {len(warned)} warnings", *warned[:15], sep="\n     ")
     assert not lost, f"{len(lost)} confirmed events lost (queue): {lost[:20]}"
     lost_e2e = sorted(confirmed - set(counts))
     assert not lost_e2e, f"{len(lost_e2e)} confirmed events lost (e2e): {lost_e2e[:20]}"
@@ -167,3 +183,107 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
     assert not twice, f"the e2e handler was given {len(twice)} twice: {twice[:20]}"
     assert after >= 2 * RATE, "the stream did not go on once every node was up again"
     assert any(n >= SYNC_FROM for n in confirmed), "the pika face confirmed nothing"
+
+
+WAITING = 15  # events each face publishes while the node is down
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+@pytest.mark.parametrize("held", ["the match master's inbox", "the subscriber's queues"])
+def test_events_wait_for_a_queue_on_a_node_that_is_down(
+    held, fault, settings, brokers, local_cluster, tmp_path: Path, name: str
+) -> None:
+    """One node holds only B's match master's inbox, or only the subscriber's two
+    queues (broker-confirmed and e2e; declared there first); it is stopped (or
+    SIGKILLed) and both client faces publish at A.  The role before the queue cannot pass
+    the events on: it holds each (handled again after a pause, then given back to its
+    own inbox; a copy is carried to the home's router, which holds it), and none is
+    dead-lettered or dropped; once the node is back every event reaches the
+    broker-confirmed queue and the e2e subscriber, once.  Until 2026-12-06 B's router
+    dead-lettered every event (its handler raised ``Unroutable``), and the match master
+    took a copy returned by a queue whose node is down for a deleted queue's: dropped."""
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {}}
+    )
+    queue, e2e_queue = f"{name}.sub", f"{name}.e2e"
+    node = local_cluster.layout.nodes[-1]
+    far = settings.model_copy(update={"amqp_urls": (brokers.urls[-1],)})
+    if held == "the match master's inbox":
+        inbox = RoleId.match("B", 0).inbox(topology.prefix)
+        specs = [role_inbox_spec(inbox, topology, None)]
+    else:
+        specs = [QueueSpec(q, kind=QueueKind.CLASSIC) for q in (queue, e2e_queue)]
+
+    async def declare_far() -> None:
+        async with AsyncClient(settings=far) as client:
+            for spec in specs:
+                await client.declare_queue(spec)
+
+    handled: list[int] = []
+    dead: dict[int, str] = {}
+    took: list[float] = []
+
+    async def scenario() -> tuple[set[int], set[int]]:
+        confirmed: set[int] = set()
+        async with AsyncClient(settings=settings) as client:
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            await at_a.subscribe(event_type, [("n", ">=", 0)], 1, e2e_queue, confirm="e2e")
+
+            async def handler(ev, _message) -> None:
+                handled.append(ev.attributes["n"])
+
+            await at_a.consume(e2e_queue, handler, e2e=True)
+            fail = local_cluster.stop if fault == "stop" else local_cluster.kill
+            await asyncio.to_thread(fail, node.short_name)
+
+            def sync_face() -> None:
+                with SyncPhoenixClient.connect(settings, topology=topology, cluster="A") as pika:
+                    for n in range(SYNC_FROM, SYNC_FROM + WAITING):
+                        pika.publish({"event_type": event_type, "attributes": {"n": n}})
+                        confirmed.add(n)
+
+            for n in range(WAITING):
+                await at_a.publish({"event_type": event_type, "attributes": {"n": n}})
+                confirmed.add(n)
+            await asyncio.to_thread(sync_face)
+            await asyncio.sleep(2.0)  # the role before the queue meets it down
+            await asyncio.to_thread(local_cluster.start, node.short_name)
+            back = time.monotonic()
+            got: set[int] = set()
+            while time.monotonic() < back + 60 and not (
+                confirmed <= got and confirmed <= set(handled)
+            ):
+                with contextlib.suppress(MiddlewareError):  # the queue's consumer comes back
+                    got |= {attribute(m) for m in await take(client, queue)}
+                await asyncio.sleep(0.2)
+            took.append(time.monotonic() - back)
+            await asyncio.sleep(1.0)  # late duplicates show here
+            with contextlib.suppress(MiddlewareError):
+                while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                    reason = str((d.headers or {}).get("x-qosmq-reason", "?"))
+                    for n in re.findall(rb'"n":\s*(-?\d+)', d.body):
+                        dead[int(n)] = reason[:200]
+            await at_a.close()
+        return confirmed, got
+
+    asyncio.run(declare_far())
+    for spec in specs:
+        held_by = management_get(settings, f"/api/queues/%2F/{quote(spec.name, safe='')}")
+        assert held_by["node"] == node.node_name, held_by
+    deployment.up()
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, queue))
+        confirmed, got = asyncio.run(scenario())
+    finally:
+        deployment.down()
+    counts = Counter(n for n in handled if n >= 0)
+    print(
+        f"\n{held}, {fault}: {len(confirmed)} confirmed while the node was down,"
+        f" {len(got & confirmed)} at the queue, {len(set(counts) & confirmed)} handled e2e,"
+        f" {len(set(dead) & confirmed)} dead-lettered; all through {took[0]:.1f} s after"
+        " the node's start"
+    )
+    assert not set(dead) & confirmed, f"dead-lettered: {sorted(dead.items())[:5]}"
+    assert confirmed <= got, f"lost (queue): {sorted(confirmed - got)[:20]}"
+    assert confirmed <= set(counts), f"lost (e2e): {sorted(confirmed - set(counts))[:20]}"
+    assert all(k == 1 for k in counts.values()), f"handled twice: {counts.most_common(3)}"

@@ -37,6 +37,16 @@ def test_each_outcome_takes_its_own_effect_and_one_subscriber_never_costs_anothe
     ]
 
 
+def test_a_copy_whose_queue_s_node_is_down_is_carried_without_reporting_the_link() -> None:
+    """Returned by a durable queue whose node is down (or stopping) is not gone: until
+    2026-12-06 it was taken as gone and the copy dropped, lost at a node's stop."""
+    outcomes = [(("A", "q1"), "broker", CopyOutcome(Outcome.DOWN, "its node is down"))]
+    assert settle(outcomes, [], again=False) == [
+        Count("copies_down"),
+        Carry("A", "q1", "broker", "its node is down", link=False),
+    ]
+
+
 def test_a_refusal_and_a_departed_home_dead_letter_the_event_last_with_every_reason() -> None:
     outcomes = [
         (("A", "q1"), "e2e", CopyOutcome(Outcome.REFUSED, "q1: rejected")),

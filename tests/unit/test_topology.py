@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from middleware.transport.replay import Replay, Verdict
+from middleware.transport.replay import Replay, Verdict, absent
 from middleware.transport.topology import (
     BindingSpec,
     ConsumerSpec,
@@ -208,3 +208,13 @@ def test_a_replay_leaves_out_an_unreachable_queue_with_its_bindings_and_consumer
     assert replay.not_found(BindingSpec("other", "gone")) is Verdict.RAISE
     assert replay.not_found(ExchangeSpec("x")) is Verdict.RAISE
     assert replay.unreachable == {"home"}
+
+
+def test_a_404_says_whether_the_queue_is_there_but_out_of_reach() -> None:
+    """RabbitMQ 3.10's texts (rabbit_amqqueue: not_found/1, priv_absent/4)."""
+    assert not absent("NOT_FOUND - no queue 'q' in vhost '/'")
+    assert absent(
+        "NOT_FOUND - home node 'rabbit@b' of durable queue 'q' in vhost '/' is down or inaccessible"
+    )
+    assert absent("NOT_FOUND - queue 'q' in vhost '/' process is stopped by supervisor")
+    assert absent("NOT_FOUND - queue 'q' in vhost '/' has crashed and failed to restart")

@@ -1,0 +1,130 @@
+"""``serving.each``: an inbox message whose onward send failed for a reason that passes
+(the next role's inbox on a node that is down, a failover) is handled again after a
+pause and in the end given back to the inbox, never dead-lettered; a message's own
+fault is dead-lettered as before.  (Until 2026-12-06 every such failure dead-lettered
+the event: a confirmed event gone from the flow at a RabbitMQ node's stop.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from middleware.errors import DeadLetter, HopFailed, Requeue, Unroutable
+from middleware.phoenix.ids import RoleId
+from middleware.routing import serving
+from middleware.routing.batching import encode as batch
+from middleware.routing.matching import Event
+from middleware.routing.messages import Message, Publish, encode
+from middleware.transport import Delivery
+
+
+class _Role:
+    """What ``each`` asks of a role."""
+
+    def __init__(self) -> None:
+        self.id = RoleId.router("B")
+        self.received = [0, 0]
+        self.counts: Counter[str] = Counter()
+        self.fenced = False
+        self.stop_event: asyncio.Event | None = None
+
+    def inbox_took(self) -> None:
+        pass
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def urgency(self, _message: Message) -> int:
+        return 0
+
+
+def _delivery(*ns: int) -> Delivery:
+    messages = [
+        Publish(event_type="t", event=Event(event_type="t", attributes={"n": n}), id=f"e{n}")
+        for n in ns
+    ]
+    bodies = [encode(m) for m in messages]
+    body = bodies[0] if len(bodies) == 1 else batch(bodies)
+    return Delivery(body=body, queue="p.B.router", delivery_tag=1)
+
+
+def _failing(failures: dict[int, list[BaseException]], handled: list[int]) -> Any:
+    async def handle(message: Message) -> None:
+        assert isinstance(message, Publish)
+        n = message.event.attributes["n"]
+        handled.append(n)
+        if failures.get(n):
+            raise failures[n].pop(0)
+
+    return handle
+
+
+@pytest.fixture(autouse=True)
+def _short_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving, "AGAIN_AFTER_S", (0.001, 0.001, 0.001))
+
+
+def test_a_send_that_failed_and_then_went_through_is_handled_again_in_place() -> None:
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {
+        1: [Unroutable("inbox's node down"), HopFailed("x")]
+    }
+    asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+    assert handled == [1, 1, 1]
+    assert role.counts["handled_again"] == 2
+
+
+def test_a_send_that_keeps_failing_gives_the_message_back_to_the_inbox() -> None:
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
+    with pytest.raises(Requeue, match="not passed on: down"):
+        asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+    assert handled == [1] * 4  # once, and once after each pause
+
+
+def test_a_role_that_stops_gives_it_back_at_once() -> None:
+    role, handled = _Role(), []
+    role.stop_event = asyncio.Event()
+    role.stop_event.set()
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
+    with pytest.raises(Requeue):
+        asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+    assert handled == [1]
+
+
+def test_the_message_s_own_fault_is_not_tried_again() -> None:
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {1: [DeadLetter("malformed filter")]}
+    with pytest.raises(DeadLetter):
+        asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+    assert handled == [1]
+
+
+def test_a_control_message_is_not_tried_again() -> None:
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {1: [Unroutable("gone")]}
+    with pytest.raises(Unroutable):
+        coroutine = serving.each(role, _delivery(1), _failing(failures, handled), inbox=False)  # type: ignore[arg-type]
+        asyncio.run(coroutine)
+    assert handled == [1]
+
+
+def test_a_batch_whose_element_keeps_failing_goes_back_whole() -> None:
+    """The others were handled: when the batch comes again the owner's id check and the
+    e2e filter drop what they passed on."""
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {2: [HopFailed("down")] * 10}
+    with pytest.raises(Requeue):
+        asyncio.run(serving.each(role, _delivery(1, 2, 3), _failing(failures, handled)))  # type: ignore[arg-type]
+    assert Counter(handled) == {1: 1, 2: 4, 3: 1}
+
+
+def test_a_batch_whose_element_failed_once_is_settled_whole() -> None:
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {2: [HopFailed("down")]}
+    asyncio.run(serving.each(role, _delivery(1, 2, 3), _failing(failures, handled)))  # type: ignore[arg-type]
+    assert Counter(handled) == {1: 1, 2: 2, 3: 1}
+    assert role.counts["batches_received"] == 1
