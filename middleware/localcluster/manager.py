@@ -478,9 +478,16 @@ def spawn_daemon(argv: list[str], env: dict[str, str], log_path: Path) -> int:
 
 
 def _port_in_use(port: int) -> bool:
+    """Whether something listens on ``port``.  A port in the kernel's ephemeral range
+    that nothing listens on may still take the connection: the kernel can pick that
+    very port as the probe's own, and the socket connects to itself (Linux's TCP
+    self-connect; a unit test's cluster at base port 31000 was refused once for its
+    Erlang port 51000): not in use."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.settimeout(0.5)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+        if probe.connect_ex(("127.0.0.1", port)) != 0:
+            return False
+        return bool(probe.getsockname()[1] != port)
 
 
 def _check_installed() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LocalCluster:
     monkeypatch.setattr(manager, "RABBITMQ_BIN", tmp_path / "bin")
     monkeypatch.setattr(manager, "_amqp_handshake", lambda port, timeout: True)
     monkeypatch.setattr(manager, "BOOT_RACE_DELAY_S", 0.05)
-    c = LocalCluster(ClusterLayout(state_dir=tmp_path / "state", size=1, base_port=31000))
+    # ports below the kernel's ephemeral range (32768-60999): nothing binds them here
+    c = LocalCluster(ClusterLayout(state_dir=tmp_path / "state", size=1, base_port=3100))
     c._prepare_dirs()
     return c
 
@@ -86,3 +88,12 @@ def test_any_other_start_up_failure_is_reported_at_once(cluster, tmp_path) -> No
 def test_lost_boot_race_reads_the_start_up_output() -> None:
     assert lost_boot_race(RACE)
     assert not lost_boot_race("BOOT FAILED\n{error,{cannot_log_to_file,eacces}}\n")
+
+
+def test_a_port_nothing_listens_on_is_free_and_one_with_a_listener_is_not() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert manager._port_in_use(port)
+    assert not manager._port_in_use(port)
