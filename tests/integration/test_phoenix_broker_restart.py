@@ -45,6 +45,18 @@ SECONDS = 45.0  # the stream; the restart starts 1 s in and takes about 30 s (an
 SYNC_FROM = 100_000  # the pika face's numbers
 
 
+async def _dead_lettered(client: AsyncClient) -> dict[int, str]:
+    """What a role dead-lettered (the layer's dead-letter queue, read empty): event ->
+    why."""
+    dead: dict[int, str] = {}
+    with contextlib.suppress(MiddlewareError):  # (no dead letter yet: no queue)
+        while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+            reason = str((d.headers or {}).get("x-qosmq-reason", "?"))
+            for n in re.findall(rb'"n":\s*(-?\d+)', d.body):
+                dead[int(n)] = reason[:300]
+    return dead
+
+
 @pytest.mark.parametrize("restarted", ["every node", "the inbox's node"])
 def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
     restarted, settings, brokers, local_cluster, tmp_path: Path, name: str
@@ -136,11 +148,7 @@ def test_rabbitmq_nodes_restarted_under_load_lose_no_confirmed_event(
                         modes.add(d.persistent)
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # late duplicates show here
-            with contextlib.suppress(MiddlewareError):  # what a role dead-lettered, and why
-                while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
-                    reason = str((d.headers or {}).get("x-qosmq-reason", "?"))
-                    for n in re.findall(rb'"n":\s*(-?\d+)', d.body):
-                        dead[int(n)] = reason[:300]
+            dead.update(await _dead_lettered(client))
             await at_a.close()
         assert modes == {True}, f"copies persistent: {modes}"
         return confirmed, got, errors, after
@@ -258,11 +266,7 @@ def test_events_wait_for_a_queue_on_a_node_that_is_down(
                 await asyncio.sleep(0.2)
             took.append(time.monotonic() - back)
             await asyncio.sleep(1.0)  # late duplicates show here
-            with contextlib.suppress(MiddlewareError):
-                while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
-                    reason = str((d.headers or {}).get("x-qosmq-reason", "?"))
-                    for n in re.findall(rb'"n":\s*(-?\d+)', d.body):
-                        dead[int(n)] = reason[:200]
+            dead.update(await _dead_lettered(client))
             await at_a.close()
         return confirmed, got
 
