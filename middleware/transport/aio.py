@@ -315,36 +315,35 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         """Whether the queue exists, asked once (no retry): an exclusive queue held by
         another connection (405) is there; one not found (404) is not.  Other failures
         raise (a lost connection, ...)."""
-
-        async def passive(ch: aiormq.abc.AbstractChannel) -> None:
-            await ch.queue_declare(name, passive=True)
-
-        try:
-            await on_probe_channel(await self._await_live(), passive)
-        except ResourceLocked:
-            return True
-        except EntityNotFound:
-            return False
-        return True
+        return await self._refused_passively(name, on_probe_channel) is None
 
     async def queue_gone(self, name: str) -> bool:
         """Whether the queue does not exist, asked once (no retry): a passive declare
         refused with 404 "no queue".  One that exists but cannot be reached now (its
         home node down, its process stopped by a node's stop) is refused with 404 too,
         for another reason (``replay.absent``): not gone, and neither is one that
-        answers.  Other failures raise (a lost connection, ...)."""
+        answers.  Asked on a channel of its own: a 404 closes it, and the copies returned
+        at a node's stop ask at once (the probe channel, closed by the first, would fail
+        the others).  Other failures raise (a lost connection, ...)."""
+        refused = await self._refused_passively(name, on_channel_of)
+        return refused is not None and not absent(str(refused))
+
+    async def _refused_passively(
+        self, name: str, on: Callable[[Live, Callable[[Any], Awaitable[Any]]], Awaitable[Any]]
+    ) -> EntityNotFound | None:
+        """A passive declare of ``name`` once, on the channel ``on`` gives: the 404 that
+        refused it, or None (there; an exclusive queue held by another connection too)."""
 
         async def passive(ch: aiormq.abc.AbstractChannel) -> None:
             await ch.queue_declare(name, passive=True)
 
-        try:  # a channel of its own: a 404 closes it, and copies returned at a node's
-            # stop ask at once (the probe channel, closed by the first, fails the others)
-            await on_channel_of(await self._await_live(), passive)
-        except EntityNotFound as exc:
-            return not absent(str(exc))
+        try:
+            await on(await self._await_live(), passive)
         except ResourceLocked:
-            return False
-        return False
+            return None
+        except EntityNotFound as exc:
+            return exc
+        return None
 
     async def answers(self, within: float) -> bool:
         """Whether the node this client is connected to answers a round trip (a passive

@@ -62,6 +62,19 @@ def _failing(failures: dict[int, list[BaseException]], handled: list[int]) -> An
     return handle
 
 
+def _each(
+    role: _Role,
+    failures: dict[int, list[BaseException]],
+    handled: list[int],
+    *ns: int,
+    inbox: bool = True,
+) -> None:
+    """``serving.each`` on a delivery of events ``ns`` (one: alone; more: a batch)."""
+    delivery = _delivery(*(ns or (1,)))
+    handle = _failing(failures, handled)
+    asyncio.run(serving.each(role, delivery, handle, inbox=inbox))  # type: ignore[arg-type]
+
+
 @pytest.fixture(autouse=True)
 def _short_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serving, "AGAIN_AFTER_S", (0.001, 0.001, 0.001))
@@ -72,7 +85,7 @@ def test_a_send_that_failed_and_then_went_through_is_handled_again_in_place() ->
     failures: dict[int, list[BaseException]] = {
         1: [Unroutable("inbox's node down"), HopFailed("x")]
     }
-    asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+    _each(role, failures, handled)
     assert handled == [1, 1, 1]
     assert role.counts["handled_again"] == 2
 
@@ -81,7 +94,7 @@ def test_a_send_that_keeps_failing_gives_the_message_back_to_the_inbox() -> None
     role, handled = _Role(), []
     failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
     with pytest.raises(Requeue, match="not passed on: down"):
-        asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+        _each(role, failures, handled)
     assert handled == [1] * 4  # once, and once after each pause
 
 
@@ -91,7 +104,7 @@ def test_a_role_that_stops_gives_it_back_at_once() -> None:
     role.stop_event.set()
     failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
     with pytest.raises(Requeue):
-        asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+        _each(role, failures, handled)
     assert handled == [1]
 
 
@@ -99,7 +112,7 @@ def test_the_message_s_own_fault_is_not_tried_again() -> None:
     role, handled = _Role(), []
     failures: dict[int, list[BaseException]] = {1: [DeadLetter("malformed filter")]}
     with pytest.raises(DeadLetter):
-        asyncio.run(serving.each(role, _delivery(1), _failing(failures, handled)))  # type: ignore[arg-type]
+        _each(role, failures, handled)
     assert handled == [1]
 
 
@@ -107,8 +120,7 @@ def test_a_control_message_is_not_tried_again() -> None:
     role, handled = _Role(), []
     failures: dict[int, list[BaseException]] = {1: [Unroutable("gone")]}
     with pytest.raises(Unroutable):
-        coroutine = serving.each(role, _delivery(1), _failing(failures, handled), inbox=False)  # type: ignore[arg-type]
-        asyncio.run(coroutine)
+        _each(role, failures, handled, inbox=False)
     assert handled == [1]
 
 
@@ -118,13 +130,13 @@ def test_a_batch_whose_element_keeps_failing_goes_back_whole() -> None:
     role, handled = _Role(), []
     failures: dict[int, list[BaseException]] = {2: [HopFailed("down")] * 10}
     with pytest.raises(Requeue):
-        asyncio.run(serving.each(role, _delivery(1, 2, 3), _failing(failures, handled)))  # type: ignore[arg-type]
+        _each(role, failures, handled, 1, 2, 3)
     assert Counter(handled) == {1: 1, 2: 4, 3: 1}
 
 
 def test_a_batch_whose_element_failed_once_is_settled_whole() -> None:
     role, handled = _Role(), []
     failures: dict[int, list[BaseException]] = {2: [HopFailed("down")]}
-    asyncio.run(serving.each(role, _delivery(1, 2, 3), _failing(failures, handled)))  # type: ignore[arg-type]
+    _each(role, failures, handled, 1, 2, 3)
     assert Counter(handled) == {1: 1, 2: 2, 3: 1}
     assert role.counts["batches_received"] == 1
