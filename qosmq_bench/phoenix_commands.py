@@ -455,10 +455,12 @@ def _cpu_and_marks(row: dict[str, Any]) -> str:
 
 
 def _topology_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The topology fields ``--copy-batch-max`` and ``--transient`` set (none: defaults)."""
+    """The topology fields ``--copy-batch-max``, ``--inbox-prefetch``,
+    ``--inbox-concurrency`` and ``--transient`` set (none: defaults)."""
     fields: dict[str, Any] = {}
-    if args.copy_batch_max is not None:
-        fields["copy_batch_max"] = args.copy_batch_max
+    for name in ("copy_batch_max", "inbox_prefetch", "inbox_concurrency"):
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
     if args.transient:
         fields["persistent"] = False
     return fields

@@ -68,6 +68,20 @@ def add_phoenix_arguments(phoenix: argparse.ArgumentParser) -> None:
         "copies for one subscriber queue in one AMQP message (default: the topology's, 1)",
     )
     phoenix.add_argument(
+        "--inbox-prefetch",
+        type=integer(1, 1000),
+        default=None,
+        help="throughput, recovery, rate: the topology's inbox_prefetch, deliveries a role "
+        "holds unacknowledged (default: the topology's, 16)",
+    )
+    phoenix.add_argument(
+        "--inbox-concurrency",
+        type=integer(1, 10_000),
+        default=None,
+        help="throughput, recovery, rate: the topology's inbox_concurrency, inbox messages "
+        "a role handles at once (default: the topology's, 64)",
+    )
+    phoenix.add_argument(
         "--transient",
         action="store_true",
         help="throughput, recovery, rate, subscriptions, chaos: the topology's persistent = "
@@ -229,6 +243,8 @@ PHOENIX_OPTIONS: dict[str, tuple[str, ...]] = {
     "batch_linger_ms": ("throughput",),
     "copy_batch_max": ("throughput", "recovery", "rate", "subscriptions", "chaos"),
     "transient": ("throughput", "recovery", "rate", "subscriptions", "chaos"),
+    "inbox_prefetch": ("throughput", "recovery", "rate"),
+    "inbox_concurrency": ("throughput", "recovery", "rate"),
     "subscriber_confirm": ("recovery",),
     "departed_masters": ("leave",),
     "leave_after": ("leave",),

@@ -289,6 +289,24 @@ def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_p
     }
 
 
+def test_the_inbox_fields_reach_the_throughput_deployment(monkeypatch, tmp_path) -> None:
+    """``--inbox-prefetch`` and ``--inbox-concurrency`` set the topology's fields."""
+    import qosmq_bench.phoenix_commands as commands
+    import qosmq_bench.phoenix_throughput as throughput
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(commands, "brokers_answer", lambda settings: None)  # none here
+
+    def run_throughput(settings, **kwargs):  # the deployment is not started here
+        seen.update(kwargs["topology_fields"])
+        return {"idle": {"roles_pct": 0, "cpu_pct": {}, "messages_per_s": {}}, "steps": []}
+
+    monkeypatch.setattr(throughput, "run_throughput", run_throughput)
+    argv = ["bench", "phoenix", "--experiment", "throughput", "--work-dir", str(tmp_path)]
+    assert main([*argv, "--inbox-prefetch", "64", "--inbox-concurrency", "128"]) == 0
+    assert seen == {"inbox_prefetch": 64, "inbox_concurrency": 128}
+
+
 def test_the_detection_fields_are_refused_where_nothing_reads_them(capsys, tmp_path) -> None:
     argv = ["bench", "phoenix", "--experiment", "matching", "--slave-beat-interval", "1"]
     assert main([*argv, "--work-dir", str(tmp_path)]) == 2
