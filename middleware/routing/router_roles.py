@@ -48,7 +48,7 @@ from .replicas import TOMBSTONE, live
 from .ring_records import RingRecords, hold_open, open_hand_backs
 from .router_leave import LeavingRouter
 from .store import open_store, ring_owner
-from .wiring import Handler
+from .wiring import SEND_FAILURES, Handler
 
 __all__ = ["RouterMaster", "RouterSlave"]
 
@@ -179,12 +179,20 @@ class RouterMaster(LeavingRouter):
         """One subscription of the arc this cluster joins with (or one removed while the
         previous owner held it), from the previous owner's match master (to this control
         queue, so that the arc's events held in the inbox do not keep it out): routed to
-        this cluster's match master like any other (``Forwarding.handed``)."""
+        this cluster's match master like any other (``Forwarding.handed``).  One whose
+        send failed for a reason that passes (the match master's inbox on a node that is
+        down) comes again (``serving.HANDED``): counted routed for the join's hold when
+        it was, or failed for good."""
         await self._ring_applied.wait()
+        routed = True
         try:
             await self._forward(self.forwarding.handed(message, self._now(), self._holds()))
+        except SEND_FAILURES:
+            routed = False
+            raise
         finally:
-            await self._join_effects(self.join_hold.routed(time.monotonic()))
+            if routed:
+                await self._join_effects(self.join_hold.routed(time.monotonic()))
 
     async def _on_handed_over(self, message: HandedOver) -> None:
         if message.cluster != self.cluster:

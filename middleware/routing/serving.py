@@ -23,7 +23,7 @@ from ..errors import MiddlewareError, Requeue
 from ..transport import AsyncClient, Delivery
 from ..transport.delivery import outcome_of
 from .batching import PriorityGate, split
-from .messages import Message, encode
+from .messages import Message, Subscribe, Unsubscribe, encode
 from .role_metrics import INBOX_LENGTH, served_again
 from .timeliness import QuietReads
 from .wiring import SEND_FAILURES, process_queue_spec, role_inbox_spec
@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 #: an inbox message not passed on (``wiring.SEND_FAILURES``) is handled again after each of
 #: these pauses (about 10 s in all), then given back to the inbox
 AGAIN_AFTER_S = (0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0)
+#: control-queue kinds handled again and given back like inbox messages when their
+#: onward send fails: a subscription of an arc handed over at a join (to the joiner's
+#: routing master's control queue), which is lost if it is dead-lettered; the other
+#: control messages are signals their machines send again, or that expire
+HANDED = (Subscribe, Unsubscribe)
 
 __all__ = ["Serving", "each"]
 
@@ -192,8 +197,8 @@ async def each(
     """Handle every message a delivery carries (one, or a batch: concurrently, so their
     onward sends batch again), each through ``gate`` when given.  In a batch, a
     malformed element or one whose handling failed is dead-lettered alone, with its
-    reason; the rest are handled.  ``inbox``: counted in ``role.received`` (what the
-    inbox took; control messages, beats among them, are not)."""
+    reason; the rest are handled.  ``inbox``: counted in ``role.received`` (control
+    messages, beats among them, are not), and handled again (``_passed_on``)."""
     messages, malformed = split(delivery.body)
     if inbox:
         role.inbox_took()  # (a quiet role beats at the usual pace again)
@@ -212,7 +217,7 @@ async def each(
         finally:
             gate.release()
 
-    handle_one = functools.partial(_passed_on, role, gated) if inbox else gated
+    handle_one = functools.partial(_passed_on, role, gated, inbox)
     if len(messages) == 1 and not malformed:
         await handle_one(messages[0])  # errors settle the delivery, as for any consumer
         return
@@ -234,13 +239,16 @@ async def each(
 
 
 async def _passed_on(
-    role: Role, handle: Callable[[Message], Awaitable[None]], message: Message
+    role: Role, handle: Callable[[Message], Awaitable[None]], inbox: bool, message: Message
 ) -> None:
-    """An inbox message whose onward send met a failure that passes (``wiring.
-    SEND_FAILURES``: the next role's inbox on a node that is down, a failover) is
-    handled again after a pause, as a delivery again would be; in the end it goes back
-    to the inbox (``Requeue``), never to the dead letters: it is not the message's
-    fault."""
+    """An inbox message (or a handed subscription on the control queue: ``HANDED``)
+    whose onward send met a failure that passes (``wiring.SEND_FAILURES``: the next
+    role's inbox on a node that is down, a failover) is handled again after a pause, as
+    a delivery again would be; in the end it goes back to its queue (``Requeue``), never
+    to the dead letters: it is not the message's fault."""
+    if not inbox and not isinstance(message, HANDED):
+        await handle(message)  # a control signal: its machine sends it again, or it expires
+        return
     for pause in (*AGAIN_AFTER_S, None):
         try:
             await handle(message)

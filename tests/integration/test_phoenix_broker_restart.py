@@ -31,11 +31,18 @@ import pytest
 from middleware.errors import MiddlewareError
 from middleware.phoenix.ids import RoleId
 from middleware.routing.client import PhoenixClient, SyncPhoenixClient
+from middleware.routing.matching import Filter
+from middleware.routing.messages import Subscribe, encode
 from middleware.routing.wiring import role_inbox_spec
-from middleware.transport import AsyncClient, QueueKind, QueueSpec
+from middleware.transport import AsyncClient, OutgoingMessage, QueueKind, QueueSpec
 from middleware.transport.delivery import DEAD_LETTER_QUEUE
 from middleware.transport.management import management_get
-from tests.integration.phoenix_support import attribute, take
+from tests.integration.phoenix_support import (
+    attribute,
+    event,
+    take,
+    until_delivered,
+)
 from tests.integration.test_phoenix_recovery import _deployment, _subscribe
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
@@ -291,3 +298,81 @@ def test_events_wait_for_a_queue_on_a_node_that_is_down(
     assert confirmed <= got, f"lost (queue): {sorted(confirmed - got)[:20]}"
     assert confirmed <= set(counts), f"lost (e2e): {sorted(confirmed - set(counts))[:20]}"
     assert all(k == 1 for k in counts.values()), f"handled twice: {counts.most_common(3)}"
+
+
+def test_a_handed_subscription_waits_for_a_match_master_inbox_on_a_node_that_is_down(
+    settings, brokers, local_cluster, tmp_path: Path, name: str
+) -> None:
+    """One node holds only B's match master's inbox, and is stopped.  A subscription of
+    an arc handed over at a join comes to B's routing master's control queue, as the
+    previous owner's match master sends it (persistent; that master forgets it once
+    sent); B's router cannot pass it on.  It is handled again and given back, never
+    dead-lettered, and once the node is back B's match master matches events with it.
+    Until 2026-12-07 the control queue's consumer dead-lettered it (``HopFailed``): the
+    subscription was gone from the arc.  (A real join cannot be timed to meet the node
+    down: the joiner's match master must serve before the hand-over, and stops when
+    its inbox cannot be declared.)"""
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {}}
+    )
+    queue = f"{name}.handed"
+    node = local_cluster.layout.nodes[-1]
+    far = settings.model_copy(update={"amqp_urls": (brokers.urls[-1],)})
+    inbox = RoleId.match("B", 0).inbox(topology.prefix)
+    control = RoleId.router("B").control(topology.prefix)
+    handed = Subscribe(
+        subscription_id="handed-1",
+        event_type=event_type,
+        filter=Filter.parse([("n", ">=", 1000)]).spec(),
+        queue=queue,
+        latency_level=1,
+        home="A",
+        hops=["A"],
+    )
+
+    async def declare_far() -> None:
+        async with AsyncClient(settings=far) as client:
+            await client.declare_queue(role_inbox_spec(inbox, topology, None))
+
+    async def hand_over() -> None:
+        async with AsyncClient(settings=settings) as client:
+            await client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+            body = encode(handed)
+            await client.publish(OutgoingMessage(body, routing_key=control, persistent=True))
+
+    async def after() -> tuple[list[dict], list[str]]:
+        async with AsyncClient(settings=settings) as client:
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            got = await until_delivered(
+                client,
+                queue,
+                lambda k: at_a.publish(event(event_type, n=1000 + k)),
+                "an event for the handed subscription",
+                seconds=90,
+            )
+            dead: list[str] = []  # this test's dead letters: what and why
+            with contextlib.suppress(MiddlewareError):  # (no dead letter yet: no queue)
+                while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                    why = str((d.headers or {}).get("x-qosmq-reason", "?"))[:200]
+                    if event_type.encode() in d.body:
+                        dead.append(f"{d.body[:80]!r}: {why}")
+            return got, dead
+
+    asyncio.run(declare_far())
+    held_by = management_get(settings, f"/api/queues/%2F/{quote(inbox, safe='')}")
+    assert held_by["node"] == node.node_name, held_by
+    deployment.up()
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, f"{name}.sub"))
+        local_cluster.stop(node.short_name)
+        asyncio.run(hand_over())
+        time.sleep(3.0)  # B's router meets the match master's inbox down
+        local_cluster.start(node.short_name)
+        back = time.monotonic()
+        got, dead = asyncio.run(after())
+        took = time.monotonic() - back
+    finally:
+        deployment.down()
+    print(f"\nhanded subscription: matched {took:.1f} s after the node's start; dead: {dead}")
+    assert not dead, f"dead-lettered: {dead}"
+    assert any(attribute(m) >= 1000 for m in got), got

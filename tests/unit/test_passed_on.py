@@ -17,7 +17,7 @@ from middleware.phoenix.ids import RoleId
 from middleware.routing import serving
 from middleware.routing.batching import encode as batch
 from middleware.routing.matching import Event
-from middleware.routing.messages import Message, Publish, encode
+from middleware.routing.messages import Message, Publish, Subscribe, encode
 from middleware.transport import Delivery
 
 
@@ -140,3 +140,31 @@ def test_a_batch_whose_element_failed_once_is_settled_whole() -> None:
     _each(role, failures, handled, 1, 2, 3)
     assert Counter(handled) == {1: 1, 2: 2, 3: 1}
     assert role.counts["batches_received"] == 1
+
+
+def _handed(failures: list[BaseException], handled: list[str]) -> Any:
+    async def handle(message: Message) -> None:
+        assert isinstance(message, Subscribe)
+        handled.append(message.subscription_id)
+        if failures:
+            raise failures.pop(0)
+
+    return handle
+
+
+def test_a_handed_subscription_on_the_control_queue_is_handled_again() -> None:
+    """A subscription of an arc handed over at a join comes to the joiner's control
+    queue; dead-lettered, it was lost from the arc.  Since 2026-12-07 it is handled
+    again, and in the end given back, like an inbox message."""
+    role, handled = _Role(), []
+    subscribe = Subscribe(event_type="t", subscription_id="s1", queue="q", home="B")
+    delivery = Delivery(body=encode(subscribe), queue="p.B.router.control", delivery_tag=1)
+    failures: list[BaseException] = [HopFailed("match master's inbox down")]
+    handle = _handed(failures, handled)
+    asyncio.run(serving.each(role, delivery, handle, inbox=False))  # type: ignore[arg-type]
+    assert handled == ["s1", "s1"]
+    assert role.counts["handled_again"] == 1
+    failures[:] = [HopFailed("down")] * 10
+    with pytest.raises(Requeue):
+        asyncio.run(serving.each(role, delivery, handle, inbox=False))  # type: ignore[arg-type]
+    assert role.received == [0, 0]  # a control message: not counted as the inbox's
