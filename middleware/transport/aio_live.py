@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import datetime
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,55 @@ def from_delivered(msg: DeliveredMessage, queue: str) -> Delivery:
     )
 
 
+#: the short-lived channels' numbers, per connection, counted up through the top half of
+#: the negotiated range and reused only after they wrap: aiormq frees a number when the
+#: broker's ``channel.close`` arrives (a refused declare), before its ``close-ok`` is
+#: written, so a channel opened meanwhile under its lowest free number was a second
+#: ``channel.open`` to the broker, which closed the whole connection (CHANNEL_ERROR;
+#: 30 concurrent refused passive declares did it every time, 2026-12-07)
+_next_short_lived: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+class _Undropped:
+    """A channel's view of its connection's write queue whose ``put_nowait`` never drops:
+    aiormq answers the broker's ``channel.close`` with ``put_nowait(close-ok)`` and
+    drops it when the queue (10 frames, shared by every channel) is full, so the broker
+    kept that channel closing for good and a later ``channel.open`` under its number
+    closed the connection.  A frame that finds the queue full is put as soon as there
+    is room (the queue's own order)."""
+
+    def __init__(self, queue: asyncio.Queue[Any]) -> None:
+        self.queue = queue
+
+    def put_nowait(self, item: Any) -> None:
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            task = asyncio.ensure_future(self.queue.put(item))
+            _PUTTING.add(task)
+            task.add_done_callback(_PUTTING.discard)
+
+    async def put(self, item: Any) -> None:
+        await self.queue.put(item)
+
+
+_PUTTING: set[asyncio.Future[None]] = set()
+
+
+def _short_lived_number(connection: Any) -> int:
+    """A channel number for a short-lived channel of ``connection`` not in use and not
+    used for the longest while."""
+    top = connection.connection_tune.channel_max or 65535
+    low = top // 2 + 1
+    number = _next_short_lived.get(connection, low)
+    for _ in range(top - low + 1):
+        candidate, number = number, number + 1 if number < top else low
+        if candidate not in connection.channels:
+            _next_short_lived[connection] = number
+            return candidate
+    raise ConnectionLost(f"every channel number from {low} to {top} is in use")
+
+
 async def on_channel_of(
     live: Live, action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
 ) -> Any:
@@ -173,7 +223,10 @@ async def on_channel_of(
     if transport is None:
         raise ConnectionLost(f"connection to {live.node} closed")
     try:
-        channel = await transport.connection.channel(publisher_confirms=False)
+        connection = transport.connection
+        number = _short_lived_number(connection)
+        channel = await connection.channel(channel_number=number, publisher_confirms=False)
+        channel.write_queue = _Undropped(connection.write_queue)  # type: ignore[attr-defined]
         try:
             return await action(channel)
         finally:

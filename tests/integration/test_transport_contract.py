@@ -186,6 +186,29 @@ def _channels_created(settings: Settings) -> int:
     return int(overview["churn_rates"]["channel_created"])
 
 
+def test_many_refused_passive_declares_at_once_keep_the_connection(settings, name) -> None:
+    """Each look at a queue that does not exist is refused on a channel of its own
+    (the broker closes it).  Many at once on one connection, round after round (past
+    the short-lived channels' 1 024 numbers): every look answers, none loses the
+    connection.  Until 2026-12-07 the second round of 30 lost it every time
+    ("CHANNEL_ERROR - second 'channel.open' seen"): aiormq freed a refused channel's
+    number before answering the broker's close, and dropped that answer when its write
+    queue was full, so a channel opened under the number was refused with the whole
+    connection (a Phoenix match master's failover in a fresh-clone run)."""
+
+    async def looks() -> None:
+        async with AsyncClient(settings=settings) as client:
+            for r in range(20):
+                names = [f"{name}.none.{r}.{i}" for i in range(60)]
+                answers = await asyncio.gather(
+                    *map(client.queue_gone, names), return_exceptions=True
+                )
+                wrong = [repr(a)[:200] for a in answers if a is not True]
+                assert not wrong, f"round {r}: {len(wrong)} looks failed: {wrong[:2]}"
+
+    asyncio.run(looks())
+
+
 def test_handler_failures_dead_letter_with_reason(contract_face, name) -> None:
     face = contract_face
     face.call("declare_queue", QueueSpec(name))
