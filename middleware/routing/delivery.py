@@ -27,6 +27,7 @@ from ..confirms.aio import AsyncConfirmPublisher
 from ..confirms.pace import QueuePace
 from ..confirms.tracking import CONTENT_HEADER, ELEMENTS_HEADER, encode_elements
 from ..errors import (
+    DuplicateMessageId,
     HopFailed,
     LinkDown,
     NegativeReceipt,
@@ -46,6 +47,10 @@ __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
 log = logging.getLogger(__name__)
 #: what a copy's send raises when its home, not the copy, is at fault
 HOME_ERRORS = (RetryableError, NotConnected, TimeoutError)
+# ``put`` raises ``HopFailed`` for an e2e copy this role is sending for another delivery
+# right now (the event, or the carried copy, came again while the first was on its way:
+# a connection lost): its confirm publisher refuses the id (``DuplicateMessageId``); the
+# delivery is handled again once that one is over, never dead-lettered for it
 #: e2e copies one message carries at most, whatever ``copy_batch_max`` says: each is
 #: named in its ``ELEMENTS_HEADER`` (at most ~105 bytes: an id of up to 81 characters
 #: and a 16-digit content name), and headers must fit one AMQP frame (128 KB by
@@ -140,6 +145,8 @@ class CopySender:
             return await self._returned(home, queue, local)
         except NegativeReceipt as exc:
             return CopyOutcome(Outcome.REFUSED, str(exc))
+        except DuplicateMessageId as exc:  # on its way for another delivery: see HOME_ERRORS
+            raise HopFailed(f"copy {copy_id} for {queue} is on its way already") from exc
         except HOME_ERRORS as exc:
             if local:
                 raise

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from middleware.confirms.aio import _receipt_or_return
-from middleware.errors import ConnectionLost, HopFailed, Unroutable
+from middleware.errors import ConnectionLost, DuplicateMessageId, HopFailed, Unroutable
 from middleware.phoenix.protocol import PhoenixTopology
 from middleware.routing.copies import Outcome
 from middleware.routing.delivery import CopySender
@@ -106,3 +106,23 @@ def test_a_held_e2e_copy_stops_waiting_for_its_receipt_once_returned() -> None:
 
     assert asyncio.run(wait("returned")) < 1.0
     assert 0.04 < asyncio.run(wait("receipt")) < 1.0
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_copy_on_its_way_already_is_handled_again_not_dead_lettered(
+    local: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same e2e copy put again while the first put is still on its way (its event,
+    or the carried copy, came again after a connection was lost): the confirm publisher
+    refuses the id (``DuplicateMessageId``); the delivery is handled again once the first
+    is over.  Until 2026-12-07 the handler raised it and the copy was dead-lettered (a
+    fresh-clone run, the restart file's subscriber-queues cell)."""
+    sender = _sender(_Client(gone=False))
+
+    async def on_its_way(*_: Any, **__: Any) -> Any:
+        raise DuplicateMessageId("message id 'e1:q' is already in flight on this publisher")
+
+    monkeypatch.setattr(sender, "_e2e_copy", on_its_way)
+    put = sender.put("A", "q", "e2e", b"{}", "e1:q", local=local)
+    with pytest.raises(HopFailed, match="on its way already"):
+        asyncio.run(put)
