@@ -263,25 +263,31 @@ def test_a_spark_job_refuses_an_option_of_another_experiment(capsys) -> None:
     assert err == "qosmq: error: --kinds is for --experiment recovery, not link", err
 
 
-def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_path) -> None:
-    """``--heartbeat-interval``, ``--heartbeat-misses``, ``--slave-beat-interval`` and
-    ``--neighbour-check`` reach the deployment's topology (what its idle cost depends on)."""
+def _throughput_fields(monkeypatch, tmp_path, extra: list[str]) -> dict[str, object]:
+    """The topology fields ``bench phoenix --experiment throughput`` with ``extra`` hands
+    its deployment (not started here)."""
     import qosmq_bench.phoenix_commands as commands
     import qosmq_bench.phoenix_throughput as throughput
 
     seen: dict[str, object] = {}
     monkeypatch.setattr(commands, "brokers_answer", lambda settings: None)  # none here
 
-    def run_throughput(settings, **kwargs):  # the deployment is not started here
+    def run_throughput(settings, **kwargs):
         seen.update(kwargs["topology_fields"])
         return {"idle": {"roles_pct": 0, "cpu_pct": {}, "messages_per_s": {}}, "steps": []}
 
     monkeypatch.setattr(throughput, "run_throughput", run_throughput)
     argv = ["bench", "phoenix", "--experiment", "throughput", "--work-dir", str(tmp_path)]
+    assert main([*argv, *extra]) == 0
+    return seen
+
+
+def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_path) -> None:
+    """``--heartbeat-interval``, ``--heartbeat-misses``, ``--slave-beat-interval`` and
+    ``--neighbour-check`` reach the deployment's topology (what its idle cost depends on)."""
     extra = ["--heartbeat-interval", "0.5", "--heartbeat-misses", "3"]
     extra += ["--slave-beat-interval", "1", "--neighbour-check", "0"]
-    assert main([*argv, *extra]) == 0
-    assert seen == {
+    assert _throughput_fields(monkeypatch, tmp_path, extra) == {
         "heartbeat_interval_s": 0.5,
         "heartbeat_misses": 3,
         "slave_beat_interval_s": 1.0,
@@ -291,20 +297,11 @@ def test_the_throughput_experiment_takes_the_detection_fields(monkeypatch, tmp_p
 
 def test_the_inbox_fields_reach_the_throughput_deployment(monkeypatch, tmp_path) -> None:
     """``--inbox-prefetch`` and ``--inbox-concurrency`` set the topology's fields."""
-    import qosmq_bench.phoenix_commands as commands
-    import qosmq_bench.phoenix_throughput as throughput
-
-    seen: dict[str, object] = {}
-    monkeypatch.setattr(commands, "brokers_answer", lambda settings: None)  # none here
-
-    def run_throughput(settings, **kwargs):  # the deployment is not started here
-        seen.update(kwargs["topology_fields"])
-        return {"idle": {"roles_pct": 0, "cpu_pct": {}, "messages_per_s": {}}, "steps": []}
-
-    monkeypatch.setattr(throughput, "run_throughput", run_throughput)
-    argv = ["bench", "phoenix", "--experiment", "throughput", "--work-dir", str(tmp_path)]
-    assert main([*argv, "--inbox-prefetch", "64", "--inbox-concurrency", "128"]) == 0
-    assert seen == {"inbox_prefetch": 64, "inbox_concurrency": 128}
+    extra = ["--inbox-prefetch", "64", "--inbox-concurrency", "128"]
+    assert _throughput_fields(monkeypatch, tmp_path, extra) == {
+        "inbox_prefetch": 64,
+        "inbox_concurrency": 128,
+    }
 
 
 def test_the_detection_fields_are_refused_where_nothing_reads_them(capsys, tmp_path) -> None:
