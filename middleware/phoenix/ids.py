@@ -150,6 +150,11 @@ class RoleId:
         """Its inbox queue (data and replication, with priorities)."""
         return f"{prefix}.{self._name(2)}"
 
+    def parked(self, prefix: str) -> str:
+        """Where its inbox's messages wait that it could not pass on (the next queue's
+        node down), so they hold up nothing behind them (``routing.serving``)."""
+        return f"{self.inbox(prefix)}.parked"
+
     def control(self, prefix: str) -> str:
         """Its control queue (a master's: acks, snapshots, heartbeats, configure; every
         role's: take-over): never behind the data backlog of its inbox."""
@@ -231,7 +236,8 @@ class RoleId:
 
 
 def role_queues(topology: PhoenixTopology) -> list[str]:
-    """Every inbox and control queue the topology's roles use (to remove a deployment)."""
+    """Every inbox, control and parked queue the topology's roles use (to remove a
+    deployment)."""
     names = []
     for spec in topology.clusters:
         roles = list(RoleId.of_cluster(spec))
@@ -239,5 +245,6 @@ def role_queues(topology: PhoenixTopology) -> list[str]:
             master = RoleId.match(spec.id, i)
             roles += [master, *master.slaves(spec)]
         for role in roles:
-            names += [role.inbox(topology.prefix), role.control(topology.prefix)]
+            prefix = topology.prefix
+            names += [role.inbox(prefix), role.control(prefix), role.parked(prefix)]
     return names

@@ -112,7 +112,7 @@ class Serving:
             inboxes.append((role.inbox_of(role.promoted_from), former))
 
         async def on_message(delivery: Delivery) -> None:
-            await each(role, delivery, role.handle, role.gate)
+            await each(role, delivery, role.handle, role.gate, park=True)
 
         inboxes.append((inbox, on_message))
         with heap.FullCollections() as collections:
@@ -124,6 +124,7 @@ class Serving:
                 if handler is not on_message:
                     role.former_tags.append(tags[-1])
             self._started(role, began, prepared)
+            tags.append(await self._consume_parked(role, client))
             log.info("%s serving %s as %s", type(role).__name__, inbox, role.id)
             if role.observes_inbox:
                 await stop.wait()
@@ -140,6 +141,18 @@ class Serving:
             dict(role.counters),
             collections.summary(),
         )
+
+    @staticmethod
+    async def _consume_parked(role: Role, client: AsyncClient) -> str:
+        """What the role (or the master before it) parked: tried again behind nothing
+        else, held in hand while it cannot be passed on (never parked again)."""
+
+        async def on_parked(delivery: Delivery) -> None:
+            await each(role, delivery, role.handle, role.gate)
+
+        parked = role.id.parked(role.topology.prefix)
+        await client.declare_queue(role_inbox_spec(parked, role.topology, client))
+        return await client.consume(parked, on_parked, prefetch=role.topology.inbox_prefetch)
 
     @staticmethod
     async def _prepared(role: Role, stop: asyncio.Event) -> bool:
@@ -193,12 +206,12 @@ async def each(
     gate: PriorityGate | None = None,
     *,
     inbox: bool = True,
+    park: bool = False,
 ) -> None:
-    """Handle every message a delivery carries (one, or a batch: concurrently, so their
-    onward sends batch again), each through ``gate`` when given.  In a batch, a
-    malformed element or one whose handling failed is dead-lettered alone, with its
-    reason; the rest are handled.  ``inbox``: counted in ``role.received`` (control
-    messages, beats among them, are not), and handled again (``_passed_on``)."""
+    """Every message a delivery carries (one, or a batch: concurrently, so their onward
+    sends batch again), each through ``gate`` when given; in a batch a malformed or
+    failed element is dead-lettered alone, with its reason.  ``inbox``: counted in
+    ``role.received`` (beats are not), handled again or ``park``ed (``_passed_on``)."""
     messages, malformed = split(delivery.body)
     if inbox:
         role.inbox_took()  # (a quiet role beats at the usual pace again)
@@ -217,7 +230,7 @@ async def each(
         finally:
             gate.release()
 
-    handle_one = functools.partial(_passed_on, role, gated, inbox)
+    handle_one = functools.partial(_passed_on, role, gated, inbox, park)
     if len(messages) == 1 and not malformed:
         await handle_one(messages[0])  # errors settle the delivery, as for any consumer
         return
@@ -239,13 +252,20 @@ async def each(
 
 
 async def _passed_on(
-    role: Role, handle: Callable[[Message], Awaitable[None]], inbox: bool, message: Message
+    role: Role,
+    handle: Callable[[Message], Awaitable[None]],
+    inbox: bool,
+    park: bool,
+    message: Message,
 ) -> None:
     """An inbox message (or a handed subscription on the control queue: ``HANDED``)
     whose onward send met a failure that passes (``wiring.SEND_FAILURES``: the next
     role's inbox on a node that is down, a failover) is handled again after a pause, as
     a delivery again would be; in the end it goes back to its queue (``Requeue``), never
-    to the dead letters: it is not the message's fault."""
+    to the dead letters: it is not the message's fault.  ``park``: at the first such
+    failure it goes to the role's parked queue instead (``Peer.park``), so the inbox's
+    prefetch is not held by messages that wait for a queue that is down; where that
+    publish fails too, it is held here as without it."""
     if not inbox and not isinstance(message, HANDED):
         await handle(message)  # a control signal: its machine sends it again, or it expires
         return
@@ -257,7 +277,29 @@ async def _passed_on(
             stopping = role.stop_event is not None and role.stop_event.is_set()
             if pause is None or stopping:
                 raise Requeue(f"{role.id}: not passed on: {exc}") from exc
+            if park and await _parked(role, message, exc):
+                return
+            park = False
             role.count("handled_again")
             kind = message.kind.value
             log.info("%s: %s not passed on (%s); again in %.2f s", role.id, kind, exc, pause)
             await asyncio.sleep(pause)
+
+
+async def _parked(role: Role, message: Message, why: Exception) -> bool:
+    """``message`` confirmed in the role's parked queue (False: not, it is held)."""
+    try:
+        await role.park(message)
+    except Exception as exc:  # its own node down too: held in hand, as before parking
+        log.info("%s: could not park a %s: %s", role.id, message.kind.value, exc)
+        return False
+    parked = role.counters["parked"]
+    if parked & (parked - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a long outage logs little
+        log.info(
+            "%s: %s not passed on (%s); parked (%d so far)",
+            role.id,
+            message.kind.value,
+            why,
+            parked,
+        )
+    return True

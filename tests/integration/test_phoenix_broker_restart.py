@@ -376,3 +376,93 @@ def test_a_handed_subscription_waits_for_a_match_master_inbox_on_a_node_that_is_
     print(f"\nhanded subscription: matched {took:.1f} s after the node's start; dead: {dead}")
     assert not dead, f"dead-lettered: {dead}"
     assert any(attribute(m) >= 1000 for m in got), got
+
+
+OUTAGE_S = 20.0  # the far node is down this long while events stream
+OUTAGE_RATE = 25  # events/s
+LIVE_BOUND_S = 5.0  # a live subscriber's copy, at most this late while the node is down
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
+    fault, settings, brokers, local_cluster, tmp_path: Path, name: str
+) -> None:
+    """Two broker-confirmed subscribers of every event at A: one queue on a node that is
+    stopped (or SIGKILLed) for 20 s while 25 events/s are published at A, the other on a
+    live node.  The copies for the queue that is down wait (nothing lost, none
+    dead-lettered) without holding up the live subscriber: each of its copies comes
+    within 5 s.  Until 2026-12-07 the home's router held those copies in its inbox
+    prefetch (handled again for about 10 s, then given back, again and again), and
+    every event entering at A waited behind them for as long as the node was down."""
+    event_type, topology, deployment = _deployment(
+        settings, brokers, tmp_path, name, {"A": {}, "B": {}}
+    )
+    down_queue, live_queue = f"{name}.down", f"{name}.live"
+    node = local_cluster.layout.nodes[-1]
+    far = settings.model_copy(update={"amqp_urls": (brokers.urls[-1],)})
+
+    async def declare_far() -> None:
+        async with AsyncClient(settings=far) as client:
+            await client.declare_queue(QueueSpec(down_queue, kind=QueueKind.CLASSIC))
+
+    live_late: list[float] = []  # seconds from publish to the live queue, while down
+    took: list[float] = []
+    dead: dict[int, str] = {}
+
+    async def scenario() -> tuple[set[int], set[int], set[int]]:
+        published: set[int] = set()
+        live: set[int] = set()
+        async with AsyncClient(settings=settings) as client:
+            at_a = PhoenixClient(client, topology=topology, cluster="A")
+            fail = local_cluster.stop if fault == "stop" else local_cluster.kill
+            await asyncio.to_thread(fail, node.short_name)
+            begun, n = time.monotonic(), 0
+            while time.monotonic() < begun + OUTAGE_S:
+                await at_a.publish(event(event_type, n=n, t=time.time()))
+                published.add(n)
+                n += 1
+                for m in await take(client, live_queue):
+                    live.add(attribute(m))
+                    live_late.append(time.time() - attribute(m, "t"))
+                await asyncio.sleep(max(0.0, begun + n / OUTAGE_RATE - time.monotonic()))
+            settle = time.monotonic() + LIVE_BOUND_S  # the node still down
+            while time.monotonic() < settle and not published <= live:
+                for m in await take(client, live_queue):
+                    live.add(attribute(m))
+                    live_late.append(time.time() - attribute(m, "t"))
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(local_cluster.start, node.short_name)
+            got: set[int] = set()
+            back = time.monotonic()
+            while time.monotonic() < back + 60 and not published <= got:
+                with contextlib.suppress(MiddlewareError):  # the queue comes back
+                    got |= {attribute(m) for m in await take(client, down_queue)}
+                await asyncio.sleep(0.2)
+            took.append(time.monotonic() - back)
+            dead.update(await _dead_lettered(client))
+            await at_a.close()
+        return published, live, got
+
+    asyncio.run(declare_far())
+    held_by = management_get(settings, f"/api/queues/%2F/{quote(down_queue, safe='')}")
+    assert held_by["node"] == node.node_name, held_by
+    deployment.up()
+    try:
+        asyncio.run(_subscribe(settings, topology, event_type, down_queue))
+        asyncio.run(_subscribe(settings, topology, event_type, live_queue))
+        published, live, got = asyncio.run(scenario())
+    finally:
+        deployment.down()
+    late = sorted(live_late)
+    print(
+        f"\n{fault}: {len(published)} published while the node was down; the live queue"
+        f" got {len(live & published)} (median {late[len(late) // 2] if late else 0:.2f} s,"
+        f" max {late[-1] if late else 0:.2f} s late); the queue that was down got"
+        f" {len(got & published)}, all {took[0]:.1f} s after its node's start;"
+        f" {len(set(dead) & published)}"
+        " dead-lettered"
+    )
+    assert not set(dead) & published, f"dead-lettered: {sorted(dead.items())[:5]}"
+    assert published <= got, f"lost (the queue that was down): {sorted(published - got)[:20]}"
+    assert published <= live, f"not at the live queue: {sorted(published - live)[:20]}"
+    assert late[-1] <= LIVE_BOUND_S, f"the live subscriber held up: {late[-5:]}"

@@ -36,15 +36,16 @@ def test_bench_summary_averages_repeats_and_keeps_their_spread() -> None:
 def test_a_bench_deployment_lists_every_role_queue_and_survives_a_failed_cleanup(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    """The queues a deployment deletes are exactly its roles' inboxes and control queues;
+    """The queues a deployment deletes are exactly its roles' inbox, control and parked queues;
     a cleanup that fails (broker gone at the end) is reported, not raised over the cells."""
     from middleware.phoenix.ids import role_queues
     from qosmq_bench.phoenix_deploy import Deployment
 
     deployment = Deployment(tmp_path, prefix="px", amqp_urls=["amqp://127.0.0.1:1/"])
     names = role_queues(deployment.topology)
-    assert len(names) == len(set(names)) == 3 * 6 * 2  # 6 roles: inbox + control each
+    assert len(names) == len(set(names)) == 3 * 6 * 3  # 6 roles: inbox, control, parked
     assert "px.A.router.control" in names and "px.C.match.0.slave.1" in names
+    assert "px.B.match.0.parked" in names
 
     async def unreachable() -> int:
         raise OSError("connection refused")

@@ -28,8 +28,18 @@ class _Role:
         self.id = RoleId.router("B")
         self.received = [0, 0]
         self.counts: Counter[str] = Counter()
+        self.counters = self.counts  # (``Peer.counters``)
         self.fenced = False
         self.stop_event: asyncio.Event | None = None
+        self.parked: list[int] = []  # what ``park`` took (``each(..., park=True)``)
+        self.park_fails: list[BaseException] = []
+
+    async def park(self, message: Message) -> None:
+        if self.park_fails:
+            raise self.park_fails.pop(0)
+        assert isinstance(message, Publish)
+        self.parked.append(message.event.attributes["n"])
+        self.count("parked")
 
     def inbox_took(self) -> None:
         pass
@@ -68,11 +78,13 @@ def _each(
     handled: list[int],
     *ns: int,
     inbox: bool = True,
+    park: bool = False,
 ) -> None:
     """``serving.each`` on a delivery of events ``ns`` (one: alone; more: a batch)."""
     delivery = _delivery(*(ns or (1,)))
     handle = _failing(failures, handled)
-    asyncio.run(serving.each(role, delivery, handle, inbox=inbox))  # type: ignore[arg-type]
+    each = serving.each(role, delivery, handle, inbox=inbox, park=park)  # type: ignore[arg-type]
+    asyncio.run(each)
 
 
 @pytest.fixture(autouse=True)
@@ -140,6 +152,36 @@ def test_a_batch_whose_element_failed_once_is_settled_whole() -> None:
     _each(role, failures, handled, 1, 2, 3)
     assert Counter(handled) == {1: 1, 2: 2, 3: 1}
     assert role.counts["batches_received"] == 1
+
+
+def test_a_message_not_passed_on_is_parked_and_its_delivery_settled() -> None:
+    """From the inbox (``park``): at the first failure that passes the message goes to
+    the role's parked queue, and the batch around it is settled (what comes behind it
+    in the inbox is not held up by a queue that is down)."""
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {2: [Unroutable("node down")] * 10}
+    _each(role, failures, handled, 1, 2, 3, park=True)
+    assert Counter(handled) == {1: 1, 2: 1, 3: 1}
+    assert role.parked == [2]
+    assert role.counts["handled_again"] == 0
+
+
+def test_a_message_that_cannot_be_parked_is_held_as_before() -> None:
+    role, handled = _Role(), []
+    role.park_fails = [Unroutable("its own node down too")]
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down"), HopFailed("down")]}
+    _each(role, failures, handled, park=True)
+    assert handled == [1, 1, 1]  # parked once tried, then held and handled again
+    assert role.parked == []
+    assert role.counts["handled_again"] == 2
+
+
+def test_from_the_parked_queue_it_is_held_not_parked_again() -> None:
+    role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
+    with pytest.raises(Requeue):
+        _each(role, failures, handled, park=False)
+    assert role.parked == []
 
 
 def _handed(failures: list[BaseException], handled: list[str]) -> Any:

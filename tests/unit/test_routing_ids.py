@@ -89,4 +89,4 @@ def test_a_cluster_enumerates_its_roles_and_the_topology_knows_them() -> None:
     assert all(r.in_topology(topology) for r in roles)
     assert not RoleId.match_slave("B", 0, 1).in_topology(topology)  # no second slave
     assert not RoleId.router("Z").in_topology(topology)
-    assert len(role_queues(topology)) == 2 * 7  # an inbox and a control queue each
+    assert len(role_queues(topology)) == 3 * 7  # an inbox, a control and a parked queue each
