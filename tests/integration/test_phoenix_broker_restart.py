@@ -383,9 +383,11 @@ OUTAGE_RATE = 25  # events/s
 LIVE_BOUND_S = 5.0  # a live subscriber's copy, at most this late while the node is down
 
 
-@pytest.mark.parametrize("fault", ["stop", "kill"])
+@pytest.mark.parametrize(
+    ("fault", "router_killed"), [("stop", False), ("kill", False), ("stop", True)]
+)
 def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
-    fault, settings, brokers, local_cluster, tmp_path: Path, name: str
+    fault, router_killed, settings, brokers, local_cluster, tmp_path: Path, name: str
 ) -> None:
     """Two broker-confirmed subscribers of every event at A: one queue on a node that is
     stopped (or SIGKILLed) for 20 s while 25 events/s are published at A, the other on a
@@ -393,9 +395,13 @@ def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
     dead-lettered) without holding up the live subscriber: each of its copies comes
     within 5 s.  Until 2026-12-07 the home's router held those copies in its inbox
     prefetch (handled again for about 10 s, then given back, again and again), and
-    every event entering at A waited behind them for as long as the node was down."""
+    every event entering at A waited behind them for as long as the node was down.
+    ``router_killed``: A's routing master (with a slave) is SIGKILLed halfway through
+    the outage, with copies parked; the slave that takes over tries them from the same
+    parked queue."""
+    a: dict[str, object] = {"routing_slaves": 1} if router_killed else {}
     event_type, topology, deployment = _deployment(
-        settings, brokers, tmp_path, name, {"A": {}, "B": {}}
+        settings, brokers, tmp_path, name, {"A": a, "B": {}}
     )
     down_queue, live_queue = f"{name}.down", f"{name}.live"
     node = local_cluster.layout.nodes[-1]
@@ -407,6 +413,7 @@ def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
 
     live_late: list[float] = []  # seconds from publish to the live queue, while down
     took: list[float] = []
+    killed: list[int] = []  # the routing master's PID, when killed
     dead: dict[int, str] = {}
 
     async def scenario() -> tuple[set[int], set[int], set[int]]:
@@ -418,6 +425,8 @@ def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
             await asyncio.to_thread(fail, node.short_name)
             begun, n = time.monotonic(), 0
             while time.monotonic() < begun + OUTAGE_S:
+                if router_killed and n == int(OUTAGE_RATE * OUTAGE_S) // 2:
+                    killed.append(await asyncio.to_thread(deployment.kill, RoleId.router("A")))
                 await at_a.publish(event(event_type, n=n, t=time.time()))
                 published.add(n)
                 n += 1
@@ -455,7 +464,8 @@ def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
         deployment.down()
     late = sorted(live_late)
     print(
-        f"\n{fault}: {len(published)} published while the node was down; the live queue"
+        f"\n{fault}, router killed {killed}: {len(published)} published while the node was"
+        " down; the live queue"
         f" got {len(live & published)} (median {late[len(late) // 2] if late else 0:.2f} s,"
         f" max {late[-1] if late else 0:.2f} s late); the queue that was down got"
         f" {len(got & published)}, all {took[0]:.1f} s after its node's start;"
@@ -466,3 +476,4 @@ def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
     assert published <= got, f"lost (the queue that was down): {sorted(published - got)[:20]}"
     assert published <= live, f"not at the live queue: {sorted(published - live)[:20]}"
     assert late[-1] <= LIVE_BOUND_S, f"the live subscriber held up: {late[-5:]}"
+    assert bool(killed) == router_killed
