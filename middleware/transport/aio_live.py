@@ -210,7 +210,10 @@ def _short_lived_number(connection: Any) -> int:
 
 
 async def on_channel_of(
-    live: Live, action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
+    live: Live,
+    action: Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]],
+    *,
+    confirms: bool = False,
 ) -> Any:
     """Run ``action`` on a short-lived channel, so a refused declare closes only that one.
 
@@ -218,14 +221,18 @@ async def on_channel_of(
     leaves two callbacks on its connection when it closes (``closing`` is a new
     observer per access, so aio-pika's ``remove_done_callback`` removes nothing),
     and the roles and sidecars read queue lengths every second for as long as they
-    run (measured: ~4 kB per channel, a sidecar's memory growing without end)."""
+    run (measured: ~4 kB per channel, a sidecar's memory growing without end).
+    ``confirms``: in confirm mode, a returned mandatory message raised (a publish
+    alone: ``aio_publishing``)."""
     transport = live.connection.transport
     if transport is None:
         raise ConnectionLost(f"connection to {live.node} closed")
     try:
         connection = transport.connection
         number = _short_lived_number(connection)
-        channel = await connection.channel(channel_number=number, publisher_confirms=False)
+        channel = await connection.channel(
+            channel_number=number, publisher_confirms=confirms, on_return_raises=confirms
+        )
         channel.write_queue = _Undropped(connection.write_queue)  # type: ignore[attr-defined]
         try:
             return await action(channel)

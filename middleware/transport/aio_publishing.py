@@ -26,6 +26,7 @@ from . import metrics
 from .aio_live import (
     ClientState,
     Live,
+    on_channel_of,
 )
 from .aio_publish import basic_publish
 from .message import OutgoingMessage
@@ -58,7 +59,7 @@ class Publishing(ClientState):
         self, message: OutgoingMessage, *, confirm: bool, block: bool, retry: bool
     ) -> None:
         try:
-            await self._publish_once(message, confirm=confirm, block=block)
+            await self._publish_on_channel(message, confirm=confirm, block=block)
             return
         except RetryableError as exc:
             if refusal_code(exc):
@@ -79,7 +80,7 @@ class Publishing(ClientState):
             async for attempt in async_retrying(self.settings.retry, attempts=retries):
                 with attempt:
                     try:
-                        await self._publish_once(message, confirm=confirm, block=block)
+                        await self._publish_on_channel(message, confirm=confirm, block=block)
                     except ConfirmTimeout as late:
                         raise _Late(late) from late
                     except RetryableError as exc:
@@ -90,6 +91,48 @@ class Publishing(ClientState):
                         )
         except _Late as late:
             raise late.error from late.error.__cause__
+
+    async def _publish_on_channel(
+        self, message: OutgoingMessage, *, confirm: bool, block: bool
+    ) -> None:
+        """``_publish_once``; where the broker closed the confirm channel in answer to a
+        frame (a 404 "no exchange", a 403, a 406: ``TopologyError``), the message is sent
+        again alone (``_publish_alone``): another publish on that channel may be the one
+        refused, and the broker drops every frame after it until the channel closes."""
+        try:
+            await self._publish_once(message, confirm=confirm, block=block)
+        except TopologyError as refused:
+            if not confirm:
+                raise
+            await self._publish_alone(message, refused)
+
+    async def _publish_alone(self, message: OutgoingMessage, first: TopologyError) -> None:
+        """``message`` on a confirm channel of its own: refused again, it is the one the
+        broker refused, and its caller hears why; taken, it was another's refusal that
+        closed the shared channel (until 2026-12-07 it failed with that error: a publish
+        to an exchange that does not exist failed every publish then in flight on the
+        client).  Sent twice at most, as any publish whose confirm was lost may be."""
+        metrics.PUBLISH_ALONE.inc()
+
+        async def alone(channel: aiormq.abc.AbstractChannel) -> None:
+            await basic_publish(
+                cast(aiormq.Channel, channel),
+                message,
+                mandatory=message.mandatory,
+                confirm_within=self.settings.publish_timeout,
+                wait=False,
+            )
+
+        async with self._window:
+            live = await self._await_live()
+            try:
+                await on_channel_of(live, alone, confirms=True)
+            except TimeoutError as exc:
+                raise confirm_timeout(message, self.settings.publish_timeout) from exc
+            except TopologyError as again:
+                raise again from first
+        self.confirmed += 1
+        metrics.PUBLISHED_CONFIRMED.inc()
 
     async def _publish_suspect(
         self, message: OutgoingMessage, first: MiddlewareError, *, confirm: bool, block: bool

@@ -25,6 +25,10 @@ PUBLISH_SUSPECTS = Counter(
     "qosmq_publish_suspects_total",
     "publishes retried alone after the broker closed the connection in answer to a frame",
 )
+PUBLISH_ALONE = Counter(
+    "qosmq_publish_alone_total",
+    "publishes sent again alone after the broker closed their channel in answer to a frame",
+)
 PUBLISH_REFUSED = Counter(
     "qosmq_publish_refused_total",
     "publishes failed with MessageRefused (the broker closed the connection at them twice)",

@@ -209,6 +209,43 @@ def test_many_refused_passive_declares_at_once_keep_the_connection(settings, nam
     asyncio.run(looks())
 
 
+def test_a_publish_to_an_exchange_that_does_not_exist_fails_only_itself(settings, name) -> None:
+    """Publishes to an exchange that does not exist, each with publishes to a queue in
+    flight on the same client at once: the broker closes the shared confirm channel at
+    the first refused frame and drops what follows on it.  Each bad publish hears
+    ``EntityNotFound``; each good one is confirmed, and the queue holds every one of
+    them once.  Until 2026-12-07 every good publish then in flight failed with the bad
+    one's 404 (20 of 20 rounds), as if its own queue were gone."""
+    rounds, bad_per_round = 20, 10
+
+    async def publishes() -> tuple[list[str], list[str], int]:
+        bad_answers: list[str] = []
+        good_answers: list[str] = []
+        async with AsyncClient(settings=settings) as client:
+            await client.declare_queue(QueueSpec(name))
+
+            async def one(body: bytes, exchange: str, into: list[str]) -> None:
+                try:
+                    await client.publish(OutgoingMessage(body, exchange, name))
+                    into.append("confirmed")
+                except Exception as exc:
+                    into.append(type(exc).__name__)
+
+            for r in range(rounds):
+                await asyncio.gather(
+                    *(one(b"bad", f"{name}.nope", bad_answers) for _ in range(bad_per_round)),
+                    one(b"good %d" % r, "", good_answers),
+                )
+            held = await client.queue_length(name)
+            await client.delete_queue(name)
+        return bad_answers, good_answers, held
+
+    bad, good, held = asyncio.run(publishes())
+    assert set(bad) == {"EntityNotFound"}, sorted(set(bad))
+    assert good == ["confirmed"] * rounds, good
+    assert held == rounds
+
+
 def test_handler_failures_dead_letter_with_reason(contract_face, name) -> None:
     face = contract_face
     face.call("declare_queue", QueueSpec(name))
