@@ -465,12 +465,10 @@ def test_a_queue_on_a_node_that_is_down_holds_up_no_other_subscriber(
     late = sorted(live_late)
     print(
         f"\n{fault}, router killed {killed}: {len(published)} published while the node was"
-        " down; the live queue"
-        f" got {len(live & published)} (median {late[len(late) // 2] if late else 0:.2f} s,"
-        f" max {late[-1] if late else 0:.2f} s late); the queue that was down got"
-        f" {len(got & published)}, all {took[0]:.1f} s after its node's start;"
-        f" {len(set(dead) & published)}"
-        " dead-lettered"
+        f" down; the live queue got {len(live & published)} (median"
+        f" {late[len(late) // 2] if late else 0:.2f} s, max {late[-1] if late else 0:.2f} s"
+        f" late); the queue that was down got {len(got & published)}, all {took[0]:.1f} s"
+        f" after its node's start; {len(set(dead) & published)} dead-lettered"
     )
     assert not set(dead) & published, f"dead-lettered: {sorted(dead.items())[:5]}"
     assert published <= got, f"lost (the queue that was down): {sorted(published - got)[:20]}"
