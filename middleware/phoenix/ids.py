@@ -238,13 +238,12 @@ class RoleId:
 def role_queues(topology: PhoenixTopology) -> list[str]:
     """Every inbox, control and parked queue the topology's roles use (to remove a
     deployment)."""
-    names = []
+    names, prefix = [], topology.prefix
     for spec in topology.clusters:
         roles = list(RoleId.of_cluster(spec))
         for i in range(spec.match_masters, topology.most_match_masters):  # may be added
             master = RoleId.match(spec.id, i)
             roles += [master, *master.slaves(spec)]
         for role in roles:
-            prefix = topology.prefix
             names += [role.inbox(prefix), role.control(prefix), role.parked(prefix)]
     return names

@@ -45,12 +45,12 @@ from .wiring import outgoing_body
 __all__ = ["CopyOutcome", "CopySender", "Outcome", "event_content"]
 
 log = logging.getLogger(__name__)
-#: what a copy's send raises when its home, not the copy, is at fault
+#: what a copy's send raises when its home, not the copy, is at fault; and
+#: ``DuplicateMessageId``, which ``put`` raises as ``HopFailed``: an e2e copy this role
+#: sends for another delivery right now (the event, or the carried copy, came again
+#: while the first was on its way: a connection lost), handled again once that one is
+#: over, never dead-lettered for it
 HOME_ERRORS = (RetryableError, NotConnected, TimeoutError)
-# ``put`` raises ``HopFailed`` for an e2e copy this role is sending for another delivery
-# right now (the event, or the carried copy, came again while the first was on its way:
-# a connection lost): its confirm publisher refuses the id (``DuplicateMessageId``); the
-# delivery is handled again once that one is over, never dead-lettered for it
 #: e2e copies one message carries at most, whatever ``copy_batch_max`` says: each is
 #: named in its ``ELEMENTS_HEADER`` (at most ~105 bytes: an id of up to 81 characters
 #: and a 16-digit content name), and headers must fit one AMQP frame (128 KB by
@@ -145,7 +145,7 @@ class CopySender:
             return await self._returned(home, queue, local)
         except NegativeReceipt as exc:
             return CopyOutcome(Outcome.REFUSED, str(exc))
-        except DuplicateMessageId as exc:  # on its way for another delivery: see HOME_ERRORS
+        except DuplicateMessageId as exc:  # on its way for another delivery: HOME_ERRORS
             raise HopFailed(f"copy {copy_id} for {queue} is on its way already") from exc
         except HOME_ERRORS as exc:
             if local:
