@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 class SyncBalancedPublisher(Choice):
     """Sends each message of a topic to exactly one replica, as ``BalancedPublisher``
-    does, from a thread of its own (not thread-safe, as its ``SyncClient``).
+    does; threads may share it (a publish is one thread's at a time, as on its
+    ``SyncClient``).
 
     Differences from the asyncio face, all from having no background task: reports
     are read when a publish finds the last read older than ``report_poll_s``; a
@@ -75,7 +76,13 @@ class SyncBalancedPublisher(Choice):
         self.close()
 
     def publish(self, body: bytes, **fields: object) -> str:
-        """Publish to a chosen live replica with broker confirms; return its queue."""
+        """Publish to a chosen live replica with broker confirms; return its queue.
+        Threads may share the publisher: a publish is one thread's at a time (its choice
+        kept with the client's turn, ``SyncClient.turn``)."""
+        with self.client.turn():
+            return self._publish(body, fields)
+
+    def _publish(self, body: bytes, fields: dict[str, object]) -> str:
         limit = self.client.settings.publish_timeout
         deadline = time.monotonic() + limit
         message_id = str(fields.pop("message_id", None) or new_message_id())

@@ -10,6 +10,7 @@ from .. import tracing
 from ..errors import MessageRefused
 from ..settings import ConfirmSettings
 from ..transport.delivery import Action, Delivery, Outcome
+from ..transport.message import OutgoingMessage
 from ..transport.sync import SyncClient, SyncHandler
 from . import metrics
 from .core import ConsumerCore, PublisherCore
@@ -81,52 +82,68 @@ class SyncConfirmPublisher:
         """
         ids = iter(message_ids) if message_ids is not None else None
         waiting: list[str] = []
+        in_flight = self.core.in_flight
+        window = self.client.settings.publish_window
         for body in bodies:
-            message = self.core.prepare(
-                body,
-                exchange=exchange,
-                routing_key=routing_key,
-                headers=headers,
-                message_id=next(ids) if ids else None,
-                expect=expect,
-            )
-            self._sent_at[message.message_id] = time.monotonic()
-            if not self.core.profile.receipts:
-                try:
-                    self.client.publish(message, confirm=self.core.profile.broker_confirm)
-                except BaseException as exc:
-                    self._count([(message.message_id, exc)])
-                    raise
-                self._count([(message.message_id, None)])
-                continue
-            waiting.append(message.message_id)
-            try:
-                self.client.publish(message, confirm=False)
-            except MessageRefused as exc:
-                self._record([self.core.refused(message.message_id, exc)])
-            except BaseException as exc:
-                self._count([(message.message_id, exc)])
-                raise
-            self._resend_after_failover()
-            if len(self.core.in_flight) >= self.client.settings.publish_window:
-                self._wait(lambda: len(self.core.in_flight) < self.client.settings.publish_window)
-        self._wait(lambda: not self.core.in_flight)
+            with self.client.turn():  # threads share the publisher: its core with its client
+                message = self.core.prepare(
+                    body,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                    headers=headers,
+                    message_id=next(ids) if ids else None,
+                    expect=expect,
+                )
+                self._sent_at[message.message_id] = time.monotonic()
+                if not self.core.profile.receipts:
+                    self._publish_confirmed(message)
+                    continue
+                waiting.append(message.message_id)
+                self._publish_watched(message)
+            if len(in_flight) >= window:
+                self._wait(lambda: len(in_flight) < window)
+        self._wait(lambda: all(m not in in_flight for m in waiting))
         errors = [self._results.pop(m, None) for m in waiting]
         first_error = next((e for e in errors if e is not None), None)
         if first_error is not None:
             raise first_error
 
+    def _publish_confirmed(self, message: OutgoingMessage) -> None:
+        """A mode without receipts: the broker's confirm (or none) settles it at once."""
+        try:
+            self.client.publish(message, confirm=self.core.profile.broker_confirm)
+        except BaseException as exc:
+            self._count([(message.message_id, exc)])
+            raise
+        self._count([(message.message_id, None)])
+
+    def _publish_watched(self, message: OutgoingMessage) -> None:
+        """A mode with receipts: sent unconfirmed, settled by its receipts (``_wait``)."""
+        try:
+            self.client.publish(message, confirm=False)
+        except MessageRefused as exc:
+            self._record([self.core.refused(message.message_id, exc)])
+        except BaseException as exc:
+            self._count([(message.message_id, exc)])
+            raise
+        self._resend_after_failover()
+
     def _wait(self, done: Callable[[], bool]) -> None:
-        """Pump deliveries, resends and timeouts until ``done()``; results go to _results."""
-        while not done():
-            self.client.run(_PUMP_S)
-            self._resend_after_failover()
-            resend, failed = self.core.due()
-            self._record(failed)
-            for message in resend:
-                metrics.RESENDS.labels(self.mode.value).inc()
-                self.client.publish(message, confirm=False)
-            self._resend_after_failover()
+        """Pump deliveries, resends and timeouts until ``done()``; results go to _results.
+        Each round in a turn of its own, so threads sharing the publisher pump in turn
+        (whoever pumps settles every thread's messages)."""
+        while True:
+            with self.client.turn():
+                if done():
+                    return
+                self.client.run(_PUMP_S)
+                self._resend_after_failover()
+                resend, failed = self.core.due()
+                self._record(failed)
+                for message in resend:
+                    metrics.RESENDS.labels(self.mode.value).inc()
+                    self.client.publish(message, confirm=False)
+                self._resend_after_failover()
 
     def _resend_after_failover(self) -> None:
         """As the asyncio face: after a failover the reply address changed, so everything

@@ -132,9 +132,13 @@ class SyncQueues:
         if tracing.active():  # a spooled message is drained in the context it was accepted in
             clean = tracing.injected(clean)
         message_id = message_id or new_message_id()
+        with self.client.turn():  # threads share the queues: the spool drains in one
+            return self._enqueue(SpoolEntry(queue, message_id, bytes(body), clean))
+
+    def _enqueue(self, entry: SpoolEntry) -> EnqueueResult:
+        queue, message_id = entry.queue, entry.message_id
         if self.spool is not None and len(self.spool) and time.monotonic() >= self._next_drain:
             self.recover()  # keep order: what waits goes first
-        entry = SpoolEntry(queue, message_id, bytes(body), clean)
         message = admit(to_message(entry), self.client.limits)
         if must_spool(self.client.ready, self.spool):
             return self._to_spool(entry)
@@ -168,9 +172,13 @@ class SyncQueues:
         """Send the spool's entries in order; delete each once the broker confirmed it."""
         if self.spool is None:
             return RecoverReport(0, 0)
+        with self.client.turn():
+            return self._drain(self.spool)
+
+    def _drain(self, spool: Spool) -> RecoverReport:
         sent = 0
-        while len(self.spool):
-            batch = self.spool.peek(self.settings.drain_batch)
+        while len(spool):
+            batch = spool.peek(self.settings.drain_batch)
             done: list[int] = []
             try:
                 for entry in batch:
@@ -187,12 +195,12 @@ class SyncQueues:
             except MiddlewareError as exc:
                 log.info("spool drain paused: %s", exc)
                 self._next_drain = time.monotonic() + 1.0
-                self.spool.delete(done)
+                spool.delete(done)
                 sent += len(done)
                 break
-            self.spool.delete(done)
+            spool.delete(done)
             sent += len(done)
-        return RecoverReport(sent, len(self.spool))
+        return RecoverReport(sent, len(spool))
 
     def _to_spool(self, entry: SpoolEntry) -> EnqueueResult:
         if self.spool is None:

@@ -334,18 +334,23 @@ class SyncPhoenixClient:
         self._replies[reply.subscription_id] = reply
 
     def _send(self, message: Message) -> None:
-        if self.core.inbox not in self.client.topology.queues:
-            self.client.declare_queue(role_inbox_spec(self.core.inbox, self.topology, self.client))
-        self.client.publish(outgoing(message, self.core.inbox, persistent=self.topology.persistent))
+        with self.client.turn():  # threads share the client: one declares the inbox
+            if self.core.inbox not in self.client.topology.queues:
+                spec = role_inbox_spec(self.core.inbox, self.topology, self.client)
+                self.client.declare_queue(spec)
+            self.client.publish(
+                outgoing(message, self.core.inbox, persistent=self.topology.persistent)
+            )
 
     def _request(self, request: Subscribe | Unsubscribe, wait_s: float | None) -> bool:
         if wait_s is None:
             self._send(request)
             return self.core.outcome(request, None)
-        if not self._listening:
-            self.client.declare_queue(self.core.reply_spec())
-            self.client.consume(self.core.reply_queue, self._on_reply)
-            self._listening = True
+        with self.client.turn():  # threads share the client: one starts the listening
+            if not self._listening:
+                self.client.declare_queue(self.core.reply_spec())
+                self.client.consume(self.core.reply_queue, self._on_reply)
+                self._listening = True
         sid = request.subscription_id
         self._send(request)
         self.client.run(wait_s, until=lambda: sid in self._replies)

@@ -20,9 +20,11 @@ import asyncio
 import contextlib
 import logging
 import queue as queue_module
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import Any, Self
 
 from ..errors import EntityNotFound, NotConnected, Unroutable
@@ -333,6 +335,11 @@ class InMemorySyncClient(_Double):
         self._reply_handlers: list[Callable[[Delivery], None]] = []
         self._step_hooks: list[Callable[[], None]] = []
         self._step_s = 0.1
+        self._turns = threading.RLock()
+
+    def turn(self) -> AbstractContextManager[Any]:
+        """As ``SyncClient.turn``: one thread's several calls in a row."""
+        return self._turns
 
     def connect(self) -> Self:
         self._opened = True

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Self
 
 import pika
@@ -58,6 +59,7 @@ from .sync_live import (
     to_delivery,
 )
 from .sync_publishing import SyncPublishing
+from .sync_turns import Turns, in_turns
 from .topology import (
     BindingSpec,
     ConsumerSpec,
@@ -73,8 +75,13 @@ log = logging.getLogger(__name__)
 
 
 @codec.layer_calls
+@in_turns(except_=("run", "wake", "turn"))
 class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
     """The blocking client: failover, record-and-replay, publisher confirms.
+
+    Threads may share one: each public call runs in a turn, one thread's at a time
+    (``sync_turns``); ``run`` takes a turn a step at a time, so other threads publish
+    while one runs the consumers.
 
     Its parts: ``sync_connecting.SyncConnecting`` (calls under the retry policy, the
     connection, replay), ``sync_publishing.SyncPublishing`` (confirmed and watched
@@ -94,6 +101,8 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self._rotation = NodeRotation(settings)
         self._live: SyncLive | None = None
         self._woken = threading.Event()  # ``wake``: the run under way returns
+        self._turns = Turns(self._interrupt_step)  # one thread at a time on the connection
+        self._stepping = False  # a ``run`` step is waiting for I/O (its turn held)
         self._consumers: dict[str, SyncConsumer] = {}
         self._opened = False
         self._tag_seq = 0
@@ -281,25 +290,51 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
             step = min(STEP_S if step_s is None else step_s, self._step_s_hooks)
             if deadline is not None:
                 step = max(0.0, min(step, deadline - time.monotonic()))
-            self._call(functools.partial(process_events, time_limit=step))
-            self._call(self._watch)
-            for hook in list(self._step_hooks):
-                hook()
-            if self._replies is not None:
-                self._replies.poll()
-            if self._live is not None and self.settings.consumer_check_s > 0:
-                self._watch_consumers(self._live)
-            if self._cancelled and self._live is not None:
-                self._resubscribe_cancelled(self._live)
+            with self._turns.turn():
+                self._step(step)
             if self._woken.is_set():
                 self._woken.clear()
                 return
 
+    def _step(self, step: float) -> None:
+        """One step of ``run``: deliveries for up to ``step`` seconds, then the hooks."""
+        self._stepping = True  # then a look at the queue: a thread that asked for a turn
+        if self._turns.wanted():  # before this saw no step to interrupt
+            step = 0.0
+        try:
+            self._call(functools.partial(process_events, time_limit=step))
+        finally:
+            self._stepping = False
+        self._call(self._watch)
+        for hook in list(self._step_hooks):
+            hook()
+        if self._replies is not None:
+            self._replies.poll()
+        if self._live is not None and self.settings.consumer_check_s > 0:
+            self._watch_consumers(self._live)
+        if self._cancelled and self._live is not None:
+            self._resubscribe_cancelled(self._live)
+
+    def turn(self) -> AbstractContextManager[None]:
+        """A turn of the caller's own for several calls in a row (a face that keeps state
+        beside the connection: ``SyncConfirmPublisher``); every call takes one anyway."""
+        return self._turns.turn()
+
     def wake(self) -> None:
         """From any thread: the ``run`` under way (or the next one) returns after its
         current step, which stops waiting for I/O at once (pika's thread-safe callback
-        ends the wait); the only call of this client another thread may make."""
+        ends the wait); the one call that takes no turn."""
         self._woken.set()
+        self._interrupt()
+
+    def _interrupt_step(self) -> None:
+        """A thread waits for a turn: a step waiting for I/O ends at once (other calls
+        in a turn end by themselves)."""
+        if self._stepping:
+            self._interrupt()
+
+    def _interrupt(self) -> None:
+        """From any thread: the wait for I/O under way (a ``run``'s step) ends at once."""
         live = self._live
         if live is not None:
             with contextlib.suppress(Exception):  # closed or closing: the run ends anyway
@@ -336,7 +371,8 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
             delivery = to_delivery(method, props, body, queue)
 
             def settle(action: Action) -> None:
-                self._settle(channel, delivery, Outcome(action))
+                with self._turns.turn():
+                    self._settle(channel, delivery, Outcome(action))
 
             return delivery, settle
 
