@@ -1,7 +1,8 @@
 """The pika face of the Phoenix client, blocking: a confirmed subscription at A for a type
 owned by C gets the matching events published at B; unsubscribed, it gets no more; what
 is malformed (a filter, a cluster connection, a batch element, a delivery, a home
-cluster) is refused before anything is sent or dead-lettered alone with its reason.
+cluster) is refused before anything is sent or dead-lettered alone with its reason;
+threads sharing one client publish every event once.
 
 One run (the module fixture), one claim per test; the test counts what its handler was
 given and what the dead-letter queue holds."""
@@ -9,6 +10,7 @@ given and what the dead-letter queue holds."""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,6 +33,7 @@ class Run:
     refusals: list[str] = field(default_factory=list)  # errors raised before any send
     matched: list[int] = field(default_factory=list)  # the first round, filter qty >= 100
     batched: list[int] = field(default_factory=list)  # the good elements of a batch
+    threaded: list[int] = field(default_factory=list)  # published by 4 threads on one client
     removed: bool = False  # the unsubscribe confirmed
     again: bool = True  # the same unsubscribe a second time
     after: list[int] = field(default_factory=list)  # delivered after it (a barrier: qty 7)
@@ -94,6 +97,18 @@ def run(brokers, module_settings, module_name, tmp_path_factory) -> Run:
             body = encode([good[0], b'{"kind": "publish", "qty": 1}', good[1]])
             at_b.client.publish(OutgoingMessage(body, "", RoleId.router("B").inbox(name)))
             run.batched = drain(at_a, 2)
+            # four threads publishing on one client (pika's connection takes turns)
+            threads = [
+                threading.Thread(
+                    target=lambda k=k: [publish(at_b, 1000 + 25 * k + i) for i in range(25)]
+                )
+                for k in range(4)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            run.threaded = drain(at_a, 100)
             run.removed = at_a.unsubscribe(event_type, sid)
             run.again = at_a.unsubscribe(event_type, sid)
             for qty in (300, 400):
@@ -146,6 +161,10 @@ def test_exactly_the_matching_events_are_handled(run: Run) -> None:
 
 def test_the_good_elements_of_a_batch_are_routed(run: Run) -> None:
     assert sorted(run.batched) == [120, 130]
+
+
+def test_threads_sharing_one_client_publish_every_event_once(run: Run) -> None:
+    assert sorted(run.threaded) == list(range(1000, 1100))
 
 
 def test_a_malformed_batch_element_is_dead_lettered_alone(run: Run) -> None:
