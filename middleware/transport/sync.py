@@ -101,7 +101,9 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self._rotation = NodeRotation(settings)
         self._live: SyncLive | None = None
         self._woken = threading.Event()  # ``wake``: the run under way returns
-        self._turns = Turns(self._interrupt_step)  # one thread at a time on the connection
+        #: one thread at a time on the connection; a forked child lets go of the parent's
+        self._turns = Turns(self._interrupt_step, forked=self._forked)
+        self._inherited: SyncLive | None = None  # the parent's connection, in a forked child
         self._stepping = False  # a ``run`` step is waiting for I/O (its turn held)
         self._consumers: dict[str, SyncConsumer] = {}
         self._opened = False
@@ -326,6 +328,15 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         ends the wait); the one call that takes no turn."""
         self._woken.set()
         self._interrupt()
+
+    def _forked(self) -> None:
+        """In a forked child (``os.fork``: a pre-forking server's workers): the
+        connection is the parent's, its socket shared with it; the child says nothing on
+        it and opens its own at its next call (replaying the record, consumers
+        included). What the parent's watched channel owed is the parent's."""
+        if self._live is not None:
+            self._inherited, self._live = self._live, None
+            self._resends = []
 
     def _interrupt_step(self) -> None:
         """A thread waits for a turn: a step waiting for I/O ends at once (other calls

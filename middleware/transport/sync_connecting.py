@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +100,11 @@ class SyncConnecting(SyncClientState):
             return self._live
         node = self._rotation.take()
         self._open(node)
+        if self._inherited is not None:  # a forked child's first call: its own connection
+            self._inherited = None  # (the parent's, never written to, is left to close)
+            log.info("connected to %s in forked process %d; topology replayed", node, os.getpid())
+            assert self._live is not None
+            return self._live
         self.reconnects += 1
         metrics.RECONNECTS.inc()
         log.info("failed over to %s; topology replayed", node)

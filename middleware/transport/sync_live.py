@@ -91,6 +91,7 @@ class SyncClientState:
     _last_refusal: MiddlewareError | None
     _rotation: NodeRotation
     _live: SyncLive | None
+    _inherited: SyncLive | None
     _consumers: dict[str, SyncConsumer]
     _opened: bool
     _reply_handlers: list[Callable[[Delivery], None]]

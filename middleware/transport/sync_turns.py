@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,17 +28,44 @@ from typing import Any, TypeVar
 
 C = TypeVar("C", bound=type)
 
+#: every ``Turns`` alive, reset in a forked child (``_after_fork``)
+_ALIVE: weakref.WeakSet[Turns] = weakref.WeakSet()
+_HOOKED: list[bool] = []  # the fork hook is registered at the first ``Turns``, not at import
+
+
+def _after_fork() -> None:
+    for turns in list(_ALIVE):
+        turns.forked()
+
 
 class Turns:
     """A reentrant turn on one connection, handed over in the order threads asked for it;
     a thread that has to wait ends the holder's wait for I/O (``interrupt``)."""
 
-    def __init__(self, interrupt: Callable[[], None]) -> None:
+    def __init__(
+        self, interrupt: Callable[[], None], forked: Callable[[], None] | None = None
+    ) -> None:
         self._interrupt = interrupt
+        self._on_fork = forked
         self._cond = threading.Condition(threading.Lock())
         self._holder: int | None = None
         self._depth = 0  # the holder's turns inside its turn
         self._queue: deque[int] = deque()  # threads waiting, in the order they asked
+        if not _HOOKED:
+            os.register_at_fork(after_in_child=_after_fork)
+            _HOOKED.append(True)
+        _ALIVE.add(self)
+
+    def forked(self) -> None:
+        """In a forked child: the parent's other threads are not here, so their turns
+        (held or asked for) are gone; then ``forked`` as given (the client lets go of
+        the parent's connection)."""
+        self._cond = threading.Condition(threading.Lock())
+        if self._holder != threading.get_ident():  # the forking thread keeps its own
+            self._holder, self._depth = None, 0
+        self._queue = deque()
+        if self._on_fork is not None:
+            self._on_fork()
 
     @contextmanager
     def turn(self) -> Iterator[None]:

@@ -1,4 +1,5 @@
-"""Threads sharing one sync client, and the sync faces on it, as a threaded service does.
+"""Threads sharing one sync client, and the sync faces on it, as a threaded service does;
+processes forked with a connected client, as a pre-forking server's workers are.
 
 pika's connection is not thread-safe; before the client took turns, threads sharing one
 ``SyncClient`` interleaved frames (the broker closed the connection 6-36 times a run),
@@ -9,6 +10,8 @@ took each other's confirms (duplicates), and lost unconfirmed publishes silently
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -251,3 +254,70 @@ def test_threads_sharing_a_client_fail_over_together_when_its_node_is_killed(
     assert not lost, f"{len(lost)} of {len(confirmed)} confirmed messages are not in the queue"
     assert not failed, f"{len(failed)} publishes failed instead of failing over"
     assert len(confirmed) > 100
+
+
+def _publish_in_child(client: SyncClient, queue: str, k: int, per: int, confirm: bool) -> int:
+    """A forked child's work: ``per`` publishes on the client its parent connected; its
+    exit status is how many failed (0: all returned)."""
+    failed = 0
+    for i in range(per):
+        try:
+            client.publish(OutgoingMessage(f"{k}-{i}".encode(), "", queue), confirm=confirm)
+        except Exception:
+            failed += 1
+    if not confirm:
+        client.poll()
+    client.close()
+    return failed
+
+
+@pytest.mark.parametrize("confirm", [True, False], ids=["confirmed", "unconfirmed"])
+def test_processes_forked_with_a_connected_client_each_open_their_own_connection(
+    confirm: bool, settings: Settings, name: str
+) -> None:
+    """A pre-forking server (gunicorn's ``preload_app``) forks its workers after the
+    module made its client: before, parent and children wrote on one socket (the broker
+    closed it, duplicates, a 15 s silence) and unconfirmed publishes were lost (23 of
+    401). A thread of the parent runs the client at the fork, holding its turn."""
+    kids, per = 3, 100
+    client = SyncClient(settings=settings).connect()
+    client.declare_queue(QueueSpec(name, kind=QueueKind.QUORUM))
+    stop = threading.Event()
+    runner = threading.Thread(target=lambda: client.run(until=stop.is_set))
+    runner.start()
+    pids = []
+    try:
+        time.sleep(0.3)
+        for k in range(kids):
+            pid = os.fork()
+            if pid == 0:  # the child: never back into pytest, and gone within 60 s
+                signal.alarm(60)
+                status = 99
+                try:
+                    status = _publish_in_child(client, name, k, per, confirm)
+                finally:
+                    os._exit(status)
+            pids.append(pid)
+        parent_failed = 0
+        for i in range(per):
+            try:
+                client.publish(OutgoingMessage(f"p-{i}".encode(), "", name), confirm=confirm)
+            except MiddlewareError:
+                parent_failed += 1
+        statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        client.poll()
+        stop.set()
+        runner.join(10)
+        stored = _drained(settings, name)
+    finally:
+        stop.set()
+        client.delete_queue(name)
+        client.close()
+    assert statuses == [0] * kids, f"publishes failed in the children: {statuses}"
+    assert parent_failed == 0 and client.reconnects == 0
+    expected = {f"{k}-{i}".encode() for k in range(kids) for i in range(per)}
+    expected |= {f"p-{i}".encode() for i in range(per)}
+    duplicates = len(stored) - len(set(stored))
+    assert set(stored) == expected and not duplicates, (
+        f"{len(expected - set(stored))} publishes lost, {duplicates} duplicated"
+    )

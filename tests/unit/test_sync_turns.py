@@ -92,3 +92,35 @@ def test_a_waiter_that_is_interrupted_leaves_the_queue_for_the_others() -> None:
     turns.release()
     second.join(5)
     assert outcome == ["stopped", "second"]
+
+
+def test_a_forked_child_takes_a_turn_another_thread_held_at_the_fork() -> None:
+    import os
+    import signal
+
+    forked: list[int] = []
+    turns = Turns(lambda: None, forked=lambda: forked.append(os.getpid()))
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with turns.turn():
+            held.set()
+            done.wait(5)
+
+    thread = _started(holder)
+    held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: the holder thread is not here
+        signal.alarm(10)
+        status = 1
+        try:
+            with turns.turn():
+                status = 0 if forked == [os.getpid()] else 2
+        finally:
+            os._exit(status)
+    done.set()
+    thread.join(5)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert forked == []  # the parent's turns are untouched
+    with turns.turn():
+        pass
