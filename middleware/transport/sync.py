@@ -334,6 +334,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         connection is the parent's, its socket shared with it; the child says nothing on
         it and opens its own at its next call (replaying the record, consumers
         included). What the parent's watched channel owed is the parent's."""
+        self._stepping = False  # a step under way was the parent's thread's
         if self._live is not None:
             self._inherited, self._live = self._live, None
             self._resends = []
