@@ -292,7 +292,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
             step = min(STEP_S if step_s is None else step_s, self._step_s_hooks)
             if deadline is not None:
                 step = max(0.0, min(step, deadline - time.monotonic()))
-            with self._turns.turn():
+            with self._turns:
                 self._step(step)
             if self._woken.is_set():
                 self._woken.clear()
@@ -320,7 +320,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
     def turn(self) -> AbstractContextManager[None]:
         """A turn of the caller's own for several calls in a row (a face that keeps state
         beside the connection: ``SyncConfirmPublisher``); every call takes one anyway."""
-        return self._turns.turn()
+        return self._turns
 
     def wake(self) -> None:
         """From any thread: the ``run`` under way (or the next one) returns after its
@@ -383,7 +383,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
             delivery = to_delivery(method, props, body, queue)
 
             def settle(action: Action) -> None:
-                with self._turns.turn():
+                with self._turns:
                     self._settle(channel, delivery, Outcome(action))
 
             return delivery, settle

@@ -22,8 +22,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 C = TypeVar("C", bound=type)
@@ -67,13 +66,15 @@ class Turns:
         if self._on_fork is not None:
             self._on_fork()
 
-    @contextmanager
-    def turn(self) -> Iterator[None]:
+    def turn(self) -> Turns:
+        """``with turns.turn():`` (the turns are their own context manager)."""
+        return self
+
+    def __enter__(self) -> None:
         self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def acquire(self) -> None:
         me = threading.get_ident()
@@ -128,7 +129,7 @@ def in_turns(*, except_: tuple[str, ...]) -> Callable[[C], C]:
 def _in_turn(method: Any) -> Any:
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._turns.turn():
+        with self._turns:
             return method(self, *args, **kwargs)
 
     return run

@@ -256,18 +256,16 @@ def test_threads_sharing_a_client_fail_over_together_when_its_node_is_killed(
     assert len(confirmed) > 100
 
 
-def _publish_in_child(client: SyncClient, queue: str, k: int, per: int, confirm: bool) -> int:
-    """A forked child's work: ``per`` publishes on the client its parent connected; its
-    exit status is how many failed (0: all returned)."""
+def _publish_numbered(
+    client: SyncClient, queue: str, prefix: str, per: int, *, confirm: bool
+) -> int:
+    """``per`` publishes of ``<prefix>-<i>``; how many failed."""
     failed = 0
     for i in range(per):
         try:
-            client.publish(OutgoingMessage(f"{k}-{i}".encode(), "", queue), confirm=confirm)
-        except Exception:
+            client.publish(OutgoingMessage(f"{prefix}-{i}".encode(), "", queue), confirm=confirm)
+        except MiddlewareError:
             failed += 1
-    if not confirm:
-        client.poll()
-    client.close()
     return failed
 
 
@@ -293,17 +291,15 @@ def test_processes_forked_with_a_connected_client_each_open_their_own_connection
             if pid == 0:  # the child: never back into pytest, and gone within 60 s
                 signal.alarm(60)
                 status = 99
-                try:
-                    status = _publish_in_child(client, name, k, per, confirm)
+                try:  # its exit status: how many of its publishes failed
+                    status = _publish_numbered(client, name, str(k), per, confirm=confirm)
+                    if not confirm:
+                        client.poll()
+                    client.close()
                 finally:
                     os._exit(status)
             pids.append(pid)
-        parent_failed = 0
-        for i in range(per):
-            try:
-                client.publish(OutgoingMessage(f"p-{i}".encode(), "", name), confirm=confirm)
-            except MiddlewareError:
-                parent_failed += 1
+        parent_failed = _publish_numbered(client, name, "p", per, confirm=confirm)
         statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
         client.poll()
         stop.set()
