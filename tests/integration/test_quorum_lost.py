@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import pika
 import pytest
 from prometheus_client import REGISTRY
 
@@ -36,6 +35,7 @@ from middleware.transport import (
 )
 from middleware.transport.delivery import Action
 from tests.conftest import Face
+from tests.raw_pika import drained
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.cluster, pytest.mark.chaos]
 
@@ -89,17 +89,7 @@ def _timeouts(metric: str = "qosmq_publish_confirm_timeouts_total") -> float:
 def _ids_in(settings: Settings, queue: str) -> list[str]:
     """The message ids waiting in ``queue``, read by a raw pika connection (not the
     client under test)."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_urls[0]))
-    try:
-        channel = connection.channel()
-        ids: list[str] = []
-        while True:
-            method, properties, _ = channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                return ids
-            ids.append(properties.message_id)
-    finally:
-        connection.close()
+    return [props.message_id for props, _ in drained(settings.amqp_urls[0], queue)]
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])

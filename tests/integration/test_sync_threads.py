@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import pika
 import pytest
 
 from middleware.balancer import replica_names
@@ -26,6 +25,7 @@ from middleware.errors import MiddlewareError
 from middleware.queues.sync import SyncQueues
 from middleware.settings import Settings
 from middleware.transport import OutgoingMessage, QueueKind, QueueSpec, SyncClient
+from tests.raw_pika import drained
 
 pytestmark = [pytest.mark.rabbit]
 
@@ -53,17 +53,7 @@ def _in_threads(work: Callable[[int], None], threads: int = THREADS) -> collecti
 
 def _drained(settings: Settings, queue: str) -> list[bytes]:
     """Every body in ``queue``, taken by a plain pika connection (the independent count)."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_urls[0]))
-    try:
-        channel = connection.channel()
-        bodies: list[bytes] = []
-        while True:
-            method, _props, body = channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                return bodies
-            bodies.append(body)
-    finally:
-        connection.close()
+    return [body for _, body in drained(settings.amqp_urls[0], queue)]
 
 
 def _wait_for(done: Callable[[], bool], seconds: float) -> None:
@@ -293,8 +283,8 @@ def test_processes_forked_with_a_connected_client_each_open_their_own_connection
                 status = 99
                 try:  # its exit status: how many of its publishes failed
                     status = _publish_numbered(client, name, str(k), per, confirm=confirm)
-                    if not confirm:
-                        client.poll()
+                    if not confirm:  # what the watched channel owes: acked, or sent again
+                        client.run(2)
                     client.close()
                 finally:
                     os._exit(status)
