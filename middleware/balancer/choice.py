@@ -46,8 +46,9 @@ class Choice:
     Reports older than ``stale_after`` (default 3 x the report period) are ignored: the
     choice falls back to equal weights (round robin) until a fresh report arrives.  A
     replica whose queue is gone (``gone``) or that did not confirm within ``stall_s``
-    (``stall``) leaves the choice until it is ``back`` or ``unstall``-ed; a stalled one
-    is still chosen when no other is left."""
+    (``stall``) leaves the choice until it is ``back`` or ``unstall``-ed; one that
+    refused a publish (``nacked``: a full queue with ``reject-publish``) leaves it for
+    ``recheck_s``.  A stalled or refusing one is still chosen when no other is left."""
 
     def __init__(
         self,
@@ -72,6 +73,8 @@ class Choice:
         self.stalled: set[int] = set()  # replicas with a publish unconfirmed past stall_s
         self._stalls: Counter[int] = Counter()  # per replica: its publishes still stalled
         self.resent = 0  # messages sent to a second replica after a stall
+        self.nacked = 0  # publishes a replica refused (sent to another)
+        self._refusing: dict[int, float] = {}  # replica: until when it is left out
         self.chooser = PredictiveChooser(replicas, self.rng)
         self.picker: WeightedPicker | None = None
         self.report: LoadReport | None = None
@@ -90,14 +93,16 @@ class Choice:
         ``Unroutable`` when none is left."""
         blocked = self.missing | exclude
         allowed = [i for i in range(len(self.queues)) if i not in blocked]
-        if live := [i for i in allowed if i not in self.stalled]:
-            allowed = live  # (a stalled replica only when no other is left)
+        now = time.monotonic()
+        if self._refusing:
+            self._refusing = {i: t for i, t in self._refusing.items() if t > now}
+        if live := [i for i in allowed if i not in self.stalled and i not in self._refusing]:
+            allowed = live  # (a stalled or refusing replica only when no other is left)
         if not allowed:
             raise Unroutable(
                 f"topic {self.topic!r}: no replica can take the message "
                 f"(missing: {', '.join(self.queues[i] for i in sorted(self.missing)) or '-'})"
             )
-        now = time.monotonic()
         stale = self.report is None or (
             self.stale_after is not None and now - self.received_at > self.stale_after
         )
@@ -138,6 +143,17 @@ class Choice:
         metrics.BALANCED_RESENT.labels(self.topic).inc()
 
     # ------------------------------------------------------ left out, back
+    def refused(self, index: int) -> None:
+        """``index`` answered a publish with ``basic.nack`` (the broker did not take
+        it: a full queue that rejects publishes): out of the choice for ``recheck_s``,
+        and the message goes to another replica."""
+        self.nacked += 1
+        metrics.BALANCED_NACKED.labels(self.topic).inc()
+        if index not in self._refusing:
+            queue, left_out = self.queues[index], self.recheck_s
+            log.info("replica %s refused a publish: left out for %g s", queue, left_out)
+        self._refusing[index] = time.monotonic() + self.recheck_s
+
     def stall(self, index: int) -> None:
         """A publish to ``index`` was not confirmed within ``stall_s``: the replica
         leaves the choice until every such publish ended (``unstall``)."""

@@ -20,6 +20,12 @@ BALANCED_RESENT = Counter(
     "balanced messages sent to a second replica after the first stalled (at least once)",
     ["topic"],
 )
+BALANCED_NACKED = Counter(
+    "qosmq_balancer_nacked_total",
+    "balanced publishes a replica refused (basic.nack: a full queue that rejects "
+    "publishes, a leader election), sent to another replica",
+    ["topic"],
+)
 BALANCED_REPORTS_REFUSED = Counter(
     "qosmq_balancer_reports_refused_total",
     "load reports a publisher ignored as malformed or forged",

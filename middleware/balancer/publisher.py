@@ -7,7 +7,7 @@ import contextlib
 import logging
 from typing import Self, Unpack
 
-from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, Unroutable
+from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, PublishNacked, Unroutable
 from ..settings import Settings
 from ..transport import (
     AsyncClient,
@@ -67,7 +67,10 @@ class BalancedPublisher(Choice):
 
     A replica whose queue is gone leaves the choice at once: publishes are mandatory,
     and a returned one (or a report saying the queue does not exist) takes the replica
-    out and sends the message to a live one, within the same ``publish_timeout``.  A
+    out and sends the message to a live one, within the same ``publish_timeout``; so does
+    a replica that refuses a publish (``basic.nack``: a full queue with
+    ``x-overflow: reject-publish``), for ``recheck_s`` (on the last replica left the
+    client's retries run as for any publish, then ``PublishNacked``).  A
     missing replica is looked for every ``recheck_s`` (a passive declare) and comes
     back once its queue exists again.  No publish outlives ``publish_timeout``: past
     it, ``ConfirmTimeout``.
@@ -131,7 +134,9 @@ class BalancedPublisher(Choice):
                     if pending:
                         self.resending()
                     message = replica_message(self.queues[index], body, message_id, fields)
-                    task = asyncio.ensure_future(self._send(index, message))
+                    # a nack sends it elsewhere; on the last replica the client retries it
+                    last = not self.choosable(tried)
+                    task = asyncio.ensure_future(self._send(index, message, retry_nacked=last))
                     done, _ = await asyncio.wait({task}, timeout=self.stall_s)
                     while not done and not await self.client.answers(self.stall_s):
                         # not the replica: the client's own node or link is silent (its
@@ -146,12 +151,16 @@ class BalancedPublisher(Choice):
                         return task.result()
                     except (Unroutable, EntityNotFound):
                         self.gone(index)
+                    except PublishNacked:
+                        if last:
+                            raise
+                        self.refused(index)
         except TimeoutError:
             metrics.BALANCED_TIMEOUTS.labels(self.topic).inc()
             raise publish_timed_out(self.topic, message_id, limit) from None
 
-    async def _send(self, index: int, message: OutgoingMessage) -> str:
-        await self.client.publish(message)
+    async def _send(self, index: int, message: OutgoingMessage, *, retry_nacked: bool) -> str:
+        await self.client.publish(message, retry_nacked=retry_nacked)
         return self.queues[index]
 
     def _stall_send(self, index: int, task: asyncio.Task[str]) -> None:

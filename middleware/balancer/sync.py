@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Self, Unpack
 
-from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, Unroutable
+from ..errors import ConfirmTimeout, EntityNotFound, MiddlewareError, PublishNacked, Unroutable
 from ..transport import SyncClient
 from ..transport.message import new_message_id
 from . import metrics
@@ -96,10 +96,16 @@ class SyncBalancedPublisher(Choice):
             tried.add(index)
             last = not self.choosable(tried)  # no other replica to send it to
             message = replica_message(self.queues[index], body, message_id, fields)
-            try:
-                self.client.publish(message, within=left if last else min(self.stall_s, left))
+            within = left if last else min(self.stall_s, left)
+            try:  # a nack sends it elsewhere; on the last replica the client retries it
+                self.client.publish(message, within=within, retry_nacked=last)
             except (Unroutable, EntityNotFound):
                 self.gone(index)
+                continue
+            except PublishNacked:
+                if last:
+                    raise
+                self.refused(index)
                 continue
             except ConfirmTimeout:
                 if last or deadline - time.monotonic() <= 0:

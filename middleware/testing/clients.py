@@ -226,6 +226,7 @@ class InMemoryClient(_Double):
         confirm: bool = True,
         block: bool = True,
         retry: bool = True,
+        retry_nacked: bool = True,
     ) -> None:
         self._publish(message, confirm=confirm)
 
@@ -392,6 +393,7 @@ class InMemorySyncClient(_Double):
         confirm: bool = True,
         retry: bool = True,
         within: float | None = None,
+        retry_nacked: bool = True,
     ) -> None:
         self._publish(message, confirm=confirm)
 

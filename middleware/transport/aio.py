@@ -434,11 +434,15 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         confirm: bool = True,
         block: bool = True,
         retry: bool = True,
+        retry_nacked: bool = True,
     ) -> None:
         """Publish and, with ``confirm``, return once the broker confirmed it.
 
         Retries on connection loss (same message id) under the settings'
         retry policy (``retry=False``: one attempt, the caller handles failure).
+        ``retry_nacked=False``: a ``basic.nack`` (a full queue that rejects publishes,
+        a quorum leader election) raises ``PublishNacked`` at once instead of being sent
+        again on a fresh channel, for a caller that has somewhere else to send it.
         Raises ``MalformedMessage`` at once for a message the broker would refuse,
         ``Unroutable`` (mandatory and no queue bound), ``PublishNacked``,
         ``BrokerUnreachable`` after the last attempt, or ``WindowFull`` when
@@ -447,11 +451,17 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         check_message(message, self.limits)
         if is_reply(message) and not self._sends_own_replies:
             replies = await self._reply_sender()
-            return await replies.publish(message, confirm=confirm, block=block, retry=retry)
+            return await replies.publish(
+                message, confirm=confirm, block=block, retry=retry, retry_nacked=retry_nacked
+            )
         if tracing.active():
             with tracing.publish(message) as traced:
-                return await self._publish(traced, confirm=confirm, block=block, retry=retry)
-        return await self._publish(message, confirm=confirm, block=block, retry=retry)
+                return await self._publish(
+                    traced, confirm=confirm, block=block, retry=retry, retry_nacked=retry_nacked
+                )
+        return await self._publish(
+            message, confirm=confirm, block=block, retry=retry, retry_nacked=retry_nacked
+        )
 
     async def _reply_sender(self) -> AsyncClient:
         """The client of this one's replies (``is_reply`` says why), connected at first use."""

@@ -56,7 +56,13 @@ class Publishing(ClientState):
     """Publishes within the window, confirmed, retried; a suspect sent again alone."""
 
     async def _publish(
-        self, message: OutgoingMessage, *, confirm: bool, block: bool, retry: bool
+        self,
+        message: OutgoingMessage,
+        *,
+        confirm: bool,
+        block: bool,
+        retry: bool,
+        retry_nacked: bool = True,
     ) -> None:
         try:
             await self._publish_on_channel(message, confirm=confirm, block=block)
@@ -66,6 +72,7 @@ class Publishing(ClientState):
                 return await self._publish_suspect(message, exc, confirm=confirm, block=block)
             if (
                 isinstance(exc, WindowFull | ConfirmTimeout)
+                or (isinstance(exc, PublishNacked) and not retry_nacked)
                 or not retry
                 or self.settings.retry.attempts < 2
             ):

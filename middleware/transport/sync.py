@@ -397,6 +397,7 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         confirm: bool = True,
         retry: bool = True,
         within: float | None = None,
+        retry_nacked: bool = True,
     ) -> None:
         """Publish; with ``confirm`` return once the broker confirmed it.
 
@@ -404,16 +405,20 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         one attempt (after reconnecting if needed) and raises the failure.  A message
         the broker would refuse raises ``MalformedMessage`` at once.  ``within``: the
         confirm's bound for this call (default ``publish_timeout``); past it
-        ``ConfirmTimeout`` (the broker may still take the message).
+        ``ConfirmTimeout`` (the broker may still take the message).  ``retry_nacked=False``:
+        a ``basic.nack`` raises ``PublishNacked`` at once (as ``AsyncClient.publish``).
         """
         check_message(message, self.limits)
         if is_reply(message) and not self._sends_own_replies:
-            self._reply_sender().publish(message, confirm=confirm, retry=retry, within=within)
+            self._reply_sender().publish(
+                message, confirm=confirm, retry=retry, within=within, retry_nacked=retry_nacked
+            )
             return
+        nacks = {"retry_nacked": retry_nacked}
         if tracing.active():
             with tracing.publish(message) as traced:
-                return self._publish(traced, confirm=confirm, retry=retry, within=within)
-        return self._publish(message, confirm=confirm, retry=retry, within=within)
+                return self._publish(traced, confirm=confirm, retry=retry, within=within, **nacks)
+        return self._publish(message, confirm=confirm, retry=retry, within=within, **nacks)
 
     def answers(self, within: float) -> bool:
         """Whether the node this client is connected to answers a round trip (a passive

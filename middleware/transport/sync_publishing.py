@@ -47,6 +47,15 @@ class _Refused(MiddlewareError):
         self.error, self.code = error, code
 
 
+class _Nacked(MiddlewareError):
+    """A ``basic.nack`` the caller asked not to retry (``retry_nacked=False``): not a
+    ``RetryableError``; ``error`` is what the caller hears."""
+
+    def __init__(self, error: PublishNacked) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Late(MiddlewareError):
     """No confirm within ``publish_timeout``: not retried under the policy (not a
     ``RetryableError``); ``error`` is what the caller hears."""
@@ -60,7 +69,13 @@ class SyncPublishing(SyncClientState):
     """Confirmed publishes one at a time, watched ones, and suspects sent alone."""
 
     def _publish(
-        self, message: OutgoingMessage, *, confirm: bool, retry: bool, within: float | None = None
+        self,
+        message: OutgoingMessage,
+        *,
+        confirm: bool,
+        retry: bool,
+        within: float | None = None,
+        retry_nacked: bool = True,
     ) -> None:
         if not confirm:
             self._call(functools.partial(self._watch, then=message))
@@ -85,6 +100,8 @@ class SyncPublishing(SyncClientState):
                     with contextlib.suppress(Exception):
                         channel.close()
                     self._reopen_channel(live)
+                    if not retry_nacked:
+                        raise _Nacked(error) from exc
                 raise
 
         try:
@@ -95,6 +112,8 @@ class SyncPublishing(SyncClientState):
         except _Late as late:
             metrics.CONFIRM_TIMEOUTS.inc()
             raise late.error from None
+        except _Nacked as nacked:
+            raise nacked.error from None
         metrics.PUBLISHED_CONFIRMED.inc()
 
     def _confirmed(

@@ -266,6 +266,64 @@ def test_a_deleted_replica_leaves_the_choice_and_comes_back_nothing_lost(
     assert publisher.missing == set() and after_back > 0, (publisher.missing, after_back)
 
 
+@pytest.mark.parametrize("kind", [QueueKind.CLASSIC, QueueKind.QUORUM])
+@pytest.mark.parametrize("face", FACES)
+def test_a_full_replica_that_rejects_publishes_is_left_out_not_waited_for(
+    settings, name, face, kind
+) -> None:
+    """A replica's queue bounded with ``x-overflow: reject-publish`` fills up: the broker
+    nacks what comes next.  Before, the client retried the nack under its policy until
+    ``stall_s`` (3 s) passed, so a message waited 3 s each time the full replica came
+    back into the choice, and the stalled publish ran on (a second copy once the queue
+    had room).  Now a nack sends the message to another replica at once and leaves the
+    full one out for ``recheck_s``.  Counted by a pika connection of the test's own:
+    every confirmed message in exactly one replica, the full one holding its bound."""
+    from tests.raw_pika import drained
+
+    async def scenario() -> tuple[list[str], list[str], list[float], Balanced]:
+        async with AsyncClient(settings=settings) as admin:
+            bounded = {"x-overflow": "reject-publish"}
+            await admin.declare_queue(
+                QueueSpec(f"{name}.r0", kind=kind, max_length=3, arguments=bounded)
+            )
+            await admin.declare_queue(QueueSpec(f"{name}.r1", kind=kind))
+        publisher = await Balanced(
+            face, settings, topic=name, replicas=2, algorithm="round_robin", recheck_s=0.5
+        ).start()
+        confirmed, failed, took = [], [], []
+        for i in range(120):
+            started = time.monotonic()
+            try:
+                await publisher.publish(b"m", message_id=f"m{i}")
+                confirmed.append(f"m{i}")
+            except MiddlewareError as exc:
+                failed.append(repr(exc))
+            took.append(time.monotonic() - started)
+            await asyncio.sleep(0.02)
+        await publisher.close()
+        return confirmed, failed, took, publisher
+
+    confirmed, failed, took, publisher = asyncio.run(scenario())
+    url = settings.amqp_urls[0]
+    held = {q: [p.message_id for p, _ in drained(url, f"{name}.{q}")] for q in ("r0", "r1")}
+
+    async def clean() -> None:
+        async with AsyncClient(settings=settings) as admin:
+            for q in held:
+                await admin.delete_queue(f"{name}.{q}")
+
+    asyncio.run(clean())
+    everything = held["r0"] + held["r1"]
+    counts = {q: len(ids) for q, ids in held.items()}
+    nacked = getattr(publisher, "nacked", "-")
+    print(f"\n{face} {kind.value}: slowest {max(took):.2f} s, {nacked} nacked, held {counts}")
+    assert failed == [], failed[:5]
+    assert max(took) < 1.0, f"a publish waited {max(took):.1f} s for the full replica"
+    assert publisher.nacked >= 1 and publisher.resent == 0, (publisher.nacked, publisher.resent)
+    assert len(held["r0"]) <= 4, held["r0"]  # (a quorum queue's bound is approximate)
+    assert sorted(everything) == sorted(confirmed), "a confirmed message lost or held twice"
+
+
 @pytest.mark.parametrize("face", FACES)
 def test_no_balanced_publish_outlives_publish_timeout(settings, brokers, name, face) -> None:
     """The connection goes silent (a blackhole: open, nothing answers): each publish

@@ -252,6 +252,21 @@ def test_a_stalled_replica_is_chosen_only_when_no_other_is_left() -> None:
     asyncio.run(asyncio.sleep(0))
 
 
+def test_a_replica_that_refused_a_publish_is_left_out_for_recheck_s() -> None:
+    import time
+
+    from middleware.balancer.choice import Choice
+
+    for algorithm in ("round_robin", "paper", "inverse", "predictive"):
+        choice = Choice(topic="t", replicas=3, algorithm=algorithm, recheck_s=0.2)
+        choice.refused(1)
+        assert choice.nacked == 1
+        assert {choice.choose() for _ in range(300)} == {0, 2}, algorithm
+        assert {choice.choose(exclude={0, 2}) for _ in range(20)} == {1}  # the last one left
+        time.sleep(0.25)
+        assert 1 in {choice.choose() for _ in range(300)}, algorithm  # chosen again
+
+
 def test_a_stalled_replica_comes_back_when_its_own_stalled_publishes_end() -> None:
     import asyncio
 
