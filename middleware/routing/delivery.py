@@ -32,6 +32,7 @@ from ..errors import (
     LinkDown,
     NegativeReceipt,
     NotConnected,
+    PublishNacked,
     RetryableError,
     Unroutable,
 )
@@ -119,9 +120,7 @@ class CopySender:
         the ring carried to it): no link bound, the transport's own retries, and a
         failure raises (the copy's delivery stays unacked).  ``content``: the event's
         name (``event_content``): an e2e subscriber takes two copies of one event as one
-        message however each was stamped (matched again elsewhere after a cluster left).
-        ``priority``: the event's; how long a batched copy may wait for others
-        (``batching.linger_for``)."""
+        message however each was stamped.  ``priority``: the event's (``linger_for``)."""
         bound = None if local else self.topology.link_timeout_s
         if not local and not self._may_try(home, time.monotonic()):
             return CopyOutcome(Outcome.UNREACHABLE, f"cluster {home} unreachable a moment ago")
@@ -143,6 +142,8 @@ class CopySender:
             return CopyOutcome(Outcome.DELIVERED)
         except Unroutable:
             return await self._returned(home, queue, local)
+        except PublishNacked as exc:  # the queue, not its home: its other queues go on
+            return self._nacked(queue, local, exc)
         except NegativeReceipt as exc:
             return CopyOutcome(Outcome.REFUSED, str(exc))
         except DuplicateMessageId as exc:  # on its way for another delivery: HOME_ERRORS
@@ -170,6 +171,18 @@ class CopySender:
         if local:
             raise HopFailed(f"subscriber queue {queue} was returned ({why})")
         return CopyOutcome(Outcome.DOWN, f"subscriber queue {queue} was returned ({why})")
+
+    @staticmethod
+    def _nacked(queue: str, local: bool, exc: PublishNacked) -> CopyOutcome:
+        """A copy the broker refused (``basic.nack``): its queue is full and rejects
+        publishes (``overflow: reject-publish``), or a quorum queue elects a leader.  The
+        copy waits as one for a queue whose node is down (``DOWN``: carried to the
+        home's routing master, which parks it and tries it again), and the home is not
+        taken for down: its other subscriber queues take their copies meanwhile."""
+        why = f"subscriber queue {queue} refused the copy (full, or electing a leader): {exc}"
+        if local:
+            raise HopFailed(why) from exc
+        return CopyOutcome(Outcome.DOWN, why)
 
     def _look(self, home: str, queue: str) -> asyncio.Future[bool]:
         """Whether ``queue`` is gone, asked once per ``LOOK_S`` (``_looks``)."""
@@ -215,7 +228,8 @@ class CopySender:
             await self._batcher.send(home, queue, body, priority, bound=bound)
             return
         progress = functools.partial(self._confirmed, home)
-        publish = client.publish(outgoing_body(body, queue, persistent=self.topology.persistent))
+        message = outgoing_body(body, queue, persistent=self.topology.persistent)
+        publish = client.publish(message, retry_nacked=False)  # (a nack: ``_nacked``)
         await bounded(publish, bound, progress, self._stretched)
 
     def _e2e_bound(self, bound: float | None) -> float | None:
@@ -241,7 +255,8 @@ class CopySender:
         client = self.known(home)
         if client is None:
             client = await self.client_for(home)
-        await client.publish(outgoing_body(body, queue, persistent=self.topology.persistent))
+        message = outgoing_body(body, queue, persistent=self.topology.persistent)
+        await client.publish(message, retry_nacked=False)  # (a nack: ``_nacked``)
 
     def _may_try(self, home: str, now: float) -> bool:
         """Whether a copy to ``home`` tries the direct way (a home not known down, or

@@ -164,6 +164,84 @@ def test_a_subscriber_that_stops_consuming_costs_the_others_nothing(
     assert p99 < 1.0, f"the live subscriber's p99 {p99:.2f} s beside a silent one"
 
 
+@pytest.mark.parametrize("confirm", ["broker", "e2e"])
+def test_a_full_subscriber_queue_that_rejects_copies_costs_the_others_nothing(
+    confirm, settings, brokers, local_cluster, tmp_path, name
+) -> None:
+    """A subscriber queue bounded by a policy (``max-length`` 5, ``overflow:
+    reject-publish``), nobody consuming it, beside a live subscriber of the same events:
+    the broker nacks the copies the full queue cannot take.  Before, the match broker's
+    client retried each nack under its policy and then took the home cluster for down,
+    so the live subscriber's copies waited too (probe, broker-confirmed: 111 of 500
+    events in 30 s, median 12.9 s late).  Now a nacked copy waits as one for a queue
+    whose node is down (parked at the home's routing master, tried again) and the
+    home's other queues take theirs at once.  Once the full queue is consumed every
+    event reaches it; none is dead-lettered."""
+    event_type = owned_by(["A", "B"], "B", "full")
+    live, full = f"{name}.live", f"{name}.full"
+    bounded = '{"max-length": 5, "overflow": "reject-publish"}'
+    node = local_cluster.layout.nodes[0].short_name
+    local_cluster.ctl(
+        node, "set_policy", f"{name}-full", f"^{full}$", bounded, "--apply-to", "queues"
+    )
+    urls = ",".join(brokers.urls)
+    e2e = confirm == "e2e"
+    late: list[float] = []
+    with running(tmp_path, name, settings, urls, {"A": {}, "B": {}}) as deployed:
+
+        async def scenario() -> tuple[int, set[int], set[int], int]:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=deployed.topology, cluster="A")
+                for queue in (full, live):
+                    await at_a.subscribe(event_type, [("n", ">=", 0)], 1, queue, confirm=confirm)
+                got: dict[str, set[int]] = {live: set(), full: set()}
+
+                def handler_for(queue: str) -> Callable:
+                    async def handler(event, message) -> None:
+                        got[queue].add(event.attributes["n"])
+                        if queue == live:
+                            late.append(time.time() - event.attributes["t"])
+
+                    return handler
+
+                await at_a.consume(live, handler_for(live), e2e=e2e)  # ``full``: nobody yet
+                published, start = 0, time.monotonic()
+                while time.monotonic() - start < 8.0:
+                    event = {"n": published, "t": time.time()}
+                    await at_a.publish({"event_type": event_type, "attributes": event})
+                    published += 1
+                    await asyncio.sleep(1 / 25)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and len(got[live]) < published:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+                await at_a.consume(full, handler_for(full), e2e=e2e)  # room again
+                deadline = time.monotonic() + 90
+                while time.monotonic() < deadline and len(got[full]) < published:  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+                dead = 0
+                with contextlib.suppress(EntityNotFound):  # none was ever dead-lettered
+                    while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                        dead += d.headers.get("x-qosmq-queue", "").startswith(name)
+                return published, got[live], got[full], dead
+
+        try:
+            published, at_live, at_full, dead = asyncio.run(scenario())
+        finally:
+            local_cluster.ctl(node, "clear_policy", f"{name}-full")
+    every = set(range(published))
+    slow = sorted(late)
+    print(
+        f"\n{confirm}: {published} events; the live subscriber got {len(at_live & every)}"
+        f" (median {slow[len(slow) // 2] if slow else 0:.2f} s, max"
+        f" {slow[-1] if slow else 0:.2f} s late); the full queue, once consumed,"
+        f" {len(at_full & every)}; {dead} dead-lettered"
+    )
+    assert every <= at_live, f"not at the live subscriber: {sorted(every - at_live)[:20]}"
+    assert slow[-1] <= 5.0, f"the live subscriber held up: {slow[-5:]}"
+    assert every <= at_full, f"lost (the full queue): {sorted(every - at_full)[:20]}"
+    assert dead == 0, f"{dead} copies dead-lettered"
+
+
 @pytest.mark.parametrize(
     "links", [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}}], indirect=True
 )
