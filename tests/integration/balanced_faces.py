@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -56,6 +57,25 @@ class Balanced:
         assert publisher is not None
         result: str = await self._in_thread(publisher.publish, body, **fields)
         return result
+
+    async def publish_each(
+        self, count: int, pause: float
+    ) -> tuple[list[str], list[str], list[float]]:
+        """``count`` messages ``m0``, ``m1``… one at a time, ``pause`` s apart: the ids
+        confirmed, the failures (as ``repr``), and how long each publish took."""
+        from middleware.errors import MiddlewareError
+
+        confirmed, failed, took = [], [], []
+        for i in range(count):
+            started = time.monotonic()
+            try:
+                await self.publish(b"m", message_id=f"m{i}")
+                confirmed.append(f"m{i}")
+            except MiddlewareError as exc:
+                failed.append(repr(exc)[:200])
+            took.append(time.monotonic() - started)
+            await asyncio.sleep(pause)
+        return confirmed, failed, took
 
     async def look(self) -> None:
         """The sync face's look for a report (the asyncio face is told by a consumer)."""

@@ -290,16 +290,7 @@ def test_a_full_replica_that_rejects_publishes_is_left_out_not_waited_for(
         publisher = await Balanced(
             face, settings, topic=name, replicas=2, algorithm="round_robin", recheck_s=0.5
         ).start()
-        confirmed, failed, took = [], [], []
-        for i in range(120):
-            started = time.monotonic()
-            try:
-                await publisher.publish(b"m", message_id=f"m{i}")
-                confirmed.append(f"m{i}")
-            except MiddlewareError as exc:
-                failed.append(repr(exc))
-            took.append(time.monotonic() - started)
-            await asyncio.sleep(0.02)
+        confirmed, failed, took = await publisher.publish_each(120, 0.02)
         await publisher.close()
         return confirmed, failed, took, publisher
 
@@ -435,18 +426,9 @@ def test_a_busy_machine_stalls_no_replica_and_loses_nothing(settings, name, face
         )
         task = asyncio.create_task(sidecar.run(stop=stop))
         publisher = await Balanced(face, settings, topic=name, replicas=3).start()
-        confirmed, failed, waits = [], [], []
         hogs = spin(2)
         try:
-            for i in range(400):
-                started = time.monotonic()
-                try:
-                    await publisher.publish(b"m", message_id=f"m{i}")
-                    confirmed.append(f"m{i}")
-                except MiddlewareError as exc:
-                    failed.append(repr(exc)[:200])
-                waits.append(time.monotonic() - started)
-                await asyncio.sleep(0.005)
+            confirmed, failed, waits = await publisher.publish_each(400, 0.005)
         finally:
             for hog in hogs:
                 hog.kill()

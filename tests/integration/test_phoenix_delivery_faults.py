@@ -39,6 +39,18 @@ def _stamped(arrivals: list) -> Callable[[dict, float], None]:
     return lambda body, at: arrivals.append((body["event"]["attributes"]["n"], at))
 
 
+async def _stream(at_a: PhoenixClient, event_type: str, rate: float) -> int:
+    """Events ``n`` = 0, 1… stamped with their publish time ``t``, at ``rate`` a second
+    for 8 s; how many."""
+    published, start = 0, time.monotonic()
+    while time.monotonic() - start < 8.0:
+        event = {"n": published, "t": time.time()}
+        await at_a.publish({"event_type": event_type, "attributes": event})
+        published += 1
+        await asyncio.sleep(1 / rate)
+    return published
+
+
 def _all_once(arrivals, published: int) -> int:
     """Every event arrived; how many more than once."""
     got = [n for n, _ in arrivals if n >= 0]
@@ -131,13 +143,7 @@ def test_a_subscriber_that_stops_consuming_costs_the_others_nothing(
                     got.append((event.attributes["n"], time.time() - event.attributes["t"]))
 
                 await at_a.consume(live, handler, e2e=True)  # nobody consumes ``silent``
-                published = 0
-                start = time.monotonic()
-                while time.monotonic() - start < 8.0:
-                    event = {"n": published, "t": time.time()}
-                    await at_a.publish({"event_type": event_type, "attributes": event})
-                    published += 1
-                    await asyncio.sleep(1 / 50)
+                published = await _stream(at_a, event_type, 50)
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline and len({n for n, _ in got}) < published:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)
@@ -205,12 +211,7 @@ def test_a_full_subscriber_queue_that_rejects_copies_costs_the_others_nothing(
                     return handler
 
                 await at_a.consume(live, handler_for(live), e2e=e2e)  # ``full``: nobody yet
-                published, start = 0, time.monotonic()
-                while time.monotonic() - start < 8.0:
-                    event = {"n": published, "t": time.time()}
-                    await at_a.publish({"event_type": event_type, "attributes": event})
-                    published += 1
-                    await asyncio.sleep(1 / 25)
+                published = await _stream(at_a, event_type, 25)
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline and len(got[live]) < published:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)
