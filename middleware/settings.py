@@ -227,8 +227,10 @@ class Settings(BaseSettings):
         ge=0,
         le=300,
         description="seconds a consumer's cancel, or close, lets the handlers already "
-        "running finish and settle (asyncio client); the longest the sync client's close "
-        "waits for the broker's answer before it drops the socket",
+        "running finish and settle (asyncio client); the longest a close waits for the "
+        "broker's answers to unconfirmed publishes and the resends of refused ones; the "
+        "longest the sync client's close waits for the broker's answer before it drops "
+        "the socket",
     )
     consumer_check_s: float = Field(
         5.0,

@@ -167,7 +167,9 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
     async def close(self) -> None:
         """Stop the consumers, let the handlers already running finish and settle (up to
         ``settings.close_grace`` seconds), run the close hooks (receipts still batched go
-        out), then close the connection and stop failing over."""
+        out), let the watched channel settle (the broker's answers to unconfirmed
+        publishes, what it refused sent again; up to ``close_grace``), then close the
+        connection and stop failing over."""
         await self._stop_consumers(list(self._consumers))
         for hook in list(self._close_hooks):
             try:
@@ -176,6 +178,8 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
                 log.info("close hook failed: %s", exc)
         if self._replies is not None:
             await self._replies.close()
+        if isinstance(self._live, Live):
+            await self._live.replies.settle(self.settings.close_grace)
         self._closing = True
         if self._watchdog is not None:
             self._watchdog.cancel()

@@ -80,7 +80,10 @@ class WatchedReplies:
         self._current: _Channel | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Future[None]] = set()
+        self._retired: set[_Channel] = set()  # refused a publish, lingering
+        self._resending: dict[asyncio.Future[None], OutgoingMessage] = {}  # refused, due again
         self._closed = False
+        self._changed = asyncio.Event()  # an answer read, a resend done, a channel gone
         self.retired = 0  # channels retired after a refusal (tests and logs read it)
 
     # ------------------------------------------------------------ lifecycle
@@ -105,6 +108,35 @@ class WatchedReplies:
         except BaseException:
             holder.replying = False
             raise
+
+    async def settle(self, within: float) -> None:
+        """Before a close: wait until the broker answered every publish the watched
+        channels owe and what it refused went again, for up to ``within`` seconds
+        (before, a refused publish waiting for its resend was dropped by the close).
+        What is then still to be sent again is given up, counted and logged."""
+        deadline = asyncio.get_running_loop().time() + within
+        while self._owed():
+            self._changed.clear()
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        waiting = [m for task, m in self._resending.items() if not task.done()]
+        if waiting:
+            metrics.UNCONFIRMED_GIVEN_UP.inc(len(waiting))
+            log.warning(
+                "closing: %d refused unconfirmed publish(es) not sent again within "
+                "close_grace (%.1f s): %s",
+                len(waiting),
+                within,
+                ", ".join(str(m.message_id) for m in waiting),
+            )
+
+    def _owed(self) -> int:
+        holders = (self._current, *self._retired)
+        owed = sum(h.ledger.owed for h in holders if h is not None and not h.closing)
+        return owed + len(self._resending)
 
     def close(self) -> None:
         """The connection is going: forget what was owed, stop the timers."""
@@ -191,6 +223,7 @@ class WatchedReplies:
                     else:
                         waiter.set_exception(PublishNacked(f"the broker refused publish {t}"))
         self._act(holder, holder.ledger.answered(tag, multiple=multiple, ok=ok))
+        self._changed.set()
 
     def _channel_closed(self, holder: _Channel, exc: BaseException | None) -> None:
         error = exc if isinstance(exc, Exception) else None  # the close's own reason
@@ -202,6 +235,7 @@ class WatchedReplies:
         holder.waiting.clear()
         holder.mandatory.clear()
         holder.returned.clear()
+        self._changed.set()
         if holder.closing or self._closed or self.connection.is_closed:
             holder.ledger.forget()  # the caller's to resend after failover
             return
@@ -215,12 +249,19 @@ class WatchedReplies:
             log.warning("unconfirmed publish %s %s: not sent again", message.message_id, why)
         for resend in answer.resend:
             metrics.UNCONFIRMED_RESENT.inc()
-            self._spawn(self._resend_later(resend.message, resend.attempt, resend.delay))
+            task = self._spawn(self._resend_later(resend.message, resend.attempt, resend.delay))
+            self._resending[task] = resend.message
+            task.add_done_callback(self._resent)
+
+    def _resent(self, task: asyncio.Future[None]) -> None:
+        self._resending.pop(task, None)
+        self._changed.set()
 
     def _retire(self, holder: _Channel) -> None:
         """The channel refused a publish: the next publish opens a fresh one; this one
         stays open ``linger_s`` for the replies still addressed to it."""
         self.retired += 1
+        self._retired.add(holder)
         log.info("unconfirmed publish refused: continuing on a fresh channel")
         self._spawn(self._close_later(holder))
 
@@ -234,13 +275,16 @@ class WatchedReplies:
     async def _close_later(self, holder: _Channel) -> None:
         await asyncio.sleep(self.linger_s)
         holder.closing = True
+        self._retired.discard(holder)
+        self._changed.set()
         with contextlib.suppress(Exception):
             await holder.channel.close()
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def _retrieved(answer: asyncio.Future[None]) -> None:

@@ -150,9 +150,13 @@ class SyncClient(SyncConnecting, SyncPublishing, SyncConsumers):
         self._opened = True
 
     def close(self) -> None:
+        """Let the watched channel settle (the broker's answers to unconfirmed publishes
+        read, what it refused sent again; up to ``settings.close_grace``), then close."""
         if self._replies is not None:
             self._replies.close()
         self._opened = False
+        if self._live is not None:
+            self._settle_watched(self._live)
         live, self._live = self._live, None
         if live is not None:
             close_within(live.connection, self.settings.close_grace)

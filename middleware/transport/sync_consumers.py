@@ -80,6 +80,8 @@ class SyncConsumers(SyncClientState):
             props: pika.BasicProperties,
             body: bytes,
         ) -> None:
+            if not self._opened:  # closing (``close`` reads the broker's last answers):
+                return  # left unacked, back in the queue once the connection closes
             self._deliver(ch, to_delivery(method, props, body, spec.queue), consumer)
 
         channel.add_on_cancel_callback(lambda _frame: self._on_broker_cancel(spec.tag))

@@ -31,6 +31,7 @@ from .sync_live import (
     Watched,
     abandon,
     basic_publish,
+    process_events,
 )
 from .translate import confirm_timeout, refusal_code, translate_sync
 from .watch import Answer, WatchedChannel, missing_exchange
@@ -207,6 +208,35 @@ class SyncPublishing(SyncClientState):
                 self._send_watched(live, message=message, attempt=attempt)
         if then is not None:
             self._send_watched(live, message=then)
+
+    def _settle_watched(self, live: SyncLive) -> None:
+        """Before a close: read the broker's answers to what the watched channel owes and
+        send again what it refused, until nothing is owed or ``close_grace`` is over
+        (before, a refused publish waiting for its resend was dropped by the close).
+        What is then still to be sent again is given up, counted and logged."""
+        deadline = time.monotonic() + self.settings.close_grace
+        try:
+            while self._owed(live) and time.monotonic() < deadline:
+                process_events(live, time_limit=0.02)
+                self._watch(live)
+        except Exception as exc:  # the connection went: what it owed is the caller's
+            log.info("closing: the watched channel could not settle: %s", exc)
+        if self._resends:
+            metrics.UNCONFIRMED_GIVEN_UP.inc(len(self._resends))
+            log.warning(
+                "closing: %d refused unconfirmed publish(es) not sent again within "
+                "close_grace (%.1f s): %s",
+                len(self._resends),
+                self.settings.close_grace,
+                ", ".join(str(m.message_id) for _, m, _ in self._resends),
+            )
+            self._resends = []
+
+    def _owed(self, live: SyncLive) -> int:
+        """Unconfirmed publishes without the broker's answer, and refused ones to send
+        again."""
+        holders = (live.replies, *live.retired)
+        return sum(h.ledger.owed for h in holders if h.channel.is_open) + len(self._resends)
 
     def _act(self, live: SyncLive, answer: Answer) -> None:
         now = time.monotonic()

@@ -10,6 +10,7 @@ import time
 
 import pika
 import pytest
+from prometheus_client import REGISTRY
 
 from middleware.errors import (
     BrokerUnreachable,
@@ -35,6 +36,7 @@ from middleware.transport import (
 from middleware.transport.delivery import Action
 from middleware.transport.management import management_get
 from tests.conftest import Face
+from tests.raw_pika import drained
 
 pytestmark = pytest.mark.rabbit
 
@@ -587,3 +589,67 @@ def test_a_connected_client_used_as_a_context_keeps_its_one_connection(settings)
         assert not client.ready
 
     asyncio.run(aio())
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room-made", "still-full"])
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_refused_unconfirmed_publish_waiting_to_go_again_is_not_dropped_by_close(
+    kind, room, settings, name
+) -> None:
+    """A queue full under ``reject-publish`` nacks an unconfirmed publish; the client
+    sends it again after its retry pause (``watch.py``).  Closed during that pause,
+    before: the close dropped the resend and said nothing (the message lost).  Now the
+    close lets the watched channel settle first, up to ``close_grace``: with room made
+    meanwhile the message is in the queue; still full, the close ends at ``close_grace``
+    and the message is counted and logged as given up.  Read by a raw pika connection."""
+    pause = 2.0  # the resends go at 2.0, 4.0, ... s; the close runs from 0.5 to 3.5 s
+    patient = settings.model_copy(
+        update={
+            "retry": settings.retry.model_copy(
+                update={"initial_delay": pause, "max_delay": pause, "jitter": 0.0}
+            ),
+            "close_grace": 3.0,
+        }
+    )
+    face = Face(kind, patient)
+    face.call("connect")
+    face.call(
+        "declare_queue",
+        QueueSpec(
+            name,
+            kind=QueueKind.CLASSIC,
+            max_length=1,
+            arguments={"x-overflow": "reject-publish"},
+        ),
+    )
+    url = settings.amqp_urls[0]
+    closed = False
+    try:
+        face.call("publish", OutgoingMessage(b"a", "", name, message_id="a"))  # confirmed
+        face.call("publish", OutgoingMessage(b"b", "", name, message_id="b"), confirm=False)
+        time.sleep(0.5)  # the nack is back; the resend waits for its pause
+        if kind == "sync":
+            face.client.poll()  # reads the nack (the asyncio core read it meanwhile)
+        if room:
+            assert [p.message_id for p, _ in drained(url, name)] == ["a"]
+        given_up = REGISTRY.get_sample_value("qosmq_unconfirmed_given_up_total") or 0.0
+        started = time.monotonic()
+        face.close()
+        closed, took = True, time.monotonic() - started
+        given_up = (REGISTRY.get_sample_value("qosmq_unconfirmed_given_up_total") or 0) - given_up
+        left = [p.message_id for p, _ in drained(url, name)]
+    finally:
+        if not closed:
+            face.close()
+        with SyncClient(settings=settings) as admin:
+            admin.delete_queue(name)
+    print(
+        f"\n{kind}, room {room}: close took {took:.2f} s, queue holds {left}, given up {given_up}"
+    )
+    if room:
+        assert left == ["b"], "the refused publish was dropped by the close"
+        assert given_up == 0
+    else:
+        assert left == ["a"]
+        assert given_up == 1, "a publish the close gave up on was not counted"
+        assert took < patient.close_grace + 2.0, f"close took {took:.1f} s"
