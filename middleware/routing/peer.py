@@ -286,13 +286,14 @@ class Role(Peer):
         """Where a message waits in the gate: its priority (routers: the one they give it)."""
         return message.priority if isinstance(message, Routed) else 0
 
-    async def park(self, message: Message) -> None:
+    async def park(self, message: Message, *, again: bool = False) -> None:
         """An inbox message this role could not pass on, into its parked queue
         (``serving``): once the broker confirmed it there, the inbox delivery is settled
-        and what comes behind it is handled; the parked queue's consumer tries it again."""
+        and what comes behind it is handled; the parked queue's consumer tries it again.
+        ``again``: a parked one still not passed on, back to the queue's tail."""
         queue = self.id.parked(self.topology.prefix)
         await self.send(self.cluster, queue, message, self.urgency(message))
-        self.count("parked")
+        self.count("parked_again" if again else "parked")
 
     def former_inbox_handler(self) -> Callable[[Delivery], Awaitable[None]]:
         """A promoted master's consumer of the inbox it had as a slave (``mastering``)."""

@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 #: an inbox message not passed on (``wiring.SEND_FAILURES``) is handled again after each of
 #: these pauses (about 10 s in all), then given back to the inbox
 AGAIN_AFTER_S = (0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0)
+#: a parked message not passed on is handled again after each of these, then parked
+#: again, at the tail of the parked queue (``_passed_on``)
+PARKED_AGAIN_AFTER_S = (0.25, 0.5, 1.0)
+#: the parked queue's prefetch, in ``inbox_prefetch``s: the messages it holds in hand
+#: while they wait for their pauses, so the queue turns over at about 64 / 1.75 s a second
+PARKED_PREFETCH = 4
 #: control-queue kinds handled again and given back like inbox messages when their
 #: onward send fails: a subscription of an arc handed over at a join (to the joiner's
 #: routing master's control queue), which is lost if it is dead-lettered; the other
@@ -148,11 +154,12 @@ class Serving:
         else, held in hand while it cannot be passed on (never parked again)."""
 
         async def on_parked(delivery: Delivery) -> None:
-            await each(role, delivery, role.handle, role.gate)
+            await each(role, delivery, role.handle, role.gate, parked=True)
 
         parked = role.id.parked(role.topology.prefix)
         await client.declare_queue(role_inbox_spec(parked, role.topology, client))
-        return await client.consume(parked, on_parked, prefetch=role.topology.inbox_prefetch)
+        prefetch = role.topology.inbox_prefetch * PARKED_PREFETCH
+        return await client.consume(parked, on_parked, prefetch=prefetch)
 
     @staticmethod
     async def _prepared(role: Role, stop: asyncio.Event) -> bool:
@@ -207,11 +214,13 @@ async def each(
     *,
     inbox: bool = True,
     park: bool = False,
+    parked: bool = False,
 ) -> None:
     """Every message a delivery carries (one, or a batch: concurrently, so their onward
     sends batch again), each through ``gate`` when given; in a batch a malformed or
     failed element is dead-lettered alone, with its reason.  ``inbox``: counted in
-    ``role.received`` (beats are not), handled again or ``park``ed (``_passed_on``)."""
+    ``role.received`` (beats are not), handled again, ``park``ed or ``parked`` again
+    (``_passed_on``)."""
     messages, malformed = split(delivery.body)
     if inbox:
         role.inbox_took()  # (a quiet role beats at the usual pace again)
@@ -230,7 +239,7 @@ async def each(
         finally:
             gate.release()
 
-    handle_one = functools.partial(_passed_on, role, gated, inbox, park)
+    handle_one = functools.partial(_passed_on, role, gated, inbox, (park, parked))
     if len(messages) == 1 and not malformed:
         await handle_one(messages[0])  # errors settle the delivery, as for any consumer
         return
@@ -244,37 +253,55 @@ async def each(
         if isinstance(result, BaseException):
             failed.append((encode(message), outcome_of(result).reason))
     if failed:
-        client = await role.client_for(role.cluster)
-        for body, reason in failed:
-            log.warning("dead-lettering one of a batch from %s: %s", delivery.queue, reason)
-            await client.dead_letter(dataclasses.replace(delivery, body=body), reason)
+        await _dead_lettered(role, delivery, failed)
     role.count("batches_received")
+
+
+async def _dead_lettered(role: Role, delivery: Delivery, failed: list[tuple[bytes, str]]) -> None:
+    """The elements of a batch that failed for their own fault, each to the dead
+    letters with its reason."""
+    client = await role.client_for(role.cluster)
+    for body, reason in failed:
+        log.warning("dead-lettering one of a batch from %s: %s", delivery.queue, reason)
+        await client.dead_letter(dataclasses.replace(delivery, body=body), reason)
 
 
 async def _passed_on(
     role: Role,
     handle: Callable[[Message], Awaitable[None]],
     inbox: bool,
-    park: bool,
+    parking: tuple[bool, bool],
     message: Message,
 ) -> None:
     """An inbox message (or a handed subscription on the control queue: ``HANDED``)
     whose onward send met a failure that passes (``wiring.SEND_FAILURES``: the next
     role's inbox on a node that is down, a failover) is handled again after a pause, as
     a delivery again would be; in the end it goes back to its queue (``Requeue``), never
-    to the dead letters: it is not the message's fault.  ``park``: at the first such
-    failure it goes to the role's parked queue instead (``Peer.park``), so the inbox's
-    prefetch is not held by messages that wait for a queue that is down; where that
-    publish fails too, it is held here as without it."""
+    to the dead letters: it is not the message's fault.  ``parking`` = (park, parked).
+    ``park``: at the first such failure it goes to the role's parked queue instead
+    (``Peer.park``), so the inbox's prefetch is not held by messages that wait for a
+    queue that is down; where that publish fails too, it is held here as without it.
+    ``parked`` (from the parked queue): after ``PARKED_AGAIN_AFTER_S`` it is parked again
+    at the queue's tail, not given back: the messages behind it, for other queues, get
+    their turn, and no delivery count grows (a quorum queue drops a message given back
+    20 times from RabbitMQ 4.0, unless told otherwise)."""
     if not inbox and not isinstance(message, HANDED):
         await handle(message)  # a control signal: its machine sends it again, or it expires
         return
-    for pause in (*AGAIN_AFTER_S, None):
+    park, parked = parking
+    for pause in (*(PARKED_AGAIN_AFTER_S if parked else AGAIN_AFTER_S), None):
         try:
             await handle(message)
             return
         except SEND_FAILURES as exc:
             stopping = role.stop_event is not None and role.stop_event.is_set()
+            if (
+                pause is None
+                and parked
+                and not stopping
+                and await _parked(role, message, exc, again=True)
+            ):
+                return
             if pause is None or stopping:
                 raise Requeue(f"{role.id}: not passed on: {exc}") from exc
             if park and await _parked(role, message, exc):
@@ -286,13 +313,15 @@ async def _passed_on(
             await asyncio.sleep(pause)
 
 
-async def _parked(role: Role, message: Message, why: Exception) -> bool:
+async def _parked(role: Role, message: Message, why: Exception, *, again: bool = False) -> bool:
     """``message`` confirmed in the role's parked queue (False: not, it is held)."""
     try:
-        await role.park(message)
+        await role.park(message, again=again)
     except Exception as exc:  # its own node down too: held in hand, as before parking
         log.info("%s: could not park a %s: %s", role.id, message.kind.value, exc)
         return False
+    if again:
+        return True
     parked = role.counters["parked"]
     if parked & (parked - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a long outage logs little
         log.info(

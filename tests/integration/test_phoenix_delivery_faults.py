@@ -243,6 +243,88 @@ def test_a_full_subscriber_queue_that_rejects_copies_costs_the_others_nothing(
     assert dead == 0, f"{dead} copies dead-lettered"
 
 
+@pytest.mark.parametrize("role_queues", ["classic", "quorum"])
+def test_copies_parked_for_a_queue_that_stays_full_hold_up_no_other_parked_copy(
+    role_queues, settings, brokers, local_cluster, tmp_path, name
+) -> None:
+    """Two subscriber queues bounded by a policy (``max-length`` 5, ``overflow:
+    reject-publish``), nobody consuming either while 200 events flow: both queues'
+    copies are parked, interleaved, at the home's routing master.  Then ``brief`` is
+    consumed (room again) and ``stuck`` stays full.  Before, a parked copy that still
+    could not go was given back to the head of the parked queue (``Requeue``): the
+    consumer's prefetch filled with ``stuck``'s copies and ``brief``'s behind them waited
+    until ``stuck`` had room.  With quorum role queues each give-back also counted
+    towards the queue's delivery limit (RabbitMQ 4.0 sets 20 on every quorum queue;
+    here a policy sets 1 on 3.10's), and a copy past it was dropped.  Now a parked copy
+    not passed on goes to the tail of the parked queue: ``brief`` gets every event while
+    ``stuck`` is full, and ``stuck`` every one once consumed; none is dead-lettered.
+    Before, measured: ``brief``'s last copy 68 s after the first event (10-11 s now);
+    quorum role queues, ``stuck`` got 88 of 184 events."""
+    event_type = owned_by(["A", "B"], "B", "parked")
+    stuck, brief = f"{name}.stuck", f"{name}.brief"
+    node = local_cluster.layout.nodes[0].short_name
+    policies = {
+        f"{name}-full": (
+            rf"^{name}\.(stuck|brief)$",
+            '{"max-length": 5, "overflow": "reject-publish"}',
+        )
+    }
+    if role_queues == "quorum":
+        policies[f"{name}-limit"] = (rf"^{name}\..*\.parked$", '{"delivery-limit": 1}')
+    for policy, (pattern, definition) in policies.items():
+        local_cluster.ctl(node, "set_policy", policy, pattern, definition, "--apply-to", "queues")
+    urls = ",".join(brokers.urls)
+    fields = {"role_queues": role_queues}
+    with running(tmp_path, name, settings, urls, {"A": {}, "B": {}}, fields) as deployed:
+
+        async def scenario() -> tuple[int, set[int], set[int], float, int]:
+            async with AsyncClient(settings=settings) as client:
+                at_a = PhoenixClient(client, topology=deployed.topology, cluster="A")
+                for queue in (stuck, brief):
+                    await at_a.subscribe(event_type, [("n", ">=", 0)], 1, queue)
+                got: dict[str, set[int]] = {stuck: set(), brief: set()}
+
+                def handler_for(queue: str) -> Callable:
+                    async def handler(event, message) -> None:
+                        got[queue].add(event.attributes["n"])
+
+                    return handler
+
+                began = time.monotonic()
+                published = await _stream(at_a, event_type, 25)
+                await at_a.consume(brief, handler_for(brief))
+                deadline = time.monotonic() + 30  # (before: 68 s, classic role queues)
+                while time.monotonic() < deadline and len(got[brief]) < published:  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+                brief_took = time.monotonic() - began
+                # long enough for the give-backs of before to pass a delivery limit of 1
+                await asyncio.sleep(max(0.0, 40 - (time.monotonic() - began)))
+                await at_a.consume(stuck, handler_for(stuck))
+                deadline = time.monotonic() + 90
+                while time.monotonic() < deadline and len(got[stuck]) < published:  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+                dead = 0
+                with contextlib.suppress(EntityNotFound):
+                    while (d := await client.get(DEAD_LETTER_QUEUE)) is not None:
+                        dead += d.headers.get("x-qosmq-queue", "").startswith(name)
+                return published, got[brief], got[stuck], brief_took, dead
+
+        try:
+            published, at_brief, at_stuck, brief_took, dead = asyncio.run(scenario())
+        finally:
+            for policy in policies:
+                local_cluster.ctl(node, "clear_policy", policy)
+    every = set(range(published))
+    print(
+        f"\n{role_queues} role queues: {published} events; brief got"
+        f" {len(at_brief & every)} within {brief_took:.1f} s of the first while stuck was"
+        f" full; stuck, once consumed, {len(at_stuck & every)}; {dead} dead-lettered"
+    )
+    assert every <= at_brief, f"held behind the full queue's: {sorted(every - at_brief)[:20]}"
+    assert every <= at_stuck, f"lost (the full queue): {sorted(every - at_stuck)[:20]}"
+    assert dead == 0, f"{dead} copies dead-lettered"
+
+
 @pytest.mark.parametrize(
     "links", [{"fields": {"leave_after_s": 1.5}, "clusters": {"match_slaves": 1}}], indirect=True
 )

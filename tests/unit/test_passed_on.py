@@ -34,12 +34,12 @@ class _Role:
         self.parked: list[int] = []  # what ``park`` took (``each(..., park=True)``)
         self.park_fails: list[BaseException] = []
 
-    async def park(self, message: Message) -> None:
+    async def park(self, message: Message, *, again: bool = False) -> None:
         if self.park_fails:
             raise self.park_fails.pop(0)
         assert isinstance(message, Publish)
         self.parked.append(message.event.attributes["n"])
-        self.count("parked")
+        self.count("parked_again" if again else "parked")
 
     def inbox_took(self) -> None:
         pass
@@ -79,17 +79,19 @@ def _each(
     *ns: int,
     inbox: bool = True,
     park: bool = False,
+    parked: bool = False,
 ) -> None:
     """``serving.each`` on a delivery of events ``ns`` (one: alone; more: a batch)."""
     delivery = _delivery(*(ns or (1,)))
     handle = _failing(failures, handled)
-    each = serving.each(role, delivery, handle, inbox=inbox, park=park)  # type: ignore[arg-type]
+    each = serving.each(role, delivery, handle, inbox=inbox, park=park, parked=parked)  # type: ignore[arg-type]
     asyncio.run(each)
 
 
 @pytest.fixture(autouse=True)
 def _short_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serving, "AGAIN_AFTER_S", (0.001, 0.001, 0.001))
+    monkeypatch.setattr(serving, "PARKED_AGAIN_AFTER_S", (0.001, 0.001))
 
 
 def test_a_send_that_failed_and_then_went_through_is_handled_again_in_place() -> None:
@@ -176,12 +178,36 @@ def test_a_message_that_cannot_be_parked_is_held_as_before() -> None:
     assert role.counts["handled_again"] == 2
 
 
-def test_from_the_parked_queue_it_is_held_not_parked_again() -> None:
+def test_from_the_parked_queue_it_is_tried_again_then_parked_again_not_given_back() -> None:
+    """From the parked queue (``parked``): handled again after ``PARKED_AGAIN_AFTER_S``,
+    then parked again at the queue's tail and the delivery settled; never ``Requeue``
+    (before 2026-12-07: given back to the head, so a queue that stayed down held every
+    parked copy behind its own, and a quorum queue's delivery limit dropped it)."""
     role, handled = _Role(), []
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10, 2: [HopFailed("x")]}
+    _each(role, failures, handled, 1, 2, parked=True)
+    assert Counter(handled) == {1: 3, 2: 2}  # once, and once after each of the two pauses
+    assert role.parked == [1]
+    assert role.counts["parked_again"] == 1 and role.counts["parked"] == 0
+
+
+def test_a_parked_message_that_cannot_be_parked_again_is_given_back() -> None:
+    role, handled = _Role(), []
+    role.park_fails = [Unroutable("its own node down too")]
     failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
     with pytest.raises(Requeue):
-        _each(role, failures, handled, park=False)
+        _each(role, failures, handled, parked=True)
     assert role.parked == []
+
+
+def test_a_parked_message_of_a_role_that_stops_is_given_back_at_once() -> None:
+    role, handled = _Role(), []
+    role.stop_event = asyncio.Event()
+    role.stop_event.set()
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
+    with pytest.raises(Requeue):
+        _each(role, failures, handled, parked=True)
+    assert handled == [1] and role.parked == []
 
 
 def _handed(failures: list[BaseException], handled: list[str]) -> Any:
