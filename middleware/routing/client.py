@@ -25,7 +25,6 @@ from ..transport import (
     AsyncClient,
     Delivery,
     Outcome,
-    QueueKind,
     QueueSpec,
     SyncClient,
 )
@@ -198,6 +197,7 @@ class PhoenixClient:
         *,
         confirm: str = "broker",
         wait_s: float | None = 30.0,
+        queue_spec: QueueSpec | None = None,
     ) -> str:
         """Subscribe ``queue`` (declared here) to matching events; return the id.
 
@@ -209,9 +209,14 @@ class PhoenixClient:
         ``confirm="e2e"``: the match broker counts an event delivered only once the
         subscriber's handler took it (``consume(queue, handler, e2e=True)``); a rejection
         or silence past every resend dead-letters the event with the reason.
+
+        ``queue_spec``: how ``queue`` is declared (named ``queue``): a quorum queue that
+        outlives its node, a bound, arguments.  Default: a durable classic queue.  A
+        queue that exists with other arguments fails with ``PreconditionFailed``.
         """
+        spec = self.core.subscriber_queue(queue, queue_spec)
         request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
-        await self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+        await self.client.declare_queue(spec)
         await self._request(request, wait_s)
         return request.subscription_id
 
@@ -371,10 +376,12 @@ class SyncPhoenixClient:
         *,
         confirm: str = "broker",
         wait_s: float | None = 30.0,
+        queue_spec: QueueSpec | None = None,
     ) -> str:
         """As :meth:`PhoenixClient.subscribe`."""
+        spec = self.core.subscriber_queue(queue, queue_spec)
         request = self.core.subscription(event_type, filter, latency_level, queue, confirm, wait_s)
-        self.client.declare_queue(QueueSpec(queue, kind=QueueKind.CLASSIC))
+        self.client.declare_queue(spec)
         self._request(request, wait_s)
         return request.subscription_id
 

@@ -64,6 +64,19 @@ class ClientCore:
     def settings_for(settings: Settings, topology: PhoenixTopology, cluster: str) -> Settings:
         return cluster_settings(settings, topology, cluster)[1]
 
+    @staticmethod
+    def subscriber_queue(queue: str, spec: QueueSpec | None) -> QueueSpec:
+        """The subscriber queue ``subscribe`` declares: ``spec`` as given (a quorum queue
+        that outlives a node, a bound, arguments), else a durable classic queue.  A
+        ``spec`` naming another queue is refused before anything is sent."""
+        if spec is None:
+            return QueueSpec(queue, kind=QueueKind.CLASSIC)
+        if spec.name != queue:
+            raise ConfigurationError(
+                f"queue_spec declares {spec.name!r}, the subscription's queue is {queue!r}"
+            )
+        return spec
+
     def reply_spec(self) -> QueueSpec:
         return QueueSpec(self.reply_queue, kind=QueueKind.CLASSIC, durable=False, exclusive=True)
 

@@ -21,8 +21,9 @@ from middleware.routing.client import PhoenixClient
 from middleware.routing.records import LatencyEntry
 from middleware.routing.replicas import live
 from middleware.routing.store import open_store
-from middleware.transport import DEAD_LETTER_QUEUE, AsyncClient
+from middleware.transport import DEAD_LETTER_QUEUE, AsyncClient, QueueKind, QueueSpec
 from middleware.transport.delivery import DEAD_LETTER_TOPOLOGY
+from middleware.transport.management import management_get
 from tests.integration.phoenix_support import (
     attribute,
     collect,
@@ -45,6 +46,7 @@ class E2E:
     handled: list[str] = field(default_factory=list)  # what the handler was given
     brokers: set[str] = field(default_factory=set)  # who matched what it was given
     dead: list[dict[str, Any]] = field(default_factory=list)  # dead letters from B's matcher
+    kind: str = ""  # the subscriber queue's type, as the broker holds it
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,11 @@ def e2e(brokers, module_settings, module_name, tmp_path_factory) -> E2E:
                 run = E2E(queue, refused=False)
             except FilterError:
                 run = E2E(queue, refused=True)
-            await at_a.subscribe(event_type, [("n", "exists")], 1, queue, confirm="e2e")
+            quorum = QueueSpec(queue, kind=QueueKind.QUORUM)  # one that outlives its node
+            await at_a.subscribe(
+                event_type, [("n", "exists")], 1, queue, confirm="e2e", queue_spec=quorum
+            )
+            run.kind = management_get(settings, f"/api/queues/%2F/{queue}")["type"]
 
             async def handler(event, message) -> None:
                 run.brokers.add(message.broker)
@@ -110,6 +116,13 @@ def e2e(brokers, module_settings, module_name, tmp_path_factory) -> E2E:
 
 def test_a_confirm_mode_nobody_knows_is_refused_at_subscribe(e2e: E2E) -> None:
     assert e2e.refused
+
+
+def test_the_subscriber_queue_is_declared_as_the_subscriber_asked(e2e: E2E) -> None:
+    """``subscribe(..., queue_spec=QueueSpec(queue, kind=QUORUM))``: before 2026-12-07
+    every subscriber queue was a classic one (one node's), and a queue declared
+    beforehand as another type failed the subscribe with ``PreconditionFailed``."""
+    assert e2e.kind == "quorum"
 
 
 def test_an_e2e_subscriber_is_given_every_event_matched_by_the_owner(e2e: E2E) -> None:

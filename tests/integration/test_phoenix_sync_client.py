@@ -22,7 +22,8 @@ from middleware.routing.batching import encode
 from middleware.routing.client import SubscriptionUnconfirmed, SyncPhoenixClient
 from middleware.routing.messages import Publish, Subscribe
 from middleware.routing.wiring import outgoing
-from middleware.transport import DEAD_LETTER_QUEUE, OutgoingMessage
+from middleware.transport import DEAD_LETTER_QUEUE, OutgoingMessage, QueueKind, QueueSpec
+from middleware.transport.management import management_get
 from tests.integration.phoenix_support import eventually, owned_by, running
 
 pytestmark = [pytest.mark.rabbit, pytest.mark.slow]
@@ -40,6 +41,8 @@ class Run:
     junk_handled: list[int] = field(default_factory=list)  # a junk delivery's effect
     dead: list[tuple[str, bytes]] = field(default_factory=list)  # (reason, body)
     unconfirmed: str = ""  # a subscribe once every role is down
+    own_queue: list[int] = field(default_factory=list)  # to a queue declared as asked
+    own_kind: str = ""  # that queue's type, as the broker holds it
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +121,19 @@ def run(brokers, module_settings, module_name, tmp_path_factory) -> Run:
             publish(at_b, 7)
             run.after = drain(at_a, 1)
             at_a.unsubscribe(event_type, probe)
+            # a subscriber queue declared as the subscriber asks (quorum, bounded)
+            own = QueueSpec(f"{queue}.own", kind=QueueKind.QUORUM, max_length=1000)
+            try:  # a spec for another queue than the subscription's
+                at_a.subscribe(event_type, [("qty", "=", 8)], 1, queue, queue_spec=own)
+            except ConfigurationError as exc:
+                run.refusals.append(f"queue_spec: {exc}")
+            own_sid = at_a.subscribe(event_type, [("qty", "=", 8)], 1, own.name, queue_spec=own)
+            at_a.consume(own.name, lambda event, message: got.append(event.attributes["qty"]))
+            publish(at_b, 8)
+            run.own_queue = drain(at_a, 1)
+            run.own_kind = management_get(settings, f"/api/queues/%2F/{own.name}")["type"]
+            at_a.unsubscribe(event_type, own_sid)
+            at_a.client.delete_queue(own.name)
             # a body that is no Phoenix event, in the subscriber queue
             at_a.client.publish(OutgoingMessage(b"junk", "", queue))
             at_a.run(1)
@@ -153,6 +169,13 @@ def test_a_malformed_filter_is_refused_before_anything_is_sent(run: Run) -> None
 
 def test_a_connection_to_another_clusters_rabbitmq_is_refused(run: Run) -> None:
     assert any(r.startswith("connection: ") and "cluster 'C'" in r for r in run.refusals)
+
+
+def test_a_subscriber_queue_is_declared_as_the_subscriber_asked(run: Run) -> None:
+    """``queue_spec``: a quorum queue with a bound gets its events; a spec naming
+    another queue is refused before anything is sent."""
+    assert (run.own_queue, run.own_kind) == ([8], "quorum")
+    assert any(r.startswith("queue_spec: ") for r in run.refusals), run.refusals
 
 
 def test_exactly_the_matching_events_are_handled(run: Run) -> None:
