@@ -32,6 +32,7 @@ from .batching import Batcher, PriorityGate
 from .beating import Beating
 from .beats import Beater, signal_ttl_ms
 from .messages import Answer, Beat, Configure, Fence, Message, Routed, Takeover, encode
+from .parked import ParkedPace
 from .performing import Performing
 from .replica_set import ReplicaSet
 from .role_metrics import ROLE_EVENTS
@@ -224,6 +225,8 @@ class Role(Peer):
         self.serving = asyncio.Event()  # consumers started
         self.on_serving: Callable[[], None] | None = None  # the driver's, called then
         self.stop_event: asyncio.Event | None = None  # set by the driver when it serves
+        #: when its parked-queue consumer tries a parked message again (``serving``)
+        self.parked_pace = ParkedPace()
         self.retired = False  # told by its master that another process serves its role
         self.fenced = False  # a master that learnt of a newer reign: it steps down
         #: consumer tags of the queues a promoted master had as a slave (control, inbox)

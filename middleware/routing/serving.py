@@ -19,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .. import heap
-from ..errors import MiddlewareError, Requeue
+from ..errors import HopFailed, MiddlewareError, Requeue
 from ..transport import AsyncClient, Delivery
 from ..transport.delivery import outcome_of
 from .batching import PriorityGate, split
 from .messages import Message, Subscribe, Unsubscribe, encode
+from .parked import Next, key_of
 from .role_metrics import INBOX_LENGTH, served_again
 from .timeliness import QuietReads
 from .wiring import SEND_FAILURES, process_queue_spec, role_inbox_spec
@@ -34,11 +35,9 @@ if TYPE_CHECKING:
 #: an inbox message not passed on (``wiring.SEND_FAILURES``) is handled again after each of
 #: these pauses (about 10 s in all), then given back to the inbox
 AGAIN_AFTER_S = (0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0)
-#: a parked message not passed on is handled again after each of these, then parked
-#: again, at the tail of the parked queue (``_passed_on``)
-PARKED_AGAIN_AFTER_S = (0.25, 0.5, 1.0)
-#: the parked queue's prefetch, in ``inbox_prefetch``s: the messages it holds in hand
-#: while they wait for their pauses, so the queue turns over at about 64 / 1.75 s a second
+#: the parked queue's prefetch, in ``inbox_prefetch``s: what its consumer holds in hand
+#: (``_from_parked``), at most ``ParkedPace.pause_s`` each while its destination fails,
+#: so the queue turns over at up to 64 messages a second by default
 PARKED_PREFETCH = 4
 #: control-queue kinds handled again and given back like inbox messages when their
 #: onward send fails: a subscription of an arc handed over at a join (to the joiner's
@@ -289,19 +288,15 @@ async def _passed_on(
         await handle(message)  # a control signal: its machine sends it again, or it expires
         return
     park, parked = parking
-    for pause in (*(PARKED_AGAIN_AFTER_S if parked else AGAIN_AFTER_S), None):
+    if parked:
+        await _from_parked(role, handle, message)
+        return
+    for pause in (*AGAIN_AFTER_S, None):
         try:
             await handle(message)
             return
         except SEND_FAILURES as exc:
             stopping = role.stop_event is not None and role.stop_event.is_set()
-            if (
-                pause is None
-                and parked
-                and not stopping
-                and await _parked(role, message, exc, again=True)
-            ):
-                return
             if pause is None or stopping:
                 raise Requeue(f"{role.id}: not passed on: {exc}") from exc
             if park and await _parked(role, message, exc):
@@ -313,6 +308,40 @@ async def _passed_on(
             await asyncio.sleep(pause)
 
 
+async def _from_parked(
+    role: Role, handle: Callable[[Message], Awaitable[None]], message: Message
+) -> None:
+    """A message from the parked queue, paced by its destination (``parked.py``): tried
+    now, or (its destination failing) held in hand and, unless it is the one probe of
+    that destination, parked again at the queue's tail untried; one whose try fails is
+    parked again too.  Each is held ``pause_s`` from its delivery before it goes back,
+    so the queue turns over at most prefetch / ``pause_s`` a second.  Given back
+    (``Requeue``) only by a role that stops, or when it cannot be parked again."""
+    pace, key, since = role.parked_pace, key_of(message), time.monotonic()
+    step, wait = pace.next(key, since, waited=False)
+    if step is Next.WAIT:
+        await asyncio.sleep(wait)
+        step, _ = pace.next(key, time.monotonic(), waited=True)
+    why: Exception = HopFailed(f"{key} still failing")
+    if step is Next.TRY:
+        passed: bool | None = None
+        try:
+            await handle(message)
+            passed = True
+            return
+        except SEND_FAILURES as exc:
+            passed, why = False, exc
+            role.count("handled_again")
+        finally:
+            pace.tried(key, time.monotonic(), passed=passed)
+    if role.stop_event is None or not role.stop_event.is_set():
+        await asyncio.sleep(max(0.0, since + pace.pause_s - time.monotonic()))
+    if role.stop_event is not None and role.stop_event.is_set():
+        raise Requeue(f"{role.id}: not passed on: {why}") from why
+    if not await _parked(role, message, why, again=True):
+        raise Requeue(f"{role.id}: not passed on: {why}") from why
+
+
 async def _parked(role: Role, message: Message, why: Exception, *, again: bool = False) -> bool:
     """``message`` confirmed in the role's parked queue (False: not, it is held)."""
     try:
@@ -320,15 +349,15 @@ async def _parked(role: Role, message: Message, why: Exception, *, again: bool =
     except Exception as exc:  # its own node down too: held in hand, as before parking
         log.info("%s: could not park a %s: %s", role.id, message.kind.value, exc)
         return False
-    if again:
-        return True
-    parked = role.counters["parked"]
+    parked = role.counters["parked_again" if again else "parked"]
     if parked & (parked - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a long outage logs little
         log.info(
-            "%s: %s not passed on (%s); parked (%d so far)",
+            "%s: %s not passed on (%s); parked%s (%d so far%s)",
             role.id,
             message.kind.value,
             why,
+            " again" if again else "",
             parked,
+            f"; {role.parked_pace.failing} destination(s) failing" if again else "",
         )
     return True

@@ -87,6 +87,7 @@ class AsyncClient(Connecting, Publishing, ConsumerMachinery):
         self.topology = TopologyRecord()
         self.reconnects = 0
         self.confirmed = 0
+        self.nacks_renewed = 0  # confirm channels replaced after a nack (logged 1, 2, 4, ...)
         #: what the broker of the current (or last) connection said it is
         self.server: BrokerInfo | None = None
         self._rotation = NodeRotation(settings)

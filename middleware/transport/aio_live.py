@@ -77,6 +77,7 @@ class ClientState:
     #: publishes the broker confirmed on this client, ever: a caller bounding its own
     #: wait tells a slow link (confirms still coming) from a silent one by it
     confirmed: int
+    nacks_renewed: int
     server: BrokerInfo | None
     refused_closes: int
     _rotation: NodeRotation

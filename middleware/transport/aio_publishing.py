@@ -253,7 +253,14 @@ class Publishing(ClientState):
             live.confirm_channel = await live.connection.channel(
                 publisher_confirms=True, on_return_raises=True
             )
-        log.info("publish nacked on %s: continuing on a fresh channel", live.node)
+        self.nacks_renewed += 1
+        renewed = self.nacks_renewed  # a full queue nacks often: 1st, 2nd, 4th... at info
+        log.log(
+            logging.INFO if renewed & (renewed - 1) == 0 else logging.DEBUG,
+            "publish nacked on %s: continuing on a fresh channel (%d so far)",
+            live.node,
+            renewed,
+        )
         loop = asyncio.get_running_loop()
         loop.call_later(
             self.settings.publish_timeout,

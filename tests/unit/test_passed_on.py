@@ -18,6 +18,7 @@ from middleware.routing import serving
 from middleware.routing.batching import encode as batch
 from middleware.routing.matching import Event
 from middleware.routing.messages import Message, Publish, Subscribe, encode
+from middleware.routing.parked import ParkedPace
 from middleware.transport import Delivery
 
 
@@ -33,6 +34,7 @@ class _Role:
         self.stop_event: asyncio.Event | None = None
         self.parked: list[int] = []  # what ``park`` took (``each(..., park=True)``)
         self.park_fails: list[BaseException] = []
+        self.parked_pace = ParkedPace(pause_s=0.01)
 
     async def park(self, message: Message, *, again: bool = False) -> None:
         if self.park_fails:
@@ -91,7 +93,6 @@ def _each(
 @pytest.fixture(autouse=True)
 def _short_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serving, "AGAIN_AFTER_S", (0.001, 0.001, 0.001))
-    monkeypatch.setattr(serving, "PARKED_AGAIN_AFTER_S", (0.001, 0.001))
 
 
 def test_a_send_that_failed_and_then_went_through_is_handled_again_in_place() -> None:
@@ -178,17 +179,29 @@ def test_a_message_that_cannot_be_parked_is_held_as_before() -> None:
     assert role.counts["handled_again"] == 2
 
 
-def test_from_the_parked_queue_it_is_tried_again_then_parked_again_not_given_back() -> None:
-    """From the parked queue (``parked``): handled again after ``PARKED_AGAIN_AFTER_S``,
-    then parked again at the queue's tail and the delivery settled; never ``Requeue``
+def test_from_the_parked_queue_it_is_tried_then_parked_again_not_given_back() -> None:
+    """From the parked queue (``parked``): tried once; failed, it is held ``pause_s``
+    and parked again at the queue's tail, the delivery settled; never ``Requeue``
     (before 2026-12-07: given back to the head, so a queue that stayed down held every
-    parked copy behind its own, and a quorum queue's delivery limit dropped it)."""
+    parked copy behind its own, and a quorum queue's delivery limit dropped it).  The
+    next one for the same destination waits for the pace (``parked.py``)."""
     role, handled = _Role(), []
-    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10, 2: [HopFailed("x")]}
-    _each(role, failures, handled, 1, 2, parked=True)
-    assert Counter(handled) == {1: 3, 2: 2}  # once, and once after each of the two pauses
-    assert role.parked == [1]
+    failures: dict[int, list[BaseException]] = {1: [HopFailed("down")] * 10}
+    _each(role, failures, handled, 1, parked=True)
+    assert handled == [1] and role.parked == [1]
     assert role.counts["parked_again"] == 1 and role.counts["parked"] == 0
+    assert role.parked_pace.failing == 1
+    _each(role, failures, handled, 1, parked=True)  # the probe, a pause later: fails
+    assert handled == [1, 1] and role.parked == [1, 1]
+    failures[1] = []
+    _each(role, failures, handled, 1, parked=True)  # the probe passes
+    assert handled == [1, 1, 1] and role.parked_pace.failing == 0
+
+
+def test_a_parked_message_whose_try_passes_is_settled() -> None:
+    role, handled = _Role(), []
+    _each(role, {}, handled, 1, 2, parked=True)
+    assert Counter(handled) == {1: 1, 2: 1} and role.parked == []
 
 
 def test_a_parked_message_that_cannot_be_parked_again_is_given_back() -> None:

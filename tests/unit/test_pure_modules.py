@@ -27,6 +27,7 @@ PURE = [
     "routing/takeover.py",
     "routing/subscribing.py",
     "routing/copies.py",
+    "routing/parked.py",
     "phoenix/effects.py",
     "routing/dispatching.py",
     "routing/restoring.py",
