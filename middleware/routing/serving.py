@@ -280,10 +280,10 @@ async def _passed_on(
     ``park``: at the first such failure it goes to the role's parked queue instead
     (``Peer.park``), so the inbox's prefetch is not held by messages that wait for a
     queue that is down; where that publish fails too, it is held here as without it.
-    ``parked`` (from the parked queue): after ``PARKED_AGAIN_AFTER_S`` it is parked again
-    at the queue's tail, not given back: the messages behind it, for other queues, get
-    their turn, and no delivery count grows (a quorum queue drops a message given back
-    20 times from RabbitMQ 4.0, unless told otherwise)."""
+    ``parked`` (from the parked queue): paced by its destination and parked again at
+    the queue's tail, not given back (``_from_parked``): the messages behind it, for
+    other queues, get their turn, and no delivery count grows (a quorum queue drops a
+    message given back 20 times from RabbitMQ 4.0, unless told otherwise)."""
     if not inbox and not isinstance(message, HANDED):
         await handle(message)  # a control signal: its machine sends it again, or it expires
         return
