@@ -296,7 +296,7 @@ async def _passed_on(
             await handle(message)
             return
         except SEND_FAILURES as exc:
-            stopping = role.stop_event is not None and role.stop_event.is_set()
+            stopping = _stopping(role)
             if pause is None or stopping:
                 raise Requeue(f"{role.id}: not passed on: {exc}") from exc
             if park and await _parked(role, message, exc):
@@ -334,12 +334,16 @@ async def _from_parked(
             role.count("handled_again")
         finally:
             pace.tried(key, time.monotonic(), passed=passed)
-    if role.stop_event is None or not role.stop_event.is_set():
+    if not _stopping(role):
         await asyncio.sleep(max(0.0, since + pace.pause_s - time.monotonic()))
-    if role.stop_event is not None and role.stop_event.is_set():
+    if _stopping(role):
         raise Requeue(f"{role.id}: not passed on: {why}") from why
     if not await _parked(role, message, why, again=True):
         raise Requeue(f"{role.id}: not passed on: {why}") from why
+
+
+def _stopping(role: Role) -> bool:
+    return role.stop_event is not None and role.stop_event.is_set()
 
 
 async def _parked(role: Role, message: Message, why: Exception, *, again: bool = False) -> bool:
